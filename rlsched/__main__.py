@@ -1,0 +1,3 @@
+from rlsched.cli import main
+
+main()

@@ -1,0 +1,367 @@
+"""Validated configuration: hardware, models, drafters, workload, cluster, speculation and RL.
+
+Configs are YAML or TOML files (or shipped presets) validated by pydantic; hardware and model
+fields may name a shipped preset (`h100-sxm`, `qwen2.5-7b`) or spell the spec inline.
+`--set path.to.field=value` overrides are applied to the raw data before validation, so an
+override is checked exactly like a file.
+"""
+
+from __future__ import annotations
+
+import copy
+import tomllib
+from functools import cached_property
+from importlib import resources
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from rlsched.errors import UserError, describe_validation_error
+
+Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
+OpenFraction = Annotated[float, Field(gt=0.0, le=1.0)]
+Positive = Annotated[float, Field(gt=0.0)]
+PosInt = Annotated[int, Field(gt=0)]
+NonNeg = Annotated[float, Field(ge=0.0)]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# ----------------------------------------------------------------------------- presets
+
+def _preset_dir(kind: str):
+    return resources.files("rlsched.presets").joinpath(kind)
+
+
+def preset_names(kind: str) -> list[str]:
+    """Names of the shipped presets of one kind: hardware, models or jobs."""
+    return sorted(p.name[:-5] for p in _preset_dir(kind).iterdir() if p.name.endswith(".yaml"))
+
+
+def load_preset_data(kind: str, name: str) -> dict:
+    path = _preset_dir(kind).joinpath(f"{name}.yaml")
+    if not path.is_file():
+        raise ValueError(f"unknown {kind} preset '{name}'; known: {', '.join(preset_names(kind))}")
+    return yaml.safe_load(path.read_text())
+
+
+def _resolve(kind: str, value: Any) -> Any:
+    return load_preset_data(kind, value) if isinstance(value, str) else value
+
+
+# ----------------------------------------------------------------------------- specs
+
+class HardwareSpec(Strict):
+    """One accelerator: peaks, achievable fractions of them, and fixed overheads."""
+
+    name: str
+    description: str = ""
+    peak_tflops: Positive
+    mem_bw_gbs: Positive
+    memory_gib: Positive
+    compute_efficiency: OpenFraction = 0.6
+    memory_efficiency: OpenFraction = 0.8
+    step_overhead_ms: NonNeg = 0.3  # per engine step: scheduling, sampling, launch
+    forward_overhead_ms: NonNeg = 0.08  # per extra forward inside a step (draft forwards)
+    nvlink_gbs: Positive = 450.0  # per-GPU all-reduce bandwidth inside a TP group
+    allreduce_latency_us: NonNeg = 8.0
+    migrate_link_gbs: Positive = 25.0  # between instances, for KV-cache migration
+    migrate_latency_ms: NonNeg = 2.0
+    host_draft_us_per_seq: NonNeg = 4.0  # n-gram/suffix drafting on the host
+    host_draft_base_us: NonNeg = 50.0
+
+
+class ModelSpec(Strict):
+    """A decoder-only transformer (Llama/Qwen family) by its architecture numbers."""
+
+    name: str
+    description: str = ""
+    hidden: PosInt
+    layers: PosInt
+    heads: PosInt
+    kv_heads: PosInt
+    head_dim: PosInt
+    intermediate: PosInt
+    vocab: PosInt
+    tied_embeddings: bool = False
+    dtype_bytes: PosInt = 2
+
+    @cached_property
+    def layer_params(self) -> int:
+        h, attn, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return h * attn + 2 * h * kv + attn * h + 3 * h * self.intermediate
+
+    @cached_property
+    def matmul_params(self) -> int:
+        """Weights touched by matrix multiplies each forward: all layers and the LM head."""
+        return self.layers * self.layer_params + self.vocab * self.hidden
+
+    @cached_property
+    def params(self) -> int:
+        """Total parameters, embeddings included once when tied."""
+        embed = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+        return self.layers * self.layer_params + embed
+
+    @cached_property
+    def weight_bytes(self) -> int:
+        return self.params * self.dtype_bytes
+
+    @cached_property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    @cached_property
+    def attn_dim(self) -> int:
+        return self.heads * self.head_dim
+
+
+
+def eagle_head(target: ModelSpec) -> ModelSpec:
+    """A one-layer EAGLE-style draft head on top of the target's features."""
+    return target.model_copy(update={"name": f"{target.name}-eagle", "layers": 1, "tied_embeddings": True,
+                                     "description": f"one-layer EAGLE-style head for {target.name}"})
+
+
+class AcceptanceSpec(Strict):
+    """Per-token acceptance of a drafter: prompt-level Beta around `mean`, sample-level Beta
+    around the prompt's value. A concentration of None means no spread at that level."""
+
+    mean: Fraction
+    prompt_concentration: Positive | None = 20.0
+    sample_concentration: Positive | None = 50.0
+
+
+class DrafterSpec(Strict):
+    name: str
+    kind: Literal["model", "eagle", "ngram"]
+    model: ModelSpec | None = None  # required for kind=model
+    acceptance: AcceptanceSpec
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _preset(cls, v):
+        return _resolve("models", v)
+
+    @model_validator(mode="after")
+    def _needs_model(self):
+        if self.kind == "model" and self.model is None:
+            raise ValueError("a drafter of kind 'model' needs a model (a preset name such as qwen2.5-0.5b)")
+        return self
+
+
+class FixedLength(Strict):
+    dist: Literal["fixed"] = "fixed"
+    value: PosInt
+
+
+class LognormalLength(Strict):
+    """Lognormal lengths capped at `max`; `group_sigma` spreads the medians of prompt groups,
+    so the samples of one prompt are correlated (long prompts have long answers)."""
+
+    dist: Literal["lognormal"] = "lognormal"
+    median: Positive
+    sigma: NonNeg = 0.8
+    group_sigma: NonNeg = 0.0
+    min: PosInt = 1
+    max: PosInt
+
+    @model_validator(mode="after")
+    def _range(self):
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) must not exceed max ({self.max})")
+        return self
+
+
+class EmpiricalLength(Strict):
+    dist: Literal["empirical"] = "empirical"
+    values: Annotated[list[PosInt], Field(min_length=1)]
+    max: PosInt | None = None
+
+
+LengthDist = Annotated[Union[FixedLength, LognormalLength, EmpiricalLength], Field(discriminator="dist")]
+
+
+class WorkloadSpec(Strict):
+    """GRPO-style: `prompts` x `samples_per_prompt` sequences per RL step."""
+
+    prompts: PosInt
+    samples_per_prompt: PosInt = 1
+    prompt_len: LengthDist
+    response_len: LengthDist
+
+
+class ClusterSpec(Strict):
+    instances: PosInt = 1
+    tp: PosInt = 1
+    max_batch: PosInt = 256
+    kv_capacity_tokens: PosInt | None = None  # None: derived from memory, weights and KV size
+    gpu_memory_utilization: OpenFraction = 0.9
+    activation_reserve_gib: NonNeg = 2.0
+    assignment: Literal["round_robin", "by_prompt"] = "round_robin"
+    realloc: str = "none"
+    realloc_threshold: PosInt = 16  # an instance whose batch falls below this asks for work
+
+
+class SpeculationSpec(Strict):
+    policy: str = "goodput"
+    k_max: Annotated[int, Field(ge=1, le=32)] = 8
+
+
+class RLSpec(Strict):
+    """The RL step around generation, and how acceptance drifts across steps."""
+
+    steps: PosInt = 1
+    acceptance_drift_per_step: NonNeg = 0.0  # mean acceptance lost per RL step without update
+    acceptance_floor: Fraction = 0.05
+    drafter_update_interval: Annotated[int, Field(ge=0)] = 0  # 0: never update the drafter
+    drafter_recovery: Fraction = 1.0  # fraction of lost acceptance an update wins back
+    overlap_drafter_update: bool = True
+    distill_fraction: OpenFraction = 1.0  # share of the last rollout's tokens distilled on
+    reference: bool = True
+    critic: bool = False
+    reward_model: ModelSpec | None = None  # None: verifiable rewards (no forward)
+    infer_efficiency: OpenFraction = 0.5
+    train_efficiency: OpenFraction = 0.4
+
+    @field_validator("reward_model", mode="before")
+    @classmethod
+    def _preset(cls, v):
+        return _resolve("models", v)
+
+
+class SimConfig(Strict):
+    name: str = "custom"
+    description: str = ""
+    hardware: HardwareSpec
+    model: ModelSpec
+    drafters: list[DrafterSpec] = []
+    workload: WorkloadSpec
+    cluster: ClusterSpec = ClusterSpec()
+    speculation: SpeculationSpec = SpeculationSpec()
+    rl: RLSpec = RLSpec()
+    seed: Annotated[int, Field(ge=0)] = 0
+    record_timeline: bool = True
+
+    @field_validator("hardware", mode="before")
+    @classmethod
+    def _hw(cls, v):
+        return _resolve("hardware", v)
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _model(cls, v):
+        return _resolve("models", v)
+
+    @model_validator(mode="after")
+    def _unique_drafters(self):
+        names = [d.name for d in self.drafters]
+        if len(set(names)) != len(names):
+            raise ValueError(f"drafter names must be unique, got {names}")
+        if "off" in names:
+            raise ValueError("'off' is reserved and cannot name a drafter")
+        return self
+
+    def drafter(self, name: str) -> DrafterSpec:
+        for d in self.drafters:
+            if d.name == name:
+                return d
+        raise KeyError(name)
+
+
+# ----------------------------------------------------------------------------- loading
+
+_PRESET_KEYS = {"hardware": "hardware", "model": "models", "reward_model": "models"}
+
+
+def read_config_file(path: Path) -> dict:
+    """Raw data of a YAML or TOML config file; one clear line when it cannot be read."""
+    if not path.is_file():
+        raise UserError(f"config file '{path}' does not exist; pass an existing .yaml/.toml file or --preset NAME")
+    text = path.read_text()
+    try:
+        if path.suffix == ".toml":
+            data = tomllib.loads(text)
+        else:
+            data = yaml.safe_load(text)
+    except (yaml.YAMLError, tomllib.TOMLDecodeError) as e:
+        where = getattr(e, "problem_mark", None)
+        line = f" at line {where.line + 1}" if where is not None else ""
+        raise UserError(f"config file '{path}' is malformed{line}: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"config file '{path}' must hold a mapping of fields at the top level")
+    return data
+
+
+def apply_override(data: dict, assignment: str) -> None:
+    """Apply one `path.to.field=value` to raw config data (value parsed as YAML)."""
+    if "=" not in assignment:
+        raise UserError(f"--set '{assignment}' must look like path.to.field=value")
+    path, raw = assignment.split("=", 1)
+    keys = path.strip().split(".")
+    if not all(keys):
+        raise UserError(f"--set '{assignment}': empty component in path '{path}'")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    node: Any = data
+    for i, key in enumerate(keys[:-1]):
+        where = ".".join(keys[: i + 1])
+        if isinstance(node, list):
+            if not key.isdigit() or int(key) >= len(node):
+                raise UserError(f"--set '{path}': '{where}' is not an index of a list of {len(node)}")
+            key = int(key)
+        elif not isinstance(node, dict):
+            raise UserError(f"--set '{path}': '{'.'.join(keys[:i])}' is a value, not a section")
+        else:
+            child = node.get(key)
+            if isinstance(child, str) and key in _PRESET_KEYS:  # expand a preset name to edit inside it
+                try:
+                    node[key] = load_preset_data(_PRESET_KEYS[key], child)
+                except ValueError as e:
+                    raise UserError(f"--set '{path}': {e}") from None
+            elif child is None:
+                node[key] = {}
+        node = node[key]
+    last = keys[-1]
+    if isinstance(node, list):
+        if not last.isdigit() or int(last) >= len(node):
+            raise UserError(f"--set '{path}': '{last}' is not an index of a list of {len(node)}")
+        node[int(last)] = value
+    elif isinstance(node, dict):
+        node[last] = value
+    else:
+        raise UserError(f"--set '{path}': '{'.'.join(keys[:-1])}' is a value, not a section")
+
+
+def build_config(data: dict, overrides: list[str] = (), source: str = "config") -> SimConfig:
+    data = copy.deepcopy(data)
+    for o in overrides:
+        apply_override(data, o)
+    try:
+        return SimConfig.model_validate(data)
+    except ValidationError as e:
+        raise UserError(f"{source}: {describe_validation_error(e)}") from None
+
+
+def load_config(preset: str | None = None, config: Path | None = None, overrides: list[str] = ()) -> SimConfig:
+    """The config from a preset name or a file (not both), with overrides applied."""
+    if preset and config:
+        raise UserError("give either --preset or --config, not both")
+    if config is not None:
+        return build_config(read_config_file(Path(config)), overrides, source=str(config))
+    name = preset or "default"
+    try:
+        data = load_preset_data("jobs", name)
+    except ValueError as e:
+        raise UserError(f"--preset: {e}") from None
+    return build_config(data, overrides, source=f"preset '{name}'")
+
+
+def list_presets() -> list[tuple[str, str]]:
+    """(name, one-line description) of every shipped job preset."""
+    return [(n, load_preset_data("jobs", n).get("description", "")) for n in preset_names("jobs")]

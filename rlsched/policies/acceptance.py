@@ -1,0 +1,84 @@
+"""One acceptance estimator shared by every policy that needs it.
+
+A chain step with k drafts is a run of Bernoulli trials that stops at the first rejection:
+`n` accepted means n successes and, when n < k, one failure. So a Beta posterior per sample
+is exact. Samples are shrunk towards their prompt (RL draws each prompt G times) and prompts
+towards the drafter's running mean, which forgets slowly so that drift is followed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class _DrafterStats:
+    __slots__ = ("succ", "fail", "p_succ", "p_fail", "p_mean", "g_succ", "g_n", "stale")
+
+    def __init__(self, n_samples: int, n_prompts: int, g_succ: float, g_n: float):
+        self.succ = np.zeros(n_samples)
+        self.fail = np.zeros(n_samples)
+        self.p_succ = np.zeros(n_prompts)
+        self.p_fail = np.zeros(n_prompts)
+        self.p_mean = np.zeros(n_prompts)
+        self.g_succ, self.g_n = g_succ, g_n
+        self.stale = 0
+
+
+class AcceptanceEstimator:
+    """Per-sample, per-prompt and per-drafter estimates of per-token acceptance."""
+
+    def __init__(self, drafters, prior_mean: float = 0.6, prior_strength: float = 20.0,
+                 prompt_strength: float = 4.0, sample_strength: float = 4.0, decay: float = 0.999):
+        self.drafters = list(drafters)
+        self.prior_mean, self.prior_strength = prior_mean, prior_strength
+        self.prompt_strength, self.sample_strength, self.decay = prompt_strength, sample_strength, decay
+        self._stats: dict[str, _DrafterStats] = {}
+        self.prompt_of = np.zeros(0, dtype=np.int64)
+        self.begin_rollout(0, self.prompt_of)
+
+    def begin_rollout(self, n_samples: int, prompt_of: np.ndarray) -> None:
+        """Fresh per-sample and per-prompt counts; the drafters' running means carry over."""
+        self.prompt_of = np.asarray(prompt_of, dtype=np.int64)
+        n_prompts = int(self.prompt_of.max()) + 1 if len(self.prompt_of) else 0
+        old = self._stats
+        self._stats = {}
+        for d in self.drafters:
+            g_succ, g_n = (old[d].g_succ, old[d].g_n) if d in old else (0.0, 0.0)
+            self._stats[d] = _DrafterStats(n_samples, n_prompts, g_succ, g_n)
+            self._refresh_prompts(self._stats[d])
+
+    def mean(self, drafter: str) -> float:
+        s = self._stats[drafter]
+        return (self.prior_mean * self.prior_strength + s.g_succ) / (self.prior_strength + s.g_n)
+
+    def _refresh_prompts(self, s: _DrafterStats) -> None:
+        g = (self.prior_mean * self.prior_strength + s.g_succ) / (self.prior_strength + s.g_n)
+        s.p_mean = (g * self.prompt_strength + s.p_succ) / (self.prompt_strength + s.p_succ + s.p_fail)
+        s.stale = 0
+
+    def estimates(self, drafter: str, ids: np.ndarray) -> np.ndarray:
+        s = self._stats[drafter]
+        if s.stale >= 64:
+            self._refresh_prompts(s)
+        prior = s.p_mean[self.prompt_of[ids]]
+        succ, fail = s.succ[ids], s.fail[ids]
+        return (prior * self.sample_strength + succ) / (self.sample_strength + succ + fail)
+
+    def update(self, drafter: str, ids: np.ndarray, accepted: np.ndarray, k: int) -> None:
+        """Record a chain step: `accepted[i]` of `k` drafts accepted for sample `ids[i]`."""
+        s = self._stats[drafter]
+        failed = accepted < k
+        s.succ[ids] += accepted
+        s.fail[ids] += failed
+        n_acc, n_fail = float(accepted.sum()), float(np.count_nonzero(failed))
+        s.g_succ = self.decay * s.g_succ + n_acc
+        s.g_n = self.decay * s.g_n + n_acc + n_fail
+        s.stale += 1
+
+    def finish(self, ids: np.ndarray) -> None:
+        """Fold finished samples into their prompts' counts (their siblings gain from them)."""
+        prompts = self.prompt_of[ids]
+        for s in self._stats.values():
+            np.add.at(s.p_succ, prompts, s.succ[ids])
+            np.add.at(s.p_fail, prompts, s.fail[ids])
+            self._refresh_prompts(s)

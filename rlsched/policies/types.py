@@ -1,0 +1,156 @@
+"""The seams shared by the simulator and the real executor.
+
+A policy sees only what is defined here (EngineState, StepOutcome, InstanceView, a CostModel)
+and never the simulator's or the executor's internals, so the very same policy object runs
+in both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from rlsched.policies.acceptance import AcceptanceEstimator
+
+
+@dataclass(frozen=True, slots=True)
+class Strategy:
+    """What one engine step does: plain decoding (`drafter=None`) or `k` draft tokens from a
+    named drafter, as a chain (width 1) or a tree of `width` candidates per level."""
+
+    drafter: str | None = None
+    k: int = 0
+    width: int = 1
+
+    def __post_init__(self):
+        if (self.drafter is None) != (self.k == 0):
+            raise ValueError("a strategy drafts k >= 1 tokens with a drafter, or is off (no drafter, k = 0)")
+        if self.k < 0 or self.width < 1:
+            raise ValueError("k must be >= 0 and width >= 1")
+
+    @property
+    def is_off(self) -> bool:
+        return self.drafter is None
+
+    @property
+    def tokens_per_seq(self) -> int:
+        """Tokens the target verifies per sequence: the last token plus the draft."""
+        return 1 + self.width * self.k
+
+    @property
+    def label(self) -> str:
+        if self.is_off:
+            return "off"
+        return f"{self.drafter}:{self.k}" + (f"x{self.width}" if self.width > 1 else "")
+
+
+OFF = Strategy()
+
+
+@dataclass(slots=True)
+class EngineState:
+    """What a DraftPolicy sees before a step of one instance."""
+
+    instance: int
+    step: int
+    time: float  # seconds since the rollout began
+    sample_ids: np.ndarray  # running sequences (ids are unique within a rollout)
+    ctx_lens: np.ndarray  # context length of each running sequence
+    ctx_tokens: int  # sum of ctx_lens
+    waiting: int  # sequences queued on this instance, not yet running
+    kv_free_tokens: int
+    acceptance: "AcceptanceEstimator"
+
+    @property
+    def batch(self) -> int:
+        return len(self.sample_ids)
+
+    def accept_est(self, drafter: str) -> np.ndarray:
+        """Estimated per-token acceptance of `drafter` for each running sequence."""
+        return self.acceptance.estimates(drafter, self.sample_ids)
+
+
+@dataclass(slots=True)
+class StepOutcome:
+    """What happened in one engine step; policies learn from it."""
+
+    instance: int
+    step: int
+    strategy: Strategy
+    batch: int
+    drafted: int  # draft tokens proposed, all sequences
+    accepted: int  # draft tokens accepted, all sequences
+    emitted: int  # tokens appended, all sequences (accepted + bonus, capped by what was left)
+    step_time: float  # seconds
+    draft_time: float
+    verify_time: float
+    sample_ids: np.ndarray | None = None
+    accepted_per_seq: np.ndarray | None = None
+
+
+@runtime_checkable
+class CostModel(Protocol):
+    """Seconds for the pieces of an engine step. `q` and `k` may be numpy arrays, so that a
+    policy prices every draft length at once. `ctx_tokens` is the sum of the batch's contexts.
+    The analytic roofline and fitted models (from measured profiles) both implement it."""
+
+    def verify_time(self, batch: int, q, ctx_tokens: int): ...
+
+    def draft_time(self, drafter: str, batch: int, k, ctx_tokens: int, width: int = 1): ...
+
+    def prefill_time(self, n_tokens: int, sum_sq_tokens: int | None = None) -> float: ...
+
+    def kv_transfer_time(self, ctx_tokens: int, n_seqs: int) -> float: ...
+
+
+class DraftPolicy(Protocol):
+    name: str
+
+    def choose(self, state: EngineState) -> Strategy: ...
+
+    def observe(self, outcome: StepOutcome) -> None: ...
+
+
+@dataclass(slots=True)
+class InstanceView:
+    """What a ReallocPolicy sees of one instance at an event."""
+
+    instance: int
+    running_ids: np.ndarray
+    running_ctx: np.ndarray
+    running_remaining_hint: np.ndarray | None  # only where known (the simulator's oracle); else None
+    waiting_ids: Sequence[int]
+    kv_free_tokens: int
+    max_batch: int
+
+    @property
+    def load(self) -> int:
+        return len(self.running_ids) + len(self.waiting_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class Migration:
+    """Move these sequences from `src` to `dst`. `mode` is 'kv' (ship the KV cache),
+    'reprefill' (ship tokens, recompute), or 'auto' (the cheaper by the cost model)."""
+
+    src: int
+    dst: int
+    sample_ids: tuple[int, ...]
+    mode: str = "auto"
+
+
+@dataclass(slots=True)
+class ReallocEvent:
+    kind: str  # 'drained' (batch fell below threshold) or 'idle'
+    instance: int
+    time: float
+    views: list[InstanceView] = field(default_factory=list)
+
+
+class ReallocPolicy(Protocol):
+    name: str
+
+    def on_event(self, event: ReallocEvent, cost: CostModel) -> list[Migration]: ...

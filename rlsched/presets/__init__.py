@@ -1,0 +1,1 @@
+"""Shipped presets: hardware, models and jobs as YAML data."""

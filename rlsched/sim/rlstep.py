@@ -1,0 +1,113 @@
+"""The RL step around generation, as a SimPy process: generation, inference (reference,
+reward and critic forwards), training, and an optional drafter update, over M RL steps with
+acceptance drift. Inference and training run on all GPUs of the cluster (colocated)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import simpy
+
+from rlsched.config import SimConfig, eagle_head
+from rlsched.policies.acceptance import AcceptanceEstimator
+from rlsched.sim.cluster import GenerationStage
+from rlsched.sim.timeline import Timeline
+from rlsched.sim.workload import AcceptanceDrift, sample_rollout
+
+
+@dataclass
+class StepRecord:
+    rl_step: int
+    generation_s: float
+    inference_s: float
+    training_s: float
+    drafter_update_s: float  # exposed on the critical path (0 when fully overlapped)
+    total_s: float
+    prompt_tokens: int
+    response_tokens: int
+    accept_means: dict[str, float]
+    stage: GenerationStage = field(repr=False)
+
+
+class StageCosts:
+    """FLOP-based costs of the non-generation stages on the whole cluster."""
+
+    def __init__(self, cfg: SimConfig):
+        hw, rl = cfg.hardware, cfg.rl
+        gpus = cfg.cluster.instances * cfg.cluster.tp
+        self.infer_rate = gpus * hw.peak_tflops * 1e12 * rl.infer_efficiency
+        self.train_rate = gpus * hw.peak_tflops * 1e12 * rl.train_efficiency
+        p = cfg.model.params
+        self.infer_params = (p if rl.reference else 0) + (p if rl.critic else 0) + \
+            (rl.reward_model.params if rl.reward_model is not None else 0)
+        self.train_params = p + (p if rl.critic else 0)
+        learned = [d for d in cfg.drafters if d.kind in ("model", "eagle")]
+        self.drafter_params = sum((d.model.params if d.kind == "model" else eagle_head(cfg.model).params)
+                                  for d in learned)
+        self.target_params = p
+        self.distill_fraction = rl.distill_fraction
+
+    def inference(self, tokens: int) -> float:
+        return 2.0 * self.infer_params * tokens / self.infer_rate
+
+    def training(self, tokens: int) -> float:
+        """About 6 x params x tokens (forward and backward)."""
+        return 6.0 * self.train_params * tokens / self.train_rate
+
+    def drafter_update(self, tokens: int) -> float:
+        """Distillation: actor forward for its logits plus drafter forward and backward."""
+        if self.drafter_params == 0:
+            return 0.0
+        t = tokens * self.distill_fraction
+        return (2.0 * self.target_params + 6.0 * self.drafter_params) * t / self.train_rate
+
+
+def rl_run(env: simpy.Environment, cfg: SimConfig, cost, make_policies, realloc, timeline: Timeline,
+           records: list[StepRecord], capacity: int, progress=None):
+    """SimPy process of M RL steps; appends one StepRecord per step."""
+    root = np.random.SeedSequence(cfg.seed)
+    workload_seq, engine_seq = root.spawn(2)
+    workload_rng = np.random.default_rng(workload_seq)
+    drift = AcceptanceDrift([d for d in cfg.drafters if d.kind != "ngram"], cfg.rl.acceptance_drift_per_step,
+                            cfg.rl.acceptance_floor, cfg.rl.drafter_recovery)
+    means = {d.name: d.acceptance.mean for d in cfg.drafters}
+    estimator = AcceptanceEstimator([d.name for d in cfg.drafters],
+                                    prior_mean=float(np.mean(list(means.values()))) if means else 0.5)
+    policies = make_policies()
+    costs = StageCosts(cfg)
+    pending = None  # an overlapped drafter update still running
+    for step in range(cfg.rl.steps):
+        means.update(drift.means())
+        rollout = sample_rollout(cfg.workload, cfg.drafters, means, workload_rng)
+        stage = GenerationStage(env, cfg, cost, rollout, policies, realloc, estimator, timeline, step,
+                                engine_seq.spawn(1)[0], capacity)
+        t_start = env.now
+        yield env.process(stage.run())
+        t_gen = env.now - t_start
+        tokens = int(rollout.prompt_len.sum() + rollout.response_len.sum())
+        t_inf = costs.inference(tokens)
+        yield env.timeout(t_inf)
+        exposed = 0.0
+        if pending is not None:  # the previous overlapped update must land before the weights change
+            t0 = env.now
+            yield pending
+            exposed += env.now - t0
+            drift.drafter_updated()
+            pending = None
+        t_train = costs.training(tokens)
+        yield env.timeout(t_train)
+        drift.step()
+        interval = cfg.rl.drafter_update_interval
+        if interval and (step + 1) % interval == 0 and costs.drafter_params:
+            t_upd = costs.drafter_update(tokens)
+            if cfg.rl.overlap_drafter_update and step + 1 < cfg.rl.steps:
+                pending = env.timeout(t_upd)  # runs beside the next rollout; its drafter is used after
+            else:
+                yield env.timeout(t_upd)
+                exposed += t_upd
+                drift.drafter_updated()
+        records.append(StepRecord(step, t_gen, t_inf, t_train, exposed, env.now - t_start,
+                                  int(rollout.prompt_len.sum()), int(rollout.response_len.sum()), dict(means), stage))
+        if progress is not None:
+            progress(step + 1)
