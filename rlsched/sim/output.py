@@ -1,0 +1,74 @@
+"""Run a simulation with progress on stderr and write its folder atomically.
+
+The folder appears whole or not at all: everything is written to a temporary sibling that is
+renamed into place at the end (a previous folder of the same name is replaced).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+
+import yaml
+from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from rlsched import __version__
+from rlsched.config import SimConfig
+from rlsched.sim.simulate import SimResult, simulate
+from rlsched.traces.writer import to_table, write_table
+
+
+def run_with_progress(cfg: SimConfig, policy: str, realloc: str | None, console: Console, label: str) -> SimResult:
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                  TextColumn("{task.completed}/{task.total} RL steps"), TimeElapsedColumn(),
+                  console=console, transient=True) as bar:
+        task = bar.add_task(label, total=cfg.rl.steps)
+        return simulate(cfg, policy, realloc, progress=lambda n: bar.update(task, completed=n))
+
+
+def write_result(result: SimResult, out: Path, summary: dict, meta: dict) -> None:
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    try:
+        if result.timeline.enabled:
+            write_table(tmp / "timeline.parquet", to_table("steps", result.timeline_frame()))
+        write_table(tmp / "samples.parquet", to_table("samples", result.samples_frame()))
+        write_table(tmp / "rl_steps.parquet", to_table("rl_steps", result.steps_frame()))
+        (tmp / "config.yaml").write_text(yaml.safe_dump(result.config.model_dump(mode="json"), sort_keys=False))
+        (tmp / "summary.json").write_text(json.dumps(summary, indent=2))
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))  # creation info: kept out of the summary
+        old = None
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{tmp.name[-8:]}")
+            out.rename(old)
+        tmp.rename(out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def run_and_write(cfg: SimConfig, policy: str, realloc: str | None, out: Path, baseline: bool,
+                  console: Console) -> dict:
+    """Simulate, optionally simulate `off` on the same seed for the speedup, write the folder."""
+    result = run_with_progress(cfg, policy, realloc, console, f"simulating {cfg.name} ({policy})")
+    summary = result.summary()
+    if baseline and policy != "off":
+        ref_cfg = cfg.model_copy(update={"record_timeline": False})
+        ref = run_with_progress(ref_cfg, "off", realloc, console, "baseline (off, same seed)").summary()
+        summary["off_generation_s"] = ref["generation_s"]
+        summary["speedup_vs_off"] = ref["generation_s"] / summary["generation_s"]
+        summary["rl_step_speedup_vs_off"] = ref["rl_step_s"] / summary["rl_step_s"]
+    elif policy == "off":
+        summary["speedup_vs_off"] = 1.0
+    summary["out"] = str(out)
+    meta = {"rlsched": __version__, "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "cost_model": result.cost.describe() if hasattr(result.cost, "describe") else None}
+    write_result(result, out, summary, meta)
+    return summary

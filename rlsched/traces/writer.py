@@ -1,0 +1,73 @@
+"""Writing traces so that nothing is ever half-written.
+
+`write_table` writes a whole Parquet file atomically (temp file, then rename).
+`TraceWriter` appends records in small Parquet parts, each renamed into place when complete,
+so a process killed mid-run loses at most the records not yet flushed (the step in flight).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from rlsched.traces.schema import SCHEMAS, TRACE_SCHEMA_VERSION
+
+
+def to_table(kind: str, df: pd.DataFrame) -> pa.Table:
+    """A DataFrame as a table of trace `kind`: the schema's columns cast to their types, extra
+    columns kept, the schema version in the metadata."""
+    schema = SCHEMAS[kind]
+    missing = [n for n in schema.names if n not in df.columns]
+    if missing:
+        raise ValueError(f"{kind} records lack columns {missing}")
+    table = pa.Table.from_pandas(df, preserve_index=False)
+    fields = [schema.field(n) if n in schema.names else table.schema.field(n) for n in table.column_names]
+    table = table.cast(pa.schema(fields))
+    meta = {b"rlsched.trace": json.dumps({"kind": kind, "version": TRACE_SCHEMA_VERSION}).encode()}
+    return table.replace_schema_metadata(meta)
+
+
+def write_table(path: Path, table: pa.Table) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        pq.write_table(table, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class TraceWriter:
+    """Append-only records of one kind under `root/<kind>/part-NNNNNN.parquet`."""
+
+    def __init__(self, root: Path, kind: str, flush_every: int = 1):
+        self.dir = Path(root) / kind
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.kind, self.flush_every = kind, flush_every
+        self._rows: list[dict] = []
+        parts = sorted(self.dir.glob("part-*.parquet"))
+        self._next = int(parts[-1].stem.split("-")[1]) + 1 if parts else 0
+
+    def append(self, record: dict) -> None:
+        self._rows.append(record)
+        if len(self._rows) >= self.flush_every:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._rows:
+            return
+        write_table(self.dir / f"part-{self._next:06d}.parquet", to_table(self.kind, pd.DataFrame(self._rows)))
+        self._next += 1
+        self._rows = []
+
+    def close(self) -> None:
+        self.flush()
