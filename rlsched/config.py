@@ -245,6 +245,9 @@ class SimConfig(Strict):
     rl: RLSpec = RLSpec()
     seed: Annotated[int, Field(ge=0)] = 0
     record_timeline: bool = True
+    # Longest run of identical engine steps simulated in one go (exactly equivalent to step by
+    # step; 1 turns it off).
+    max_steady_run: PosInt = 256
 
     @field_validator("hardware", mode="before")
     @classmethod

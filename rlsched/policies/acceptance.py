@@ -33,11 +33,13 @@ class AcceptanceEstimator:
         self.prior_mean, self.prior_strength = prior_mean, prior_strength
         self.prompt_strength, self.sample_strength, self.decay = prompt_strength, sample_strength, decay
         self._stats: dict[str, _DrafterStats] = {}
+        self._pending: dict = {}  # (id(ids), drafter) -> [ids, drafter, succ, fail, steps], not yet applied
         self.prompt_of = np.zeros(0, dtype=np.int64)
         self.begin_rollout(0, self.prompt_of)
 
     def begin_rollout(self, n_samples: int, prompt_of: np.ndarray) -> None:
         """Fresh per-sample and per-prompt counts; the drafters' running means carry over."""
+        self._flush()
         self.prompt_of = np.asarray(prompt_of, dtype=np.int64)
         n_prompts = int(self.prompt_of.max()) + 1 if len(self.prompt_of) else 0
         old = self._stats
@@ -48,6 +50,7 @@ class AcceptanceEstimator:
             self._refresh_prompts(self._stats[d])
 
     def mean(self, drafter: str) -> float:
+        self._flush()
         s = self._stats[drafter]
         return (self.prior_mean * self.prior_strength + s.g_succ) / (self.prior_strength + s.g_n)
 
@@ -57,6 +60,7 @@ class AcceptanceEstimator:
         s.stale = 0
 
     def estimates(self, drafter: str, ids: np.ndarray) -> np.ndarray:
+        self._flush(self._pending.pop((id(ids), drafter), None))
         s = self._stats[drafter]
         if s.stale >= 64:
             self._refresh_prompts(s)
@@ -65,18 +69,56 @@ class AcceptanceEstimator:
         return (prior * self.sample_strength + succ) / (self.sample_strength + succ + fail)
 
     def update(self, drafter: str, ids: np.ndarray, accepted: np.ndarray, k: int) -> None:
-        """Record a chain step: `accepted[i]` of `k` drafts accepted for sample `ids[i]`."""
+        """Record a chain step: `accepted[i]` of `k` drafts accepted for sample `ids[i]`.
+
+        Steps over the same batch (the same `ids` array object, one per engine between batch
+        changes) are summed and applied when that batch is read or any sample finishes, so an
+        engine pays two array ops per step, not a scatter. `ids` must not be modified in place
+        afterwards (engines replace their id array when the batch changes)."""
+        key = (id(ids), drafter)
+        p = self._pending.get(key)
+        if p is None:
+            self._pending[key] = [ids, drafter, accepted.astype(np.int64), (accepted < k).astype(np.int64), 1]
+            return
+        p[2] += accepted
+        p[3] += accepted < k
+        p[4] += 1
+
+    def update_many(self, drafter: str, ids: np.ndarray, accepted: np.ndarray, k: int) -> None:
+        """Record several chain steps over the same batch: `accepted` is (steps, batch).
+        Exactly the same as that many `update` calls."""
+        key = (id(ids), drafter)
+        succ, fail = accepted.sum(axis=0), (accepted < k).sum(axis=0)
+        p = self._pending.get(key)
+        if p is None:
+            self._pending[key] = [ids, drafter, succ, fail, len(accepted)]
+            return
+        p[2] += succ
+        p[3] += fail
+        p[4] += len(accepted)
+
+    def _flush(self, entry=None) -> None:
+        """Apply one pending entry, or (no argument) all of them."""
+        if entry is not None:
+            self._apply(*entry)
+            return
+        pending, self._pending = self._pending, {}
+        for e in pending.values():
+            self._apply(*e)
+
+    def _apply(self, ids, drafter, succ, fail, steps) -> None:
         s = self._stats[drafter]
-        failed = accepted < k
-        s.succ[ids] += accepted
-        s.fail[ids] += failed
-        n_acc, n_fail = float(accepted.sum()), float(np.count_nonzero(failed))
-        s.g_succ = self.decay * s.g_succ + n_acc
-        s.g_n = self.decay * s.g_n + n_acc + n_fail
-        s.stale += 1
+        s.succ[ids] += succ
+        s.fail[ids] += fail
+        n_acc, n_fail = float(np.add.reduce(succ)), float(np.add.reduce(fail))
+        decay = self.decay ** steps
+        s.g_succ = decay * s.g_succ + n_acc
+        s.g_n = decay * s.g_n + n_acc + n_fail
+        s.stale += steps
 
     def finish(self, ids: np.ndarray) -> None:
         """Fold finished samples into their prompts' counts (their siblings gain from them)."""
+        self._flush()
         prompts = self.prompt_of[ids]
         for s in self._stats.values():
             np.add.at(s.p_succ, prompts, s.succ[ids])

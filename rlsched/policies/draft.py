@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rlsched.errors import UserError
-from rlsched.policies.types import OFF, CostModel, EngineState, StepOutcome, Strategy
+from rlsched.policies.types import NEVER_CHANGES, OFF, CostModel, EngineState, StepOutcome, Strategy
 
 
 @dataclass(frozen=True)
@@ -24,20 +24,29 @@ def expected_tokens(acceptance: np.ndarray, k_max: int) -> np.ndarray:
 
     Per sequence with acceptance a: sum_{j=0..k} a^j = (1 - a^(k+1)) / (1 - a).
     """
-    a = np.asarray(acceptance, dtype=float)
-    if a.ndim == 0:
-        a = a[None]
-    powers = np.cumprod(np.broadcast_to(a[:, None], (len(a), k_max)), axis=1).sum(axis=0)
-    return len(a) + np.concatenate(([0.0], np.cumsum(powers)))
+    a = np.atleast_1d(np.asarray(acceptance, dtype=float))
+    powers = np.empty((len(a), k_max))
+    powers[:] = a[:, None]
+    np.cumprod(powers, axis=1, out=powers)
+    out = np.empty(k_max + 1)
+    out[0] = 0.0
+    np.cumsum(powers.sum(axis=0), out=out[1:])
+    out += len(a)
+    return out
 
 
 class OffPolicy:
     """Plain decoding, every step."""
 
     name = "off"
+    needs_acceptance = False  # engines skip the estimator update
+    observes = False  # engines skip building StepOutcomes
 
     def choose(self, state: EngineState) -> Strategy:
         return OFF
+
+    def steady_steps(self, state: EngineState, strategy: Strategy, max_growth: int) -> int:
+        return NEVER_CHANGES
 
     def observe(self, outcome: StepOutcome) -> None:
         pass
@@ -46,6 +55,9 @@ class OffPolicy:
 class StaticPolicy:
     """The same drafter and k every step, whatever the batch."""
 
+    needs_acceptance = False
+    observes = False
+
     def __init__(self, drafter: str, k: int):
         self.strategy = Strategy(drafter, k)
         self.name = f"static:{k}"
@@ -53,23 +65,39 @@ class StaticPolicy:
     def choose(self, state: EngineState) -> Strategy:
         return self.strategy
 
+    def steady_steps(self, state: EngineState, strategy: Strategy, max_growth: int) -> int:
+        return NEVER_CHANGES
+
     def observe(self, outcome: StepOutcome) -> None:
         pass
 
 
 class GoodputPolicy:
-    """RLHFSpec's rule: each step, the (drafter, k) in {off} + drafters x 1..k_max that
-    maximises expected tokens / (draft + verify time), from the cost model and each running
-    sequence's acceptance estimate."""
+    """RLHFSpec's rule: the (drafter, k) in {off} + drafters x 1..k_max that maximises
+    expected tokens / (draft + verify time), from the cost model and each running sequence's
+    acceptance estimate.
+
+    The choice is re-derived whenever the batch size changes, the batch's context grows by
+    `ctx_tolerance`, or `refresh` steps have passed (acceptance estimates move slowly); in
+    between the last choice stands. refresh=1 re-derives every step.
+    """
 
     name = "goodput"
+    needs_acceptance = True
+    observes = False
 
-    def __init__(self, ctx: PolicyContext):
+    def __init__(self, ctx: PolicyContext, refresh: int = 32, ctx_tolerance: float = 0.05):
         self.cost, self.drafters, self.k_max = ctx.cost, ctx.drafters, ctx.k_max
+        self.refresh, self.ctx_tolerance = refresh, ctx_tolerance
         self._ks = np.arange(1, self.k_max + 1)
+        self._last = None  # (batch, ctx_tokens, step, strategy)
 
     def choose(self, state: EngineState) -> Strategy:
         b, ctx = state.batch, state.ctx_tokens
+        last = self._last
+        if (last is not None and last[0] == b and ctx <= last[1] * (1 + self.ctx_tolerance)
+                and state.step - last[2] < self.refresh):
+            return last[3]
         best, best_rate = OFF, b / self.cost.verify_time(b, 1, ctx)
         for d in self.drafters:
             tokens = expected_tokens(state.accept_est(d), self.k_max)[1:]
@@ -78,13 +106,24 @@ class GoodputPolicy:
             j = int(np.argmax(rates))
             if rates[j] > best_rate:
                 best, best_rate = Strategy(d, int(self._ks[j])), float(rates[j])
+        self._last = (b, ctx, state.step, best)
         return best
+
+    def steady_steps(self, state: EngineState, strategy: Strategy, max_growth: int) -> int:
+        """Steps after this one that `choose` will answer from its cache (same batch)."""
+        last = self._last
+        if last is None or last[3] is not strategy:
+            return 0
+        by_refresh = self.refresh - 1 - (state.step - last[2])
+        room = last[1] * (1 + self.ctx_tolerance) - state.ctx_tokens
+        by_ctx = int(room // max_growth) - 1 if max_growth > 0 else NEVER_CHANGES
+        return max(0, min(by_refresh, by_ctx))
 
     def observe(self, outcome: StepOutcome) -> None:
         pass
 
 
-DRAFT_POLICIES = "off, static:K (or static:K:DRAFTER), goodput"
+DRAFT_POLICIES = "off, static:K (or static:K:DRAFTER), goodput (or goodput:REFRESH_STEPS)"
 
 
 def make_draft_policy(spec: str, ctx: PolicyContext):
@@ -92,10 +131,12 @@ def make_draft_policy(spec: str, ctx: PolicyContext):
     name, _, arg = spec.strip().partition(":")
     if name == "off" and not arg:
         return OffPolicy()
-    if name == "goodput" and not arg:
+    if name == "goodput":
         if not ctx.drafters:
             raise UserError("policy 'goodput' needs at least one drafter in the config (drafters: [...])")
-        return GoodputPolicy(ctx)
+        if arg and (not arg.isdigit() or int(arg) < 1):
+            raise UserError(f"policy '{spec}': the refresh interval must be a whole number >= 1, as in goodput:1")
+        return GoodputPolicy(ctx, refresh=int(arg) if arg else 32)
     if name == "static":
         k_str, _, drafter = arg.partition(":")
         if not k_str.isdigit() or int(k_str) < 0:

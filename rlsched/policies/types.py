@@ -106,7 +106,16 @@ class CostModel(Protocol):
     def kv_transfer_time(self, ctx_tokens: int, n_seqs: int) -> float: ...
 
 
+NEVER_CHANGES = 1 << 30  # steady_steps of a policy whose choice never changes
+
+
 class DraftPolicy(Protocol):
+    """Picks each step's Strategy. Optional attributes let an engine skip work a policy does
+    not need: `needs_acceptance = False` (no estimator updates), `observes = False` (no
+    StepOutcomes), and `steady_steps(state, strategy, max_growth) -> int`: how many further
+    steps `choose` is guaranteed to return the same strategy while the batch keeps its
+    sequences and its context grows by at most `max_growth` tokens a step (0 if unknown)."""
+
     name: str
 
     def choose(self, state: EngineState) -> Strategy: ...

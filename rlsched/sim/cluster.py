@@ -36,7 +36,7 @@ class GenerationStage:
         self.rl_step, self.t0 = rl_step, env.now
         n = rollout.n
         self.ctx_g = rollout.prompt_len.astype(np.int64).copy()
-        self.rem_g = rollout.response_len.astype(np.int64).copy()
+        self.tot_g = self.ctx_g + rollout.response_len.astype(np.int64)
         self.prefill_g = self.ctx_g.copy()
         with np.errstate(divide="ignore"):
             self.ninv = -1.0 / np.log(np.clip(rollout.acceptance, 0.0, 1.0 - 1e-12))
@@ -47,9 +47,10 @@ class GenerationStage:
         self.migrations = np.zeros(n, dtype=np.int32)
         self.migration_log: list[tuple] = []  # (time, src, dst, n_seqs, ctx_tokens, mode, seconds)
         self.max_batch = cfg.cluster.max_batch
+        self.max_run = cfg.max_steady_run
         self.kv_capacity = capacity
         self.kv_watermark = capacity // 100
-        longest = int((self.ctx_g + self.rem_g).max()) if n else 0
+        longest = int(self.tot_g.max()) if n else 0
         if longest > capacity - self.kv_watermark:
             raise UserError(f"cluster.kv_capacity_tokens: an instance holds {capacity} KV tokens but a sequence "
                             f"needs {longest}; lower workload.*_len.max or raise the capacity (more memory or tp)")
@@ -83,7 +84,7 @@ class GenerationStage:
             self.done.succeed()
 
     def views(self) -> list[InstanceView]:
-        return [InstanceView(i.idx, i.sid, i.ctx, i.rem, [s for s in i.waiting if s not in self._in_motion],
+        return [InstanceView(i.idx, i.sid, i.ctx, i.tot - i.ctx, [s for s in i.waiting if s not in self._in_motion],
                              self.kv_capacity - i.ctx_sum, self.max_batch) for i in self.instances]
 
     def report(self, inst: Instance, kind: str) -> None:

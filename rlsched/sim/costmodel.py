@@ -34,11 +34,11 @@ class _Forward:
             self.ar_fixed = self.ar_tok = 0.0
 
     def time(self, batch: int, q, ctx_tokens: int):
-        """Seconds for one forward; `q` may be an array (then an array comes back)."""
+        """Seconds for one forward; `q` or `ctx_tokens` may be arrays (then an array comes back)."""
         tokens = batch * q
         compute = self.c_tok * tokens + self.c_attn * q * (ctx_tokens + 0.5 * tokens)
         memory = self.m_weights + self.m_kv * (ctx_tokens + tokens)
-        core = np.maximum(compute, memory) if isinstance(q, np.ndarray) else max(compute, memory)
+        core = np.maximum(compute, memory) if isinstance(compute, np.ndarray) else max(compute, memory)
         return core + self.ar_fixed + self.ar_tok * tokens
 
 
@@ -83,7 +83,8 @@ class RooflineCostModel:
         kind, fwd = self._drafters[drafter]
         if fwd is None:
             host = self._host_base + self._host_seq * batch
-            return np.full(k.shape, host) if isinstance(k, np.ndarray) else host
+            shape = np.broadcast(k, ctx_tokens).shape
+            return np.full(shape, host) if shape else host
         return k * (fwd.time(batch, width, ctx_tokens) + self._fwd_oh)
 
     def prefill_time(self, n_tokens: int, sum_sq_tokens: int | None = None) -> float:

@@ -1,6 +1,6 @@
 """One inference instance as a SimPy process: continuous batching with speculative steps.
 
-Running sequences are rows of numpy arrays (sample id, context length, tokens left, and
+Running sequences are rows of numpy arrays (sample id, context length, final length, and
 -1/log(acceptance) per drafter), updated in bulk each step. Each step asks the DraftPolicy
 for a Strategy, advances simulated time by the cost model, and advances every row by its
 sampled accepted drafts + 1, capped by what it has left.
@@ -34,9 +34,10 @@ class Instance:
         n_drafters = stage.ninv.shape[1]
         self.sid = _EMPTY_I
         self.ctx = _EMPTY_I
-        self.rem = _EMPTY_I
+        self.tot = _EMPTY_I  # context length at which each row is finished
         self.ninv = np.zeros((0, n_drafters))
         self.ctx_sum = 0
+        self.min_rem = 0
         self.waiting: deque[int] = deque()
         self.outbox: list = []  # migrations to carry out at the next step boundary
         self.wake = None
@@ -56,9 +57,11 @@ class Instance:
         return self.ctx_sum
 
     def _exp_draws(self, n: int) -> np.ndarray:
-        """n Exp(1) draws from a pre-drawn buffer (one RNG call per ~64k draws)."""
+        """The next n Exp(1) draws of this instance's stream, pre-drawn in chunks; the stream
+        is the same however it is sliced (n single steps or one run of n steps)."""
         if self._exp_pos + n > len(self._exp):
-            self._exp = self.rng.standard_exponential(max(65536, n))
+            fresh = self.rng.standard_exponential(max(65536, n))
+            self._exp = np.concatenate((self._exp[self._exp_pos:], fresh))
             self._exp_pos = 0
         out = self._exp[self._exp_pos:self._exp_pos + n]
         self._exp_pos += n
@@ -79,9 +82,8 @@ class Instance:
         gone = ~keep
         ids = self.sid[gone]
         st.ctx_g[ids] = self.ctx[gone]
-        st.rem_g[ids] = self.rem[gone]
         self.ctx_sum -= int(self.ctx[gone].sum())
-        self.sid, self.ctx, self.rem, self.ninv = self.sid[keep], self.ctx[keep], self.rem[keep], self.ninv[keep]
+        self.sid, self.ctx, self.tot, self.ninv = self.sid[keep], self.ctx[keep], self.tot[keep], self.ninv[keep]
         return ids
 
     # ------------------------------------------------------------------ admission
@@ -108,9 +110,10 @@ class Instance:
         st.prefill_g[ids] = 0
         self.sid = np.concatenate((self.sid, ids))
         self.ctx = np.concatenate((self.ctx, st.ctx_g[ids]))
-        self.rem = np.concatenate((self.rem, st.rem_g[ids]))
+        self.tot = np.concatenate((self.tot, st.tot_g[ids]))
         self.ninv = np.concatenate((self.ninv, st.ninv[ids]))
         self.ctx_sum += int(st.ctx_g[ids].sum())
+        self.min_rem = int((self.tot - self.ctx).min())
         n_pre = int(pre.sum())
         return (st.cost.prefill_time(n_pre, int((pre * pre).sum())) if n_pre else 0.0), n_pre
 
@@ -129,11 +132,68 @@ class Instance:
         st.preemptions[ids] += 1
         self.receive(ids.tolist(), front=True)
 
+    # ------------------------------------------------------------------ steady runs
+    def _steady_run_length(self, state: EngineState, strat, steady) -> int:
+        """How many steps, starting now, are certain to repeat `strat` with the same batch:
+        the policy promises its choice, no row can finish, the KV cache cannot overflow."""
+        st, per_seq = self.stage, strat.k + 1
+        growth = self.batch * per_seq
+        if self.min_rem <= 2 * per_seq:  # the cheap bound is too loose to allow a run: tighten it
+            self.min_rem = int((self.tot - self.ctx).min())
+        n = min(st.max_run, (self.min_rem - 1) // per_seq, (st.kv_capacity - self.ctx_sum) // growth)
+        if n < 2:
+            return 0
+        return min(n, 1 + steady(state, strat, growth))
+
+    def _steady_run(self, strat, n: int, learn_acceptance: bool, record):
+        """n steps of one strategy over an unchanged batch, priced and drawn in one go; the
+        random draws are consumed in the same order as n single steps would."""
+        st, cost, env, b = self.stage, self.stage.cost, self.env, self.batch
+        t0 = env.now
+        if strat.drafter is None:
+            emitted = np.full(n, b, dtype=np.int64)
+            ctx_at = self.ctx_sum + b * np.arange(n)
+            t_draft = np.zeros(n)
+            t_verify = cost.verify_time(b, 1, ctx_at)
+            self.ctx += n
+            acc_total, d = 0, -1
+        else:
+            k, d = strat.k, st.drafter_idx[strat.drafter]
+            ninv = self.ninv[:, d]
+            if strat.width > 1:
+                ninv = -1.0 / np.log1p(-np.exp(strat.width * np.log1p(-np.exp(-1.0 / np.maximum(ninv, 1e-300)))))
+            acc = (self._exp_draws(n * b).reshape(n, b) * ninv).astype(np.int64)
+            np.minimum(acc, k, out=acc)
+            emitted = acc.sum(axis=1) + b
+            ctx_at = self.ctx_sum + np.concatenate(([0], np.cumsum(emitted[:-1])))
+            t_draft = cost.draft_time(strat.drafter, b, k, ctx_at, strat.width)
+            t_verify = cost.verify_time(b, strat.tokens_per_seq, ctx_at)
+            if learn_acceptance and strat.width == 1:
+                self.stage.estimator.update_many(strat.drafter, self.sid, acc, k)
+            self.ctx += acc.sum(axis=0) + n
+        dt = t_draft + t_verify
+        total = float(dt.sum())
+        yield env.timeout(total)
+        self.busy += total
+        self.ctx_sum += int(emitted.sum())
+        self.min_rem -= n * (strat.k + 1)
+        if record:
+            starts = t0 - st.t0 + np.concatenate(([0.0], np.cumsum(dt[:-1])))
+            st.timeline.append_run(
+                (st.rl_step, self.idx, np.arange(self.steps, self.steps + n), starts, KIND_DECODE, b, d, strat.k,
+                 strat.width, b * strat.k, emitted - b if d >= 0 else 0, emitted, t_draft, t_verify, ctx_at), n)
+        self.steps += n
+
     # ------------------------------------------------------------------ the process
     def run(self):
         env, st, cost, policy, tl = self.env, self.stage, self.stage.cost, self.policy, self.stage.timeline
         est, rl_step, drafter_idx = st.estimator, st.rl_step, st.drafter_idx
         record = tl.append if tl.enabled else None
+        learn_acceptance = getattr(policy, "needs_acceptance", True)
+        observes = getattr(policy, "observes", True)
+        # runs of identical steps are simulated at once when the policy can promise them
+        steady = getattr(policy, "steady_steps", None) if not observes and st.max_run > 1 else None
+        add = np.add.reduce
         while True:
             if self.outbox:
                 st.carry_out(self)
@@ -144,12 +204,14 @@ class Instance:
                     yield env.timeout(t_pre)
                     self.busy += t_pre
                     if record:
-                        record(rl_step, self.idx, self.steps, t0 - st.t0, KIND_PREFILL, self.batch, -1, 0, 1,
-                               0, 0, 0, 0.0, t_pre, n_pre)
+                        record((rl_step, self.idx, self.steps, t0 - st.t0, KIND_PREFILL, self.batch, -1, 0, 1,
+                                0, 0, 0, 0.0, t_pre, n_pre))
                     self.steps += 1
                 if self.batch and self.below_threshold and self.batch >= st.realloc_threshold:
                     self.below_threshold = False
             b = self.batch
+            # new work can arrive between steps (migrations) or be admitted: step one by one
+            block_blocked = st.realloc_active or (self.waiting and b < st.max_batch)
             if b == 0:
                 if self.waiting:  # the queue head does not fit in KV: cannot happen (checked upfront)
                     raise RuntimeError(f"instance {self.idx}: sequence of {st.ctx_g[self.waiting[0]]} tokens "
@@ -164,18 +226,22 @@ class Instance:
                 self.wake = None
                 continue
 
-            ctx_sum = self.ctx_sum
-            state = EngineState(self.idx, self.steps, env.now - st.t0, self.sid, self.ctx, ctx_sum,
+            ctx_sum, sid = self.ctx_sum, self.sid
+            state = EngineState(self.idx, self.steps, env.now - st.t0, sid, self.ctx, ctx_sum,
                                 len(self.waiting), st.kv_capacity - ctx_sum, est)
             strat = policy.choose(state)
             t0 = env.now
+            if steady is not None and not block_blocked:
+                n = self._steady_run_length(state, strat, steady)
+                if n >= 2:
+                    yield from self._steady_run(strat, n, learn_acceptance, record)
+                    continue
             if strat.drafter is None:
                 t_draft = 0.0
                 t_verify = cost.verify_time(b, 1, ctx_sum)
                 yield env.timeout(t_verify)
-                adv = np.minimum(self.rem, 1)
-                acc = None
-                drafted = n_acc = 0
+                self.ctx += 1
+                emitted, acc, drafted, max_adv = b, None, 0, 1
             else:
                 k, w = strat.k, strat.width
                 d = drafter_idx[strat.drafter]
@@ -184,29 +250,38 @@ class Instance:
                 ninv = self.ninv[:, d]
                 if w > 1:  # a level passes if any of w candidates is accepted
                     ninv = -1.0 / np.log1p(-np.exp(w * np.log1p(-np.exp(-1.0 / np.maximum(ninv, 1e-300)))))
-                acc = np.minimum(self._exp_draws(b) * ninv, k).astype(np.int64)
+                acc = (self._exp_draws(b) * ninv).astype(np.int64)
+                np.minimum(acc, k, out=acc)
                 yield env.timeout(t_draft + t_verify)
-                adv = np.minimum(acc + 1, self.rem)
-                drafted = b * k
-                n_acc = int((adv - 1).sum())
-                if w == 1:  # tree outcomes are per level, not per token: not fed to the estimator
-                    est.update(strat.drafter, self.sid, acc, k)
+                if learn_acceptance and w == 1:  # tree outcomes are per level, not per token
+                    est.update(strat.drafter, sid, acc, k)
+                adv = acc + 1
+                self.ctx += adv  # may overshoot a row's end; trimmed below when it finishes
+                emitted, drafted, max_adv = int(add(adv)), b * k, k + 1
             dt = t_draft + t_verify
             self.busy += dt
-            self.ctx += adv
-            self.rem -= adv
-            emitted = int(adv.sum())
-            self.ctx_sum += emitted
-            policy.observe(StepOutcome(self.idx, self.steps, strat, b, drafted, n_acc, emitted, dt, t_draft,
-                                       t_verify, self.sid, acc))
+            self.min_rem -= max_adv  # a lower bound on every row's tokens left: skip the scan while > 0
+            if self.min_rem <= 0:
+                left = self.tot - self.ctx
+                if left.min() <= 0:
+                    emitted += int(left[left < 0].sum())  # tokens past a row's end were never emitted
+                    np.minimum(self.ctx, self.tot, out=self.ctx)
+                    self.ctx_sum += emitted
+                    st.finished(self, self.take_rows(left > 0))
+                else:
+                    self.ctx_sum += emitted
+                self.min_rem = int((self.tot - self.ctx).min()) if self.batch else 0
+            else:
+                self.ctx_sum += emitted
+            n_acc = emitted - b if acc is not None else 0
+            if observes:
+                policy.observe(StepOutcome(self.idx, self.steps, strat, b, drafted, n_acc, emitted, dt, t_draft,
+                                           t_verify, sid, acc))
             if record:
-                record(rl_step, self.idx, self.steps, t0 - st.t0, KIND_DECODE, b,
-                       -1 if acc is None else d, strat.k, strat.width, drafted, n_acc, emitted,
-                       t_draft, t_verify, ctx_sum)
+                record((rl_step, self.idx, self.steps, t0 - st.t0, KIND_DECODE, b,
+                        -1 if acc is None else d, strat.k, strat.width, drafted, n_acc, emitted,
+                        t_draft, t_verify, ctx_sum))
             self.steps += 1
-            if self.rem.min() == 0:
-                done_ids = self.take_rows(self.rem > 0)
-                st.finished(self, done_ids)
             if self.ctx_sum > st.kv_capacity:
                 self._preempt_if_full()
             if st.realloc_active and 0 < self.batch < st.realloc_threshold and not self.below_threshold:
