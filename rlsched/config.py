@@ -122,8 +122,9 @@ class ModelSpec(Strict):
 
 def eagle_head(target: ModelSpec) -> ModelSpec:
     """A one-layer EAGLE-style draft head on top of the target's features."""
-    return target.model_copy(update={"name": f"{target.name}-eagle", "layers": 1, "tied_embeddings": True,
-                                     "description": f"one-layer EAGLE-style head for {target.name}"})
+    data = target.model_dump() | {"name": f"{target.name}-eagle", "layers": 1, "tied_embeddings": True,
+                                  "description": f"one-layer EAGLE-style head for {target.name}"}
+    return ModelSpec.model_validate(data)  # not model_copy: that would keep the target's cached sizes
 
 
 class AcceptanceSpec(Strict):
