@@ -60,12 +60,10 @@ def presets(show: Optional[str] = typer.Option(None, "--show", help="Print the f
 
         print(yaml.safe_dump(data, sort_keys=False), end="")
         return
-    table = Table(title=f"rlsched {kind} presets", show_lines=False)
-    table.add_column("name", style="bold")
-    table.add_column("description")
-    for name in preset_names(kind):
-        table.add_row(name, load_preset_data(kind, name).get("description", ""))
-    out_console.print(table)
+    names = preset_names(kind)
+    width = max(len(n) for n in names)
+    for name in names:  # one plain line each, easy to grep
+        print(f"{name:<{width}}  {load_preset_data(kind, name).get('description', '')}")
 
 
 def _default_out(name: str, policy: str, seed: int) -> Path:

@@ -1,0 +1,43 @@
+"""Shared by the benchmark scripts: machine facts, result files, a plain-text table."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+from datetime import datetime, timezone
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def machine() -> dict:
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        cpu = platform.processor()
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent).stdout.strip()
+    except OSError:
+        commit = ""
+    return {"host": platform.node(), "cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+            "utc": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": commit}
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    cells = [[str(h) for h in headers]] + [[f"{c:.3f}" if isinstance(c, float) else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def write_result(name: str, payload: dict, text: str) -> Path:
+    """bench/results/NAME.json (machine, date, numbers) and NAME.txt (the printed table)."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    payload = {"machine": machine(), **payload}
+    (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2))
+    (RESULTS / f"{name}.txt").write_text(f"{payload['machine']}\n\n{text}\n")
+    return RESULTS / f"{name}.json"
