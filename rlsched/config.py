@@ -226,7 +226,7 @@ class RLSpec(Strict):
     critic: bool = False
     reward_model: ModelSpec | None = None  # None: verifiable rewards (no forward)
     infer_efficiency: OpenFraction = 0.5
-    train_efficiency: OpenFraction = 0.4
+    train_efficiency: OpenFraction = 0.3  # achieved MFU of RL training (FSDP, recomputation)
 
     @field_validator("reward_model", mode="before")
     @classmethod

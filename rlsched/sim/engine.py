@@ -67,6 +67,15 @@ class Instance:
         self._exp_pos += n
         return out
 
+    def _draw_accepted(self, d: int, k: int, width: int, n: int) -> np.ndarray:
+        """Accepted drafts of each row for n steps, shape (n, batch)."""
+        ninv = self.ninv[:, d]
+        if width > 1:  # a tree level passes if any of `width` candidates is accepted
+            ninv = -1.0 / np.log1p(-np.exp(width * np.log1p(-np.exp(-1.0 / np.maximum(ninv, 1e-300)))))
+        acc = (self._exp_draws(n * self.batch).reshape(n, -1) * ninv).astype(np.int64)
+        np.minimum(acc, k, out=acc)
+        return acc
+
     def receive(self, ids, front: bool = False) -> None:
         """Queue sequences on this instance (initial assignment, migration, preemption)."""
         if front:
@@ -159,11 +168,7 @@ class Instance:
             acc_total, d = 0, -1
         else:
             k, d = strat.k, st.drafter_idx[strat.drafter]
-            ninv = self.ninv[:, d]
-            if strat.width > 1:
-                ninv = -1.0 / np.log1p(-np.exp(strat.width * np.log1p(-np.exp(-1.0 / np.maximum(ninv, 1e-300)))))
-            acc = (self._exp_draws(n * b).reshape(n, b) * ninv).astype(np.int64)
-            np.minimum(acc, k, out=acc)
+            acc = self._draw_accepted(d, k, strat.width, n)
             emitted = acc.sum(axis=1) + b
             ctx_at = self.ctx_sum + np.concatenate(([0], np.cumsum(emitted[:-1])))
             t_draft = cost.draft_time(strat.drafter, b, k, ctx_at, strat.width)
@@ -247,11 +252,7 @@ class Instance:
                 d = drafter_idx[strat.drafter]
                 t_draft = cost.draft_time(strat.drafter, b, k, ctx_sum, w)
                 t_verify = cost.verify_time(b, strat.tokens_per_seq, ctx_sum)
-                ninv = self.ninv[:, d]
-                if w > 1:  # a level passes if any of w candidates is accepted
-                    ninv = -1.0 / np.log1p(-np.exp(w * np.log1p(-np.exp(-1.0 / np.maximum(ninv, 1e-300)))))
-                acc = (self._exp_draws(b) * ninv).astype(np.int64)
-                np.minimum(acc, k, out=acc)
+                acc = self._draw_accepted(d, k, w, 1)[0]
                 yield env.timeout(t_draft + t_verify)
                 if learn_acceptance and w == 1:  # tree outcomes are per level, not per token
                     est.update(strat.drafter, sid, acc, k)
