@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -12,11 +13,22 @@ from rlsched.policies.types import NEVER_CHANGES, OFF, CostModel, EngineState, S
 
 @dataclass(frozen=True)
 class PolicyContext:
-    """What a policy may be built from: the cost model and the drafters the engine has."""
+    """What a policy may be built from: the cost model, the drafters the engine has, and
+    what is known of the job before it runs. The simulator and the executor both fill it."""
 
-    cost: CostModel
+    cost: CostModel | None
     drafters: tuple[str, ...]
     k_max: int = 8
+    max_batch: int = 256
+    typical_ctx: int = 1024  # a sequence's typical context length while it decodes
+    acceptance_prior: dict[str, float] = field(default_factory=dict)  # drafter -> expected acceptance
+    seed: int = 0
+    identity: dict = field(default_factory=dict)  # model, hardware, drafters: checked against policy files
+    true_acceptance: Callable[[str, np.ndarray], np.ndarray] | None = None  # the simulator's truth (oracle only)
+    shared: dict = field(default_factory=dict)  # state shared by the policies of one cluster (learners)
+
+    def prior(self, drafter: str) -> float:
+        return self.acceptance_prior.get(drafter, 0.6)
 
 
 def expected_tokens(acceptance: np.ndarray, k_max: int) -> np.ndarray:
@@ -100,7 +112,7 @@ class GoodputPolicy:
             return last[3]
         best, best_rate = OFF, b / self.cost.verify_time(b, 1, ctx)
         for d in self.drafters:
-            tokens = expected_tokens(state.accept_est(d), self.k_max)[1:]
+            tokens = expected_tokens(self._acceptance(state, d), self.k_max)[1:]
             times = self.cost.draft_time(d, b, self._ks, ctx) + self.cost.verify_time(b, self._ks + 1, ctx)
             rates = tokens / times
             j = int(np.argmax(rates))
@@ -108,6 +120,9 @@ class GoodputPolicy:
                 best, best_rate = Strategy(d, int(self._ks[j])), float(rates[j])
         self._last = (b, ctx, state.step, best)
         return best
+
+    def _acceptance(self, state: EngineState, drafter: str) -> np.ndarray:
+        return state.accept_est(drafter)
 
     def steady_steps(self, state: EngineState, strategy: Strategy, max_growth: int) -> int:
         """Steps after this one that `choose` will answer from its cache (same batch)."""
@@ -123,31 +138,74 @@ class GoodputPolicy:
         pass
 
 
-DRAFT_POLICIES = "off, static:K (or static:K:DRAFTER), goodput (or goodput:REFRESH_STEPS)"
+class OraclePolicy(GoodputPolicy):
+    """The goodput rule with every sequence's true acceptance and the true costs, re-derived
+    every step: an upper bound for reports (the simulator alone can build it), never a
+    product policy."""
+
+    name = "oracle"
+    needs_acceptance = False
+
+    def __init__(self, ctx: PolicyContext):
+        if ctx.true_acceptance is None:
+            raise UserError("policy 'oracle' needs the true acceptance of every sequence: only the simulator has it")
+        super().__init__(ctx, refresh=1, ctx_tolerance=0.0)
+        self._truth = ctx.true_acceptance
+
+    def _acceptance(self, state: EngineState, drafter: str) -> np.ndarray:
+        return self._truth(drafter, state.sample_ids)
+
+
+DRAFT_POLICIES = ("off, static:K[:DRAFTER], goodput[:REFRESH], twostate[:MAX_BATCH:K], bandit[:EPSILON], "
+                  "table:POLICY.json, oracle (simulator only)")
 
 
 def make_draft_policy(spec: str, ctx: PolicyContext):
-    """A DraftPolicy from its name: `off`, `static:K[:DRAFTER]`, `goodput`."""
+    """A DraftPolicy from its name (see DRAFT_POLICIES)."""
+    from rlsched.policies.bandit import BanditPolicy
+    from rlsched.policies.lookup import TablePolicy, TwoStatePolicy
+    from rlsched.policies.policyfile import load_policy_file
+
     name, _, arg = spec.strip().partition(":")
+    needs_drafter = name in ("goodput", "twostate", "bandit", "table", "oracle") or (name == "static" and arg not in ("0", ""))
+    if needs_drafter and not ctx.drafters:
+        raise UserError(f"policy '{spec}' needs at least one drafter in the config (drafters: [...])")
     if name == "off" and not arg:
         return OffPolicy()
     if name == "goodput":
-        if not ctx.drafters:
-            raise UserError("policy 'goodput' needs at least one drafter in the config (drafters: [...])")
         if arg and (not arg.isdigit() or int(arg) < 1):
             raise UserError(f"policy '{spec}': the refresh interval must be a whole number >= 1, as in goodput:1")
         return GoodputPolicy(ctx, refresh=int(arg) if arg else 32)
     if name == "static":
         k_str, _, drafter = arg.partition(":")
-        if not k_str.isdigit() or int(k_str) < 0:
+        if not k_str.isdigit():
             raise UserError(f"policy '{spec}': K must be a whole number >= 0, as in static:4")
         k = int(k_str)
         if k == 0:
             return OffPolicy()
-        if not ctx.drafters:
-            raise UserError(f"policy '{spec}' needs a drafter in the config (drafters: [...])")
         drafter = drafter or ctx.drafters[0]
         if drafter not in ctx.drafters:
             raise UserError(f"policy '{spec}': unknown drafter '{drafter}'; the config has {', '.join(ctx.drafters)}")
         return StaticPolicy(drafter, k)
+    if name == "oracle" and not arg:
+        return OraclePolicy(ctx)
+    if name == "twostate":
+        if not arg:
+            return TwoStatePolicy.solve(ctx)
+        t, _, k = arg.partition(":")
+        if not (t.isdigit() and k.isdigit() and int(t) >= 0 and int(k) >= 1):
+            raise UserError(f"policy '{spec}': expected twostate:MAX_BATCH:K with whole numbers, as in twostate:32:4")
+        return TwoStatePolicy(ctx, ctx.drafters[0], int(t), int(k))
+    if name == "bandit":
+        try:
+            eps = float(arg) if arg else 0.1
+        except ValueError:
+            eps = -1.0
+        if not 0.0 <= eps <= 1.0:
+            raise UserError(f"policy '{spec}': epsilon must be a number in [0, 1], as in bandit:0.1")
+        return BanditPolicy(ctx, epsilon=eps)
+    if name == "table":
+        if not arg:
+            raise UserError("policy 'table' needs a policy file: table:PATH.json (write one with `rlsched learn`)")
+        return TablePolicy.from_file(load_policy_file(arg, ctx.identity, kinds=("table",)), ctx)
     raise UserError(f"unknown policy '{spec}'; choose from {DRAFT_POLICIES}")

@@ -63,8 +63,18 @@ class StageCosts:
         return (2.0 * self.target_params + 6.0 * self.drafter_params) * t / self.train_rate
 
 
+class TrueAcceptance:
+    """The oracle's window on the current rollout's true per-sample acceptance."""
+
+    def __init__(self):
+        self.rollout = None
+
+    def __call__(self, drafter: str, ids: np.ndarray) -> np.ndarray:
+        return self.rollout.acceptance[ids, self.rollout.drafters.index(drafter)]
+
+
 def rl_run(env: simpy.Environment, cfg: SimConfig, cost, make_policies, realloc, timeline: Timeline,
-           records: list[StepRecord], capacity: int, progress=None):
+           records: list[StepRecord], capacity: int, progress=None, truth: TrueAcceptance | None = None):
     """SimPy process of M RL steps; appends one StepRecord per step."""
     root = np.random.SeedSequence(cfg.seed)
     workload_seq, engine_seq = root.spawn(2)
@@ -80,6 +90,8 @@ def rl_run(env: simpy.Environment, cfg: SimConfig, cost, make_policies, realloc,
     for step in range(cfg.rl.steps):
         means.update(drift.means())
         rollout = sample_rollout(cfg.workload, cfg.drafters, means, workload_rng)
+        if truth is not None:
+            truth.rollout = rollout
         stage = GenerationStage(env, cfg, cost, rollout, policies, realloc, estimator, timeline, step,
                                 engine_seq.spawn(1)[0], capacity)
         t_start = env.now

@@ -13,7 +13,8 @@ from rlsched.policies.draft import PolicyContext, make_draft_policy
 from rlsched.policies.realloc import make_realloc_policy
 from rlsched.sim.cluster import kv_capacity
 from rlsched.sim.costmodel import RooflineCostModel
-from rlsched.sim.rlstep import StepRecord, rl_run
+from rlsched.sim.rlstep import StepRecord, TrueAcceptance, rl_run
+from rlsched.sim.workload import sample_lengths
 from rlsched.sim.timeline import KINDS, Timeline
 
 
@@ -115,6 +116,23 @@ class SimResult:
         return out
 
 
+def policy_context(cfg: SimConfig, cost=None, true_acceptance=None) -> PolicyContext:
+    """What policies may know of a config before it runs (cost=None: for name checks only)."""
+    rng = np.random.default_rng(0)
+    prompt = sample_lengths(cfg.workload.prompt_len, 4096, 1, rng).mean()
+    response = sample_lengths(cfg.workload.response_len, 4096, 1, rng).mean()
+    return PolicyContext(
+        cost=cost, drafters=tuple(d.name for d in cfg.drafters), k_max=cfg.speculation.k_max,
+        max_batch=cfg.cluster.max_batch, typical_ctx=int(prompt + response / 2),
+        acceptance_prior={d.name: d.acceptance.mean for d in cfg.drafters}, seed=cfg.seed,
+        identity=config_identity(cfg), true_acceptance=true_acceptance)
+
+
+def config_identity(cfg: SimConfig) -> dict:
+    return {"model": cfg.model.name, "hardware": cfg.hardware.name, "tp": cfg.cluster.tp,
+            "drafters": [d.name for d in cfg.drafters]}
+
+
 def simulate(cfg: SimConfig, policy: str | None = None, realloc: str | None = None, progress=None,
              cost=None) -> SimResult:
     """Simulate cfg.rl.steps RL steps with a drafting policy and a reallocation policy.
@@ -124,14 +142,16 @@ def simulate(cfg: SimConfig, policy: str | None = None, realloc: str | None = No
     policy = policy or cfg.speculation.policy
     realloc_name = realloc or cfg.cluster.realloc
     cost = cost or RooflineCostModel.from_config(cfg)
-    ctx = PolicyContext(cost, tuple(d.name for d in cfg.drafters), cfg.speculation.k_max)
+    truth = TrueAcceptance()
+    ctx = policy_context(cfg, cost, truth)
     make_draft_policy(policy, ctx)  # validate the name before any work
+    ctx.shared.clear()
     realloc_policy = make_realloc_policy(realloc_name)
     capacity = kv_capacity(cfg, cost)
     env = simpy.Environment()
     timeline = Timeline(enabled=cfg.record_timeline)
     records: list[StepRecord] = []
     make = lambda: [make_draft_policy(policy, ctx) for _ in range(cfg.cluster.instances)]  # noqa: E731
-    env.process(rl_run(env, cfg, cost, make, realloc_policy, timeline, records, capacity, progress))
+    env.process(rl_run(env, cfg, cost, make, realloc_policy, timeline, records, capacity, progress, truth))
     env.run()
     return SimResult(cfg, policy, realloc_name, records, timeline, capacity, cost)

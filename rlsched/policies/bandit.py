@@ -1,0 +1,55 @@
+"""TLT-style online learner: bucketed epsilon-greedy over strategies, no cost model needed."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from rlsched.policies.draft import PolicyContext
+from rlsched.policies.types import OFF, EngineState, StepOutcome, Strategy
+
+ARM_KS = (1, 2, 3, 4, 6, 8)
+
+
+class BanditPolicy:
+    """Buckets by batch size (powers of two); arms are off and (drafter, k); the reward of a
+    step is its tokens per second. Untried arms of a bucket go first, then the best arm, or a
+    random one with probability epsilon. The statistics are shared by the instances of one
+    cluster (they see the same hardware), each instance explores with its own random stream."""
+
+    name = "bandit"
+    needs_acceptance = False
+    observes = True
+
+    def __init__(self, ctx: PolicyContext, epsilon: float = 0.05):
+        self.epsilon = epsilon
+        self.arms = [OFF] + [Strategy(d, k) for d in ctx.drafters for k in ARM_KS if k <= ctx.k_max]
+        self._stats: dict[int, np.ndarray] = ctx.shared.setdefault("bandit_stats", {})  # bucket -> (2, arms)
+        member = next(ctx.shared.setdefault("bandit_members", itertools.count()))
+        self._rng = np.random.default_rng([ctx.seed, member])
+        self._pending: tuple[int, int] | None = None
+
+    def choose(self, state: EngineState) -> Strategy:
+        bucket = state.batch.bit_length()
+        stats = self._stats.get(bucket)
+        if stats is None:
+            stats = self._stats[bucket] = np.zeros((2, len(self.arms)))  # counts, mean rewards
+        untried = np.flatnonzero(stats[0] == 0)
+        if len(untried):
+            arm = int(untried[0])
+        elif self._rng.random() < self.epsilon:
+            arm = int(self._rng.integers(len(self.arms)))
+        else:
+            arm = int(np.argmax(stats[1]))
+        self._pending = (bucket, arm)
+        return self.arms[arm]
+
+    def observe(self, outcome: StepOutcome) -> None:
+        if self._pending is None or outcome.step_time <= 0:
+            return
+        bucket, arm = self._pending
+        stats = self._stats[bucket]
+        stats[0, arm] += 1
+        stats[1, arm] += (outcome.emitted / outcome.step_time - stats[1, arm]) / stats[0, arm]
+        self._pending = None

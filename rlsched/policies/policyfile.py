@@ -1,0 +1,109 @@
+"""Policy files: versioned JSON that `rlsched learn` writes and every engine reads.
+
+A file holds the policy's kind and parameters, the reallocation settings learned with it,
+what it was learned on (model, hardware, drafters, cost model, workload) and how. Files of
+another format version, or learned for another model, hardware or drafter, are refused with
+the reason, never half-applied.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+
+from rlsched.errors import UserError, describe_validation_error
+
+FORMAT = "rlsched-policy"
+VERSION = 1
+IDENTITY_KEYS = ("model", "hardware", "tp")
+
+
+class ReallocSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    policy: str = "none"
+    threshold: int = 16
+
+
+class PolicyFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    format: Literal["rlsched-policy"]
+    version: int
+    kind: Literal["table", "twostate"]
+    drafter: str
+    params: dict
+    realloc: ReallocSettings = ReallocSettings()
+    learned_on: dict = {}
+    created: dict = {}
+
+    @model_validator(mode="after")
+    def _params(self):
+        p = self.params
+        if self.kind == "twostate":
+            if not (isinstance(p.get("max_batch_on"), int) and isinstance(p.get("k"), int) and p["k"] >= 1):
+                raise ValueError("twostate params need whole numbers max_batch_on >= 0 and k >= 1")
+        else:
+            be, ae, k = p.get("batch_edges"), p.get("accept_edges"), p.get("k")
+            if not (isinstance(be, list) and be and be[0] == 1 and all(b < c for b, c in zip(be, be[1:]))):
+                raise ValueError("table params.batch_edges must rise strictly from 1")
+            if not (isinstance(ae, list) and len(ae) >= 2 and ae[0] == 0 and ae[-1] == 1
+                    and all(a < b for a, b in zip(ae, ae[1:]))):
+                raise ValueError("table params.accept_edges must rise strictly from 0 to 1")
+            if not (isinstance(k, list) and len(k) == len(ae) - 1
+                    and all(isinstance(r, list) and len(r) == len(be) for r in k)
+                    and all(isinstance(x, int) and 0 <= x <= 32 for r in k for x in r)):
+                raise ValueError(f"table params.k must be {len(ae) - 1} rows of {len(be)} whole numbers in 0..32")
+        return self
+
+
+def save_policy_file(path: Path, pf: PolicyFile) -> None:
+    """Write atomically: the file is whole or absent."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(pf.model_dump_json(indent=2))
+    os.replace(tmp, path)
+
+
+def load_policy_file(path, identity: dict | None = None, kinds=("table", "twostate")) -> PolicyFile:
+    """Read and check a policy file; `identity` (model, hardware, tp, drafters) of the config
+    it will run on, when known."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"policy file '{path}' does not exist; write one with `rlsched learn --out {path}`")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"policy file '{path}' is not valid JSON ({e}); re-create it with `rlsched learn`") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise UserError(f"policy file '{path}' is not an rlsched policy file (no \"format\": \"{FORMAT}\")")
+    if data.get("version") != VERSION:
+        raise UserError(f"policy file '{path}' has format version {data.get('version')!r}, this rlsched reads "
+                        f"version {VERSION}; re-learn it with `rlsched learn`")
+    try:
+        pf = PolicyFile.model_validate(data)
+    except ValidationError as e:
+        raise UserError(f"policy file '{path}': {describe_validation_error(e)}") from None
+    if pf.kind not in kinds:
+        raise UserError(f"policy file '{path}' holds a '{pf.kind}' policy, expected {' or '.join(kinds)}")
+    if identity:
+        mine = {k: identity.get(k) for k in IDENTITY_KEYS if identity.get(k) is not None}
+        theirs = {k: pf.learned_on.get(k) for k in mine}
+        if mine != theirs:
+            raise UserError(f"policy file '{path}' was learned for {_describe(theirs)}, but this config runs "
+                            f"{_describe(mine)}; re-learn it with `rlsched learn` on this config")
+        drafters = identity.get("drafters")
+        if drafters is not None and pf.drafter not in drafters:
+            raise UserError(f"policy file '{path}' drafts with '{pf.drafter}', which this config lacks "
+                            f"(drafters: {', '.join(drafters) or 'none'})")
+    return pf
+
+
+def _describe(ident: dict) -> str:
+    return ", ".join(f"{k} {ident.get(k)}" for k in IDENTITY_KEYS if k in ident)
