@@ -1,0 +1,146 @@
+"""`rlsched learn`: find table / two-state parameters and reallocation thresholds in the simulator.
+
+The search starts from the cost model's analytic answer and improves it by simulating
+candidates on the learning seeds (coordinate descent over the table's batch buckets; a grid
+over the two-state threshold and k; a sweep of the reallocation threshold). Candidates are
+written as policy files and simulated by name, so they run in worker processes too.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from rlsched import __version__
+from rlsched.config import SimConfig
+from rlsched.policies.lookup import TablePolicy, TwoStatePolicy, batch_grid
+from rlsched.policies.policyfile import FORMAT, VERSION, PolicyFile, ReallocSettings, save_policy_file
+from rlsched.sim.costmodel import RooflineCostModel
+from rlsched.sim.simulate import config_identity, policy_context
+
+ACCEPT_EDGES = [0.0, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
+REALLOC_THRESHOLDS = [4, 8, 16, 32, 64]
+
+# evaluate(list of (cfg, policy name, realloc name)) -> generation seconds of each run
+Evaluator = Callable[[list[tuple[SimConfig, str, str]]], list[float]]
+
+
+def serial_evaluator(jobs):
+    from rlsched.sim.simulate import simulate
+
+    return [simulate(cfg, pol, realloc).summary()["generation_s"] for cfg, pol, realloc in jobs]
+
+
+class Learner:
+    def __init__(self, cfg: SimConfig, seeds: list[int], evaluate: Evaluator = serial_evaluator, log=print):
+        self.cfg, self.seeds, self.evaluate, self.log = cfg, seeds, evaluate, log
+        self.cost = RooflineCostModel.from_config(cfg)
+        self.ctx = policy_context(cfg, self.cost)
+        self.drafter = cfg.drafters[0].name
+        self.realloc = cfg.cluster.realloc
+        self.evaluations = 0
+        self._dir = Path(tempfile.mkdtemp(prefix="rlsched-learn-"))
+        self._n = 0
+
+    # ------------------------------------------------------------------ scoring
+    def _policy_file(self, kind: str, params: dict, realloc: ReallocSettings | None = None) -> PolicyFile:
+        return PolicyFile(format=FORMAT, version=VERSION, kind=kind, drafter=self.drafter, params=params,
+                          realloc=realloc or ReallocSettings(policy=self.realloc,
+                                                             threshold=self.cfg.cluster.realloc_threshold),
+                          learned_on={**config_identity(self.cfg), "cost_model": self.cost.describe(),
+                                      "workload": self.cfg.workload.model_dump(mode="json"),
+                                      "config_name": self.cfg.name},
+                          created={"rlsched": __version__, "seeds": self.seeds,
+                                   "utc": datetime.now(timezone.utc).isoformat(timespec="seconds")})
+
+    def _spec(self, kind: str, params: dict) -> str:
+        self._n += 1
+        path = self._dir / f"cand-{self._n}.json"
+        save_policy_file(path, self._policy_file(kind, params))
+        return f"{kind}:{path}" if kind == "table" else f"twostate:{params['max_batch_on']}:{params['k']}"
+
+    def score(self, specs: list[str], thresholds: list[int] | None = None) -> list[float]:
+        """Mean generation time over the seeds of each candidate policy name."""
+        jobs, thresholds = [], thresholds or [self.cfg.cluster.realloc_threshold] * len(specs)
+        for spec, thr in zip(specs, thresholds):
+            for s in self.seeds:
+                cfg = self.cfg.model_copy(update={"seed": s, "record_timeline": False,
+                                                  "cluster": self.cfg.cluster.model_copy(
+                                                      update={"realloc_threshold": thr})})
+                jobs.append((cfg, spec, self.realloc))
+        times = self.evaluate(jobs)
+        self.evaluations += len(jobs)
+        n = len(self.seeds)
+        return [float(np.mean(times[i * n:(i + 1) * n])) for i in range(len(specs))]
+
+    # ------------------------------------------------------------------ searches
+    def learn_twostate(self) -> tuple[dict, float]:
+        start = TwoStatePolicy.solve(self.ctx, self.drafter)
+        grid = [0] + batch_grid(self.cfg.cluster.max_batch)
+        ks = range(1, min(self.cfg.speculation.k_max, 6) + 1)
+        cands = [{"max_batch_on": t, "k": k} for t in grid for k in ks]
+        times = self.score([self._spec("twostate", c) for c in cands])
+        i = int(np.argmin(times))
+        self.log(f"twostate: analytic {start.params()} -> simulated best {cands[i]} ({times[i]:.2f} s)")
+        return cands[i], times[i]
+
+    def learn_table(self) -> tuple[dict, float]:
+        table = TablePolicy.analytic(self.ctx, self.drafter, ACCEPT_EDGES)
+        params = table.params()
+        best = self.score([self._spec("table", params)])[0]
+        self.log(f"table: analytic start {best:.2f} s")
+        row = table._row(self.ctx.prior(self.drafter))  # the bucket the drafter's acceptance sits in
+        for col in reversed(range(len(params["batch_edges"]))):
+            k = params["k"][row][col]
+            trial = [kk for kk in (k - 1, k + 1) if 0 <= kk <= self.cfg.speculation.k_max]
+            cands = []
+            for kk in trial:
+                p = {**params, "k": [list(r) for r in params["k"]]}
+                p["k"][row][col] = kk
+                cands.append(p)
+            times = self.score([self._spec("table", c) for c in cands])
+            j = int(np.argmin(times)) if times else -1
+            if j >= 0 and times[j] < best * (1 - 1e-4):
+                params, best = cands[j], times[j]
+                self.log(f"table: batch >= {params['batch_edges'][col]}: k {k} -> {trial[j]} ({best:.2f} s)")
+        return params, best
+
+    def learn_realloc(self, kind: str, params: dict) -> ReallocSettings:
+        if self.realloc == "none" or self.cfg.cluster.instances < 2:
+            return ReallocSettings(policy=self.realloc, threshold=self.cfg.cluster.realloc_threshold)
+        spec = self._spec(kind, params)
+        times = self.score([spec] * len(REALLOC_THRESHOLDS), REALLOC_THRESHOLDS)
+        thr = REALLOC_THRESHOLDS[int(np.argmin(times))]
+        self.log(f"realloc {self.realloc}: threshold {thr} ({min(times):.2f} s)")
+        return ReallocSettings(policy=self.realloc, threshold=thr)
+
+    def learn(self, kind: str = "table") -> tuple[PolicyFile, float]:
+        params, t = self.learn_table() if kind == "table" else self.learn_twostate()
+        realloc = self.learn_realloc(kind, params)
+        return self._policy_file(kind, params, realloc), t
+
+
+def vllm_table(pf: PolicyFile, max_batch: int, acceptance: float) -> dict:
+    """The learned draft length by batch size in vLLM's `num_speculative_tokens_per_batch_size`
+    form: [[start_bs, end_bs, K], ...], ranges from 1 to max_batch (K = 0: speculation off)."""
+    if pf.kind == "twostate":
+        on, k = pf.params["max_batch_on"], pf.params["k"]
+        ranges = ([[1, min(on, max_batch), k]] if on >= 1 else []) + ([[on + 1, max_batch, 0]] if on < max_batch else [])
+    else:
+        edges, ae = pf.params["batch_edges"], pf.params["accept_edges"]
+        row = min(max(int(np.searchsorted(ae, acceptance, side="right")) - 1, 0), len(ae) - 2)
+        ks = pf.params["k"][row]
+        ranges = []
+        for i, lo in enumerate(edges):
+            hi = min(edges[i + 1] - 1 if i + 1 < len(edges) else max_batch, max_batch)
+            if lo > max_batch:
+                break
+            if ranges and ranges[-1][2] == ks[i]:
+                ranges[-1][1] = hi
+            else:
+                ranges.append([lo, hi, ks[i]])
+    return {"num_speculative_tokens_per_batch_size": ranges}

@@ -1,0 +1,126 @@
+"""twostate, bandit, table, oracle and policy files, driven by hand-built states and in the simulator."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from rlsched.config import load_config
+from rlsched.errors import UserError
+from rlsched.policies import OFF, AcceptanceEstimator, EngineState, StepOutcome, Strategy, make_draft_policy
+from rlsched.policies.lookup import TablePolicy, TwoStatePolicy
+from rlsched.policies.policyfile import load_policy_file, save_policy_file
+from rlsched.sim.costmodel import RooflineCostModel
+from rlsched.sim.learn import Learner, vllm_table
+from rlsched.sim.simulate import config_identity, policy_context, simulate
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return load_config("default", overrides=["workload.prompts=16", "rl.steps=1"])
+
+
+@pytest.fixture(scope="module")
+def ctx(cfg):
+    return policy_context(cfg, RooflineCostModel.from_config(cfg))
+
+
+def state(batch, step=0, ctx_per_seq=1000):
+    est = AcceptanceEstimator(["model"], prior_mean=0.7)
+    est.begin_rollout(batch, np.arange(batch))
+    ids = np.arange(batch)
+    return EngineState(0, step, 0.0, ids, np.full(batch, ctx_per_seq), batch * ctx_per_seq, 0, 10**6, est)
+
+
+def test_twostate_solve_turns_sd_off_at_large_batch(ctx):
+    big = policy_context(load_config("default", overrides=["cluster.max_batch=1024"]), ctx.cost)
+    pol = TwoStatePolicy.solve(big)
+    assert 1 <= pol.max_batch_on < big.max_batch and pol.k >= 2
+    assert pol.choose(state(1)) == Strategy("model", pol.k)
+    assert pol.choose(state(pol.max_batch_on + 1)) == OFF
+    assert make_draft_policy("twostate:32:3", ctx).choose(state(32)) == Strategy("model", 3)
+
+
+def test_bandit_learns_the_best_arm_per_bucket(ctx):
+    ctx = policy_context(load_config("default"), ctx.cost)
+    pol = make_draft_policy("bandit:0", ctx)
+    best = Strategy("model", 3)
+    for step in range(60):  # reward: 1000 tok/s for k = 3, 100 for every other arm
+        s = pol.choose(state(8, step))
+        rate = 1000.0 if s == best else 100.0
+        pol.observe(StepOutcome(0, step, s, 8, 0, 0, int(rate), 1.0, 0.0, 1.0))
+    assert pol.choose(state(8, 99)) == best
+    assert pol.choose(state(200, 100)) == OFF  # a new bucket starts with its first untried arm
+
+
+def test_analytic_table_drafts_more_at_small_batch(ctx):
+    table = TablePolicy.analytic(ctx, "model")
+    assert table.choose(state(1)).k > table.choose(state(256)).k
+
+
+def test_oracle_needs_the_truth(cfg):
+    with pytest.raises(UserError, match="only the simulator"):
+        make_draft_policy("oracle", policy_context(cfg))
+
+
+@pytest.mark.parametrize("policy", ["twostate", "bandit", "oracle"])
+def test_adaptive_policies_run_in_the_simulator_deterministically(cfg, policy):
+    a, b = simulate(cfg, policy).summary(), simulate(cfg, policy).summary()
+    assert a == b and a["generation_s"] > 0
+
+
+def test_learn_writes_a_policy_file_that_runs(cfg, tmp_path):
+    learner = Learner(cfg, [0], log=lambda *_: None)
+    pf, t = learner.learn("table")
+    assert learner.evaluations > 1 and t > 0
+    path = tmp_path / "p.json"
+    save_policy_file(path, pf)
+    assert load_policy_file(path, config_identity(cfg)).kind == "table"
+    got = simulate(cfg, f"table:{path}").summary()["generation_s"]
+    assert got == pytest.approx(t, rel=1e-9)  # the learned table reproduces its learning score
+    ranges = vllm_table(pf, cfg.cluster.max_batch, 0.7)["num_speculative_tokens_per_batch_size"]
+    assert ranges[0][0] == 1 and ranges[-1][1] == cfg.cluster.max_batch
+    assert all(a[1] + 1 == b[0] for a, b in zip(ranges, ranges[1:]))
+
+
+def _write(tmp_path, data, name="bad.json"):
+    p = tmp_path / name
+    p.write_text(data if isinstance(data, str) else json.dumps(data))
+    return p
+
+
+@pytest.fixture
+def good_file(cfg, tmp_path):
+    learner = Learner(cfg, [0], evaluate=lambda jobs: [1.0] * len(jobs), log=lambda *_: None)
+    pf, _ = learner.learn("table")
+    return json.loads(pf.model_dump_json())
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: "{not json", "not valid JSON"),
+    (lambda d: {**d, "format": "other"}, "not an rlsched policy file"),
+    (lambda d: {**d, "version": 0}, "format version 0"),
+    (lambda d: {**d, "learned_on": {**d["learned_on"], "model": "llama-3.1-8b"}}, "learned for"),
+    (lambda d: {**d, "drafter": "eagle"}, "lacks"),
+    (lambda d: {**d, "kind": "twostate"}, "twostate params"),
+    (lambda d: {**d, "params": {**d["params"], "k": [[1]]}}, "params.k"),
+])
+def test_bad_policy_files_are_refused(cfg, tmp_path, good_file, mutate, message):
+    path = _write(tmp_path, mutate(good_file))
+    with pytest.raises(UserError, match=message):
+        load_policy_file(path, config_identity(cfg), kinds=("table", "twostate"))
+
+
+def test_bad_policy_file_through_the_cli(tmp_path, good_file):
+    path = _write(tmp_path, {**good_file, "version": 99})
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "rlsched", "simulate", "--policy", f"table:{path}", "--out", str(out),
+                        "--set", "workload.prompts=8"], capture_output=True, text=True, env={"COLUMNS": "400",
+                                                                                              "PATH": ""})
+    assert r.returncode == 2
+    assert len(r.stderr.strip().splitlines()) == 1 and "version 99" in r.stderr
+    assert not out.exists()
