@@ -10,6 +10,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from rlsched import __version__
@@ -92,16 +93,17 @@ def simulate(
     summary.json and the resolved config.yaml to the output folder.
     """
     from rlsched.config import load_config
-    from rlsched.policies.draft import PolicyContext, make_draft_policy
+    from rlsched.policies.draft import make_draft_policy
     from rlsched.policies.realloc import make_realloc_policy
     from rlsched.sim.output import run_and_write
+    from rlsched.sim.simulate import policy_context
 
     overrides = list(set_) + ([f"seed={seed}"] if seed is not None else [])
     if seed is not None and seed < 0:
         raise UserError(f"--seed must be >= 0 (got {seed})")
     cfg = load_config(preset, config, overrides)
     pol = policy or cfg.speculation.policy
-    make_draft_policy(pol, PolicyContext(None, tuple(d.name for d in cfg.drafters), cfg.speculation.k_max))
+    make_draft_policy(pol, policy_context(cfg, true_acceptance=lambda d, ids: None))
     make_realloc_policy(realloc or cfg.cluster.realloc)
     out = out or _default_out(cfg.name, pol, cfg.seed)
     summary = run_and_write(cfg, pol, realloc, out, baseline, err_console)
@@ -135,11 +137,102 @@ def _print_summary(s: dict) -> None:
     out_console.print(t)
 
 
+COMPARE_HELP = (
+    "Simulate several policies side by side on the same seeds and print one table.\n\n"
+    "Every (policy, realloc, seed) combination is simulated. Ratios are formed per seed, then averaged: "
+    "'x off' is off's generation-stage time / the policy's (same seed and realloc); 'x best static' is the "
+    "fastest static:K policy's time on that seed (chosen after the fact among the static:K policies listed) "
+    "/ the policy's. Above 1 is faster. `off` is added as the baseline when it is not listed.\n\n"
+    "Runs go to --workers processes (default: one per CPU); --workers 1 runs them one after the other in this "
+    "process; --ray sends them to a Ray cluster. The numbers are the same either way.\n\n"
+    "Example: rlsched compare -p longtail-grpo --policies off,static:2,static:4,goodput --seeds 3 "
+    "--plot compare.png --out runs/compare/longtail"
+)
+
+
+@app.command(help=COMPARE_HELP)
+def compare(
+    preset: Optional[str] = PresetOpt,
+    config: Optional[Path] = ConfigOpt,
+    set_: list[str] = SetOpt,
+    policies: str = typer.Option("off,static:2,static:4,goodput", "--policies", "-P",
+                                 help="Comma-separated drafting policies, e.g. off,static:2,static:4,goodput "
+                                 "(any name `simulate --policy` takes; only commas separate names)."),
+    realloc: Optional[str] = typer.Option(None, "--realloc", help="Comma-separated reallocation policies, e.g. "
+                                          "none,rebalance (default: the config's cluster.realloc)."),
+    seeds: int = typer.Option(3, "--seeds", help="Number of seeds; every policy runs on each."),
+    first_seed: Optional[int] = typer.Option(None, "--first-seed", help="First seed (default: the config's seed); "
+                                             "seeds are FIRST..FIRST+N-1."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Write a figure (.png or .pdf): speedup over off per "
+                                        "policy, and batch size and k over time for the adaptive policies."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write compare.json (every run's summary and the "
+                                       "aggregate) and compare.parquet (one row per run) to this folder."),
+    workers: Optional[int] = typer.Option(None, "--workers", "-j", help="Worker processes (default: the number of "
+                                          "CPUs); 1 runs serially in this process."),
+    ray: Optional[str] = typer.Option(None, "--ray", help="Run on a Ray cluster at this address ('auto' for the "
+                                      "local one); needs pip install 'rlsched\\[distributed]' on this machine and the same rlsched on "
+                                      "every node; --workers is then ignored."),
+    as_json: bool = JsonOpt,
+):
+    from rlsched.config import load_config
+    from rlsched.sim import compare as cmp
+
+    if workers is not None and workers < 1:
+        raise UserError(f"--workers must be >= 1 (got {workers})")
+    if seeds < 1:
+        raise UserError(f"--seeds must be >= 1 (got {seeds})")
+    cmp.check_out_path(out, plot)
+    if ray is not None:
+        if not ray.strip():
+            raise UserError("--ray needs an address (host:port) or 'auto'")
+        cmp.import_ray()
+    cfg = load_config(preset, config, list(set_))
+    plan = cmp.make_plan(cfg, policies, realloc, seeds, first_seed, trace_instance=0 if plot else None)
+    jobs = plan.jobs()
+    n_workers = workers or cmp.default_workers()
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    where = f"Ray at {ray}" if ray is not None else ("1 process" if n_workers == 1 or len(jobs) == 1
+                                                    else f"{min(n_workers, len(jobs))} processes")
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("runs"), TimeElapsedColumn(), console=err_console, transient=True,
+                  disable=not err_console.is_terminal) as bar:  # a pipe would get a stray blank line
+        task = bar.add_task(f"comparing {len(plan.policies)} policies x {len(plan.reallocs)} realloc x "
+                            f"{len(plan.seeds)} seeds on {where}", total=len(jobs))
+        results = cmp.run_jobs(cfg, jobs, n_workers, ray, on_done=lambda r: bar.advance(task))
+    report = cmp.aggregate(cfg, plan, results)
+    if out is not None:
+        cmp.write_report(report, out)
+    if plot is not None:
+        from rlsched.analysis.plots import plot_compare
+
+        plot_compare(report, cmp.traces_for_plot(plan, results), plot)
+    table = cmp.rich_table(report)
+    if as_json:
+        _print_unwrapped(err_console, table)
+        print(json.dumps(report, indent=2))
+    else:
+        _print_unwrapped(out_console, table)
+        for label, path in (("output", out), ("plot", plot)):
+            if path is not None:
+                out_console.print(f"{label}: {path}", highlight=False)
+
+
+def _print_unwrapped(console: Console, renderable) -> None:
+    """Print; into a pipe or file (no terminal width to respect) at the table's natural width."""
+    if not console.is_terminal:
+        width = console.measure(renderable, options=console.options.update_width(1000)).maximum
+        if width > console.width:
+            console = Console(file=console.file, width=width)
+    console.print(renderable)
+
+
 def main() -> None:
     try:
         app()
     except UserError as e:
-        err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except KeyboardInterrupt:
         err_console.print("interrupted; nothing written")

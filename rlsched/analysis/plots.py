@@ -1,0 +1,96 @@
+"""Figures (matplotlib, headless). Never imports torch, never touches pyplot's global state:
+figures are built with `matplotlib.figure.Figure` and saved through the Agg (PNG) or PDF
+canvas, so they work without a display and inside worker processes."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # in case anything downstream reaches for pyplot: never a GUI backend
+
+from matplotlib.figure import Figure  # noqa: E402
+
+FORMATS = {".png": "png", ".pdf": "pdf"}
+
+
+def save_figure(fig: Figure, path: Path) -> None:
+    """Save atomically (temp file, then rename), the format from the suffix (.png or .pdf)."""
+    path = Path(path)
+    fmt = FORMATS.get(path.suffix.lower())
+    if fmt is None:
+        raise ValueError(f"{path}: the file name must end in .png or .pdf")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        fig.savefig(tmp, format=fmt, dpi=120, bbox_inches="tight")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def compare_figure(report: dict, traces: list[dict]) -> Figure:
+    """(a) speedup over `off` per policy (bars: mean over seeds, whiskers: min-max), one bar
+    per realloc policy; (b) batch size and (c) chosen k over time on one instance in the first
+    RL step of the first seed, one step line per adaptive policy."""
+    reallocs = report["realloc"]
+    policies = report["policies"]
+    panels = 3 if traces else 1
+    fig = Figure(figsize=(max(6.5, 1.1 * len(policies) * max(1, len(reallocs)) + 2), 3.6 + 2.6 * (panels - 1)),
+                 layout="constrained")
+    heights = [1.4] + [1] * (panels - 1)
+    axes = fig.subplots(panels, 1, gridspec_kw={"height_ratios": heights}, squeeze=False)[:, 0]
+
+    ax = axes[0]
+    width = 0.8 / len(reallocs)
+    stats = {(a["policy"], a["realloc"]): a["speedup_vs_off"] for a in report["aggregate"]}
+    for j, realloc in enumerate(reallocs):
+        xs, means, lo, hi = [], [], [], []
+        for i, p in enumerate(policies):
+            st = stats.get((p, realloc))
+            if st is None:
+                continue
+            xs.append(i - 0.4 + width * (j + 0.5))
+            means.append(st["mean"])
+            lo.append(st["mean"] - st["min"])
+            hi.append(st["max"] - st["mean"])
+        bars = ax.bar(xs, means, width * 0.9, yerr=[lo, hi], capsize=3,
+                      label=f"realloc={realloc}" if len(reallocs) > 1 else None)
+        ax.bar_label(bars, labels=[f"{m:.2f}x" for m in means], padding=2, fontsize=8)
+    ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    ax.set_xticks(range(len(policies)), policies)
+    ax.set_ylabel("speedup over off")
+    seeds = report["seeds"]
+    ax.set_title(f"{report['name']}: generation-stage speedup over off "
+                 f"(mean of {len(seeds)} seed(s); whiskers min-max)", fontsize=10)
+    if len(reallocs) > 1:
+        ax.legend(fontsize=8)
+    ax.margins(y=0.15)
+
+    if traces:
+        ax_b, ax_k = axes[1], axes[2]
+        for tr in traces:
+            t = list(tr["time_s"]) + [tr["end_s"]]
+            ax_b.step(t, list(tr["batch"]) + [tr["batch"][-1]], where="post", label=tr["label"], linewidth=1.2)
+            ax_k.step(t, list(tr["k"]) + [tr["k"][-1]], where="post", label=tr["label"], linewidth=1.2)
+        first = traces[0]
+        ax_b.set_ylabel("batch size")
+        ax_b.set_title(f"instance {first['instance']}, RL step {first['rl_step']}, seed {first['seed']}: "
+                       "batch size and chosen k per engine step", fontsize=10)
+        ax_b.legend(fontsize=8)
+        ax_k.set_ylabel("draft length k (0 = off)")
+        ax_k.set_xlabel("time since the rollout began (s)")
+        ax_k.sharex(ax_b)
+        ax_k.yaxis.get_major_locator().set_params(integer=True)
+        ax_k.set_ylim(-0.3, max(max(tr["k"]) for tr in traces) + 0.5)
+        ax_b.set_ylim(bottom=0)
+    return fig
+
+
+def plot_compare(report: dict, traces: list[dict], path: Path) -> None:
+    save_figure(compare_figure(report, traces), path)
