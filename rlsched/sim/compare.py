@@ -186,17 +186,28 @@ def _run_processes(cfg: SimConfig, jobs: list[Job], workers: int, on_done) -> li
     if ctx.get_start_method() == "forkserver":
         ctx.set_forkserver_preload(["rlsched.sim.compare", "rlsched.sim.simulate"])
     results: list[dict | None] = [None] * len(jobs)
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_ignore_sigint)
+    try:
         futures = {pool.submit(run_one, cfg, *job): i for i, job in enumerate(jobs)}
-        try:
-            for fut in as_completed(futures):
-                results[futures[fut]] = fut.result()
-                on_done(results[futures[fut]])
-        except BaseException:
-            for f in futures:
-                f.cancel()
-            raise
+        for fut in as_completed(futures):
+            results[futures[fut]] = fut.result()
+            on_done(results[futures[fut]])
+    except BaseException:
+        # Ctrl-C or a failed run: drop the queue and stop the workers now rather than finish their runs
+        procs = list((getattr(pool, "_processes", None) or {}).values())
+        pool.shutdown(wait=False, cancel_futures=True)
+        for p in procs:
+            p.terminate()
+        raise
+    pool.shutdown(wait=True)
     return results  # type: ignore[return-value]
+
+
+def _ignore_sigint() -> None:
+    """Workers leave Ctrl-C to the parent, which stops them (no traceback from each worker)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def import_ray():
