@@ -219,6 +219,75 @@ def compare(
                 out_console.print(f"{label}: {path}", highlight=False)
 
 
+@app.command()
+def learn(
+    preset: Optional[str] = PresetOpt,
+    config: Optional[Path] = ConfigOpt,
+    set_: list[str] = SetOpt,
+    out: Path = typer.Option(..., "--out", "-o", help="Where to write the policy file (JSON)."),
+    kind: str = typer.Option("table", "--kind", help="table (batch x acceptance buckets -> k) or twostate "
+                             "(ReSpec: off above a batch threshold, one k below)."),
+    seeds: int = typer.Option(1, "--seeds", help="Learning seeds (every candidate is scored on each)."),
+    vllm_table: Optional[Path] = typer.Option(None, "--vllm-table", help="Also write the learned draft length by "
+                                              "batch size as vLLM's num_speculative_tokens_per_batch_size (JSON)."),
+    workers: Optional[int] = typer.Option(None, "--workers", "-j", help="Worker processes (default: the number of "
+                                          "CPUs); 1 runs serially in this process."),
+    ray: Optional[str] = typer.Option(None, "--ray", help="Score candidates on a Ray cluster at this address "
+                                      "('auto' for the local one)."),
+    as_json: bool = JsonOpt,
+):
+    """Learn a drafting policy (and reallocation threshold) in the simulator; write a policy file.
+
+    Starts from the cost model's analytic answer and improves it by simulating candidates on the
+    config's workload: coordinate descent over the table's batch buckets, or a grid over the
+    two-state threshold and k; then a sweep of cluster.realloc_threshold when the config
+    reallocates. Use the file with `--policy table:FILE` (or twostate) in simulate, compare and
+    the executor.
+    """
+    from rlsched.config import load_config
+    from rlsched.policies.policyfile import save_policy_file
+    from rlsched.sim import compare as cmp
+    from rlsched.sim.learn import Learner, parallel_evaluator, vllm_table as to_vllm
+
+    if kind not in ("table", "twostate"):
+        raise UserError(f"--kind '{kind}' is not one of table, twostate")
+    if seeds < 1:
+        raise UserError(f"--seeds must be >= 1 (got {seeds})")
+    if workers is not None and workers < 1:
+        raise UserError(f"--workers must be >= 1 (got {workers})")
+    for path, opt in ((out, "--out"), (vllm_table, "--vllm-table")):
+        if path is not None and path.suffix != ".json":
+            raise UserError(f"{opt} '{path}' must end in .json")
+    if ray is not None:
+        cmp.import_ray()
+    cfg = load_config(preset, config, list(set_))
+    if not cfg.drafters:
+        raise UserError("learn needs at least one drafter in the config (drafters: [...])")
+    n_workers = workers or cmp.default_workers()
+
+    first = cfg.seed
+    learner = Learner(cfg, list(range(first, first + seeds)), parallel_evaluator(n_workers, ray),
+                      log=lambda m: err_console.print(m, highlight=False))
+    pf, score = learner.learn(kind)
+    save_policy_file(out, pf)
+    summary = {"policy_file": str(out), "kind": kind, "params": pf.params, "realloc": pf.realloc.model_dump(),
+               "generation_s": score, "evaluations": learner.evaluations, "seeds": learner.seeds}
+    if vllm_table is not None:
+        table = to_vllm(pf, cfg.cluster.max_batch, cfg.drafters[0].acceptance.mean)
+        vllm_table.parent.mkdir(parents=True, exist_ok=True)
+        vllm_table.write_text(json.dumps(table, indent=2))
+        summary["vllm_table"] = str(vllm_table)
+        summary["num_speculative_tokens_per_batch_size"] = table["num_speculative_tokens_per_batch_size"]
+    if as_json:
+        print(json.dumps(summary, indent=2))
+    else:
+        out_console.print(f"learned {kind} policy: {json.dumps(pf.params)}", highlight=False)
+        out_console.print(f"realloc: {pf.realloc.policy} threshold {pf.realloc.threshold}; "
+                          f"{learner.evaluations} simulations; mean generation stage {score:.2f} s", highlight=False)
+        out_console.print(f"policy file: {out}" + (f"\nvLLM table: {vllm_table}" if vllm_table else ""),
+                          highlight=False)
+
+
 def _print_unwrapped(console: Console, renderable) -> None:
     """Print; into a pipe or file (no terminal width to respect) at the table's natural width."""
     if not console.is_terminal:

@@ -199,7 +199,7 @@ def test_duplicate_and_reserved_drafter_names_refused():
 
 def test_lognormal_min_above_max_refused():
     with pytest.raises(UserError, match="min"):
-        load_config(preset="default", overrides=["workload.response_len.min=5000"])
+        load_config(preset="default", overrides=["workload.response_len.min=9000"])
 
 
 def test_preset_and_config_together_refused(tmp_path):

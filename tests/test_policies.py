@@ -124,3 +124,32 @@ def test_bad_policy_file_through_the_cli(tmp_path, good_file):
     assert r.returncode == 2
     assert len(r.stderr.strip().splitlines()) == 1 and "version 99" in r.stderr
     assert not out.exists()
+
+
+def _cli(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "rlsched", *args], capture_output=True, text=True, cwd=cwd,
+                          env={"COLUMNS": "400", "PATH": ""})
+
+
+def test_learn_end_to_end(tmp_path):
+    r = _cli("learn", "--set", "workload.prompts=8", "--set", "rl.steps=1", "--out", "p.json", "--vllm-table",
+             "v.json", "--json", "-j", "1", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["evaluations"] > 1
+    ranges = json.loads((tmp_path / "v.json").read_text())["num_speculative_tokens_per_batch_size"]
+    assert ranges[0][0] == 1
+    sim = _cli("simulate", "--set", "workload.prompts=8", "--set", "rl.steps=1", "--policy", "table:p.json",
+               "--json", "--no-baseline", "--out", "o", cwd=tmp_path)
+    assert sim.returncode == 0, sim.stderr
+    assert json.loads(sim.stdout)["generation_s"] == pytest.approx(summary["generation_s"], rel=1e-9)
+
+
+@pytest.mark.parametrize("args, field", [
+    (["--kind", "tree"], "--kind"), (["--seeds", "0"], "--seeds"), (["--vllm-table", "v.txt"], "--vllm-table"),
+    (["--set", "drafters=[]"], "drafter"),
+])
+def test_learn_bad_input(tmp_path, args, field):
+    r = _cli("learn", "--out", "p.json", *args, cwd=tmp_path)
+    assert r.returncode == 2 and field in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []

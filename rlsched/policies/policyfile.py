@@ -68,6 +68,7 @@ def save_policy_file(path: Path, pf: PolicyFile) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     with os.fdopen(fd, "w") as f:
         f.write(pf.model_dump_json(indent=2))
+    os.chmod(tmp, 0o644)
     os.replace(tmp, path)
 
 

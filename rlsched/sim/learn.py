@@ -35,6 +35,26 @@ def serial_evaluator(jobs):
     return [simulate(cfg, pol, realloc).summary()["generation_s"] for cfg, pol, realloc in jobs]
 
 
+def parallel_evaluator(workers: int, ray_address: str | None = None) -> Evaluator:
+    """Score runs on worker processes (or Ray) with `rlsched compare`'s runner, grouped by config."""
+    from rlsched.sim.compare import run_jobs
+
+    def evaluate(jobs):
+        times = [0.0] * len(jobs)
+        groups: dict = {}
+        for i, (cfg, pol, realloc) in enumerate(jobs):
+            base = cfg.model_copy(update={"seed": 0})
+            groups.setdefault(base.model_dump_json(), (base, []))[1].append((i, pol, realloc, cfg.seed))
+        for base, items in groups.values():
+            results = run_jobs(base, [(pol, realloc, seed, None) for _, pol, realloc, seed in items], workers,
+                               ray_address)
+            for (i, *_), r in zip(items, results):
+                times[i] = r["summary"]["generation_s"]
+        return times
+
+    return evaluate
+
+
 class Learner:
     def __init__(self, cfg: SimConfig, seeds: list[int], evaluate: Evaluator = serial_evaluator, log=print):
         self.cfg, self.seeds, self.evaluate, self.log = cfg, seeds, evaluate, log
