@@ -1,12 +1,22 @@
 """A generation stage on N data-parallel instances: assignment, completion, reallocation.
 
-The ReallocPolicy is called on events (an instance drains below `realloc_threshold`, or goes
-idle). Its migrations are handed to the source instance and carried out at that instance's
-next step boundary (never in the middle of its step); the moved sequences travel for the
-cheaper of a KV-cache transfer or a re-prefill on arrival, as the cost model says.
+The ReallocPolicy is called on events: sequences finished on an instance ('finished', or
+'drained' when its load - running plus queued - is below `realloc_threshold`), and an instance
+went empty ('idle'). It sees every instance as it will be once the migrations already requested
+have landed (moving sequences count on their destination, as queued). Its migrations are
+handed to the source instance and carried out at that instance's next step boundary (never in
+the middle of its step). Queued sequences move as tokens, free; running ones either ship their
+KV cache (they travel for the transfer time) or are re-prefilled at the destination (a
+prefill step there), chosen per sequence by the cost model when the mode is 'auto'.
+
+A policy with `releases_idle = True` (none, consolidate) gives no work to an instance that
+went empty with nothing on its way: it is freed for the rest of the stage (free for other work,
+such as the drafter update) and `freed_gpu_s` counts its GPU-seconds until the stage ends.
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 import numpy as np
 import simpy
@@ -19,11 +29,29 @@ from rlsched.sim.engine import Instance
 from rlsched.sim.timeline import Timeline
 from rlsched.sim.workload import Rollout
 
+_EMPTY_I = np.zeros(0, dtype=np.int64)
+
 
 def kv_capacity(cfg: SimConfig, cost) -> int:
     if cfg.cluster.kv_capacity_tokens is not None:
         return cfg.cluster.kv_capacity_tokens
     return cost.kv_capacity_tokens(cfg.cluster.gpu_memory_utilization, cfg.cluster.activation_reserve_gib)
+
+
+def split_kv_reprefill(cost: CostModel, ctx: np.ndarray) -> int:
+    """How many of the sequences with these contexts (sorted ascending) to re-prefill at the
+    destination rather than ship as KV: the shortest ones (prefill attention grows with the
+    square of the length, a transfer only linearly); the split with the least charged time
+    (re-prefill of the first s + KV transfer of the rest)."""
+    n = len(ctx)
+    cs = np.concatenate(([0], np.cumsum(ctx)))
+    cs2 = np.concatenate(([0], np.cumsum(ctx * ctx)))
+    best_s, best_t = 0, cost.kv_transfer_time(int(cs[-1]), n)
+    for s in range(1, n + 1):
+        t = cost.prefill_time(int(cs[s]), int(cs2[s])) + cost.kv_transfer_time(int(cs[-1] - cs[s]), n - s)
+        if t < best_t:
+            best_s, best_t = s, t
+    return best_s
 
 
 class GenerationStage:
@@ -45,11 +73,14 @@ class GenerationStage:
         self.instance_of = np.full(n, -1, dtype=np.int32)
         self.preemptions = np.zeros(n, dtype=np.int32)
         self.migrations = np.zeros(n, dtype=np.int32)
-        self.migration_log: list[tuple] = []  # (time, src, dst, n_seqs, ctx_tokens, mode, seconds)
+        # (time, src, dst, n_seqs, ctx_tokens, mode, seconds): seconds of KV transfer, or the
+        # re-prefill's time (charged as a prefill step at the destination), or 0 (queued: tokens)
+        self.migration_log: list[tuple] = []
         self.max_batch = cfg.cluster.max_batch
         self.max_run = cfg.max_steady_run
         self.kv_capacity = capacity
         self.kv_watermark = capacity // 100
+        self.tp = cfg.cluster.tp
         longest = int(self.tot_g.max()) if n else 0
         if longest > capacity - self.kv_watermark:
             raise UserError(f"cluster.kv_capacity_tokens: an instance holds {capacity} KV tokens but a sequence "
@@ -57,9 +88,13 @@ class GenerationStage:
         self.realloc = realloc
         self.realloc_threshold = cfg.cluster.realloc_threshold
         self.realloc_active = realloc.name != "none" and len(policies) > 1
+        self.releases_idle = bool(getattr(realloc, "releases_idle", False))
+        self.freed_at = np.full(len(policies), np.nan)  # seconds into the stage when each instance was freed
+        self.makespan = 0.0
         self.done = env.event()
         self.n_done = 0
-        self._in_motion: set[int] = set()
+        self._in_motion: set[int] = set()  # requested to move, not yet arrived
+        self._incoming: list[dict[int, int]] = [{} for _ in policies]  # per destination: sample id -> context
         estimator.begin_rollout(n, rollout.prompt_of)
         rngs = [np.random.default_rng(s) for s in seed_seq.spawn(len(policies))]
         self.instances = [Instance(i, self, p, r) for i, (p, r) in enumerate(zip(policies, rngs))]
@@ -74,6 +109,12 @@ class GenerationStage:
         yield self.env.all_of([self.env.process(inst.run()) for inst in self.instances])
         self.makespan = self.env.now - self.t0
 
+    @property
+    def freed_gpu_s(self) -> float:
+        """GPU-seconds of instances freed before the stage ended: sum of (end - freed) x tp."""
+        freed = self.freed_at[~np.isnan(self.freed_at)]
+        return float(np.clip(self.makespan - freed, 0.0, None).sum() * self.tp)
+
     # ------------------------------------------------------------------ events from instances
     def finished(self, inst: Instance, ids: np.ndarray) -> None:
         self.t_finish[ids] = self.env.now - self.t0
@@ -82,22 +123,63 @@ class GenerationStage:
         self.n_done += len(ids)
         if self.n_done == self.rollout.n:
             self.done.succeed()
+        elif self.realloc_active and inst.batch:  # an empty instance reports 'idle' at its next boundary
+            load = inst.batch + len(inst.waiting)
+            self.report(inst, "drained" if load < self.realloc_threshold else "finished")
 
     def views(self) -> list[InstanceView]:
-        return [InstanceView(i.idx, i.sid, i.ctx, i.tot - i.ctx, [s for s in i.waiting if s not in self._in_motion],
-                             self.kv_capacity - i.ctx_sum, self.max_batch) for i in self.instances]
+        """Every instance still in the stage, as it will be once requested migrations land."""
+        out = []
+        for i in self.instances:
+            if not np.isnan(self.freed_at[i.idx]):
+                continue
+            sid, ctx, waiting = i.sid, i.ctx, i.waiting
+            kv_free = self.kv_capacity - i.ctx_sum
+            if i.outbox:  # leaving: neither running nor queued here any more
+                gone = {s for m in i.outbox for s in m.sample_ids}
+                leaving = np.isin(sid, np.fromiter(gone, dtype=np.int64, count=len(gone)))
+                if leaving.any():
+                    kv_free += int(ctx[leaving].sum())
+                    sid, ctx = sid[~leaving], ctx[~leaving]
+                waiting = [s for s in waiting if s not in gone]
+            else:
+                waiting = list(waiting)
+            incoming = self._incoming[i.idx]
+            if incoming:  # arriving: queued here, ahead of the local queue
+                waiting = list(incoming) + waiting
+                kv_free -= sum(incoming.values())
+            out.append(InstanceView(i.idx, sid, ctx, None, waiting, kv_free, self.max_batch))
+        return out
 
     def report(self, inst: Instance, kind: str) -> None:
-        """An instance drained or went idle: ask the ReallocPolicy what to move."""
-        if not self.realloc_active or self.done.triggered:
+        """Sequences finished on an instance, or it went empty: ask the ReallocPolicy what to
+        move; free an instance that went empty for good (when the policy releases idle ones)."""
+        if self.done.triggered:
             return
-        event = ReallocEvent(kind, inst.idx, self.env.now - self.t0, self.views())
-        for m in self.realloc.on_event(event, self.cost):
-            ids = tuple(s for s in m.sample_ids if s not in self._in_motion)
-            if not ids or m.src == m.dst:
-                continue
-            self._in_motion.update(ids)
-            self.instances[m.src].outbox.append(Migration(m.src, m.dst, ids, m.mode))
+        if self.realloc_active:
+            event = ReallocEvent(kind, inst.idx, self.env.now - self.t0, self.views())
+            for m in self.realloc.on_event(event, self.cost):
+                self._request(m)
+        if (kind == "idle" and self.releases_idle and not inst.waiting and not inst.outbox
+                and not self._incoming[inst.idx]):
+            self.freed_at[inst.idx] = self.env.now - self.t0
+
+    def _request(self, m: Migration) -> None:
+        n_inst = len(self.instances)
+        if m.src == m.dst or not (0 <= m.src < n_inst and 0 <= m.dst < n_inst) or not np.isnan(self.freed_at[m.dst]):
+            return
+        src, incoming = self.instances[m.src], self._incoming[m.dst]
+        on_src = set(src.waiting)
+        on_src.update(src.sid.tolist())
+        ids = tuple(s for s in dict.fromkeys(int(s) for s in m.sample_ids) if s in on_src and s not in self._in_motion)
+        if not ids:
+            return
+        self._in_motion.update(ids)
+        ctx_g = self.ctx_g
+        pos = {s: j for j, s in enumerate(src.sid.tolist())}
+        for s in ids:
+            incoming[s] = int(src.ctx[pos[s]]) if s in pos else int(ctx_g[s])
+        src.outbox.append(Migration(m.src, m.dst, ids, m.mode))
 
     # ------------------------------------------------------------------ migration
     def carry_out(self, src: Instance) -> None:
@@ -106,32 +188,51 @@ class GenerationStage:
             wanted = set(m.sample_ids)
             queued = [s for s in src.waiting if s in wanted]
             if queued:
-                src.waiting = type(src.waiting)(s for s in src.waiting if s not in wanted)
+                src.waiting = deque(s for s in src.waiting if s not in wanted)
             keep = ~np.isin(src.sid, np.fromiter(wanted, dtype=np.int64, count=len(wanted)))
-            running = src.take_rows(keep) if not keep.all() else np.zeros(0, dtype=np.int64)
-            self._in_motion.difference_update(wanted)
+            running = src.take_rows(keep) if not keep.all() else _EMPTY_I
+            gone = wanted.difference(queued, running.tolist())  # finished before the boundary
+            for s in gone:
+                self._in_motion.discard(s)
+                self._incoming[m.dst].pop(s, None)
             if queued:  # not started, or waiting to recompute: only tokens move
                 self._send(src.idx, m.dst, np.asarray(queued, dtype=np.int64), "tokens", 0.0)
             if len(running):
-                ctx = int(self.ctx_g[running].sum())
-                t_kv = self.cost.kv_transfer_time(ctx, len(running))
-                t_re = self.cost.prefill_time(ctx, int((self.ctx_g[running] ** 2).sum()))
-                use_kv = m.mode == "kv" or (m.mode == "auto" and t_kv <= t_re)
-                if not use_kv:
-                    self.prefill_g[running] = self.ctx_g[running]
-                self._send(src.idx, m.dst, running, "kv" if use_kv else "reprefill", t_kv if use_kv else 0.0)
+                if m.mode == "kv":
+                    n_re = 0
+                elif m.mode == "reprefill":
+                    n_re = len(running)
+                else:
+                    running = running[np.argsort(self.ctx_g[running], kind="stable")]
+                    n_re = split_kv_reprefill(self.cost, self.ctx_g[running])
+                re, kv = running[:n_re], running[n_re:]
+                if len(re):
+                    c = self.ctx_g[re]
+                    self.prefill_g[re] = c
+                    self._send(src.idx, m.dst, re, "reprefill", self.cost.prefill_time(int(c.sum()), int((c * c).sum())),
+                               travel=False)
+                if len(kv):
+                    self._send(src.idx, m.dst, kv, "kv", self.cost.kv_transfer_time(int(self.ctx_g[kv].sum()), len(kv)))
         src.outbox.clear()
 
-    def _send(self, src: int, dst: int, ids: np.ndarray, mode: str, seconds: float) -> None:
+    def _send(self, src: int, dst: int, ids: np.ndarray, mode: str, seconds: float, travel: bool = True) -> None:
         self.migrations[ids] += 1
         self.migration_log.append((self.env.now - self.t0, src, dst, len(ids), int(self.ctx_g[ids].sum()), mode,
                                    seconds))
-        if seconds <= 0:
-            self.instances[dst].receive(ids.tolist())
+        if seconds <= 0 or not travel:
+            self._arrive(dst, ids)
             return
 
-        def travel():
+        def transfer():
             yield self.env.timeout(seconds)
-            self.instances[dst].receive(ids.tolist())
+            self._arrive(dst, ids)
 
-        self.env.process(travel())
+        self.env.process(transfer())
+
+    def _arrive(self, dst: int, ids: np.ndarray) -> None:
+        ids = ids.tolist()
+        incoming = self._incoming[dst]
+        for s in ids:
+            incoming.pop(s, None)
+        self._in_motion.difference_update(ids)
+        self.instances[dst].receive(ids)

@@ -43,7 +43,6 @@ class Instance:
         self.wake = None
         self.steps = 0
         self.busy = 0.0
-        self.below_threshold = False
         self._exp = np.zeros(0)
         self._exp_pos = 0
 
@@ -212,8 +211,6 @@ class Instance:
                         record((rl_step, self.idx, self.steps, t0 - st.t0, KIND_PREFILL, self.batch, -1, 0, 1,
                                 0, 0, 0, 0.0, t_pre, n_pre))
                     self.steps += 1
-                if self.batch and self.below_threshold and self.batch >= st.realloc_threshold:
-                    self.below_threshold = False
             b = self.batch
             # new work can arrive between steps (migrations) or be admitted: step one by one
             block_blocked = st.realloc_active or (self.waiting and b < st.max_batch)
@@ -285,6 +282,3 @@ class Instance:
             self.steps += 1
             if self.ctx_sum > st.kv_capacity:
                 self._preempt_if_full()
-            if st.realloc_active and 0 < self.batch < st.realloc_threshold and not self.below_threshold:
-                self.below_threshold = True
-                st.report(self, "drained")

@@ -101,6 +101,7 @@ class SimResult:
             },
             "preemptions": int(sum(int(r.stage.preemptions.sum()) for r in recs)),
             "migrations": int(sum(sum(m[3] for m in r.stage.migration_log) for r in recs)),
+            "freed_gpu_s": float(sum(r.stage.freed_gpu_s for r in recs)),  # sum of (stage end - freed) x tp
         }
         if self.timeline.enabled and len(self.timeline):
             c = self.timeline.arrays()
