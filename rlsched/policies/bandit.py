@@ -15,7 +15,8 @@ ARM_KS = (1, 2, 3, 4, 6, 8)
 class BanditPolicy:
     """Buckets by batch size (powers of two); arms are off and (drafter, k); the reward of a
     step is its tokens per second. Untried arms of a bucket go first, then the best arm, or a
-    random one with probability epsilon. The statistics are shared by the instances of one
+    random one with probability epsilon / sqrt(1 + visits / 100): exploration fades as a bucket
+    is learned, so its cost does not last the whole run. The statistics are shared by the instances of one
     cluster (they see the same hardware), each instance explores with its own random stream."""
 
     name = "bandit"
@@ -38,7 +39,7 @@ class BanditPolicy:
         untried = np.flatnonzero(stats[0] == 0)
         if len(untried):
             arm = int(untried[0])
-        elif self._rng.random() < self.epsilon:
+        elif self._rng.random() < self.epsilon / np.sqrt(1.0 + stats[0].sum() / 100.0):
             arm = int(self._rng.integers(len(self.arms)))
         else:
             arm = int(np.argmax(stats[1]))

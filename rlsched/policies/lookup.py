@@ -49,8 +49,10 @@ class TwoStatePolicy:
 
     @classmethod
     def solve(cls, ctx: PolicyContext, drafter: str | None = None) -> "TwoStatePolicy":
-        """The offline solve over the cost model: k that gains most on average over the batch
-        sizes where speculation pays, then the largest batch where that k still beats off."""
+        """The offline solve over the cost model: the k with the largest gain over the batch
+        sizes where speculation pays, each batch size weighted by its tokens per step (a
+        rollout makes most of its tokens at large batch), then the largest batch where that k
+        still beats off."""
         if ctx.cost is None:
             return cls(ctx, drafter or ctx.drafters[0], 0, 1)  # a placeholder for name checks only
         best = None
@@ -58,10 +60,11 @@ class TwoStatePolicy:
             grid = batch_grid(ctx.max_batch)
             r = np.array([rates(ctx, d, b, ctx.prior(d)) for b in grid])  # (batches, k_max + 1)
             gain = r[:, 1:] / r[:, :1]
-            k = int(np.argmax(np.where(gain > 1, np.log(gain), 0).sum(axis=0))) + 1
+            weight = np.asarray(grid, dtype=float)[:, None]
+            k = int(np.argmax((weight * np.log(np.maximum(gain, 1))).sum(axis=0))) + 1
             pays = [b for b, g in zip(grid, gain[:, k - 1]) if g > 1]
             threshold = max(pays) if pays else 0
-            score = float(np.log(np.maximum(gain[:, k - 1], 1)).sum())
+            score = float((weight[:, 0] * np.log(np.maximum(gain[:, k - 1], 1))).sum())
             if best is None or score > best[0]:
                 best = (score, d, threshold, k)
         return cls(ctx, best[1], best[2], best[3])

@@ -1,0 +1,111 @@
+"""Every drafting policy on the shipped presets, side by side on the same seeds.
+
+For each preset: a table policy is learned on seed 0 (`rlsched learn`), then off, static k,
+goodput, twostate, bandit, the learned table and the oracle are compared on 5 other seeds
+(ratios per seed against off and against the best static k chosen after the fact). The
+uneven-load preset is also run with and without reallocation.
+
+Usage: python bench/policies.py [--seeds N] [--workers N] [--presets a,b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from _common import RESULTS, table, write_result
+
+from rlsched.config import load_config
+from rlsched.policies.policyfile import save_policy_file
+from rlsched.sim import compare as cmp
+from rlsched.sim.learn import Learner, parallel_evaluator
+
+STATIC = "static:1,static:2,static:3,static:4,static:6"
+ADAPTIVE = "goodput,twostate,bandit,{table},oracle"
+PRESETS = {"longtail-grpo": "none", "low-acceptance": "none", "uneven-load": "none,rebalance"}
+
+
+def run_preset(name: str, realloc: str, seeds: int, workers: int) -> dict:
+    cfg = load_config(name)
+    learner = Learner(cfg, [0], parallel_evaluator(workers), log=lambda m: print(f"  [{name}] {m}", file=sys.stderr))
+    pf, _ = learner.learn("table")
+    path = RESULTS / f"policy-{name}.json"
+    save_policy_file(path, pf)
+    policies = f"off,{STATIC},{ADAPTIVE.format(table=f'table:{path}')}"
+    plan = cmp.make_plan(cfg, policies, realloc, seeds, 1)
+    results = cmp.run_jobs(cfg, plan.jobs(), workers)
+    report = cmp.aggregate(cfg, plan, results)
+    report["learned_policy"] = {"file": str(path.relative_to(RESULTS.parent.parent)), "params": pf.params,
+                                "evaluations": learner.evaluations}
+    return report
+
+
+def rows_of(report: dict) -> list[list]:
+    rows = []
+    for a in report["aggregate"]:
+        name = "table (learned)" if a["policy"].startswith("table:") else a["policy"]
+        vs_best = a["ratio_vs_best_static"]
+        rows.append([report["name"], name, a["realloc"], a["generation_s"]["mean"], a["speedup_vs_off"]["mean"],
+                     vs_best["mean"] if vs_best else "", f"{vs_best['min']:.3f}-{vs_best['max']:.3f}" if vs_best else "",
+                     a["mean_accept_len"]["mean"] if a["mean_accept_len"] else ""])
+    return rows
+
+
+def per_seed(report: dict, policy_prefix: str, key: str, realloc: str = "none") -> list[float]:
+    return [r[key] for r in report["runs"] if r["policy"].startswith(policy_prefix) and r["realloc"] == realloc]
+
+
+def checks_of(reports: dict) -> dict:
+    out = {}
+    lt = reports.get("longtail-grpo")
+    if lt:
+        gen = {(r["policy"].split(":")[0] if r["policy"].startswith("table:") else r["policy"], r["seed"]):
+               r["summary"]["generation_s"] for r in lt["runs"] if r["realloc"] == "none"}
+        seeds = lt["seeds"]
+        for p in ("goodput", "table"):
+            out[f"longtail_{p}_within_3pct_of_oracle"] = all(gen[(p, s)] <= 1.03 * gen[("oracle", s)] for s in seeds)
+            out[f"longtail_{p}_5pct_faster_than_best_static"] = all(
+                v >= 1.05 for v in per_seed(lt, p, "ratio_vs_best_static"))
+        out["longtail_bandit_matches_best_static"] = all(v >= 1.0 for v in per_seed(lt, "bandit", "ratio_vs_best_static"))
+    la = reports.get("low-acceptance")
+    if la:
+        out["low_acceptance_no_adaptive_policy_1pct_slower_than_off"] = all(
+            v >= 1 / 1.01 for p in ("goodput", "twostate", "bandit", "table") for v in per_seed(la, p, "speedup_vs_off"))
+    ul = reports.get("uneven-load")
+    if ul:
+        g = {(r["policy"], r["realloc"], r["seed"]): r["summary"]["generation_s"] for r in ul["runs"]}
+        cuts = [1 - g[("goodput", "rebalance", s)] / g[("goodput", "none", s)] for s in ul["seeds"]]
+        out["uneven_rebalance_cut_per_seed"] = [round(c, 3) for c in cuts]
+        out["uneven_rebalance_15pct_faster_than_none_on_average"] = sum(cuts) / len(cuts) >= 0.15
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--presets", default=",".join(PRESETS))
+    args = ap.parse_args()
+    t0 = time.time()
+    reports = {}
+    for name in args.presets.split(","):
+        reports[name] = run_preset(name, PRESETS[name], args.seeds, args.workers)
+        print(f"  [{name}] done ({time.time() - t0:.0f} s)", file=sys.stderr)
+    rows = [row for rep in reports.values() for row in rows_of(rep)]
+    text = table(["preset", "policy", "realloc", "gen s (mean)", "x off", "x best static", "range", "accept len"],
+                 rows)
+    checks = checks_of(reports)
+    lines = "\n".join(f"{'PASS' if ok is True else 'FAIL' if ok is False else '    '}  {k}"
+                      + ("" if isinstance(ok, bool) else f": {ok}") for k, ok in checks.items())
+    seeds = f"learned on seed 0; compared on seeds 1..{args.seeds}; ratios per seed, then averaged"
+    print(f"{text}\n{seeds}\n\n{lines}\n({time.time() - t0:.0f} s)")
+    slim = {n: {k: v for k, v in r.items() if k not in ("config",)} for n, r in reports.items()}
+    path = write_result("policies", {"reports": slim, "checks": checks}, f"{text}\n{seeds}\n\n{lines}")
+    print(f"results: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
