@@ -37,7 +37,9 @@ def state(batch, step=0, ctx_per_seq=1000):
 
 
 def test_twostate_solve_turns_sd_off_at_large_batch(ctx):
-    big = policy_context(load_config("default", overrides=["cluster.max_batch=1024"]), ctx.cost)
+    short = ["cluster.max_batch=1024", "workload.prompt_len={dist: fixed, value: 64}",
+             "workload.response_len={dist: fixed, value: 128}"]  # short contexts: compute-bound at large batch
+    big = policy_context(load_config("default", overrides=short), ctx.cost)
     pol = TwoStatePolicy.solve(big)
     assert 1 <= pol.max_batch_on < big.max_batch and pol.k >= 2
     assert pol.choose(state(1)) == Strategy("model", pol.k)
