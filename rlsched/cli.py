@@ -78,7 +78,7 @@ def simulate(
     config: Optional[Path] = ConfigOpt,
     policy: Optional[str] = typer.Option(None, "--policy", help="Drafting policy: off, static:K, goodput "
                                          "(default: the config's speculation.policy)."),
-    realloc: Optional[str] = typer.Option(None, "--realloc", help="Reallocation policy: none, rebalance "
+    realloc: Optional[str] = typer.Option(None, "--realloc", help="Reallocation policy: none, rebalance, consolidate "
                                           "(default: the config's cluster.realloc)."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output folder (default runs/simulate/NAME-POLICY-seedN)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed (overrides the config's seed)."),

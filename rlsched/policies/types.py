@@ -153,7 +153,7 @@ class Migration:
 
 @dataclass(slots=True)
 class ReallocEvent:
-    kind: str  # 'drained' (batch fell below threshold) or 'idle'
+    kind: str  # 'finished' (sequences ended), 'drained' (running + queued below threshold) or 'idle'
     instance: int
     time: float
     views: list[InstanceView] = field(default_factory=list)

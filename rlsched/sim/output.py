@@ -25,7 +25,7 @@ from rlsched.traces.writer import to_table, write_table
 def run_with_progress(cfg: SimConfig, policy: str, realloc: str | None, console: Console, label: str) -> SimResult:
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                   TextColumn("{task.completed}/{task.total} RL steps"), TimeElapsedColumn(),
-                  console=console, transient=True) as bar:
+                  console=console, transient=True, disable=not console.is_terminal) as bar:
         task = bar.add_task(label, total=cfg.rl.steps)
         return simulate(cfg, policy, realloc, progress=lambda n: bar.update(task, completed=n))
 
