@@ -155,3 +155,24 @@ def test_learn_bad_input(tmp_path, args, field):
     r = _cli("learn", "--out", "p.json", *args, cwd=tmp_path)
     assert r.returncode == 2 and field in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert list(tmp_path.iterdir()) == []
+
+
+def test_per_sequence_drafting_gives_likely_sequences_longer_drafts(cfg):
+    truth = np.linspace(0.3, 0.95, 64)
+    ctx = policy_context(cfg, RooflineCostModel.from_config(cfg), lambda d, ids: truth[ids])
+    pol = make_draft_policy("oracle:seq", ctx)
+    s = pol.choose(state(64, ctx_per_seq=2000))
+    assert s.per_seq is not None and s.per_seq.min() < s.per_seq.max()
+    assert (np.diff(s.per_seq) >= 0).all()  # more likely, longer
+    # better than every uniform k by the policy's own yardstick
+    a, cost = truth, ctx.cost
+    def rate(ks):
+        return ((1 - a ** (ks + 1)) / (1 - a)).sum() / (cost.draft_time_per_seq("model", ks, 128000)
+                                                       + cost.verify_time(64, 1 + ks.mean(), 128000))
+    assert all(rate(s.per_seq) >= rate(np.full(64, k)) for k in range(1, 9))
+
+
+def test_seqgoodput_runs_and_conserves_tokens(cfg):
+    res = simulate(cfg, "seqgoodput")
+    tl, samples = res.timeline_frame(), res.samples_frame()
+    assert tl[tl.kind == "decode"].emitted.sum() == samples.response_len.sum()

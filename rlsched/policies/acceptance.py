@@ -68,8 +68,8 @@ class AcceptanceEstimator:
         succ, fail = s.succ[ids], s.fail[ids]
         return (prior * self.sample_strength + succ) / (self.sample_strength + succ + fail)
 
-    def update(self, drafter: str, ids: np.ndarray, accepted: np.ndarray, k: int) -> None:
-        """Record a chain step: `accepted[i]` of `k` drafts accepted for sample `ids[i]`.
+    def update(self, drafter: str, ids: np.ndarray, accepted: np.ndarray, k) -> None:
+        """Record a chain step: `accepted[i]` of `k` (or `k[i]`) drafts accepted for sample `ids[i]`.
 
         Steps over the same batch (the same `ids` array object, one per engine between batch
         changes) are summed and applied when that batch is read or any sample finishes, so an

@@ -105,11 +105,19 @@ class GoodputPolicy:
         self._last = None  # (batch, ctx_tokens, step, strategy)
 
     def choose(self, state: EngineState) -> Strategy:
-        b, ctx = state.batch, state.ctx_tokens
         last = self._last
-        if (last is not None and last[0] == b and ctx <= last[1] * (1 + self.ctx_tolerance)
-                and state.step - last[2] < self.refresh):
+        if (last is not None and self._same_batch(last, state)
+                and state.ctx_tokens <= last[1] * (1 + self.ctx_tolerance) and state.step - last[2] < self.refresh):
             return last[3]
+        best = self._decide(state)
+        self._last = (state.batch, state.ctx_tokens, state.step, best, state.sample_ids)
+        return best
+
+    def _same_batch(self, last, state: EngineState) -> bool:
+        return last[0] == state.batch
+
+    def _decide(self, state: EngineState) -> Strategy:
+        b, ctx = state.batch, state.ctx_tokens
         best, best_rate = OFF, b / self.cost.verify_time(b, 1, ctx)
         for d in self.drafters:
             tokens = expected_tokens(self._acceptance(state, d), self.k_max)[1:]
@@ -118,7 +126,6 @@ class GoodputPolicy:
             j = int(np.argmax(rates))
             if rates[j] > best_rate:
                 best, best_rate = Strategy(d, int(self._ks[j])), float(rates[j])
-        self._last = (b, ctx, state.step, best)
         return best
 
     def _acceptance(self, state: EngineState, drafter: str) -> np.ndarray:
@@ -138,17 +145,51 @@ class GoodputPolicy:
         pass
 
 
-class OraclePolicy(GoodputPolicy):
-    """The goodput rule with every sequence's true acceptance and the true costs, re-derived
-    every step: an upper bound for reports (the simulator alone can build it), never a
-    product policy."""
+class SeqGoodputPolicy(GoodputPolicy):
+    """rlsched's rule: every sequence gets its own draft length (a ragged verify), so likely
+    sequences draft long and unlikely ones short or not at all. For a given number of draft
+    tokens the most expected tokens come from the largest marginal gains a_i^j, so the
+    candidates are thresholds tau (k_i = how many j <= k_max have a_i^j >= tau), plus the
+    uniform k's; each is priced by the cost model (ragged drafting, verify of sum(k_i + 1)
+    tokens) and the best rate against plain decoding wins."""
 
-    name = "oracle"
+    name = "seqgoodput"
+    _LOG_TAUS = np.log(np.geomspace(0.02, 0.98, 24))[:, None]
+
+    def _same_batch(self, last, state: EngineState) -> bool:
+        return last[4] is state.sample_ids  # per-row lengths belong to these very rows
+
+    def _decide(self, state: EngineState) -> Strategy:
+        b, ctx = state.batch, state.ctx_tokens
+        best, best_rate = OFF, b / self.cost.verify_time(b, 1, ctx)
+        for d in self.drafters:
+            a = np.clip(self._acceptance(state, d), 1e-6, 1 - 1e-6)
+            by_tau = np.clip(np.floor(self._LOG_TAUS / np.log(a)), 0, self.k_max).astype(np.int64)
+            ks = np.concatenate((by_tau, np.repeat(self._ks[:, None], b, axis=1)))  # (candidates, batch)
+            tokens = ((1 - a ** (ks + 1)) / (1 - a)).sum(axis=1)
+            times = self.cost.draft_time_per_seq(d, ks, ctx) + self.cost.verify_time(b, 1 + ks.mean(axis=1), ctx)
+            rates = tokens / np.maximum(times, 1e-12)
+            rates[ks.max(axis=1) == 0] = 0.0
+            j = int(np.argmax(rates))
+            if rates[j] > best_rate:
+                best, best_rate = Strategy(d, int(ks[j].max()), per_seq=ks[j]), float(rates[j])
+        return best
+
+    def steady_steps(self, state: EngineState, strategy: Strategy, max_growth: int) -> int:
+        last = self._last
+        if last is None or last[4] is not state.sample_ids:
+            return 0
+        return super().steady_steps(state, strategy, max_growth)
+
+
+class _Truth:
+    """Mixin: the simulator's true acceptance instead of estimates, re-derived every step."""
+
     needs_acceptance = False
 
     def __init__(self, ctx: PolicyContext):
         if ctx.true_acceptance is None:
-            raise UserError("policy 'oracle' needs the true acceptance of every sequence: only the simulator has it")
+            raise UserError(f"policy '{self.name}' needs the true acceptance of every sequence: only the simulator has it")
         super().__init__(ctx, refresh=1, ctx_tolerance=0.0)
         self._truth = ctx.true_acceptance
 
@@ -156,8 +197,21 @@ class OraclePolicy(GoodputPolicy):
         return self._truth(drafter, state.sample_ids)
 
 
-DRAFT_POLICIES = ("off, static:K[:DRAFTER], goodput[:REFRESH], twostate[:MAX_BATCH:K], bandit[:EPSILON], "
-                  "table:POLICY.json, oracle (simulator only)")
+class OraclePolicy(_Truth, GoodputPolicy):
+    """The goodput rule (one k per step) with every sequence's true acceptance and the true
+    costs: an upper bound for reports, never a product policy."""
+
+    name = "oracle"
+
+
+class SeqOraclePolicy(_Truth, SeqGoodputPolicy):
+    """The per-sequence rule with the true acceptance: the bound for per-sequence policies."""
+
+    name = "oracle:seq"
+
+
+DRAFT_POLICIES = ("off, static:K[:DRAFTER], goodput[:REFRESH], seqgoodput[:REFRESH], twostate[:MAX_BATCH:K], "
+                  "bandit[:EPSILON], table:POLICY.json, oracle or oracle:seq (simulator only)")
 
 
 def make_draft_policy(spec: str, ctx: PolicyContext):
@@ -167,15 +221,16 @@ def make_draft_policy(spec: str, ctx: PolicyContext):
     from rlsched.policies.policyfile import load_policy_file
 
     name, _, arg = spec.strip().partition(":")
-    needs_drafter = name in ("goodput", "twostate", "bandit", "table", "oracle") or (name == "static" and arg not in ("0", ""))
+    needs_drafter = name in ("goodput", "seqgoodput", "twostate", "bandit", "table", "oracle") or (name == "static" and arg not in ("0", ""))
     if needs_drafter and not ctx.drafters:
         raise UserError(f"policy '{spec}' needs at least one drafter in the config (drafters: [...])")
     if name == "off" and not arg:
         return OffPolicy()
-    if name == "goodput":
+    if name in ("goodput", "seqgoodput"):
         if arg and (not arg.isdigit() or int(arg) < 1):
-            raise UserError(f"policy '{spec}': the refresh interval must be a whole number >= 1, as in goodput:1")
-        return GoodputPolicy(ctx, refresh=int(arg) if arg else 32)
+            raise UserError(f"policy '{spec}': the refresh interval must be a whole number >= 1, as in {name}:1")
+        cls = GoodputPolicy if name == "goodput" else SeqGoodputPolicy
+        return cls(ctx, refresh=int(arg) if arg else 32)
     if name == "static":
         k_str, _, drafter = arg.partition(":")
         if not k_str.isdigit():
@@ -187,8 +242,8 @@ def make_draft_policy(spec: str, ctx: PolicyContext):
         if drafter not in ctx.drafters:
             raise UserError(f"policy '{spec}': unknown drafter '{drafter}'; the config has {', '.join(ctx.drafters)}")
         return StaticPolicy(drafter, k)
-    if name == "oracle" and not arg:
-        return OraclePolicy(ctx)
+    if name == "oracle" and arg in ("", "seq"):
+        return OraclePolicy(ctx) if not arg else SeqOraclePolicy(ctx)
     if name == "twostate":
         if not arg:
             return TwoStatePolicy.solve(ctx)

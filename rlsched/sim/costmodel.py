@@ -87,6 +87,24 @@ class RooflineCostModel:
             return np.full(shape, host) if shape else host
         return k * (fwd.time(batch, width, ctx_tokens) + self._fwd_oh)
 
+    def draft_time_per_seq(self, drafter: str, ks: np.ndarray, ctx_tokens):
+        """Drafting ragged lengths: forward j runs over the sequences that draft >= j tokens.
+        `ks` is (..., batch): leading axes price several allocations at once; `ctx_tokens`
+        (the batch's total context) is a number or matches the leading axes."""
+        kind, fwd = self._drafters[drafter]
+        ks = np.asarray(ks)
+        batch = ks.shape[-1]
+        if fwd is None:  # host matching: one pass over the sequences that draft at all
+            n = (ks > 0).sum(axis=-1)
+            return np.where(n > 0, self._host_base + self._host_seq * n, 0.0)
+        k_max = int(ks.max(initial=0))
+        if k_max == 0:
+            return np.zeros(ks.shape[:-1]) if ks.ndim > 1 else 0.0
+        active = (ks[..., None] >= np.arange(1, k_max + 1)).sum(axis=-2)  # (..., k_max)
+        ctx = np.asarray(ctx_tokens, dtype=float)[..., None] * active / batch
+        per = np.where(active > 0, fwd.time(active, 1, ctx) + self._fwd_oh, 0.0)
+        return per.sum(axis=-1)
+
     def prefill_time(self, n_tokens: int, sum_sq_tokens: int | None = None) -> float:
         """Prefill of prompts totalling n_tokens; attention is quadratic in each length
         (sum_sq_tokens = sum of squared lengths; defaults to one sequence)."""

@@ -66,8 +66,9 @@ class Instance:
         self._exp_pos += n
         return out
 
-    def _draw_accepted(self, d: int, k: int, width: int, n: int) -> np.ndarray:
-        """Accepted drafts of each row for n steps, shape (n, batch)."""
+    def _draw_accepted(self, d: int, k, width: int, n: int) -> np.ndarray:
+        """Accepted drafts of each row for n steps, shape (n, batch); `k` is one draft length
+        or one per row."""
         ninv = self.ninv[:, d]
         if width > 1:  # a tree level passes if any of `width` candidates is accepted
             ninv = -1.0 / np.log1p(-np.exp(width * np.log1p(-np.exp(-1.0 / np.maximum(ninv, 1e-300)))))
@@ -166,14 +167,18 @@ class Instance:
             self.ctx += n
             acc_total, d = 0, -1
         else:
-            k, d = strat.k, st.drafter_idx[strat.drafter]
-            acc = self._draw_accepted(d, k, strat.width, n)
+            d = st.drafter_idx[strat.drafter]
+            ks = strat.k if strat.per_seq is None else strat.per_seq
+            acc = self._draw_accepted(d, ks, strat.width, n)
             emitted = acc.sum(axis=1) + b
             ctx_at = self.ctx_sum + np.concatenate(([0], np.cumsum(emitted[:-1])))
-            t_draft = cost.draft_time(strat.drafter, b, k, ctx_at, strat.width)
+            if strat.per_seq is None:
+                t_draft = cost.draft_time(strat.drafter, b, strat.k, ctx_at, strat.width)
+            else:
+                t_draft = cost.draft_time_per_seq(strat.drafter, strat.per_seq, ctx_at)
             t_verify = cost.verify_time(b, strat.tokens_per_seq, ctx_at)
             if learn_acceptance and strat.width == 1:
-                self.stage.estimator.update_many(strat.drafter, self.sid, acc, k)
+                self.stage.estimator.update_many(strat.drafter, self.sid, acc, ks)
             self.ctx += acc.sum(axis=0) + n
         dt = t_draft + t_verify
         total = float(dt.sum())
@@ -185,7 +190,7 @@ class Instance:
             starts = t0 - st.t0 + np.concatenate(([0.0], np.cumsum(dt[:-1])))
             st.timeline.append_run(
                 (st.rl_step, self.idx, np.arange(self.steps, self.steps + n), starts, KIND_DECODE, b, d, strat.k,
-                 strat.width, b * strat.k, emitted - b if d >= 0 else 0, emitted, t_draft, t_verify, ctx_at), n)
+                 strat.width, round(b * strat.drafted_per_seq), emitted - b if d >= 0 else 0, emitted, t_draft, t_verify, ctx_at), n)
         self.steps += n
 
     # ------------------------------------------------------------------ the process
@@ -245,17 +250,20 @@ class Instance:
                 self.ctx += 1
                 emitted, acc, drafted, max_adv = b, None, 0, 1
             else:
-                k, w = strat.k, strat.width
+                k, w, ks = strat.k, strat.width, strat.per_seq
                 d = drafter_idx[strat.drafter]
-                t_draft = cost.draft_time(strat.drafter, b, k, ctx_sum, w)
+                if ks is None:
+                    t_draft, drafted, ks = cost.draft_time(strat.drafter, b, k, ctx_sum, w), b * k, k
+                else:
+                    t_draft, drafted = float(cost.draft_time_per_seq(strat.drafter, ks, ctx_sum)), int(add(ks))
                 t_verify = cost.verify_time(b, strat.tokens_per_seq, ctx_sum)
-                acc = self._draw_accepted(d, k, w, 1)[0]
+                acc = self._draw_accepted(d, ks, w, 1)[0]
                 yield env.timeout(t_draft + t_verify)
                 if learn_acceptance and w == 1:  # tree outcomes are per level, not per token
-                    est.update(strat.drafter, sid, acc, k)
+                    est.update(strat.drafter, sid, acc, ks)
                 adv = acc + 1
                 self.ctx += adv  # may overshoot a row's end; trimmed below when it finishes
-                emitted, drafted, max_adv = int(add(adv)), b * k, k + 1
+                emitted, max_adv = int(add(adv)), k + 1
             dt = t_draft + t_verify
             self.busy += dt
             self.min_rem -= max_adv  # a lower bound on every row's tokens left: skip the scan while > 0
