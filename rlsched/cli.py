@@ -169,8 +169,8 @@ def compare(
                                        "aggregate) and compare.parquet (one row per run) to this folder."),
     workers: Optional[int] = typer.Option(None, "--workers", "-j", help="Worker processes (default: the number of "
                                           "CPUs); 1 runs serially in this process."),
-    ray: Optional[str] = typer.Option(None, "--ray", help="Run on a Ray cluster at this address ('auto' for the "
-                                      "local one); needs pip install 'rlsched\\[distributed]' on this machine and the same rlsched on "
+    ray: Optional[str] = typer.Option(None, "--ray", help="Run on a Ray cluster at this address ('auto': the running "
+                                      "local cluster; 'local': start a private one); needs pip install 'rlsched\\[distributed]' on this machine and the same rlsched on "
                                       "every node; --workers is then ignored."),
     as_json: bool = JsonOpt,
 ):
@@ -233,7 +233,7 @@ def learn(
     workers: Optional[int] = typer.Option(None, "--workers", "-j", help="Worker processes (default: the number of "
                                           "CPUs); 1 runs serially in this process."),
     ray: Optional[str] = typer.Option(None, "--ray", help="Score candidates on a Ray cluster at this address "
-                                      "('auto' for the local one)."),
+                                      "('auto': the running local cluster; 'local': start a private one)."),
     as_json: bool = JsonOpt,
 ):
     """Learn a drafting policy (and reallocation threshold) in the simulator; write a policy file.

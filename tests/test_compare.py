@@ -238,3 +238,16 @@ def test_bad_input(tmp_path, args, broken, names):
     for name in names:
         assert name in lines[0], detail
     assert snapshot(tmp_path) == before, "nothing may be written"
+
+
+def test_real_ray_gives_the_serial_numbers(tmp_path):
+    pytest.importorskip("ray")
+    args = ["compare", "--set", "workload.prompts=8", "--set", "rl.steps=1", "--seeds", "2",
+            "--policies", "off,static:2,goodput", "--json"]
+    ray_run = subprocess.run([sys.executable, "-m", "rlsched", *args, "--ray", "local"], capture_output=True,
+                             text=True, cwd=tmp_path, timeout=300)
+    serial = subprocess.run([sys.executable, "-m", "rlsched", *args, "--workers", "1"], capture_output=True,
+                            text=True, cwd=tmp_path, timeout=300)
+    assert ray_run.returncode == 0, ray_run.stderr
+    a, b = json.loads(ray_run.stdout), json.loads(serial.stdout)
+    assert [r["summary"] for r in a["runs"]] == [r["summary"] for r in b["runs"]]

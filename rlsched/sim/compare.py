@@ -223,7 +223,9 @@ def _run_ray(cfg: SimConfig, jobs: list[Job], address: str, on_done) -> list[dic
     started = not ray.is_initialized()
     if started:
         try:
-            ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
+            # 'local' starts a private Ray on this machine; anything else joins an existing cluster
+            ray.init(address=None if address == "local" else address, ignore_reinit_error=True, log_to_driver=False,
+                     include_dashboard=False)
         except Exception as e:  # noqa: BLE001 - Ray raises several types for a bad address
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise UserError(f"--ray {address}: cannot connect to a Ray cluster: {first}") from None
