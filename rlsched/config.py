@@ -161,7 +161,7 @@ class FixedLength(Strict):
 
 class LognormalLength(Strict):
     """Lognormal lengths capped at `max`; `group_sigma` spreads the medians of prompt groups,
-    so the samples of one prompt are correlated (long prompts have long answers)."""
+    so the samples of one prompt are correlated (some prompts draw long answers, others short)."""
 
     dist: Literal["lognormal"] = "lognormal"
     median: Positive
@@ -246,8 +246,8 @@ class SimConfig(Strict):
     rl: RLSpec = RLSpec()
     seed: Annotated[int, Field(ge=0)] = 0
     record_timeline: bool = True
-    # Longest run of identical engine steps simulated in one go (exactly equivalent to step by
-    # step; 1 turns it off).
+    # Longest run of identical engine steps simulated in one go (the same steps, draws and
+    # decisions as step by step, times equal up to float rounding; 1 turns it off).
     max_steady_run: PosInt = 256
 
     @field_validator("hardware", mode="before")

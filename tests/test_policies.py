@@ -176,3 +176,33 @@ def test_seqgoodput_runs_and_conserves_tokens(cfg):
     res = simulate(cfg, "seqgoodput")
     tl, samples = res.timeline_frame(), res.samples_frame()
     assert tl[tl.kind == "decode"].emitted.sum() == samples.response_len.sum()
+
+
+def test_cached_choices_do_not_leak_into_the_next_rollout():
+    over = ["cluster.instances=1", "workload.prompts=1", "workload.samples_per_prompt=1", "rl.steps=2",
+            "workload.response_len={dist: fixed, value: 3000}", "drafters.0.acceptance.mean=0.93",
+            "drafters.0.acceptance.prompt_concentration=null", "drafters.0.acceptance.sample_concentration=null",
+            "rl.acceptance_drift_per_step=0.86", "rl.acceptance_floor=0.0"]
+    tl = simulate(load_config("default", overrides=over), "goodput").timeline_frame()
+    second = tl[(tl.rl_step == 1) & (tl.kind == "decode")]
+    assert (second.k >= 4).mean() < 0.05  # acceptance is 0.07 now: long drafts would be a stale choice
+
+
+def test_learned_twostate_file_runs(cfg, tmp_path):
+    learner = Learner(cfg, [0], evaluate=lambda jobs: [1.0] * len(jobs), log=lambda *_: None)
+    pf, _ = learner.learn("twostate")
+    path = tmp_path / "ts.json"
+    save_policy_file(path, pf)
+    res = simulate(cfg, f"twostate:{path}").summary()
+    want = simulate(cfg, f"twostate:{pf.params['max_batch_on']}:{pf.params['k']}").summary()
+    assert {**res, "policy": ""} == {**want, "policy": ""}
+
+
+@pytest.mark.parametrize("params", [
+    {"batch_edges": [1, "x", 4]}, {"accept_edges": [0, None, 1]}, {"batch_edges": [1, 2.5]},
+    {"k": [[True] * 9] * 7},
+])
+def test_policy_file_values_of_the_wrong_type_are_refused(cfg, tmp_path, good_file, params):
+    path = _write(tmp_path, {**good_file, "params": {**good_file["params"], **params}})
+    with pytest.raises(UserError, match="params"):
+        load_policy_file(path, config_identity(cfg))

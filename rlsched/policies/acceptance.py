@@ -60,7 +60,9 @@ class AcceptanceEstimator:
         s.stale = 0
 
     def estimates(self, drafter: str, ids: np.ndarray) -> np.ndarray:
-        self._flush(self._pending.pop((id(ids), drafter), None))
+        entry = self._pending.pop((id(ids), drafter), None)
+        if entry is not None:
+            self._apply(*entry)
         s = self._stats[drafter]
         if s.stale >= 64:
             self._refresh_prompts(s)
@@ -72,9 +74,10 @@ class AcceptanceEstimator:
         """Record a chain step: `accepted[i]` of `k` (or `k[i]`) drafts accepted for sample `ids[i]`.
 
         Steps over the same batch (the same `ids` array object, one per engine between batch
-        changes) are summed and applied when that batch is read or any sample finishes, so an
-        engine pays two array ops per step, not a scatter. `ids` must not be modified in place
-        afterwards (engines replace their id array when the batch changes)."""
+        changes) are summed and applied when that batch is read or retired (`retire`) or any
+        sample finishes, so an engine pays two array ops per step, not a scatter. `ids` must
+        not be modified in place afterwards (engines replace their id array when the batch
+        changes, and retire the old one)."""
         key = (id(ids), drafter)
         p = self._pending.get(key)
         if p is None:
@@ -83,6 +86,13 @@ class AcceptanceEstimator:
         p[2] += accepted
         p[3] += accepted < k
         p[4] += 1
+
+    def retire(self, ids: np.ndarray) -> None:
+        """An engine is about to replace this batch: apply what is pending for it."""
+        for d in self.drafters:
+            entry = self._pending.pop((id(ids), d), None)
+            if entry is not None:
+                self._apply(*entry)
 
     def update_many(self, drafter: str, ids: np.ndarray, accepted: np.ndarray, k: int) -> None:
         """Record several chain steps over the same batch: `accepted` is (steps, batch).

@@ -106,8 +106,8 @@ class GoodputPolicy:
 
     def choose(self, state: EngineState) -> Strategy:
         last = self._last
-        if (last is not None and self._same_batch(last, state)
-                and state.ctx_tokens <= last[1] * (1 + self.ctx_tolerance) and state.step - last[2] < self.refresh):
+        if (last is not None and self._same_batch(last, state) and 0 <= state.step - last[2] < self.refresh
+                and state.ctx_tokens <= last[1] * (1 + self.ctx_tolerance)):  # step < last: a new rollout
             return last[3]
         best = self._decide(state)
         self._last = (state.batch, state.ctx_tokens, state.step, best, state.sample_ids)
@@ -199,18 +199,20 @@ class _Truth:
 
 class OraclePolicy(_Truth, GoodputPolicy):
     """The goodput rule (one k per step) with every sequence's true acceptance and the true
-    costs: an upper bound for reports, never a product policy."""
+    costs: the yardstick for reports (the best per-step greedy choice, not a strict bound on
+    makespan), never a product policy."""
 
     name = "oracle"
 
 
 class SeqOraclePolicy(_Truth, SeqGoodputPolicy):
-    """The per-sequence rule with the true acceptance: the bound for per-sequence policies."""
+    """The per-sequence rule with the true acceptance: a yardstick for per-sequence policies
+    (per-step greedy, so not a strict bound on the stage's makespan)."""
 
-    name = "oracle:seq"
+    name = "oracle:seq"  # greedy per step like the others, so not a bound on makespan: a yardstick
 
 
-DRAFT_POLICIES = ("off, static:K[:DRAFTER], goodput[:REFRESH], seqgoodput[:REFRESH], twostate[:MAX_BATCH:K], "
+DRAFT_POLICIES = ("off, static:K[:DRAFTER], goodput[:REFRESH], seqgoodput[:REFRESH], twostate[:MAX_BATCH:K|:FILE], "
                   "bandit[:EPSILON], table:POLICY.json, oracle or oracle:seq (simulator only)")
 
 
@@ -247,6 +249,8 @@ def make_draft_policy(spec: str, ctx: PolicyContext):
     if name == "twostate":
         if not arg:
             return TwoStatePolicy.solve(ctx)
+        if arg.endswith(".json"):
+            return TwoStatePolicy.from_file(load_policy_file(arg, ctx.identity, kinds=("twostate",)), ctx)
         t, _, k = arg.partition(":")
         if not (t.isdigit() and k.isdigit() and int(t) >= 0 and int(k) >= 1):
             raise UserError(f"policy '{spec}': expected twostate:MAX_BATCH:K with whole numbers, as in twostate:32:4")

@@ -69,6 +69,15 @@ class TwoStatePolicy:
                 best = (score, d, threshold, k)
         return cls(ctx, best[1], best[2], best[3])
 
+    @classmethod
+    def from_file(cls, pf, ctx: PolicyContext) -> "TwoStatePolicy":
+        if pf.drafter not in ctx.drafters:
+            raise UserError(f"two-state policy drafts with '{pf.drafter}', which this config lacks")
+        if pf.params["k"] > ctx.k_max:
+            raise UserError(f"two-state policy uses k = {pf.params['k']}, above this config's "
+                            f"speculation.k_max = {ctx.k_max}")
+        return cls(ctx, pf.drafter, pf.params["max_batch_on"], pf.params["k"])
+
     def choose(self, state: EngineState) -> Strategy:
         return self._on if state.batch <= self.max_batch_on else OFF
 
@@ -94,6 +103,9 @@ class TablePolicy:
                  k: list[list[int]], refresh: int = 32):
         if drafter not in ctx.drafters:
             raise UserError(f"table policy drafts with '{drafter}', which this config lacks ({', '.join(ctx.drafters)})")
+        if max(max(row) for row in k) > ctx.k_max:
+            raise UserError(f"table policy uses k up to {max(max(row) for row in k)}, above this config's "
+                            f"speculation.k_max = {ctx.k_max}")
         self.drafter, self.batch_edges, self.accept_edges, self.k = drafter, list(batch_edges), list(accept_edges), k
         self.refresh = refresh
         self.needs_acceptance = len(accept_edges) > 2
@@ -141,7 +153,7 @@ class TablePolicy:
         b = state.batch
         if self.needs_acceptance:
             last = self._last
-            if last is None or last[0] != b or state.step - last[1] >= self.refresh:
+            if last is None or last[0] != b or not 0 <= state.step - last[1] < self.refresh:
                 self._acc_row = self._row(float(state.accept_est(self.drafter).mean()))
                 self._last = (b, state.step)
         col = min(bisect_right(self.batch_edges, b) - 1, len(self.batch_edges) - 1)
@@ -150,7 +162,9 @@ class TablePolicy:
     def steady_steps(self, state: EngineState, strategy: Strategy, max_growth: int) -> int:
         if not self.needs_acceptance:
             return NEVER_CHANGES
-        return max(0, self.refresh - 1 - (state.step - self._last[1])) if self._last else 0
+        if self._last is None or state.step < self._last[1]:
+            return 0
+        return max(0, self.refresh - 1 - (state.step - self._last[1]))
 
     def observe(self, outcome: StepOutcome) -> None:
         pass

@@ -45,20 +45,29 @@ class PolicyFile(BaseModel):
     def _params(self):
         p = self.params
         if self.kind == "twostate":
-            if not (isinstance(p.get("max_batch_on"), int) and isinstance(p.get("k"), int) and p["k"] >= 1):
-                raise ValueError("twostate params need whole numbers max_batch_on >= 0 and k >= 1")
+            if not (_whole(p.get("max_batch_on"), 0) and _whole(p.get("k"), 1, 32)):
+                raise ValueError("twostate params need whole numbers max_batch_on >= 0 and k in 1..32")
         else:
             be, ae, k = p.get("batch_edges"), p.get("accept_edges"), p.get("k")
-            if not (isinstance(be, list) and be and be[0] == 1 and all(b < c for b, c in zip(be, be[1:]))):
-                raise ValueError("table params.batch_edges must rise strictly from 1")
-            if not (isinstance(ae, list) and len(ae) >= 2 and ae[0] == 0 and ae[-1] == 1
-                    and all(a < b for a, b in zip(ae, ae[1:]))):
-                raise ValueError("table params.accept_edges must rise strictly from 0 to 1")
+            if not (isinstance(be, list) and be and all(_whole(b, 1) for b in be) and be[0] == 1
+                    and all(b < c for b, c in zip(be, be[1:]))):
+                raise ValueError("table params.batch_edges must be whole numbers rising strictly from 1")
+            if not (isinstance(ae, list) and len(ae) >= 2 and all(_number(a) for a in ae) and ae[0] == 0
+                    and ae[-1] == 1 and all(a < b for a, b in zip(ae, ae[1:]))):
+                raise ValueError("table params.accept_edges must be numbers rising strictly from 0 to 1")
             if not (isinstance(k, list) and len(k) == len(ae) - 1
                     and all(isinstance(r, list) and len(r) == len(be) for r in k)
-                    and all(isinstance(x, int) and 0 <= x <= 32 for r in k for x in r)):
+                    and all(_whole(x, 0, 32) for r in k for x in r)):
                 raise ValueError(f"table params.k must be {len(ae) - 1} rows of {len(be)} whole numbers in 0..32")
         return self
+
+
+def _whole(x, lo: int, hi: int | None = None) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= lo and (hi is None or x <= hi)
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def save_policy_file(path: Path, pf: PolicyFile) -> None:

@@ -90,6 +90,7 @@ class Instance:
         st = self.stage
         gone = ~keep
         ids = self.sid[gone]
+        st.estimator.retire(self.sid)
         st.ctx_g[ids] = self.ctx[gone]
         self.ctx_sum -= int(self.ctx[gone].sum())
         self.sid, self.ctx, self.tot, self.ninv = self.sid[keep], self.ctx[keep], self.tot[keep], self.ninv[keep]
@@ -117,6 +118,7 @@ class Instance:
         ids = np.asarray(ids, dtype=np.int64)
         pre = st.prefill_g[ids]
         st.prefill_g[ids] = 0
+        st.estimator.retire(self.sid)
         self.sid = np.concatenate((self.sid, ids))
         self.ctx = np.concatenate((self.ctx, st.ctx_g[ids]))
         self.tot = np.concatenate((self.tot, st.tot_g[ids]))
@@ -177,12 +179,12 @@ class Instance:
             else:
                 t_draft = cost.draft_time_per_seq(strat.drafter, strat.per_seq, ctx_at)
             t_verify = cost.verify_time(b, strat.tokens_per_seq, ctx_at)
-            if learn_acceptance and strat.width == 1:
-                self.stage.estimator.update_many(strat.drafter, self.sid, acc, ks)
             self.ctx += acc.sum(axis=0) + n
         dt = t_draft + t_verify
         total = float(dt.sum())
         yield env.timeout(total)
+        if strat.drafter is not None and learn_acceptance and strat.width == 1:  # outcomes known only now
+            self.stage.estimator.update_many(strat.drafter, self.sid, acc, ks)
         self.busy += total
         self.ctx_sum += int(emitted.sum())
         self.min_rem -= n * (strat.k + 1)
@@ -253,7 +255,7 @@ class Instance:
                 k, w, ks = strat.k, strat.width, strat.per_seq
                 d = drafter_idx[strat.drafter]
                 if ks is None:
-                    t_draft, drafted, ks = cost.draft_time(strat.drafter, b, k, ctx_sum, w), b * k, k
+                    t_draft, drafted, ks = cost.draft_time(strat.drafter, b, k, ctx_sum, w), b * k * w, k
                 else:
                     t_draft, drafted = float(cost.draft_time_per_seq(strat.drafter, ks, ctx_sum)), int(add(ks))
                 t_verify = cost.verify_time(b, strat.tokens_per_seq, ctx_sum)
