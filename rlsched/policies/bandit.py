@@ -15,13 +15,14 @@ ARM_KS = (1, 2, 3, 4, 6, 8)
 class BanditPolicy:
     """Buckets by batch size (powers of two); arms are off and (drafter, k); the reward of a
     step is its tokens per second. Untried arms of a bucket go first, then the best arm, or a
-    random one with probability epsilon / sqrt(1 + visits / 100): exploration fades as a bucket
+    random one with probability epsilon / sqrt(1 + visits / 20): exploration fades as a bucket
     is learned, so its cost does not last the whole run. The statistics are shared by the instances of one
     cluster (they see the same hardware), each instance explores with its own random stream."""
 
     name = "bandit"
     needs_acceptance = False
     observes = True
+    _scale = 20.0  # exploration falls as 1/sqrt(1 + visits / _scale)
 
     def __init__(self, ctx: PolicyContext, epsilon: float = 0.05):
         self.epsilon = epsilon
@@ -39,7 +40,7 @@ class BanditPolicy:
         untried = np.flatnonzero(stats[0] == 0)
         if len(untried):
             arm = int(untried[0])
-        elif self._rng.random() < self.epsilon / np.sqrt(1.0 + stats[0].sum() / 100.0):
+        elif self._rng.random() < self.epsilon / np.sqrt(1.0 + stats[0].sum() / self._scale):
             arm = int(self._rng.integers(len(self.arms)))
         else:
             arm = int(np.argmax(stats[1]))
