@@ -23,8 +23,9 @@ from rlsched.sim import compare as cmp
 from rlsched.sim.learn import Learner, parallel_evaluator
 
 STATIC = "static:1,static:2,static:3,static:4,static:6"
-ADAPTIVE = "goodput,twostate,bandit,{table},oracle"
-PRESETS = {"longtail-grpo": "none", "low-acceptance": "none", "uneven-load": "none,rebalance"}
+ADAPTIVE = "goodput,seqgoodput,twostate,bandit,{table},oracle"
+PRESETS = {"longtail-grpo": "none", "low-acceptance": "none", "uneven-load": "none,rebalance", "default": "none",
+           "ngram-llama8b": "none", "eagle-h200-14b": "none"}  # every shipped rollout preset
 
 
 def run_preset(name: str, realloc: str, seeds: int, workers: int) -> dict:
@@ -64,15 +65,21 @@ def checks_of(reports: dict) -> dict:
         gen = {(r["policy"].split(":")[0] if r["policy"].startswith("table:") else r["policy"], r["seed"]):
                r["summary"]["generation_s"] for r in lt["runs"] if r["realloc"] == "none"}
         seeds = lt["seeds"]
-        for p in ("goodput", "table"):
+        for p in ("goodput", "table"):  # per seed, as the issue asks
             out[f"longtail_{p}_within_3pct_of_oracle"] = all(gen[(p, s)] <= 1.03 * gen[("oracle", s)] for s in seeds)
             out[f"longtail_{p}_5pct_faster_than_best_static"] = all(
                 v >= 1.05 for v in per_seed(lt, p, "ratio_vs_best_static"))
-        out["longtail_bandit_matches_best_static"] = all(v >= 1.0 for v in per_seed(lt, "bandit", "ratio_vs_best_static"))
+        out["longtail_bandit_matches_best_static_every_seed"] = all(
+            v >= 1.0 for v in per_seed(lt, "bandit", "ratio_vs_best_static"))
+        b = per_seed(lt, "bandit", "ratio_vs_best_static")
+        out["longtail_bandit_matches_best_static_on_average"] = sum(b) / len(b) >= 1.0
+        o = per_seed(lt, "oracle", "ratio_vs_best_static")
+        out["longtail_oracle_vs_best_static_per_seed"] = [round(v, 3) for v in o]
     la = reports.get("low-acceptance")
     if la:
         out["low_acceptance_no_adaptive_policy_1pct_slower_than_off"] = all(
-            v >= 1 / 1.01 for p in ("goodput", "twostate", "bandit", "table") for v in per_seed(la, p, "speedup_vs_off"))
+            v >= 1 / 1.01 for p in ("goodput", "seqgoodput", "twostate", "bandit", "table")
+            for v in per_seed(la, p, "speedup_vs_off"))
     ul = reports.get("uneven-load")
     if ul:
         g = {(r["policy"], r["realloc"], r["seed"]): r["summary"]["generation_s"] for r in ul["runs"]}
@@ -87,7 +94,10 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--presets", default=",".join(PRESETS))
+    ap.add_argument("--quick", action="store_true", help="2 seeds and the first preset only (a smoke run)")
     args = ap.parse_args()
+    if args.quick:
+        args.seeds, args.presets = 2, "default"
     t0 = time.time()
     reports = {}
     for name in args.presets.split(","):
@@ -102,6 +112,8 @@ def main() -> int:
     seeds = f"learned on seed 0; compared on seeds 1..{args.seeds}; ratios per seed, then averaged"
     print(f"{text}\n{seeds}\n\n{lines}\n({time.time() - t0:.0f} s)")
     slim = {n: {k: v for k, v in r.items() if k not in ("config",)} for n, r in reports.items()}
+    if args.quick:
+        return 0
     path = write_result("policies", {"reports": slim, "checks": checks}, f"{text}\n{seeds}\n\n{lines}")
     print(f"results: {path}")
     return 0
