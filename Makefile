@@ -10,9 +10,10 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-# Re-install when the project's requirements change.
+# Re-install when the project's requirements change. The executor extra pins torch to the
+# CPU build found locally (a bare torch would pull a multi-GB CUDA build); its tests need it.
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,executor]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -1,0 +1,77 @@
+"""A preallocated KV cache whose rows keep their own lengths.
+
+Speculative decoding verifies k+1 tokens per row and then keeps a different number of them
+in each row; continuous batching puts new sequences into free rows between steps. Both are
+length bookkeeping here: a forward writes its tokens after each row's length and advances
+it; `trim` moves a row's length back (the dropped entries stay in memory but are masked out
+and overwritten by the next write); `free` empties a row. Nothing is ever copied or compacted.
+
+Layout: one tensor (layers, 2, max_batch, kv_heads, max_len, head_dim), index 0 = keys,
+1 = values; `lengths` (max_batch,) int64 on the same device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_batch: int,
+                 max_len: int, *, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32):
+        if max_batch < 1 or max_len < 1:
+            raise ValueError(f"KV cache needs max_batch >= 1 and max_len >= 1 (got {max_batch}, {max_len})")
+        self.max_batch, self.max_len = max_batch, max_len
+        self.kv = torch.zeros(num_layers, 2, max_batch, num_kv_heads, max_len, head_dim,
+                              device=device, dtype=dtype)
+        self.lengths = torch.zeros(max_batch, dtype=torch.long, device=device)
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Memory one cached token costs, for sizing a cache to a budget."""
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    def rows(self, slots: torch.Tensor | None, batch: int) -> torch.Tensor:
+        """The cache rows a batch of `batch` sequences uses: `slots`, or rows 0..batch-1."""
+        if slots is None:
+            if batch > self.max_batch:
+                raise ValueError(f"batch {batch} exceeds the cache's max_batch {self.max_batch}")
+            return torch.arange(batch, device=self.lengths.device)
+        slots = torch.as_tensor(slots, dtype=torch.long, device=self.lengths.device)
+        if slots.shape != (batch,):
+            raise ValueError(f"slots must have shape ({batch},), got {tuple(slots.shape)}")
+        return slots
+
+    def write(self, layer: int, rows: torch.Tensor, positions: torch.Tensor,
+              k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v (B, kv_heads, q, head_dim) of row rows[b] at positions[b] (B, q)."""
+        idx = rows[:, None]
+        self.kv[layer, 0][idx, :, positions] = k.transpose(1, 2)
+        self.kv[layer, 1][idx, :, positions] = v.transpose(1, 2)
+
+    def read(self, layer: int, rows: torch.Tensor, upto: int,
+             contiguous: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values (B, kv_heads, upto, head_dim) of the given rows; views when the rows
+        are 0..B-1 (`contiguous`), a gather otherwise."""
+        if contiguous:
+            b = rows.shape[0]
+            return self.kv[layer, 0, :b, :, :upto], self.kv[layer, 1, :b, :, :upto]
+        return self.kv[layer, 0][rows, :, :upto], self.kv[layer, 1][rows, :, :upto]
+
+    def trim(self, slots, new_lengths) -> None:
+        """Drop the tail of rows: row slots[i] keeps its first new_lengths[i] tokens."""
+        slots = torch.as_tensor(slots, dtype=torch.long, device=self.lengths.device)
+        new = torch.as_tensor(new_lengths, dtype=torch.long, device=self.lengths.device)
+        new = new.expand(slots.shape)
+        if bool((new < 0).any()) or bool((new > self.lengths[slots]).any()):
+            raise ValueError("trim can only shorten rows (0 <= new length <= current length)")
+        self.lengths[slots] = new
+
+    def free(self, slots) -> None:
+        """Empty rows so that new sequences can take them."""
+        slots = torch.as_tensor(slots, dtype=torch.long, device=self.lengths.device)
+        self.lengths[slots] = 0

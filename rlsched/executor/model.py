@@ -1,0 +1,211 @@
+"""A decoder-only Llama-family transformer (Llama, Mistral, Qwen2/2.5, Qwen3) in plain PyTorch.
+
+Written for the speculative executor, in the spirit of gpt-fast and nano-vllm: q/k/v and
+gate/up are fused into one matmul each (fewer, larger kernels at small batch), attention is
+`scaled_dot_product_attention` with an explicit mask built once per forward from the cache
+rows' lengths, and a forward accepts q >= 1 new tokens per row at per-row positions, so the
+same call does prefill, decode and verification of k drafts (q = k + 1).
+
+Not implemented: sliding-window attention. Models that declare one (Mistral v0.1,
+Qwen2 with `use_sliding_window`) run with full attention, which is exact as long as a row's
+context stays within the window; a longer context raises rather than silently differing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rlsched.executor.kvcache import KVCache
+from rlsched.executor.rope import Rope, RopeScaling, apply_rope
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture, read from a HF config.json by `loading.load_config`."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2 always; Llama/Qwen3 with attention_bias
+    o_bias: bool = False  # Llama/Qwen3 with attention_bias
+    mlp_bias: bool = False  # Llama with mlp_bias
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
+    sliding_window: int | None = None  # declared by the model, not implemented (see above)
+    model_type: str = "llama"
+
+    def new_cache(self, max_batch: int, max_len: int, *, device="cpu",
+                  dtype: torch.dtype = torch.float32) -> KVCache:
+        return KVCache(self.num_layers, self.num_kv_heads, self.head_dim, max_batch, max_len,
+                       device=device, dtype=dtype)
+
+
+class RMSNorm(nn.Module):
+    """Normalised in float32, scaled in the input dtype, as HF does."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+@dataclass
+class _Step:
+    """What every layer of one forward shares: rows, positions, mask, rotary tables."""
+
+    cache: KVCache | None
+    rows: torch.Tensor | None
+    contiguous: bool
+    positions: torch.Tensor  # (B, q)
+    upto: int  # keys 0..upto-1 of each row are read
+    mask: torch.Tensor  # (B, 1, q, upto) bool, True = attend
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+class Attention(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.nh, self.nkv, self.hd = c.num_heads, c.num_kv_heads, c.head_dim
+        self.qkv = nn.Linear(c.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=c.qkv_bias)
+        self.o = nn.Linear(self.nh * self.hd, c.hidden_size, bias=c.o_bias)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(self.hd, c.rms_norm_eps)
+            self.k_norm = RMSNorm(self.hd, c.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, layer: int, s: _Step) -> torch.Tensor:
+        b, q, _ = x.shape
+        qkv = self.qkv(x)
+        xq, xk, xv = qkv.split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
+        xq = xq.view(b, q, self.nh, self.hd)
+        xk = xk.view(b, q, self.nkv, self.hd)
+        if self.q_norm is not None:
+            xq, xk = self.q_norm(xq), self.k_norm(xk)
+        xq = apply_rope(xq.transpose(1, 2), s.cos, s.sin)
+        xk = apply_rope(xk.transpose(1, 2), s.cos, s.sin)
+        xv = xv.view(b, q, self.nkv, self.hd).transpose(1, 2)
+        if s.cache is not None:
+            s.cache.write(layer, s.rows, s.positions, xk, xv)
+            xk, xv = s.cache.read(layer, s.rows, s.upto, s.contiguous)
+        out = F.scaled_dot_product_attention(xq, xk, xv, attn_mask=s.mask,
+                                             enable_gqa=self.nkv != self.nh)
+        return self.o(out.transpose(1, 2).reshape(b, q, self.nh * self.hd))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up in one matmul."""
+
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=c.mlp_bias)
+        self.down = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.attn = Attention(c)
+        self.mlp_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c)
+
+    def forward(self, x: torch.Tensor, layer: int, s: _Step) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), layer, s)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        c = self.config = config
+        self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(Block(c) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        # Tied models read the output projection from `embed.weight` (no second parameter,
+        # so loading with assign=True cannot untie them).
+        self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.rope = Rope(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings)
+
+    def new_cache(self, max_batch: int, max_len: int) -> KVCache:
+        """A cache on this model's device, in its dtype."""
+        w = self.embed.weight
+        return self.config.new_cache(max_batch, max_len, device=w.device, dtype=w.dtype)
+
+    def forward(self, ids: torch.Tensor, cache: KVCache | None = None, *, slots=None,
+                n_new=None, last_only: bool = False) -> torch.Tensor:
+        """Logits (float32) for `ids` (B, q) appended to each row's cached context.
+
+        Row b is cache row `slots[b]` (default: b); its tokens go to positions
+        `cache.lengths[row] + 0..q-1`, attend causally to that row's cache and to each
+        other, and the row's length then grows by `n_new[b]` (default q): tokens past
+        n_new[b] are padding for ragged batches (a prompt shorter than the longest, a row
+        verifying fewer drafts), computed but dropped. After verification, `cache.trim`
+        drops rejected tokens. Without a cache every row is one sequence from position 0.
+        `last_only` returns only the logits of each row's last kept token: (B, 1, V).
+        """
+        b, q = ids.shape
+        if n_new is None:
+            n = torch.full((b,), q, dtype=torch.long, device=ids.device)
+        else:
+            n = torch.as_tensor(n_new, dtype=torch.long).expand(b)
+            if bool((n < int(last_only)).any()) or bool((n > q).any()):
+                raise ValueError(f"n_new must lie in [{int(last_only)}, {q}] for every row")
+            n = n.to(ids.device)
+        s = self._step(b, q, ids.device, cache, slots)
+        h = self.embed(ids)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, i, s)
+        h = self.norm(h)
+        if last_only:
+            h = h[torch.arange(b, device=h.device), n - 1][:, None]
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        logits = F.linear(h, weight).float()
+        if cache is not None:
+            cache.lengths[s.rows] = s.positions[:, 0] + n.to(cache.lengths.device)
+        return logits
+
+    def _step(self, b: int, q: int, device, cache: KVCache | None, slots) -> _Step:
+        steps = torch.arange(q, device=device)
+        if cache is None:
+            rows, contiguous = None, True
+            positions = steps.expand(b, q)
+        else:
+            rows = cache.rows(slots, b)
+            contiguous = slots is None
+            positions = cache.lengths[rows][:, None].to(device) + steps
+        upto = int(positions[:, -1].max()) + 1
+        if cache is not None and upto > cache.max_len:
+            raise ValueError(f"a row needs {upto} cache positions, more than the cache's max_len "
+                             f"{cache.max_len}")
+        window = self.config.sliding_window
+        if window is not None and upto > window:
+            raise ValueError(f"context of {upto} tokens exceeds the model's sliding window ({window}),"
+                             " which this executor does not implement")
+        keys = torch.arange(upto, device=device)
+        mask = (keys[None, None, :] <= positions[:, :, None])[:, None]
+        cos, sin = self.rope(positions, self.embed.weight.dtype)
+        return _Step(cache, rows, contiguous, positions, upto, mask, cos, sin)

@@ -1,0 +1,100 @@
+"""Rotary position embeddings with the scalings found in Llama-family configs.
+
+Frequencies follow `transformers` exactly (float32 inverse frequencies, rotate-half layout),
+because the executor's logits must equal the reference's. Supported scalings: none,
+`linear`, `dynamic` (NTK) and `llama3` (Llama-3.1). Others (yarn, longrope, ...) are refused
+by the loader, so that a model never runs with silently wrong positions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+SUPPORTED_SCALINGS = ("default", "linear", "dynamic", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """The `rope_scaling` (or v5 `rope_parameters`) entry of a config, validated."""
+
+    kind: str  # one of SUPPORTED_SCALINGS
+    factor: float = 1.0
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
+    original_max_position_embeddings: int = 8192  # llama3 only
+
+
+def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None,
+                    max_position_embeddings: int, seq_len: int | None = None) -> torch.Tensor:
+    """Inverse frequencies (head_dim / 2,) in float32 on the CPU.
+
+    `seq_len` matters only for `dynamic`: the base grows once the sequence outgrows
+    `max_position_embeddings` (as in transformers, which takes the longest position of the
+    forward pass).
+    """
+    kind = scaling.kind if scaling else "default"
+    if kind == "dynamic":
+        n = max(seq_len or 0, max_position_embeddings)
+        f = scaling.factor
+        theta = theta * ((f * n / max_position_embeddings) - (f - 1)) ** (head_dim / (head_dim - 2))
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv = 1.0 / (theta ** exponents)
+    if kind == "linear":
+        inv = inv / scaling.factor
+    elif kind == "llama3":
+        inv = _llama3(inv, scaling)
+    return inv
+
+
+def _llama3(inv: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    """Llama-3.1: long wavelengths divided by `factor`, short ones kept, a smooth ramp between."""
+    old = s.original_max_position_embeddings
+    low_wavelen = old / s.low_freq_factor
+    high_wavelen = old / s.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / s.factor, inv)
+    smooth = (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class Rope(nn.Module):
+    """cos/sin tables for given positions; computed per forward (cheap: B x q x head_dim)."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None,
+                 max_position_embeddings: int):
+        super().__init__()
+        self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
+        self.max_position_embeddings = max_position_embeddings
+        self.register_buffer("inv_freq", self._inv(None), persistent=False)
+
+    def _inv(self, seq_len: int | None) -> torch.Tensor:
+        return inv_frequencies(self.head_dim, self.theta, self.scaling,
+                               self.max_position_embeddings, seq_len)
+
+    def materialize(self, device: torch.device | str) -> None:
+        """Recompute the buffer on a real device (after the model was built on `meta`)."""
+        self.inv_freq = self._inv(None).to(device)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (B, q) -> cos, sin of shape (B, 1, q, head_dim), in `dtype`."""
+        inv = self.inv_freq
+        if self.scaling is not None and self.scaling.kind == "dynamic":
+            longest = int(positions.max()) + 1
+            if longest > self.max_position_embeddings:
+                inv = self._inv(longest).to(positions.device)
+        freqs = positions[..., None].float() * inv  # (B, q, head_dim / 2)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, heads, q, head_dim) rotated in the rotate-half layout of HF Llama checkpoints."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
