@@ -2,7 +2,8 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+SIM_STAMP := $(VENV)/.installed-sim
+ALL_STAMP := $(VENV)/.installed-all
 
 .PHONY: demo test bench clean
 
@@ -10,21 +11,27 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-# Re-install when the project's requirements change. The executor extra pins torch to the
-# CPU build found locally (a bare torch would pull a multi-GB CUDA build); its tests need it.
-$(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[dev,executor]'
-	touch $(STAMP)
+# The simulator alone: no torch.
+$(SIM_STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e .
+	touch $(SIM_STAMP)
 
-demo: $(STAMP)
+# Everything the tests need. The executor extra pins torch to the CPU build found locally
+# (a bare torch would pull a multi-GB CUDA build). Re-installed when the requirements change.
+$(ALL_STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e '.[dev,executor]'
+	touch $(ALL_STAMP) $(SIM_STAMP)
+
+demo: $(SIM_STAMP)
 	$(BIN)/rlsched simulate
 
-test: $(STAMP)
+test: $(ALL_STAMP)
 	$(BIN)/python -m pytest
 
-bench: $(STAMP)
+bench: $(SIM_STAMP)
 	$(BIN)/python bench/sim_effects.py
 	$(BIN)/python bench/sim_speed.py
+	$(BIN)/python bench/policies.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
