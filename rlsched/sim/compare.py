@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import statistics
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
@@ -442,27 +440,11 @@ def write_report(report: dict, out: Path) -> None:
 
     import pyarrow as pa
 
-    from rlsched.traces.writer import write_table
+    from rlsched.traces.writer import atomic_folder, write_table
 
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-    umask = os.umask(0)
-    os.umask(umask)
-    try:
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; a plain folder is what `--out` promises
+    with atomic_folder(out) as tmp:
         (tmp / "compare.json").write_text(json.dumps(report, indent=2))
         write_table(tmp / "compare.parquet", pa.Table.from_pandas(run_rows(report), preserve_index=False))
-        old = None
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{tmp.name[-8:]}")
-            out.rename(old)
-        tmp.rename(out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def default_workers() -> int:

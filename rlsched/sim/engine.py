@@ -167,7 +167,7 @@ class Instance:
             t_draft = np.zeros(n)
             t_verify = cost.verify_time(b, 1, ctx_at)
             self.ctx += n
-            acc_total, d = 0, -1
+            d = -1
         else:
             d = st.drafter_idx[strat.drafter]
             ks = strat.k if strat.per_seq is None else strat.per_seq

@@ -7,8 +7,6 @@ renamed into place at the end (a previous folder of the same name is replaced).
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -19,7 +17,7 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rlsched import __version__
 from rlsched.config import SimConfig
 from rlsched.sim.simulate import SimResult, simulate
-from rlsched.traces.writer import to_table, write_table
+from rlsched.traces.writer import atomic_folder, to_table, write_table
 
 
 def run_with_progress(cfg: SimConfig, policy: str, realloc: str | None, console: Console, label: str) -> SimResult:
@@ -31,10 +29,7 @@ def run_with_progress(cfg: SimConfig, policy: str, realloc: str | None, console:
 
 
 def write_result(result: SimResult, out: Path, summary: dict, meta: dict) -> None:
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-    try:
+    with atomic_folder(out) as tmp:
         if result.timeline.enabled:
             write_table(tmp / "timeline.parquet", to_table("steps", result.timeline_frame()))
         write_table(tmp / "samples.parquet", to_table("samples", result.samples_frame()))
@@ -42,16 +37,6 @@ def write_result(result: SimResult, out: Path, summary: dict, meta: dict) -> Non
         (tmp / "config.yaml").write_text(yaml.safe_dump(result.config.model_dump(mode="json"), sort_keys=False))
         (tmp / "summary.json").write_text(json.dumps(summary, indent=2))
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))  # creation info: kept out of the summary
-        old = None
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{tmp.name[-8:]}")
-            out.rename(old)
-        tmp.rename(out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def run_and_write(cfg: SimConfig, policy: str, realloc: str | None, out: Path, baseline: bool,
