@@ -1,0 +1,165 @@
+"""Drafters behind one interface: `propose(rows, k) -> (tokens (B, k), probs (B, k, V) | None,
+k_per_row (B,))`.
+
+`rows` are the running sequences (`Seq`: the tokens so far, prompt then generated, the cache
+slot, the prompt id). A drafter may propose fewer than k tokens for a row (an n-gram without a
+match); `k_per_row` says how many, the rest of the row is padding. `probs` is None for
+deterministic drafts (q one-hot), else the distributions the drafts were sampled from,
+processed with the same `SamplingParams` as the target.
+
+- `off`: nothing (k_per_row all 0).
+- `ngram`: the longest suffix of the row (n = max_n down to min_n tokens) that occurred
+  before, in the row itself (prompt and generated text) or in earlier rollouts of the same
+  prompt given with `add_history` (RL samples each prompt again every epoch); the tokens
+  that followed it are the draft. Most recent occurrence first, the row itself before history.
+- `model`: a small LM with the same vocabulary and its own KV cache, sampling its drafts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Hashable, Protocol
+
+import torch
+
+from rlsched.executor.sampling import SamplingParams, sample
+
+
+@dataclass
+class Seq:
+    tokens: list[int]  # prompt + generated so far (the last one not yet in the target's cache)
+    slot: int  # KV cache row
+    prompt_id: Hashable | None = None
+
+
+class Drafter(Protocol):
+    name: str
+
+    def propose(self, rows: list[Seq], k: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]: ...
+
+
+class OffDrafter:
+    name = "off"
+
+    def propose(self, rows, k):
+        b = len(rows)
+        return torch.zeros((b, k), dtype=torch.long), None, torch.zeros(b, dtype=torch.long)
+
+
+def _find(hay: list[int], pattern: list[int], k: int, end: int) -> list[int]:
+    """Continuation (up to k tokens) after the most recent occurrence of `pattern` in
+    hay[:end] whose continuation is non-empty."""
+    n = len(pattern)
+    first = pattern[0]
+    for i in range(min(end, len(hay) - 1) - n, -1, -1):
+        if hay[i] == first and hay[i:i + n] == pattern:
+            return hay[i + n:i + n + k]
+    return []
+
+
+class NgramDrafter:
+    name = "ngram"
+
+    def __init__(self, max_n: int = 3, min_n: int = 1):
+        if not 1 <= min_n <= max_n:
+            raise ValueError("ngram drafter needs 1 <= min_n <= max_n")
+        self.max_n, self.min_n = max_n, min_n
+        self.history: dict[Hashable, list[list[int]]] = {}
+
+    def add_history(self, prompt_id: Hashable, tokens: list[int]) -> None:
+        """An earlier rollout (prompt + response) of `prompt_id`, searched after the row itself."""
+        self.history.setdefault(prompt_id, []).append(list(tokens))
+
+    def draft_one(self, seq: Seq, k: int) -> list[int]:
+        t = seq.tokens
+        past = self.history.get(seq.prompt_id, []) if seq.prompt_id is not None else []
+        for n in range(min(self.max_n, len(t)), self.min_n - 1, -1):
+            pattern = t[-n:]
+            found = _find(t, pattern, k, len(t) - 1)  # not the suffix itself
+            if found:
+                return found
+            for h in reversed(past):
+                found = _find(h, pattern, k, len(h))
+                if found:
+                    return found
+        return []
+
+    def propose(self, rows, k):
+        b = len(rows)
+        tokens = torch.zeros((b, k), dtype=torch.long)
+        kr = torch.zeros(b, dtype=torch.long)
+        for r, seq in enumerate(rows):
+            d = self.draft_one(seq, k) if k > 0 else []
+            if d:
+                tokens[r, :len(d)] = torch.tensor(d)
+                kr[r] = len(d)
+        return tokens, None, kr
+
+
+class ModelDrafter:
+    """A small LM drafting k tokens by sampling (same SamplingParams as the target).
+
+    Its cache row `seq.slot` holds a prefix of the row's tokens; each `propose` keeps the
+    part that still agrees with the row (accepted drafts do), feeds the rest in one ragged
+    forward, then k - 1 one-token forwards."""
+
+    name = "model"
+
+    def __init__(self, model, sampling: SamplingParams, max_batch: int, max_len: int,
+                 generator: torch.Generator | None = None):
+        self.model, self.sampling, self.generator = model, sampling, generator
+        self.cache = model.new_cache(max_batch, max_len)
+        self.cached: dict[int, list[int]] = {}  # slot -> tokens in its cache row
+
+    def reset(self) -> None:
+        self.cache.free(torch.arange(self.cache.max_batch))
+        self.cached.clear()
+
+    def release(self, rows: list[Seq]) -> None:
+        slots = [s.slot for s in rows]
+        self.cache.free(slots)
+        for s in slots:
+            self.cached.pop(s, None)
+
+    @torch.no_grad()
+    def propose(self, rows, k):
+        b = len(rows)
+        dev = self.cache.lengths.device
+        if k == 0:
+            return torch.zeros((b, 0), dtype=torch.long), None, torch.zeros(b, dtype=torch.long)
+        slots = torch.tensor([s.slot for s in rows], dtype=torch.long, device=dev)
+        keep, new = [], []
+        for s in rows:
+            have = self.cached.get(s.slot, [])
+            c = 0
+            limit = min(len(have), len(s.tokens) - 1)  # feed at least the last token
+            while c < limit and have[c] == s.tokens[c]:
+                c += 1
+            keep.append(c)
+            new.append(s.tokens[c:])
+        self.cache.trim(slots, torch.tensor(keep, device=dev))
+        q = max(len(t) for t in new)
+        ids = torch.tensor([t + [0] * (q - len(t)) for t in new], device=dev)
+        logits = self.model(ids, self.cache, slots=slots, n_new=[len(t) for t in new], last_only=True)
+        toks, dists = [], []
+        for i in range(k):
+            p = self.sampling.probs(logits[:, 0])
+            x = p.argmax(-1) if self.sampling.greedy else sample(p, self.generator)
+            toks.append(x)
+            dists.append(p)
+            if i < k - 1:
+                logits = self.model(x[:, None], self.cache, slots=slots)
+        tokens = torch.stack(toks, 1)
+        for r, s in enumerate(rows):
+            self.cached[s.slot] = s.tokens + tokens[r, :k - 1].tolist()
+        return tokens.cpu(), torch.stack(dists, 1), torch.full((b,), k, dtype=torch.long)
+
+
+def make_drafter(name: str, **kwargs) -> OffDrafter | NgramDrafter | ModelDrafter:
+    if name == "off":
+        return OffDrafter()
+    if name == "ngram":
+        return NgramDrafter(**kwargs)
+    if name == "model":
+        return ModelDrafter(**kwargs)
+    raise ValueError(f"unknown drafter {name!r}; known: off, ngram, model")

@@ -1,0 +1,216 @@
+"""The lossless speculative step: verify k drafts per row in one target forward.
+
+`verify` is the standard rule (Leviathan et al. 2023; Chen et al. 2023): draft x_i, drawn
+from q_i, is accepted with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection the
+emitted token is drawn from normalize(max(0, p_i - q_i)); when all k_b drafts of a row are
+accepted a bonus token is drawn from p at position k_b. Every emitted token is then distributed
+exactly as plain sampling from p (after the same temperature / top-k / top-p, see
+`sampling.probs`). Deterministic drafts (n-gram) are q = one-hot, passed as `draft_probs=None`.
+Greedy: accept while the draft equals the target's argmax, then emit the argmax.
+
+Cache convention of `step`: each row's cache holds its context except the last token, which
+is passed as `last`; one forward over [last, d_1..d_k] (ragged: n_new = k_b + 1) gives p at
+k + 1 positions; afterwards the row keeps last + the accepted drafts (`KVCache.trim`), and the
+newly emitted last token is fed by the next step. A plain decode step is the same with k = 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlsched.executor.kvcache import KVCache
+from rlsched.executor.sampling import SamplingParams, sample
+
+PAD = -1  # emitted-token padding
+
+
+@dataclass
+class VerifyResult:
+    accepted: torch.Tensor  # (B,) int64: drafts accepted per row
+    tokens: torch.Tensor  # (B, K+1) int64: accepted drafts then the corrected/bonus token, PAD after
+    logprobs: torch.Tensor  # (B, K+1) float32: log p(token) under the processed target distribution, 0 after
+
+    @property
+    def emitted(self) -> torch.Tensor:
+        """(B,) tokens emitted per row: accepted + 1."""
+        return self.accepted + 1
+
+    def row_tokens(self, b: int) -> list[int]:
+        return self.tokens[b, : int(self.accepted[b]) + 1].tolist()
+
+    def row_logprobs(self, b: int) -> list[float]:
+        return self.logprobs[b, : int(self.accepted[b]) + 1].tolist()
+
+
+def _k_per_row(k_per_row, b: int, k: int, device) -> torch.Tensor:
+    if k_per_row is None:
+        return torch.full((b,), k, dtype=torch.long, device=device)
+    kr = torch.as_tensor(k_per_row, dtype=torch.long, device=device).expand(b)
+    if bool((kr < 0).any()) or bool((kr > k).any()):
+        raise ValueError(f"k per row must lie in [0, {k}]")
+    return kr
+
+
+def verify(target_probs: torch.Tensor, draft_tokens: torch.Tensor,
+           draft_probs: torch.Tensor | None = None, k_per_row=None,
+           generator: torch.Generator | None = None, *, greedy: bool = False) -> VerifyResult:
+    """Accept or reject the drafts of every row at once.
+
+    target_probs (B, K+1, V): p at each verified position (after `sampling.probs`);
+    draft_tokens (B, K); draft_probs (B, K, V) the distributions the drafts were drawn from,
+    or None for deterministic drafts (one-hot q); k_per_row (B,) how many drafts each row
+    really has (the rest is padding, never accepted; default K). `greedy` uses exact match
+    against the target's argmax and draws nothing."""
+    b, k1, v = target_probs.shape
+    k = k1 - 1
+    dev = target_probs.device
+    if draft_tokens.shape != (b, k):
+        raise ValueError(f"draft_tokens must have shape ({b}, {k}), got {tuple(draft_tokens.shape)}")
+    if draft_probs is not None and draft_probs.shape != (b, k, v):
+        raise ValueError(f"draft_probs must have shape ({b}, {k}, {v}), got {tuple(draft_probs.shape)}")
+    kr = _k_per_row(k_per_row, b, k, dev)
+    drafts = draft_tokens.to(dev).long().clamp(0, v - 1)  # padding may hold anything
+    pos = torch.arange(k, device=dev)
+    valid = pos[None, :] < kr[:, None]
+    rows = torch.arange(b, device=dev)
+
+    if greedy:
+        best = target_probs.argmax(-1)  # (B, K+1)
+        ok = (drafts == best[:, :k]) & valid
+    else:
+        p_x = target_probs[:, :k].gather(-1, drafts[..., None])[..., 0]
+        q_x = (torch.ones_like(p_x) if draft_probs is None
+               else draft_probs.to(dev).float().gather(-1, drafts[..., None])[..., 0])
+        u = torch.rand((b, k), generator=generator, device=dev)
+        ok = (u * q_x < p_x) & valid  # u < p/q without dividing; u < 1 so p >= q always accepts
+    accepted = ok.long().cumprod(-1).sum(-1)  # drafts before the first rejection
+
+    # The token after the accepted drafts: residual at a rejection, p itself for the bonus.
+    p_at = target_probs[rows, accepted]  # (B, V)
+    if greedy:
+        last = best[rows, accepted]
+    else:
+        rejected = accepted < kr
+        j = accepted.clamp(max=max(k - 1, 0))
+        if k == 0:
+            dist = p_at
+        else:
+            if draft_probs is None:
+                q_at = torch.zeros_like(p_at).scatter_(-1, drafts[rows, j][:, None], 1.0)
+            else:
+                q_at = draft_probs.to(dev).float()[rows, j]
+            residual = (p_at - q_at).clamp_min(0.0)
+            mass = residual.sum(-1, keepdim=True)
+            # A rejection has probability 0 when p <= q nowhere differs; guard rounding anyway.
+            residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_at)
+            dist = torch.where(rejected[:, None], residual, p_at)
+        last = sample(dist, generator)
+
+    tokens = torch.full((b, k + 1), PAD, dtype=torch.long, device=dev)
+    keep = pos[None, :] < accepted[:, None]
+    tokens[:, :k] = torch.where(keep, drafts, tokens[:, :k])
+    tokens[rows, accepted] = last
+    emitted = tokens != PAD
+    lp = target_probs.gather(-1, tokens.clamp_min(0)[..., None])[..., 0].clamp_min(1e-45).log()
+    logprobs = torch.where(emitted, lp, torch.zeros_like(lp))
+    return VerifyResult(accepted, tokens, logprobs)
+
+
+@torch.no_grad()
+def prefill(model, cache: KVCache, slots, prompts: list[list[int]]) -> torch.Tensor:
+    """Cache every prompt but its last token (ragged) in rows `slots`; returns the last
+    tokens (B,), which the first step feeds."""
+    if any(len(p) < 1 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    dev = cache.lengths.device
+    slots = torch.as_tensor(slots, dtype=torch.long, device=dev)
+    cache.free(slots)
+    n = [len(p) - 1 for p in prompts]
+    q = max(n)
+    if q > 0:
+        ids = torch.tensor([p[:-1] + [0] * (q - len(p) + 1) for p in prompts], device=dev)
+        model(ids, cache, slots=slots, n_new=n)
+    return torch.tensor([p[-1] for p in prompts], dtype=torch.long, device=dev)
+
+
+@torch.no_grad()
+def step(model, cache: KVCache, slots, last: torch.Tensor, sampling: SamplingParams,
+         draft_tokens: torch.Tensor | None = None, draft_probs: torch.Tensor | None = None,
+         k_per_row=None, generator: torch.Generator | None = None) -> VerifyResult:
+    """One engine step: ONE target forward over [last, drafts] per row (n_new = k_b + 1),
+    verification, and the cache trimmed to last + accepted drafts. Without drafts (or K = 0)
+    it is a plain decode step."""
+    dev = cache.lengths.device
+    slots = torch.as_tensor(slots, dtype=torch.long, device=dev)
+    b = slots.shape[0]
+    last = last.to(dev).long().view(b, 1)
+    if draft_tokens is None:
+        draft_tokens = torch.zeros((b, 0), dtype=torch.long, device=dev)
+    k = draft_tokens.shape[1]
+    kr = _k_per_row(k_per_row, b, k, dev)
+    drafts = draft_tokens.to(dev).long()
+    ids = torch.cat([last, torch.where(torch.arange(k, device=dev) < kr[:, None], drafts, 0)], 1)
+    start = cache.lengths[slots].clone()
+    logits = model(ids, cache, slots=slots, n_new=kr + 1)
+    p = sampling.probs(logits)
+    out = verify(p, drafts, draft_probs, kr, generator, greedy=sampling.greedy)
+    cache.trim(slots, start + 1 + out.accepted)
+    return out
+
+
+def decode_step(model, cache: KVCache, slots, last: torch.Tensor, sampling: SamplingParams,
+                generator: torch.Generator | None = None) -> VerifyResult:
+    """Plain decoding: one token per row, through the same path (k = 0)."""
+    return step(model, cache, slots, last, sampling, generator=generator)
+
+
+@torch.no_grad()
+def generate(model, prompts: list[list[int]], max_new: int, sampling: SamplingParams, *,
+             drafter=None, k: int = 0, k_per_row=None, prompt_ids=None,
+             generator: torch.Generator | None = None) -> tuple[list[list[int]], list[list[float]], dict]:
+    """Batched rollouts (all rows at once, rows stop at max_new tokens): plain decoding when
+    `drafter` is None or k = 0, else speculative steps with `drafter.propose`. Returns the
+    generated tokens and their target log-probs per row, and counts (steps, drafted,
+    accepted). A reference loop for tests and benchmarks; the rollout engine builds on `step`."""
+    from rlsched.executor.drafters import Seq
+
+    b = len(prompts)
+    cache = model.new_cache(b, max(len(p) for p in prompts) + max_new + k + 1)
+    slots = torch.arange(b)
+    last = prefill(model, cache, slots, prompts)
+    seqs = [Seq(list(p), i, None if prompt_ids is None else prompt_ids[i]) for i, p in enumerate(prompts)]
+    gen = [[] for _ in range(b)]
+    lps = [[] for _ in range(b)]
+    stats = dict(steps=0, drafted=0, accepted=0)
+    active = list(range(b))
+    if drafter is not None and hasattr(drafter, "reset"):
+        drafter.reset()
+    while active:
+        idx = torch.tensor(active)
+        rows = [seqs[i] for i in active]
+        if drafter is None or k == 0:
+            out = step(model, cache, idx, last[idx], sampling, generator=generator)
+        else:
+            d, dq, dk = drafter.propose(rows, k)
+            if k_per_row is not None:
+                dk = torch.minimum(dk, torch.as_tensor(k_per_row)[idx])
+            out = step(model, cache, idx, last[idx], sampling, d, dq, dk, generator)
+            stats["drafted"] += int(dk.sum())
+            stats["accepted"] += int(out.accepted.sum())
+        stats["steps"] += 1
+        still = []
+        for r, i in enumerate(active):
+            toks, lp = out.row_tokens(r), out.row_logprobs(r)
+            seqs[i].tokens.extend(toks)
+            room = max_new - len(gen[i])
+            gen[i].extend(toks[:room])
+            lps[i].extend(lp[:room])
+            last[i] = toks[-1]
+            if len(gen[i]) < max_new:
+                still.append(i)
+            elif drafter is not None and hasattr(drafter, "release"):
+                drafter.release([seqs[i]])
+        active = still
+    return gen, lps, stats
