@@ -322,6 +322,21 @@ def test_step_keeps_only_accepted_tokens_in_the_cache(pair):
             assert out.row_tokens(r) == [ref]
 
 
+def test_model_drafter_cache_stays_in_sync(pair):
+    """With the target itself as drafter (q = p up to rounding) every draft is accepted: the
+    drafter's cache rows follow their sequences through acceptances, ragged rows and reuse."""
+    target = pair[0]
+    sp = CASES["t1.0"]
+    drafter = ModelDrafter(target, sp, 64, 48, torch.Generator().manual_seed(4))
+    prompts = [PROMPTS[i % 2][: 3 + i % 6] for i in range(64)]
+    kr = torch.randint(1, 5, (64,), generator=torch.Generator().manual_seed(5))
+    for seed in (6, 7):  # the second rollout reuses the freed rows
+        gen, _, stats = generate(target, prompts, 20, sp, drafter=drafter, k=4, k_per_row=kr,
+                                 generator=torch.Generator().manual_seed(seed))
+        assert stats["accepted"] >= 0.999 * stats["drafted"], stats
+        assert all(len(g) == 20 for g in gen)
+
+
 def test_drafters():
     d = NgramDrafter(max_n=3)
     d.add_history("p", [1, 2, 3, 8, 9, 10, 11])

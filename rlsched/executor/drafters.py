@@ -109,7 +109,9 @@ class ModelDrafter:
                  generator: torch.Generator | None = None):
         self.model, self.sampling, self.generator = model, sampling, generator
         self.cache = model.new_cache(max_batch, max_len)
-        self.cached: dict[int, list[int]] = {}  # slot -> tokens in its cache row
+        # slot -> (the Seq, the tokens in its cache row, how many of those are the Seq's own:
+        # the rest are drafts, kept as far as they were accepted)
+        self.cached: dict[int, tuple[Seq, list[int], int]] = {}
 
     def reset(self) -> None:
         self.cache.free(torch.arange(self.cache.max_batch))
@@ -130,9 +132,11 @@ class ModelDrafter:
         slots = torch.tensor([s.slot for s in rows], dtype=torch.long, device=dev)
         keep, new = [], []
         for s in rows:
-            have = self.cached.get(s.slot, [])
-            c = 0
+            owner, have, c = self.cached.get(s.slot, (None, [], 0))
+            if owner is not s:  # another sequence took the slot: check from the start
+                c = 0
             limit = min(len(have), len(s.tokens) - 1)  # feed at least the last token
+            c = min(c, limit)
             while c < limit and have[c] == s.tokens[c]:
                 c += 1
             keep.append(c)
@@ -151,7 +155,7 @@ class ModelDrafter:
                 logits = self.model(x[:, None], self.cache, slots=slots)
         tokens = torch.stack(toks, 1)
         for r, s in enumerate(rows):
-            self.cached[s.slot] = s.tokens + tokens[r, :k - 1].tolist()
+            self.cached[s.slot] = (s, s.tokens + tokens[r, :k - 1].tolist(), len(s.tokens))
         return tokens.cpu(), torch.stack(dists, 1), torch.full((b,), k, dtype=torch.long)
 
 
