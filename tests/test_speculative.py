@@ -171,6 +171,10 @@ def test_logprobs_and_padding_never_accepted():
         assert (out.tokens[b, len(toks):] == PAD).all()
     with pytest.raises(ValueError, match="k per row"):
         verify(target, drafts, None, torch.full((500,), 4), g)
+    with pytest.raises(ValueError, match="draft_tokens must have shape"):
+        verify(target, drafts[:, :2], None, None, g)
+    with pytest.raises(ValueError, match="draft_probs must have shape"):
+        verify(target, drafts, target, None, g)
 
 
 # --- on a real (tiny, random) model -------------------------------------------------------------

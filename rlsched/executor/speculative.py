@@ -141,7 +141,8 @@ def step(model, cache: KVCache, slots, last: torch.Tensor, sampling: SamplingPar
          k_per_row=None, generator: torch.Generator | None = None) -> VerifyResult:
     """One engine step: ONE target forward over [last, drafts] per row (n_new = k_b + 1),
     verification, and the cache trimmed to last + accepted drafts. Without drafts (or K = 0)
-    it is a plain decode step."""
+    it is a plain decode step. Every row needs K + 1 free cache positions (padding of rows
+    with fewer drafts is written, then dropped)."""
     dev = cache.lengths.device
     slots = torch.as_tensor(slots, dtype=torch.long, device=dev)
     b = slots.shape[0]
