@@ -1,0 +1,394 @@
+"""The speculative rollout engine: continuous batching around `speculative.step`.
+
+Requests (prompt token ids, ids, a token budget, an optional end-of-sequence id) wait in a
+queue. Between steps, finished rows leave (their cache rows are freed) and waiting requests
+join (one ragged prefill) while batch slots and KV room allow. Each step:
+
+1. builds the `EngineState` a policy sees (the same fields the simulator fills),
+2. asks `policy.choose(state)` for a Strategy (off, or a drafter and k, or per-row lengths),
+3. caps each row's draft length by what the row may still emit, drafts, and runs ONE target
+   forward (`step`; `decode_step` when nothing is drafted),
+4. feeds the shared AcceptanceEstimator and `policy.observe` (measured wall-clock times),
+5. appends one step record to the trace (flushed every step: a crash loses at most the step
+   in flight); a finished sample gets one sample record.
+
+KV room is reserved per request (prompt + token budget), so a running row never runs out of
+cache and nothing is ever preempted; a request that could never fit is refused up front.
+
+Sample ids inside a rollout: the estimator indexes its arrays by sample id, so the engine
+numbers the requests of one `run` 0..n-1 (their order) for `EngineState.sample_ids`,
+`StepOutcome.sample_ids` and the estimator; the caller's own ids come back in the results and
+in the sample trace.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rlsched.errors import UserError
+from rlsched.executor.drafters import Seq
+from rlsched.executor.sampling import SamplingParams
+from rlsched.executor.speculative import decode_step, prefill, step
+from rlsched.policies.acceptance import AcceptanceEstimator
+from rlsched.policies.draft import PolicyContext, make_draft_policy
+from rlsched.policies.types import EngineState, StepOutcome, Strategy
+from rlsched.traces.writer import TraceWriter
+
+NEEDS_COST = ("goodput", "seqgoodput", "oracle")  # policy names priced by a cost model
+
+
+@dataclass
+class Request:
+    """One sample to generate."""
+
+    prompt: list[int]
+    prompt_id: int
+    sample_id: int
+    max_new_tokens: int
+    eos_id: int | None = None
+
+
+@dataclass
+class SampleResult:
+    """A finished sample: its tokens, their target log-probs and how it went."""
+
+    prompt_id: int
+    sample_id: int
+    tokens: list[int]
+    logprobs: list[float]
+    finish_s: float
+    steps: int  # engine steps the sample took part in
+    drafted: int
+    accepted: int
+
+    @property
+    def mean_accept_len(self) -> float:
+        """Tokens emitted per step of this sample (1.0 without speculation)."""
+        return len(self.tokens) / self.steps if self.steps else 0.0
+
+
+@dataclass
+class RolloutResult:
+    samples: list[SampleResult]  # in the order of the requests
+    stats: dict = field(default_factory=dict)  # tokens, seconds, tokens_per_s, steps, drafted, accepted, mean_accept_len
+
+
+@dataclass
+class _Row:
+    """A running sample: its request, its Seq (prompt + generated, as drafters see it), the
+    dense rollout index, and what it has produced."""
+
+    req: Request
+    index: int
+    seq: Seq
+    last: int  # the last token, not yet in the target's cache
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    done: bool = False
+
+    @property
+    def remaining(self) -> int:
+        return self.req.max_new_tokens - len(self.tokens)
+
+
+def policy_needs_cost(spec: str) -> bool:
+    """Whether policy `spec` is priced by a cost model (goodput, seqgoodput, oracle, and
+    twostate without arguments, which solves over it)."""
+    name, _, arg = spec.strip().partition(":")
+    return name in NEEDS_COST or (name == "twostate" and not arg)
+
+
+def build_policy(spec: str, drafters: tuple[str, ...], cost=None, **ctx_kwargs):
+    """A DraftPolicy from a name or policy file, for the executor's drafters; a policy that
+    needs a cost model without one is refused with a UserError."""
+    spec = str(spec).strip()
+    if spec.endswith(".json") and ":" not in spec:
+        from rlsched.policies.policyfile import load_policy_file
+        spec = f"{load_policy_file(spec).kind}:{spec}"
+    if cost is None and policy_needs_cost(spec):
+        raise UserError(f"policy '{spec}' needs a cost model; pass one (a fitted or analytic CostModel) "
+                        "or choose a policy without one: off, static:K, bandit, table:FILE")
+    return make_draft_policy(spec, PolicyContext(cost=cost, drafters=drafters, **ctx_kwargs))
+
+
+class RolloutEngine:
+    """Continuous-batching speculative rollouts on one model (one instance).
+
+    model: the target (`Transformer`); drafter: a drafter, a list of them, or None (names
+    are what Strategy.drafter refers to); cache_capacity: the KV budget in tokens, shared by
+    the running rows; max_batch: rows at once; sampling: SamplingParams; policy: a DraftPolicy
+    or a name/policy file (built with `build_policy`, `cost` given or None); estimator: the
+    shared AcceptanceEstimator (a fresh one over the drafters when None); trace_dir: where
+    `steps/` and `samples/` trace parts go (none when None)."""
+
+    def __init__(self, model, drafter, cache_capacity: int, max_batch: int, sampling: SamplingParams,
+                 policy, estimator: AcceptanceEstimator | None = None, trace_dir: Path | None = None, *,
+                 cost=None, k_max: int = 8, instance: int = 0, rl_step: int = 0,
+                 generator: torch.Generator | None = None, ngram_history: bool = True):
+        if max_batch < 1 or cache_capacity < 1:
+            raise UserError(f"the engine needs max_batch >= 1 and cache_capacity >= 1 (got {max_batch}, {cache_capacity})")
+        self.model, self.sampling, self.generator = model, sampling, generator
+        self.drafters = {d.name: d for d in self._as_list(drafter) if d.name != "off"}
+        names = tuple(self.drafters)
+        self.cache_capacity, self.max_batch, self.k_max = cache_capacity, max_batch, k_max
+        if isinstance(policy, str):
+            policy = build_policy(policy, names, cost, k_max=k_max, max_batch=max_batch)
+        self.policy = policy
+        self.estimator = estimator if estimator is not None else AcceptanceEstimator(names)
+        self.instance, self.rl_step = instance, rl_step
+        self.ngram_history = ngram_history
+        self.trace_dir = None if trace_dir is None else Path(trace_dir)
+        self._steps_w = self._samples_w = None
+        if self.trace_dir is not None:
+            self._steps_w = TraceWriter(self.trace_dir, "steps", flush_every=1)
+            self._samples_w = TraceWriter(self.trace_dir, "samples", flush_every=1)
+        self._cache = None
+        self.step_index = 0
+
+    @staticmethod
+    def _as_list(drafter) -> list:
+        if drafter is None:
+            return []
+        return list(drafter) if isinstance(drafter, (list, tuple)) else [drafter]
+
+    # --- the rollout ---------------------------------------------------------------------
+
+    @torch.no_grad()
+    def run(self, requests: list[Request]) -> RolloutResult:
+        """Generate every request; results in request order, with overall stats."""
+        self._check(requests)
+        prompt_index: dict = {}
+        prompt_of = np.array([prompt_index.setdefault(r.prompt_id, len(prompt_index)) for r in requests], dtype=np.int64)
+        self.estimator.begin_rollout(len(requests), prompt_of)
+        self._ensure_cache(requests)
+        for d in self.drafters.values():
+            if hasattr(d, "reset"):
+                d.reset()
+        waiting = list(range(len(requests)))
+        running: dict[int, _Row] = {}  # cache slot -> row
+        results: list[SampleResult | None] = [None] * len(requests)
+        self._ids = np.zeros(0, dtype=np.int64)
+        totals = dict(steps=0, drafted=0, accepted=0, sd_emitted=0, sd_rows=0)
+        self._t0 = time.perf_counter()
+        while waiting or running:
+            self._admit(requests, waiting, running)
+            if not running:  # nothing fits and nothing runs: cannot happen after _check
+                raise RuntimeError("no request fits the KV cache")
+            self._decode(running, totals, len(waiting))
+            self._retire(running, results)
+        seconds = time.perf_counter() - self._t0
+        self.estimator.retire(self._ids)
+        return RolloutResult(list(results), self._summary(results, totals, seconds))
+
+    def _check(self, requests: list[Request]) -> None:
+        """Refuse requests that are malformed or could never fit the KV budget."""
+        for r in requests:
+            if not r.prompt:
+                raise UserError(f"sample {r.sample_id}: the prompt is empty")
+            if r.max_new_tokens < 1:
+                raise UserError(f"sample {r.sample_id}: max_new_tokens must be >= 1 (got {r.max_new_tokens})")
+            if self._reserve(r) > self.cache_capacity:
+                raise UserError(f"sample {r.sample_id}: prompt + max_new_tokens ({self._reserve(r)} tokens) exceed "
+                                f"the KV cache capacity ({self.cache_capacity}); raise cache_capacity or lower max_new_tokens")
+
+    @staticmethod
+    def _reserve(r: Request) -> int:
+        """KV tokens a request may occupy at most (a step writes no further than the budget)."""
+        return len(r.prompt) + r.max_new_tokens
+
+    def _ensure_cache(self, requests: list[Request]) -> None:
+        """A cache of max_batch rows long enough for the longest request plus k_max (a ragged
+        verify writes K + 1 positions in every row, padding included; reused if it is)."""
+        need = max((self._reserve(r) for r in requests), default=1) + self.k_max
+        if self._cache is None or self._cache.max_len < need:
+            self._cache = self.model.new_cache(self.max_batch, need)
+        self._cache.free(torch.arange(self.max_batch))
+
+    def _kv_reserved(self, running: dict[int, _Row]) -> int:
+        return sum(self._reserve(r.req) for r in running.values())
+
+    # --- joining ---------------------------------------------------------------------------
+
+    def _admit(self, requests, waiting: list[int], running: dict[int, _Row]) -> None:
+        """Waiting requests join (in order) while slots and KV room allow; one prefill."""
+        free_slots = [s for s in range(self.max_batch) if s not in running]
+        room = self.cache_capacity - self._kv_reserved(running)
+        joining: list[tuple[int, int]] = []  # (slot, request index)
+        while waiting and free_slots and self._reserve(requests[waiting[0]]) <= room:
+            i = waiting.pop(0)
+            room -= self._reserve(requests[i])
+            joining.append((free_slots.pop(0), i))
+        if not joining:
+            return
+        t = time.perf_counter()
+        prompts = [requests[i].prompt for _, i in joining]
+        last = prefill(self.model, self._cache, [s for s, _ in joining], prompts)
+        ms = (time.perf_counter() - t) * 1e3
+        for (slot, i), tok in zip(joining, last.tolist()):
+            req = requests[i]
+            running[slot] = _Row(req, i, Seq(list(req.prompt), slot, req.prompt_id), tok)
+        self._record_step(t, "prefill", len(joining), None, 0, 0, 0, 0, 0.0, ms, ms, sum(map(len, prompts)))
+
+    # --- one engine step ---------------------------------------------------------------------
+
+    def _state(self, running: dict[int, _Row], waiting: int) -> EngineState:
+        """What the policy sees: the same fields as in the simulator."""
+        rows = list(running.values())
+        ids = np.array([r.index for r in rows], dtype=np.int64)
+        if not np.array_equal(ids, self._ids):  # the batch changed: a new id array (the estimator keys by it)
+            self.estimator.retire(self._ids)
+            self._ids = ids
+        ctx = np.array([len(r.seq.tokens) for r in rows], dtype=np.int64)
+        ctx_tokens = int(ctx.sum())
+        return EngineState(self.instance, self.step_index, time.perf_counter() - self._t0, self._ids, ctx,
+                           ctx_tokens, waiting, self.cache_capacity - ctx_tokens, self.estimator)
+
+    def _row_lengths(self, strategy: Strategy, rows: list[_Row]) -> np.ndarray:
+        """Each row's draft length: the strategy's k (or per_seq), at most remaining - 1 (a step
+        emits accepted + 1 tokens, so more drafts could never be kept) and at most k_max (the
+        cache's spare room)."""
+        if strategy.is_off:
+            return np.zeros(len(rows), dtype=np.int64)
+        if strategy.width != 1:
+            raise UserError(f"strategy {strategy.label}: tree drafting is not supported by the executor yet")
+        want = (np.asarray(strategy.per_seq, dtype=np.int64) if strategy.per_seq is not None
+                else np.full(len(rows), strategy.k, dtype=np.int64))
+        cap = np.minimum(np.array([r.remaining - 1 for r in rows], dtype=np.int64), self.k_max)
+        return np.clip(np.minimum(want, cap), 0, None)
+
+    def _decode(self, running: dict[int, _Row], totals: dict, waiting: int) -> None:
+        """One step over the running rows: choose, draft, verify, learn, record."""
+        state = self._state(running, waiting)
+        strategy = self.policy.choose(state)
+        rows = list(running.values())
+        slots = torch.tensor([r.seq.slot for r in rows], dtype=torch.long)
+        last = torch.tensor([r.last for r in rows], dtype=torch.long)
+        ks = self._row_lengths(strategy, rows)
+        k = int(ks.max(initial=0))
+        t = time.perf_counter()
+        if k == 0:
+            draft_s = 0.0
+            out = decode_step(self.model, self._cache, slots, last, self.sampling, self.generator)
+            dk = torch.zeros(len(rows), dtype=torch.long)
+        else:
+            drafter = self.drafters.get(strategy.drafter)
+            if drafter is None:
+                raise UserError(f"policy chose drafter '{strategy.drafter}', which this engine lacks "
+                                f"(it has: {', '.join(self.drafters) or 'none'})")
+            d, dq, dk = drafter.propose([r.seq for r in rows], k)
+            dk = torch.minimum(dk.cpu(), torch.as_tensor(ks))
+            draft_s = time.perf_counter() - t
+            out = step(self.model, self._cache, slots, last, self.sampling, d, dq, dk, self.generator)
+        verify_s = time.perf_counter() - t - draft_s
+        accepted = out.accepted.cpu()
+        emitted = self._append(rows, out, dk, accepted)
+        step_s = time.perf_counter() - t
+        drafted, n_acc = int(dk.sum()), int(accepted.sum())
+        self._learn(state, strategy, rows, dk, accepted, drafted, n_acc, emitted, step_s, draft_s, verify_s)
+        totals["steps"] += 1
+        totals["drafted"] += drafted
+        totals["accepted"] += n_acc
+        if k > 0:
+            totals["sd_emitted"] += emitted
+            totals["sd_rows"] += len(rows)
+        self._record_step(t, "decode", len(rows), strategy.drafter, strategy.k, strategy.width, drafted, n_acc,
+                          draft_s * 1e3, verify_s * 1e3, step_s * 1e3, state.ctx_tokens, emitted)
+        self.step_index += 1
+
+    def _append(self, rows: list[_Row], out, dk: torch.Tensor, accepted: torch.Tensor) -> int:
+        """Give each row its new tokens (cut at its budget and at eos); returns tokens emitted."""
+        tokens, logprobs = out.tokens.cpu(), out.logprobs.cpu()
+        emitted = 0
+        for b, r in enumerate(rows):
+            n = int(accepted[b]) + 1
+            toks, lps = tokens[b, :n].tolist()[:r.remaining], logprobs[b, :n].tolist()[:r.remaining]
+            if r.req.eos_id is not None and r.req.eos_id in toks:
+                cut = toks.index(r.req.eos_id) + 1
+                toks, lps = toks[:cut], lps[:cut]
+                r.done = True
+            r.tokens.extend(toks)
+            r.logprobs.extend(lps)
+            r.seq.tokens.extend(tokens[b, :n].tolist())
+            r.last = int(tokens[b, n - 1])
+            r.steps += 1
+            r.drafted += int(dk[b])
+            r.accepted += int(accepted[b])
+            r.done = r.done or r.remaining <= 0
+            emitted += len(toks)
+        return emitted
+
+    def _learn(self, state, strategy, rows, dk, accepted, drafted, n_acc, emitted, step_s, draft_s, verify_s):
+        """Feed the estimator (chain steps that drafted) and the policy's observe."""
+        if not strategy.is_off and drafted > 0 and getattr(self.policy, "needs_acceptance", True):
+            self.estimator.update(strategy.drafter, state.sample_ids, accepted.numpy().astype(np.int64),
+                                  dk.numpy().astype(np.int64))
+        if getattr(self.policy, "observes", True):
+            self.policy.observe(StepOutcome(self.instance, state.step, strategy, len(rows), drafted, n_acc, emitted,
+                                            step_s, draft_s, verify_s, state.sample_ids,
+                                            accepted.numpy().astype(np.int64)))
+
+    # --- leaving ---------------------------------------------------------------------------
+
+    def _retire(self, running: dict[int, _Row], results: list) -> None:
+        """Finished rows leave: cache rows freed, drafters told, estimator folded, records written."""
+        done = [slot for slot, r in running.items() if r.done]
+        if not done:
+            return
+        rows = [running.pop(slot) for slot in done]
+        self._cache.free(torch.tensor(done, dtype=torch.long))
+        finish_s = time.perf_counter() - self._t0
+        for d in self.drafters.values():
+            if hasattr(d, "release"):
+                d.release([r.seq for r in rows])
+            if self.ngram_history and hasattr(d, "add_history"):
+                for r in rows:
+                    d.add_history(r.req.prompt_id, r.req.prompt + r.tokens)
+        self.estimator.finish(np.array([r.index for r in rows], dtype=np.int64))
+        for r in rows:
+            results[r.index] = SampleResult(r.req.prompt_id, r.req.sample_id, r.tokens, r.logprobs, finish_s,
+                                            r.steps, r.drafted, r.accepted)
+            self._record_sample(r, finish_s)
+
+    # --- traces and stats ------------------------------------------------------------------
+
+    def _record_step(self, t, kind, batch, drafter, k, width, drafted, accepted, draft_ms, verify_ms, step_ms,
+                     ctx_tokens, emitted=None) -> None:
+        if self._steps_w is None:
+            return
+        self._steps_w.append(dict(
+            rl_step=self.rl_step, instance=self.instance, step=self.step_index, time_s=t - self._t0, kind=kind,
+            batch=batch, drafter=drafter or "off", k=k, width=width, drafted=drafted, accepted=accepted,
+            emitted=0 if emitted is None else emitted, draft_ms=draft_ms, verify_ms=verify_ms, step_ms=step_ms,
+            ctx_tokens=ctx_tokens))
+
+    def _record_sample(self, r: _Row, finish_s: float) -> None:
+        if self._samples_w is None:
+            return
+        rec = dict(rl_step=self.rl_step, sample_id=r.req.sample_id, prompt_id=r.req.prompt_id, instance=self.instance,
+                   prompt_len=len(r.req.prompt), response_len=len(r.tokens), finish_s=finish_s,
+                   preemptions=0, migrations=0)
+        for name in self.drafters:
+            rec[f"acceptance_{name}"] = float(self.estimator.estimates(name, np.array([r.index]))[0])
+        self._samples_w.append(rec)
+
+    @staticmethod
+    def _summary(results: list[SampleResult], totals: dict, seconds: float) -> dict:
+        tokens = sum(len(s.tokens) for s in results)
+        return dict(samples=len(results), tokens=tokens, seconds=seconds,
+                    tokens_per_s=tokens / seconds if seconds > 0 else 0.0, steps=totals["steps"],
+                    drafted=totals["drafted"], accepted=totals["accepted"],
+                    mean_accept_len=totals["sd_emitted"] / totals["sd_rows"] if totals["sd_rows"] else 1.0)
+
+    def close(self) -> None:
+        """Flush the trace writers (they flush every record already)."""
+        for w in (self._steps_w, self._samples_w):
+            if w is not None:
+                w.close()
