@@ -194,3 +194,26 @@ def test_engine_does_not_import_the_simulator():
     code = ("import sys, rlsched.executor.engine; "
             "assert not [m for m in sys.modules if m.startswith('rlsched.sim')]")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+class Crashing(ChangingK):
+    """Fails at step 6, as a killed process would stop."""
+
+    def choose(self, state):
+        if state.step == 6:
+            raise KeyboardInterrupt
+        return super().choose(state)
+
+
+def test_a_crash_keeps_the_steps_written_so_far(pair, tmp_path):
+    with pytest.raises(KeyboardInterrupt):
+        engine(pair, "model", Crashing(), trace_dir=tmp_path).run(requests(2, 12))
+    steps = read_trace(tmp_path / "steps", "steps")
+    assert (steps["kind"] == "decode").sum() == 6 and (steps["kind"] == "prefill").sum() >= 1
+
+
+def test_a_too_small_model_drafter_is_refused(pair):
+    small = ModelDrafter(pair[1], GREEDY, max_batch=2, max_len=64)
+    e = RolloutEngine(pair[0], small, 1000, 4, GREEDY, "static:2")
+    with pytest.raises(UserError, match="drafter 'model'"):
+        e.run(requests(1, 8))

@@ -176,6 +176,7 @@ class RolloutEngine:
         running: dict[int, _Row] = {}  # cache slot -> row
         results: list[SampleResult | None] = [None] * len(requests)
         self._ids = np.zeros(0, dtype=np.int64)
+        self.step_index = 0  # steps count per rollout, as in the simulator
         totals = dict(steps=0, drafted=0, accepted=0, sd_emitted=0, sd_rows=0)
         self._t0 = time.perf_counter()
         while waiting or running:
@@ -211,6 +212,12 @@ class RolloutEngine:
         if self._cache is None or self._cache.max_len < need:
             self._cache = self.model.new_cache(self.max_batch, need)
         self._cache.free(torch.arange(self.max_batch))
+        for name, d in self.drafters.items():
+            c = getattr(d, "cache", None)  # a model drafter's own cache must hold as much
+            if c is not None and (c.max_batch < self.max_batch or c.max_len < need):
+                raise UserError(f"drafter '{name}': its KV cache ({c.max_batch} rows x {c.max_len}) is smaller than "
+                                f"the engine needs ({self.max_batch} rows x {need}); build it with max_batch >= "
+                                f"{self.max_batch} and max_len >= {need}")
 
     def _kv_reserved(self, running: dict[int, _Row]) -> int:
         return sum(self._reserve(r.req) for r in running.values())
