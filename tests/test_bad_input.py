@@ -3,32 +3,14 @@ field, no traceback, and nothing written."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import yaml
 
 from rlsched.config import load_preset_data
+from support import rlsched, snapshot
 
 SMALL = ["--set", "rl.steps=1", "--set", "workload.prompts=8"]
-
-
-def rlsched(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, COLUMNS="400")
-    return subprocess.run([sys.executable, "-m", "rlsched", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=120)
-
-
-def snapshot(root: Path) -> set[str]:
-    """Every file and folder under root, hidden ones included."""
-    found = set()
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            found.add(os.path.relpath(os.path.join(dirpath, name), root))
-    return found
 
 
 def valid_config_text() -> str:

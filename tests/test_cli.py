@@ -4,9 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
@@ -17,21 +14,12 @@ import yaml
 from rlsched import __version__
 from rlsched.config import load_preset_data
 from rlsched.traces import read_trace
+from support import ok, rlsched
 
 SMALL = ["--set", "rl.steps=1", "--set", "workload.prompts=8"]
 RUN_FILES = {"timeline.parquet", "samples.parquet", "rl_steps.parquet", "summary.json", "config.yaml", "meta.json"}
 
 
-def rlsched(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = dict(os.environ, COLUMNS="400")
-    return subprocess.run([sys.executable, "-m", "rlsched", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
-
-
-def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    assert "Traceback" not in proc.stderr
-    return proc
 
 
 def small_config_data() -> dict:

@@ -8,10 +8,10 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pandas as pd
 import pytest
+from support import ok, rlsched, snapshot
 
 SMALL = ["--preset", "default", "--set", "workload.prompts=8", "--set", "rl.steps=1", "--seeds", "2"]
 POLICIES = ["--policies", "off,static:2,static:4,goodput"]
@@ -71,26 +71,6 @@ def wait(refs, num_returns=1):
 def get(ref):
     return ref.value
 '''
-
-
-def rlsched(*args: str, cwd: Path, env_extra: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = dict(os.environ, COLUMNS="400", **(env_extra or {}))
-    return subprocess.run([sys.executable, "-m", "rlsched", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
-
-
-def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    assert "Traceback" not in proc.stderr
-    return proc
-
-
-def snapshot(root: Path) -> set[str]:
-    found = set()
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            found.add(os.path.relpath(os.path.join(dirpath, name), root))
-    return found
 
 
 def agg(report: dict, policy: str, realloc: str = "none") -> dict:

@@ -15,12 +15,12 @@ transformers = pytest.importorskip("transformers")
 from rlsched.errors import UserError  # noqa: E402
 from rlsched.executor.drafters import ModelDrafter, NgramDrafter  # noqa: E402
 from rlsched.executor.engine import Request, RolloutEngine, build_policy  # noqa: E402
-from rlsched.executor.loading import load_model  # noqa: E402
 from rlsched.executor.sampling import GREEDY, SamplingParams  # noqa: E402
 from rlsched.executor.speculative import generate  # noqa: E402
 from rlsched.policies.acceptance import AcceptanceEstimator  # noqa: E402
 from rlsched.policies.types import OFF, Strategy  # noqa: E402
 from rlsched.traces import read_trace  # noqa: E402
+from support import tiny_pair  # noqa: E402
 
 V = 16
 PROMPTS = [[1, 2, 3], [4, 4, 4, 4], [7, 1, 7, 1, 7], [2], [5, 6, 5, 6, 5, 6], [3, 9, 12]]
@@ -28,24 +28,7 @@ PROMPTS = [[1, 2, 3], [4, 4, 4, 4], [7, 1, 7, 1, 7], [2], [5, 6, 5, 6, 5, 6], [3
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    """A tiny random Llama and a drafter: the target with noise added to its weights."""
-    folder = tmp_path_factory.mktemp("engine") / "tiny"
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-    hf = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if not name.endswith("norm.weight"):
-                p.normal_(0, 0.4)
-    hf.save_pretrained(folder)
-    target = load_model(folder).model
-    drafter = load_model(folder).model
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in drafter.parameters():
-            p.add_(0.03 * torch.randn(p.shape, generator=g))
-    return target, drafter
+    return tiny_pair(tmp_path_factory.mktemp("engine") / "tiny", V)
 
 
 def requests(n_per_prompt: int = 2, max_new: int = 20, eos: int | None = None) -> list[Request]:

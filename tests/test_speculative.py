@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from rlsched.executor.drafters import ModelDrafter, NgramDrafter, OffDrafter, Seq, make_drafter  # noqa: E402
-from rlsched.executor.loading import load_model  # noqa: E402
+from support import tiny_pair  # noqa: E402
 from rlsched.executor.sampling import GREEDY, SamplingParams, probs, sample  # noqa: E402
 from rlsched.executor.speculative import (PAD, decode_step, generate, prefill, step,  # noqa: E402
                                           verify)
@@ -186,25 +186,7 @@ CASES = {"t1.0": SamplingParams(1.0), "t0.7-p0.9": SamplingParams(0.7, top_p=0.9
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    """A tiny random Llama and a drafter: the target with noise added to its weights."""
-    folder = tmp_path_factory.mktemp("spec") / "tiny"
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2)
-    hf = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if not name.endswith("norm.weight"):
-                p.normal_(0, 0.4)  # peaked enough that the joint of 3 tokens has few big cells
-    hf.save_pretrained(folder)
-    target = load_model(folder).model
-    drafter = load_model(folder).model
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in drafter.parameters():
-            p.add_(0.03 * torch.randn(p.shape, generator=g))
-    return target, drafter
+    return tiny_pair(tmp_path_factory.mktemp("spec") / "tiny", V)
 
 
 @torch.no_grad()

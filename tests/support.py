@@ -1,0 +1,57 @@
+"""Helpers shared by the test files: running the CLI, listing what a run wrote, a tiny model pair."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def rlsched(*args: str, cwd: Path, env_extra: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run the real entry point (`python -m rlsched`) with wide columns, so errors stay one line."""
+    env = dict(os.environ, COLUMNS="400", **(env_extra or {}))
+    return subprocess.run([sys.executable, "-m", "rlsched", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert "Traceback" not in proc.stderr
+    return proc
+
+
+def snapshot(root: Path) -> set[str]:
+    """Every file and folder under root, hidden ones included."""
+    found = set()
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            found.add(os.path.relpath(os.path.join(dirpath, name), root))
+    return found
+
+
+def tiny_pair(folder: Path, vocab: int):
+    """A tiny random Llama (written with transformers, loaded with ours) and a drafter: the
+    target with noise added to its weights. Weights are peaked enough that short joints of
+    tokens have few large cells."""
+    import torch
+    import transformers
+
+    from rlsched.executor.loading import load_model
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    hf = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.normal_(0, 0.4)
+    hf.save_pretrained(folder)
+    target = load_model(folder).model
+    drafter = load_model(folder).model
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(0.03 * torch.randn(p.shape, generator=g))
+    return target, drafter
