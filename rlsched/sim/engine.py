@@ -166,7 +166,7 @@ class Instance:
             ctx_at = self.ctx_sum + b * np.arange(n)
             t_draft = np.zeros(n)
             t_verify = cost.verify_time(b, 1, ctx_at)
-            self.ctx += n
+            advance = n
             d = -1
         else:
             d = st.drafter_idx[strat.drafter]
@@ -179,10 +179,11 @@ class Instance:
             else:
                 t_draft = cost.draft_time_per_seq(strat.drafter, strat.per_seq, ctx_at)
             t_verify = cost.verify_time(b, strat.tokens_per_seq, ctx_at)
-            self.ctx += acc.sum(axis=0) + n
+            advance = acc.sum(axis=0) + n
         dt = t_draft + t_verify
         total = float(dt.sum())
         yield env.timeout(total)
+        self.ctx += advance
         if strat.drafter is not None and learn_acceptance and strat.width == 1:  # outcomes known only now
             self.stage.estimator.update_many(strat.drafter, self.sid, acc, ks)
         self.busy += total
@@ -192,7 +193,8 @@ class Instance:
             starts = t0 - st.t0 + np.concatenate(([0.0], np.cumsum(dt[:-1])))
             st.timeline.append_run(
                 (st.rl_step, self.idx, np.arange(self.steps, self.steps + n), starts, KIND_DECODE, b, d, strat.k,
-                 strat.width, round(b * strat.drafted_per_seq), emitted - b if d >= 0 else 0, emitted, t_draft, t_verify, ctx_at), n)
+                 strat.width, round(b * strat.drafted_per_seq), emitted - b if d >= 0 else 0, emitted,
+                 t_draft, t_verify, ctx_at), n)
         self.steps += n
 
     # ------------------------------------------------------------------ the process
@@ -269,18 +271,19 @@ class Instance:
             dt = t_draft + t_verify
             self.busy += dt
             self.min_rem -= max_adv  # a lower bound on every row's tokens left: skip the scan while > 0
+            left = None
             if self.min_rem <= 0:
                 left = self.tot - self.ctx
                 if left.min() <= 0:
                     emitted += int(left[left < 0].sum())  # tokens past a row's end were never emitted
                     np.minimum(self.ctx, self.tot, out=self.ctx)
-                    self.ctx_sum += emitted
-                    st.finished(self, self.take_rows(left > 0))
                 else:
-                    self.ctx_sum += emitted
+                    left = None
+            self.ctx_sum += emitted
+            if left is not None:  # some rows finished this step
+                st.finished(self, self.take_rows(left > 0))
+            if self.min_rem <= 0:
                 self.min_rem = int((self.tot - self.ctx).min()) if self.batch else 0
-            else:
-                self.ctx_sum += emitted
             n_acc = emitted - b if acc is not None else 0
             if observes:
                 policy.observe(StepOutcome(self.idx, self.steps, strat, b, drafted, n_acc, emitted, dt, t_draft,
