@@ -161,3 +161,23 @@ def test_file_lacking_a_schema_column(tmp_path):
     assert str(path) in msg
     assert "finish_s" in msg
     assert "lacks" in msg
+
+
+def test_journaled_writer_killed_mid_part_keeps_every_appended_record(tmp_path):
+    """A writer that never flushes (killed) leaves its records in the part's journal; a line
+    cut short by the kill is dropped; once the part is written its journal is gone."""
+    w = TraceWriter(tmp_path, "steps", flush_every=4, journal=True)
+    for i in range(6):
+        w.append(step_record(i))
+    # no close: as if killed. Part 0 (4 records) is Parquet, part 1 (2 records) only a journal.
+    assert sorted(p.name for p in (tmp_path / "steps").iterdir()) == ["part-000000.parquet", "part-000001.jsonl"]
+    with open(tmp_path / "steps" / "part-000001.jsonl", "a") as f:
+        f.write('{"rl_step": 0, "step": 6, "ki')  # the record in flight, cut short
+    df = read_trace(tmp_path, "steps")
+    assert list(df["step"]) == list(range(6))
+    # a new writer after the crash continues after the journal's number
+    w2 = TraceWriter(tmp_path, "steps", flush_every=4, journal=True)
+    w2.append(step_record(6))
+    w2.close()
+    assert list(read_trace(tmp_path / "steps", "steps")["step"]) == list(range(7))
+    assert not list((tmp_path / "steps").glob("part-000002.jsonl"))

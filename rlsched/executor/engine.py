@@ -9,7 +9,7 @@ join (one ragged prefill) while batch slots and KV room allow. Each step:
 3. caps each row's draft length by what the row may still emit, drafts, and runs ONE target
    forward (`step`; `decode_step` when nothing is drafted),
 4. feeds the shared AcceptanceEstimator and `policy.observe` (measured wall-clock times),
-5. appends one step record to the trace (flushed every step: a crash loses at most the step
+5. appends one step record to the trace (journaled every step: a crash loses at most the step
    in flight); a finished sample gets one sample record.
 
 KV room is reserved per request (prompt + token budget), so a running row never runs out of
@@ -99,6 +99,23 @@ class _Row:
         return self.req.max_new_tokens - len(self.tokens)
 
 
+def reserve(r: Request) -> int:
+    """KV tokens a request may occupy at most (a step writes no further than the budget)."""
+    return len(r.prompt) + r.max_new_tokens
+
+
+def check_requests(requests: list[Request], cache_capacity: int) -> None:
+    """Refuse requests that are malformed or could never fit the KV budget."""
+    for r in requests:
+        if not r.prompt:
+            raise UserError(f"sample {r.sample_id}: the prompt is empty")
+        if r.max_new_tokens < 1:
+            raise UserError(f"sample {r.sample_id}: max_new_tokens must be >= 1 (got {r.max_new_tokens})")
+        if reserve(r) > cache_capacity:
+            raise UserError(f"sample {r.sample_id}: prompt + max_new_tokens ({reserve(r)} tokens) exceed "
+                            f"the KV cache capacity ({cache_capacity}); raise cache_capacity or lower max_new_tokens")
+
+
 def policy_needs_cost(spec: str) -> bool:
     """Whether policy `spec` is priced by a cost model (goodput, seqgoodput, oracle, and
     twostate without arguments, which solves over it)."""
@@ -148,8 +165,8 @@ class RolloutEngine:
         self.trace_dir = None if trace_dir is None else Path(trace_dir)
         self._steps_w = self._samples_w = None
         if self.trace_dir is not None:
-            self._steps_w = TraceWriter(self.trace_dir, "steps", flush_every=1)
-            self._samples_w = TraceWriter(self.trace_dir, "samples", flush_every=1)
+            self._steps_w = TraceWriter(self.trace_dir, "steps", flush_every=256, journal=True)
+            self._samples_w = TraceWriter(self.trace_dir, "samples", flush_every=256, journal=True)
         self._cache = None
         self.step_index = 0
 
@@ -164,7 +181,7 @@ class RolloutEngine:
     @torch.no_grad()
     def run(self, requests: list[Request]) -> RolloutResult:
         """Generate every request; results in request order, with overall stats."""
-        self._check(requests)
+        check_requests(requests, self.cache_capacity)
         prompt_index: dict = {}
         prompt_of = np.array([prompt_index.setdefault(r.prompt_id, len(prompt_index)) for r in requests], dtype=np.int64)
         self.estimator.begin_rollout(len(requests), prompt_of)
@@ -177,11 +194,13 @@ class RolloutEngine:
         results: list[SampleResult | None] = [None] * len(requests)
         self._ids = np.zeros(0, dtype=np.int64)
         self.step_index = 0  # steps count per rollout, as in the simulator
-        totals = dict(steps=0, drafted=0, accepted=0, sd_emitted=0, sd_rows=0)
+        totals = dict(steps=0, drafted=0, accepted=0, sd_emitted=0, sd_rows=0, kv_peak_tokens=0, max_running=0)
         self._t0 = time.perf_counter()
         while waiting or running:
             self._admit(requests, waiting, running)
-            if not running:  # nothing fits and nothing runs: cannot happen after _check
+            totals["kv_peak_tokens"] = max(totals["kv_peak_tokens"], self._kv_reserved(running))
+            totals["max_running"] = max(totals["max_running"], len(running))
+            if not running:  # nothing fits and nothing runs: cannot happen after check_requests
                 raise RuntimeError("no request fits the KV cache")
             self._decode(running, totals, len(waiting))
             self._retire(running, results)
@@ -189,21 +208,9 @@ class RolloutEngine:
         self.estimator.retire(self._ids)
         return RolloutResult(list(results), self._summary(results, totals, seconds))
 
-    def _check(self, requests: list[Request]) -> None:
-        """Refuse requests that are malformed or could never fit the KV budget."""
-        for r in requests:
-            if not r.prompt:
-                raise UserError(f"sample {r.sample_id}: the prompt is empty")
-            if r.max_new_tokens < 1:
-                raise UserError(f"sample {r.sample_id}: max_new_tokens must be >= 1 (got {r.max_new_tokens})")
-            if self._reserve(r) > self.cache_capacity:
-                raise UserError(f"sample {r.sample_id}: prompt + max_new_tokens ({self._reserve(r)} tokens) exceed "
-                                f"the KV cache capacity ({self.cache_capacity}); raise cache_capacity or lower max_new_tokens")
-
     @staticmethod
     def _reserve(r: Request) -> int:
-        """KV tokens a request may occupy at most (a step writes no further than the budget)."""
-        return len(r.prompt) + r.max_new_tokens
+        return reserve(r)
 
     def _ensure_cache(self, requests: list[Request]) -> None:
         """A cache of max_batch rows long enough for the longest request plus k_max (a ragged
@@ -392,10 +399,11 @@ class RolloutEngine:
         return dict(samples=len(results), tokens=tokens, seconds=seconds,
                     tokens_per_s=tokens / seconds if seconds > 0 else 0.0, steps=totals["steps"],
                     drafted=totals["drafted"], accepted=totals["accepted"],
-                    mean_accept_len=totals["sd_emitted"] / totals["sd_rows"] if totals["sd_rows"] else 1.0)
+                    mean_accept_len=totals["sd_emitted"] / totals["sd_rows"] if totals["sd_rows"] else 1.0,
+                    kv_peak_tokens=totals["kv_peak_tokens"], max_running=totals["max_running"])
 
     def close(self) -> None:
-        """Flush the trace writers (they flush every record already)."""
+        """Write the last trace parts (the journals hold every record until then)."""
         for w in (self._steps_w, self._samples_w):
             if w is not None:
                 w.close()

@@ -34,16 +34,40 @@ def _read_one(path: Path, kind: str) -> pa.Table:
     return table
 
 
+def _read_journal(path: Path, kind: str) -> pa.Table | None:
+    """The complete records of a part's journal (a line cut short by a crash is dropped)."""
+    from rlsched.traces.writer import to_table
+
+    rows = []
+    lines = path.read_text().split("\n")
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i < len(lines) - 1:  # only the last line may be cut short
+                raise UserError(f"trace journal '{path}' is corrupt at line {i + 1}") from None
+    return to_table(kind, pd.DataFrame(rows)) if rows else None
+
+
 def read_trace(path: Path, kind: str) -> pd.DataFrame:
-    """Records of `kind` from a Parquet file or a folder of parts (in order)."""
+    """Records of `kind` from a Parquet file, a folder of parts (in order), or the folder
+    holding that one (`traces/` for `traces/<kind>/`). Journals of parts a killed writer
+    never wrote are read too."""
     path = Path(path)
+    if path.is_dir() and (path / kind).is_dir():
+        path = path / kind
     if path.is_dir():
-        files = sorted(path.glob("part-*.parquet"))
+        files = sorted(p for p in path.glob("part-*.*") if p.suffix in (".parquet", ".jsonl")
+                       and not (p.suffix == ".jsonl" and p.with_suffix(".parquet").exists()))
     elif path.is_file():
         files = [path]
     else:
         raise UserError(f"trace '{path}' does not exist")
-    if not files:
+    tables = [_read_one(f, kind) if f.suffix != ".jsonl" else _read_journal(f, kind) for f in files]
+    tables = [t for t in tables if t is not None]
+    if not tables:
         return pd.DataFrame({n: pd.Series(dtype=t.to_pandas_dtype()) for n, t in zip(SCHEMAS[kind].names,
                                                                                        SCHEMAS[kind].types)})
-    return pa.concat_tables([_read_one(f, kind) for f in files], promote_options="default").to_pandas()
+    return pa.concat_tables(tables, promote_options="default").to_pandas()

@@ -49,6 +49,21 @@ def write_table(path: Path, table: pa.Table) -> None:
         raise
 
 
+def write_text_atomic(path: Path, text: str) -> None:
+    """A small text file (JSON, YAML) written whole or not at all."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 @contextmanager
 def atomic_folder(out: Path):
     """Yield a temporary sibling of `out` to fill; on success it replaces `out` whole (a
@@ -73,19 +88,37 @@ def atomic_folder(out: Path):
         raise
 
 
-class TraceWriter:
-    """Append-only records of one kind under `root/<kind>/part-NNNNNN.parquet`."""
+def _plain(x):
+    """json.dumps fallback for numpy scalars."""
+    return x.item() if hasattr(x, "item") else str(x)
 
-    def __init__(self, root: Path, kind: str, flush_every: int = 1):
+
+class TraceWriter:
+    """Append-only records of one kind under `root/<kind>/part-NNNNNN.parquet`.
+
+    Parquet parts hold `flush_every` records each. With `journal=True` every record is also
+    appended (and flushed to the OS) to `part-NNNNNN.jsonl`, the journal of the part being
+    filled, removed once that part is written: a process killed at any moment leaves every
+    record it appended readable (`read_trace` reads journals whose part is missing), at the
+    cost of a line of JSON per record instead of a Parquet file per record."""
+
+    def __init__(self, root: Path, kind: str, flush_every: int = 1, journal: bool = False):
         self.dir = Path(root) / kind
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.kind, self.flush_every = kind, flush_every
+        self.kind, self.flush_every, self.journal = kind, flush_every, journal
         self._rows: list[dict] = []
-        parts = sorted(self.dir.glob("part-*.parquet"))
-        self._next = int(parts[-1].stem.split("-")[1]) + 1 if parts else 0
+        numbers = [int(p.name.split("-")[1].split(".")[0]) for p in self.dir.glob("part-*.*")
+                   if p.suffix in (".parquet", ".jsonl")]
+        self._next = max(numbers) + 1 if numbers else 0
+        self._journal = None
 
     def append(self, record: dict) -> None:
         self._rows.append(record)
+        if self.journal:
+            if self._journal is None:
+                self._journal = open(self.dir / f"part-{self._next:06d}.jsonl", "a")
+            self._journal.write(json.dumps(record, default=_plain) + "\n")
+            self._journal.flush()
         if len(self._rows) >= self.flush_every:
             self.flush()
 
@@ -93,6 +126,10 @@ class TraceWriter:
         if not self._rows:
             return
         write_table(self.dir / f"part-{self._next:06d}.parquet", to_table(self.kind, pd.DataFrame(self._rows)))
+        if self._journal is not None:  # the part is in place: its journal is no longer needed
+            self._journal.close()
+            Path(self._journal.name).unlink(missing_ok=True)
+            self._journal = None
         self._next += 1
         self._rows = []
 

@@ -1,0 +1,72 @@
+"""MeasuredCostModel: interpolation of profile tables, against closed forms."""
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from rlsched.errors import UserError
+from rlsched.policies.measured import MeasuredCostModel
+
+
+def _records(verify, draft, batches=(1, 2, 4, 8), ks=range(0, 4), per_row=(32, 96)):
+    rows = []
+    for b in batches:
+        for L in per_row:
+            for k in ks:
+                base = dict(batch=b, k=k, ctx_tokens=b * L, drafter="", draft_ms=0.0, verify_ms=0.0, step_ms=0.0)
+                rows.append({**base, "kind": "verify", "verify_ms": verify(b, k + 1, L)})
+                if k:
+                    rows.append({**base, "kind": "draft", "drafter": "model", "draft_ms": draft(b, k, L)})
+            rows.append(dict(kind="prefill", batch=b, k=0, ctx_tokens=b * L, drafter="", draft_ms=0.0,
+                             verify_ms=0.0, step_ms=2.0 + 0.01 * b * L))
+    return pd.DataFrame(rows)
+
+
+def test_grid_points_are_exact_and_between_is_linear():
+    verify = lambda b, q, L: 1.0 + 0.5 * np.log2(b) + 0.25 * q + 0.01 * L  # linear in the model's axes
+    draft = lambda b, k, L: 0.2 * k + 0.1 * np.log2(b)
+    m = MeasuredCostModel(_records(verify, draft))
+    assert m.verify_time(4, 3, 4 * 32) == pytest.approx(verify(4, 3, 32) / 1e3)
+    # between grid points (batch 3, context 64 per row) and beyond them (batch 16): linear
+    assert m.verify_time(3, 2, 3 * 64) == pytest.approx(verify(3, 2, 64) / 1e3)
+    assert m.verify_time(16, 4, 16 * 96) == pytest.approx(verify(16, 4, 96) / 1e3)
+    q = np.arange(1, 5)
+    assert np.allclose(m.verify_time(2, q, 2 * 32), [verify(2, x, 32) / 1e3 for x in q])
+    ks = np.arange(0, 4)
+    d = m.draft_time("model", 8, ks, 8 * 96)
+    assert d[0] == 0.0 and np.allclose(d[1:], [draft(8, k, 96) / 1e3 for k in ks[1:]])
+    assert m.prefill_time(1000) == pytest.approx((2.0 + 0.01 * 1000) / 1e3)
+    # the executor drafts the longest row's length for every drafting row
+    assert m.draft_time_per_seq("model", np.array([0, 2, 3]), 96) == pytest.approx(m.draft_time("model", 2, 3, 96))
+
+
+def test_goodput_runs_on_a_measured_model():
+    from rlsched.policies.draft import PolicyContext, make_draft_policy
+    from rlsched.policies.types import EngineState
+    from rlsched.policies.acceptance import AcceptanceEstimator
+
+    # verify nearly free at batch 1, ~q times dearer at batch 8: SD at small batch only
+    verify = lambda b, q, L: 1.0 + (0.05 if b == 1 else 1.0) * b * q
+    m = MeasuredCostModel(_records(verify, lambda b, k, L: 0.05 * k))
+    pol = make_draft_policy("goodput", PolicyContext(cost=m, drafters=("model",), k_max=3,
+                                                      acceptance_prior={"model": 0.8}))
+    est = AcceptanceEstimator(("model",))
+    est.begin_rollout(8, np.arange(8))
+
+    def state(b):
+        return EngineState(0, 0, 0.0, np.arange(b), np.full(b, 32), 32 * b, 0, 10_000, est)
+
+    assert pol.choose(state(1)).k >= 2
+    assert pol.choose(state(8)).k == 0
+
+
+def test_a_broken_profile_is_refused():
+    df = _records(lambda b, q, L: 1.0, lambda b, k, L: 1.0)
+    with pytest.raises(UserError, match="no verify measurements"):
+        MeasuredCostModel(df[df.kind != "verify"])
+    with pytest.raises(UserError, match="grid"):
+        MeasuredCostModel(df.drop(index=df.index[(df.kind == "verify")][:1]))
+    with pytest.raises(UserError, match="missing column"):
+        MeasuredCostModel(df.drop(columns=["ctx_tokens"]))
+    with pytest.raises(UserError, match="no draft measurements for drafter 'ngram'"):
+        MeasuredCostModel(df).draft_time("ngram", 1, 2, 10)
