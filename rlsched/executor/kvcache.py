@@ -54,13 +54,23 @@ class KVCache:
         self.kv[layer, 1][idx, :, positions] = v.transpose(1, 2)
 
     def read(self, layer: int, rows: torch.Tensor, upto: int,
-             contiguous: bool) -> tuple[torch.Tensor, torch.Tensor]:
+             start: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values (B, kv_heads, upto, head_dim) of the given rows; views when the rows
-        are 0..B-1 (`contiguous`), a gather otherwise."""
-        if contiguous:
-            b = rows.shape[0]
-            return self.kv[layer, 0, :b, :, :upto], self.kv[layer, 1, :b, :, :upto]
+        are the consecutive range start..start+B-1, a gather otherwise."""
+        if start is not None:
+            end = start + rows.shape[0]
+            return self.kv[layer, 0, start:end, :, :upto], self.kv[layer, 1, start:end, :, :upto]
         return self.kv[layer, 0][rows, :, :upto], self.kv[layer, 1][rows, :, :upto]
+
+    def consecutive(self, rows: torch.Tensor) -> int | None:
+        """The first row when `rows` is a consecutive ascending range (reads are then views, no
+        copy), else None. Checked on the CPU only (on a GPU it would cost a sync)."""
+        if rows.device.type != "cpu":
+            return None
+        first = int(rows[0])
+        ok = first + rows.shape[0] <= self.max_batch and torch.equal(
+            rows, torch.arange(first, first + rows.shape[0]))
+        return first if ok else None
 
     def trim(self, slots, new_lengths) -> None:
         """Drop the tail of rows: row slots[i] keeps its first new_lengths[i] tokens."""

@@ -73,10 +73,10 @@ class _Step:
 
     cache: KVCache | None
     rows: torch.Tensor | None
-    contiguous: bool
+    start: int | None  # rows are start..start+B-1: the cache is read as views
     positions: torch.Tensor  # (B, q)
     upto: int  # keys 0..upto-1 of each row are read
-    mask: torch.Tensor  # (B, 1, q, upto) bool, True = attend
+    mask: torch.Tensor | None  # (B, 1, q, upto) bool, True = attend; None: attend to all read
     cos: torch.Tensor
     sin: torch.Tensor
 
@@ -96,17 +96,18 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, layer: int, s: _Step) -> torch.Tensor:
         b, q, _ = x.shape
         qkv = self.qkv(x)
-        xq, xk, xv = qkv.split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
-        xq = xq.view(b, q, self.nh, self.hd)
-        xk = xk.view(b, q, self.nkv, self.hd)
+        xqk, xv = qkv.split([(self.nh + self.nkv) * self.hd, self.nkv * self.hd], dim=-1)
+        xqk = xqk.view(b, q, self.nh + self.nkv, self.hd)
         if self.q_norm is not None:
-            xq, xk = self.q_norm(xq), self.k_norm(xk)
-        xq = apply_rope(xq.transpose(1, 2), s.cos, s.sin)
-        xk = apply_rope(xk.transpose(1, 2), s.cos, s.sin)
+            xq, xk = xqk.split([self.nh, self.nkv], dim=2)
+            xqk = torch.cat([self.q_norm(xq), self.k_norm(xk)], dim=2)
+        # q and k heads rotated together: one set of rotary ops per layer (they dominate the
+        # cost of a small model's step, which is op count, not FLOPs)
+        xq, xk = apply_rope(xqk.transpose(1, 2), s.cos, s.sin).split([self.nh, self.nkv], dim=1)
         xv = xv.view(b, q, self.nkv, self.hd).transpose(1, 2)
         if s.cache is not None:
             s.cache.write(layer, s.rows, s.positions, xk, xv)
-            xk, xv = s.cache.read(layer, s.rows, s.upto, s.contiguous)
+            xk, xv = s.cache.read(layer, s.rows, s.upto, s.start)
         out = F.scaled_dot_product_attention(xq, xk, xv, attn_mask=s.mask,
                                              enable_gqa=self.nkv != self.nh)
         return self.o(out.transpose(1, 2).reshape(b, q, self.nh * self.hd))
@@ -191,11 +192,11 @@ class Transformer(nn.Module):
     def _step(self, b: int, q: int, device, cache: KVCache | None, slots) -> _Step:
         steps = torch.arange(q, device=device)
         if cache is None:
-            rows, contiguous = None, True
+            rows, start = None, 0
             positions = steps.expand(b, q)
         else:
             rows = cache.rows(slots, b)
-            contiguous = slots is None
+            start = 0 if slots is None else cache.consecutive(rows)
             positions = cache.lengths[rows][:, None].to(device) + steps
         upto = int(positions[:, -1].max()) + 1
         if cache is not None and upto > cache.max_len:
@@ -205,7 +206,10 @@ class Transformer(nn.Module):
         if window is not None and upto > window:
             raise ValueError(f"context of {upto} tokens exceeds the model's sliding window ({window}),"
                              " which this executor does not implement")
-        keys = torch.arange(upto, device=device)
-        mask = (keys[None, None, :] <= positions[:, :, None])[:, None]
+        if q == 1 and (b == 1 or bool((positions[:, 0] == upto - 1).all())):
+            mask = None  # one new token per row, every row as long: it sees all it reads
+        else:
+            keys = torch.arange(upto, device=device)
+            mask = (keys[None, None, :] <= positions[:, :, None])[:, None]
         cos, sin = self.rope(positions, self.embed.weight.dtype)
-        return _Step(cache, rows, contiguous, positions, upto, mask, cos, sin)
+        return _Step(cache, rows, start, positions, upto, mask, cos, sin)
