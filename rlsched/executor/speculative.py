@@ -150,6 +150,12 @@ def step(model, cache: KVCache, slots, last: torch.Tensor, sampling: SamplingPar
     if draft_tokens is None:
         draft_tokens = torch.zeros((b, 0), dtype=torch.long, device=dev)
     k = draft_tokens.shape[1]
+    if k == 0:  # plain decoding: sample, no verification machinery (a few ops, not dozens)
+        logits = model(last, cache, slots=slots)
+        p = sampling.probs(logits[:, 0])
+        tok = p.argmax(-1) if sampling.greedy else sample(p, generator)
+        lp = p.gather(-1, tok[:, None]).clamp_min(1e-45).log()
+        return VerifyResult(torch.zeros(b, dtype=torch.long, device=dev), tok[:, None], lp)
     kr = _k_per_row(k_per_row, b, k, dev)
     drafts = draft_tokens.to(dev).long()
     ids = torch.cat([last, torch.where(torch.arange(k, device=dev) < kr[:, None], drafts, 0)], 1)

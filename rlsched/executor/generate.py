@@ -1,0 +1,299 @@
+"""`rlsched generate`: batched speculative rollouts from a prompts file, written to a folder.
+
+Everything the user gives is checked before anything is written (model and drafter folders,
+vocabularies, prompts, sampling, policy), so bad input leaves no folder behind. The run then
+writes, under `out/`:
+
+- `traces/steps/`, `traces/samples/`: the engine's trace parts, flushed every step (a run
+  killed mid-way keeps every completed step readable);
+- `samples.parquet`: per sample the prompt id, the token ids, the text and the per-token
+  target log-probs (what an RL update needs);
+- `summary.json`: tokens/s, mean accepted length and the run's settings.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+import torch
+
+from rlsched.errors import UserError
+
+DEFAULT_PROMPTS = 32  # built-in task prompts when no --prompts file is given
+MARKER = "summary.json"
+
+
+@dataclass
+class GenerateArgs:
+    model: str = "builtin"
+    drafter: str = "builtin"
+    policy: str = "goodput"
+    prompts: Path | None = None
+    n: int = 4
+    max_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    k_max: int = 6
+    max_batch: int = 64
+    kv_budget: int | None = None  # tokens; default: every running row at its longest
+    cost_model: str = "auto"  # auto (profile at start), or a `rlsched profile` folder
+    ignore_eos: bool = False
+    device: str = "cpu"
+    dtype: str = "float32"
+    seed: int = 0
+    threads: int | None = None
+
+
+@dataclass
+class Prompt:
+    index: int
+    key: str  # the file's "id", or the line number
+    text: str
+    ids: list[int]
+    answer: str | None = None
+
+
+# --- resolving and checking inputs --------------------------------------------------------
+
+def resolve_model_dir(spec: str, which: str, log=None) -> Path:
+    """A model folder; 'builtin' is the built-in pair's target (or drafter)."""
+    if spec == "builtin":
+        from rlsched.executor.builtin import builtin_pair
+
+        pair = builtin_pair(log=log)
+        return pair.target if which == "target" else pair.drafter
+    return Path(spec)
+
+
+def load_prompts(path: Path | None, tokenizer) -> list[Prompt]:
+    """Prompts from a JSONL file ({"prompt": str, "id"?: str|int, "answer"?: str} per line), or
+    the built-in task prompts."""
+    if path is None:
+        from rlsched.tasks.synthetic import make_examples
+
+        return [Prompt(i, str(i), e.prompt, _encode(tokenizer, e.prompt), e.answer)
+                for i, e in enumerate(make_examples(DEFAULT_PROMPTS, seed=12345))]
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"prompts file {path} does not exist (give a JSONL file, one {{\"prompt\": ...}} per line)")
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"prompts file {path} cannot be read as UTF-8 text: {e}") from None
+    out = []
+    for no, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"prompts file {path} line {no}: not valid JSON ({e.msg}); each line must be "
+                            "an object like {\"prompt\": \"...\"}") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
+            raise UserError(f"prompts file {path} line {no}: needs a non-empty string field 'prompt'")
+        answer = obj.get("answer")
+        if answer is not None and not isinstance(answer, str):
+            raise UserError(f"prompts file {path} line {no}: field 'answer' must be a string")
+        key = str(obj.get("id", no))
+        out.append(Prompt(len(out), key, obj["prompt"], _encode(tokenizer, obj["prompt"]), answer))
+    if not out:
+        raise UserError(f"prompts file {path} holds no prompts")
+    return out
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def eos_id(folder: Path) -> int | None:
+    """The end-of-sequence id from config.json (the first, when it lists several)."""
+    raw = json.loads((Path(folder) / "config.json").read_text())
+    eos = raw.get("eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    return eos if isinstance(eos, int) else None
+
+
+def check_drafter_vocab(target, drafter, target_dir: Path, drafter_dir: Path) -> None:
+    """A model drafter must share the target's vocabulary (size and tokenizer)."""
+    tv, dv = target.config.vocab_size, drafter.config.vocab_size
+    if tv != dv:
+        raise UserError(f"drafter {drafter_dir} has a vocabulary of {dv} tokens, the target {target_dir} "
+                        f"{tv}; a model drafter must share the target's tokenizer")
+    if target.tokenizer is not None and drafter.tokenizer is not None:
+        if target.tokenizer.get_vocab() != drafter.tokenizer.get_vocab():
+            raise UserError(f"drafter {drafter_dir} has a different tokenizer vocabulary from the target "
+                            f"{target_dir}; a model drafter must share the target's tokenizer")
+
+
+def prepare_out(out: Path) -> None:
+    """Refuse a folder that holds something other than an earlier `generate` output; clear
+    one that does (after every input has been checked)."""
+    if out.exists():
+        if not out.is_dir():
+            raise UserError(f"--out {out} is a file; give a folder")
+        if any(out.iterdir()) and not (out / MARKER).is_file() and not (out / "traces").is_dir():
+            raise UserError(f"--out {out} is a non-empty folder that is not an earlier generate output; "
+                            "give a new or empty folder")
+
+
+def _sampling(a: GenerateArgs):
+    from rlsched.executor.sampling import SamplingParams
+
+    try:
+        return SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p)
+    except ValueError as e:
+        raise UserError(f"sampling: {e}") from None
+
+
+def _check_numbers(a: GenerateArgs) -> None:
+    for name, v, lo in (("n", a.n, 1), ("max_tokens", a.max_tokens, 1), ("max_batch", a.max_batch, 1),
+                        ("k_max", a.k_max, 1)):
+        if v < lo:
+            raise UserError(f"--{name.replace('_', '-')} must be >= {lo} (got {v})")
+    if a.kv_budget is not None and a.kv_budget < 1:
+        raise UserError(f"--kv-budget must be >= 1 token (got {a.kv_budget})")
+    if a.threads is not None and a.threads < 1:
+        raise UserError(f"--threads must be >= 1 (got {a.threads})")
+
+
+# --- the run ---------------------------------------------------------------------------------
+
+@dataclass
+class Setup:
+    """Everything checked and loaded; nothing written yet."""
+
+    args: GenerateArgs
+    target: object  # LoadedModel
+    target_dir: Path
+    drafter_name: str
+    drafter_dir: Path | None
+    drafter_model: object | None
+    prompts: list[Prompt]
+    sampling: object
+    eos: int | None
+
+
+def prepare(a: GenerateArgs, out: Path | None, log=None) -> Setup:
+    from rlsched.executor.engine import build_policy
+    from rlsched.executor.loading import load_model
+
+    _check_numbers(a)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    sampling = _sampling(a)
+    target_dir = resolve_model_dir(a.model, "target", log)
+    target = load_model(target_dir, device=a.device, dtype=a.dtype)
+    if target.tokenizer is None:
+        raise UserError(f"model folder {target_dir} has no tokenizer.json, needed to encode the prompts")
+    drafter_model, drafter_dir, name = None, None, a.drafter
+    if a.drafter not in ("off", "ngram"):
+        drafter_dir = resolve_model_dir(a.drafter, "drafter", log)
+        drafter_model = load_model(drafter_dir, device=a.device, dtype=a.dtype)
+        check_drafter_vocab(target, drafter_model, target_dir, drafter_dir)
+        name = "model"
+    prompts = load_prompts(a.prompts, target.tokenizer)
+    names = () if name == "off" else (name,)
+    build_policy(a.policy, names, cost=_placeholder_cost(a.policy), k_max=a.k_max)  # name check only
+    if out is not None:
+        prepare_out(out)
+    eos = None if a.ignore_eos else eos_id(target_dir)
+    return Setup(a, target, target_dir, name, drafter_dir, drafter_model, prompts, sampling, eos)
+
+
+def _placeholder_cost(policy: str):
+    """Policy names are checked before the cost model exists; a stand-in object lets priced
+    policies pass that check (they are rebuilt with the real one)."""
+    from rlsched.executor.engine import policy_needs_cost
+
+    return object() if policy_needs_cost(policy) else None
+
+
+def make_drafter(s: Setup, max_len: int, generator: torch.Generator):
+    from rlsched.executor.drafters import ModelDrafter, NgramDrafter
+
+    if s.drafter_name == "off":
+        return None
+    if s.drafter_name == "ngram":
+        return NgramDrafter()
+    return ModelDrafter(s.drafter_model.model, s.sampling, s.args.max_batch, max_len, generator)
+
+
+def cost_model(s: Setup, drafter, typical_ctx: int, log=None):
+    """The executor's own step costs: a `rlsched profile` folder, or a short profile now."""
+    from rlsched.executor.engine import policy_needs_cost
+    from rlsched.policies.measured import MeasuredCostModel
+
+    a = s.args
+    if not policy_needs_cost(a.policy):
+        return None
+    if a.cost_model != "auto":
+        from rlsched.traces.reader import read_trace
+
+        return MeasuredCostModel(read_trace(Path(a.cost_model) / "traces", "steps"))
+    from rlsched.executor.profiler import profile
+
+    sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < a.max_batch] + [a.max_batch]
+    drafters = {} if drafter is None else {drafter.name: drafter}
+    if log:
+        log(f"profiling step costs for the {a.policy} policy (batch 1..{a.max_batch}, k 0..{a.k_max})")
+    records = profile(s.target.model, drafters, batch_sizes=sizes, k_max=a.k_max,
+                      contexts=(max(8, typical_ctx),), repeats=3, sampling=s.sampling, seed=a.seed)
+    return MeasuredCostModel(pd.DataFrame(records))
+
+
+def run(s: Setup, out: Path, log=None) -> dict:
+    """Generate every prompt `n` times with the engine; write the folder; return the summary."""
+    from rlsched.executor.engine import Request, RolloutEngine, check_requests
+    from rlsched.traces.writer import write_table, write_text_atomic
+
+    a = s.args
+    requests = [Request(p.ids, p.index, p.index * a.n + j, a.max_tokens, s.eos)
+                for p in s.prompts for j in range(a.n)]
+    longest = max(len(r.prompt) for r in requests) + a.max_tokens
+    budget = a.kv_budget or a.max_batch * longest
+    check_requests(requests, budget)
+    gen = torch.Generator(device=a.device).manual_seed(a.seed)
+    torch.manual_seed(a.seed)
+    drafter = make_drafter(s, longest + a.k_max + 8, gen)
+    typical = int(sum(len(r.prompt) for r in requests) / len(requests) + a.max_tokens / 2)
+    cost = cost_model(s, drafter, typical, log)
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    engine = RolloutEngine(s.target.model, drafter, budget, a.max_batch, s.sampling, a.policy,
+                           trace_dir=out / "traces", cost=cost, k_max=a.k_max, generator=gen)
+    try:
+        result = engine.run(requests)
+    finally:
+        engine.close()
+    tok = s.target.tokenizer
+    rows = []
+    for r, sample in zip(requests, result.samples):
+        p = s.prompts[r.prompt_id]
+        text = tok.decode(sample.tokens, skip_special_tokens=True)
+        rows.append(dict(prompt_id=p.index, prompt_key=p.key, sample_id=r.sample_id, prompt=p.text,
+                         token_ids=sample.tokens, text=text, logprobs=sample.logprobs,
+                         response_len=len(sample.tokens), finish_s=sample.finish_s,
+                         mean_accept_len=sample.mean_accept_len,
+                         correct=None if p.answer is None else float(text.strip() == p.answer.strip())))
+    df = pd.DataFrame(rows)
+    write_table(out / "samples.parquet", pa.Table.from_pandas(df, preserve_index=False))
+    stats = result.stats
+    summary = dict(stats, model=str(s.target_dir), drafter=s.drafter_name,
+                   drafter_dir=None if s.drafter_dir is None else str(s.drafter_dir), policy=a.policy,
+                   prompts=len(s.prompts), kv_budget_tokens=budget,
+                   accuracy=None if df["correct"].isna().all() else float(df["correct"].mean()),
+                   args={k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(a).items()},
+                   machine=platform.node(), threads=torch.get_num_threads(),
+                   created_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), out=str(out))
+    write_text_atomic(out / MARKER, json.dumps(summary, indent=2) + "\n")
+    return summary

@@ -1,0 +1,159 @@
+"""Measured step costs of a model (and its drafters) over batch size x draft length x context.
+
+Each point times what the rollout engine runs: a ragged prefill of B prompts, the
+speculative `step` (target forward over k+1 tokens per row, verification, sampling) and the
+drafters' `propose` of k tokens, with the cache rolled back after each timing so the context
+stays put. Records use the STEP trace schema (kind = prefill | verify | draft; `k` = draft
+length, 0 for plain decoding; `ctx_tokens` = the batch's total context), so a profile reads
+like a trace and feeds `MeasuredCostModel` and the analysis layer's fits.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rlsched.errors import UserError
+from rlsched.executor.drafters import Seq
+from rlsched.executor.sampling import SamplingParams
+from rlsched.executor.speculative import prefill, step
+
+
+def _timed(fn, repeats: int) -> float:
+    """Median wall-clock milliseconds of `fn()` over `repeats` runs, after one warm-up."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    return float(np.median(times))
+
+
+def _record(kind: str, batch: int, k: int, ctx: int, drafter: str = "", draft_ms: float = 0.0,
+            verify_ms: float = 0.0, step_ms: float = 0.0) -> dict:
+    return dict(rl_step=0, instance=0, step=0, time_s=0.0, kind=kind, batch=batch, drafter=drafter, k=k,
+                width=1, drafted=batch * k, accepted=0, emitted=0, draft_ms=draft_ms,
+                verify_ms=verify_ms, step_ms=step_ms or draft_ms + verify_ms, ctx_tokens=ctx)
+
+
+@torch.no_grad()
+def profile(model, drafters: dict, *, batch_sizes=(1, 2, 4, 8, 16, 32, 64), k_max: int = 6,
+            contexts=(64, 192), repeats: int = 5, sampling: SamplingParams | None = None,
+            seed: int = 0, progress=None) -> list[dict]:
+    """Step-time records for every (batch, context) point: one prefill, verify for
+    k = 0..k_max, and each drafter's propose for k = 1..k_max. `drafters`: name -> drafter
+    (its cache, if any, must hold max(batch_sizes) rows of max(contexts) + 2 k_max + 8)."""
+    sampling = sampling or SamplingParams(temperature=1.0)
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    records = []
+    points = [(b, c) for c in contexts for b in batch_sizes]
+    for n, (b, ctx) in enumerate(points):
+        cache = model.new_cache(b, ctx + 2 * k_max + 8)
+        slots = torch.arange(b)
+        prompts = torch.randint(3, vocab, (b, ctx), generator=gen).tolist()
+
+        def do_prefill():
+            cache.free(slots)
+            return prefill(model, cache, slots, prompts)
+
+        records.append(_record("prefill", b, 0, b * ctx, step_ms=_timed(do_prefill, max(1, repeats // 2))))
+        last = do_prefill()
+        lengths = cache.lengths[slots].clone()
+        for k in range(k_max + 1):
+            drafts = torch.randint(3, vocab, (b, k), generator=gen)
+            dk = torch.full((b,), k, dtype=torch.long)
+
+            def do_verify():
+                step(model, cache, slots, last, sampling, drafts if k else None, None, dk if k else None, gen)
+                cache.trim(slots, lengths)
+
+            ms = _timed(do_verify, repeats)
+            records.append(_record("verify", b, k, b * ctx, verify_ms=ms))
+        for name, drafter in drafters.items():
+            seqs = [Seq(list(p), i, i) for i, p in enumerate(prompts)]
+            if hasattr(drafter, "reset"):
+                drafter.reset()
+            drafter.propose(seqs, 1)  # take the prompts in
+            for k in range(1, k_max + 1):
+                def do_draft():
+                    for s, p in zip(seqs, prompts):  # the prompt and one new token, as after a rejection
+                        s.tokens = p + [int(torch.randint(3, vocab, (1,), generator=gen))]
+                    drafter.propose(seqs, k)
+
+                ms = _timed(do_draft, repeats)
+                records.append(_record("draft", b, k, b * ctx, drafter=name, draft_ms=ms))
+            if hasattr(drafter, "reset"):
+                drafter.reset()
+        if progress is not None:
+            progress(n + 1, len(points), b, ctx)
+    return records
+
+
+def run_profile(*, model: str, drafters: list[str], batch_sizes: list[int], k_max: int, contexts: list[int],
+                repeats: int, device: str, dtype: str, threads: int | None, out: Path, console,
+                table_console) -> Path:
+    """`rlsched profile`: load, check, measure, write `out/traces/steps/` and `out/profile.json`."""
+    import pandas as pd
+    from rich.table import Table
+
+    from rlsched.executor.drafters import ModelDrafter, NgramDrafter
+    from rlsched.executor.generate import check_drafter_vocab, resolve_model_dir
+    from rlsched.executor.loading import load_model
+    from rlsched.traces.writer import TraceWriter, atomic_folder, write_text_atomic
+
+    if k_max < 1 or repeats < 1:
+        raise UserError(f"--k-max and --repeats must be >= 1 (got {k_max}, {repeats})")
+    if threads is not None:
+        if threads < 1:
+            raise UserError(f"--threads must be >= 1 (got {threads})")
+        torch.set_num_threads(threads)
+    log = lambda msg: console.print(msg, highlight=False)  # noqa: E731
+    target_dir = resolve_model_dir(model, "target", log)
+    target = load_model(target_dir, device=device, dtype=dtype)
+    sampling = SamplingParams(temperature=1.0)
+    max_len = max(contexts) + 2 * k_max + 8
+    timed = {}
+    for spec in drafters:
+        if spec == "off":
+            continue
+        if spec == "ngram":
+            timed["ngram"] = NgramDrafter()
+            continue
+        folder = resolve_model_dir(spec, "drafter", log)
+        d = load_model(folder, device=device, dtype=dtype)
+        check_drafter_vocab(target, d, target_dir, folder)
+        name = "model" if "model" not in timed else f"model:{folder.name}"
+        timed[name] = ModelDrafter(d.model, sampling, max(batch_sizes), max_len)
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / "profile.json").is_file())):
+        raise UserError(f"--out {out} exists and is not an earlier profile output; give a new folder")
+    with console.status("profiling") as status:
+        records = profile(target.model, timed, batch_sizes=batch_sizes, k_max=k_max, contexts=contexts,
+                          repeats=repeats, sampling=sampling,
+                          progress=lambda i, n, b, c: status.update(f"profiling: point {i}/{n} (batch {b}, context {c})"))
+    df = pd.DataFrame(records)
+    with atomic_folder(out) as tmp:
+        w = TraceWriter(tmp / "traces", "steps", flush_every=len(records))
+        for r in records:
+            w.append(r)
+        w.close()
+        write_text_atomic(tmp / "profile.json", json.dumps({
+            "model": str(target_dir), "drafters": list(timed), "batch_sizes": batch_sizes, "k_max": k_max,
+            "contexts": contexts, "repeats": repeats, "device": device, "dtype": dtype,
+            "threads": torch.get_num_threads(), "machine": platform.node(),
+            "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=2) + "\n")
+    verify = df[df.kind == "verify"].pivot_table(index="batch", columns="k", values="verify_ms", aggfunc="mean")
+    t = Table(title=f"verify ms (mean over contexts {contexts}) by batch x k; written to {out}")
+    t.add_column("batch", justify="right")
+    for k in verify.columns:
+        t.add_column(f"k={k}", justify="right")
+    for b, row in verify.iterrows():
+        t.add_row(str(b), *(f"{v:.2f}" for v in row))
+    table_console.print(t)
+    return out

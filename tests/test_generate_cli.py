@@ -1,0 +1,147 @@
+"""`rlsched generate` and `rlsched profile` end to end through the entry point: outputs,
+traces, a kill -9 mid-run, and bad input (one line, exit 2, nothing written)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("torch")
+
+import pandas as pd  # noqa: E402
+
+from rlsched.executor.builtin import builtin_pair  # noqa: E402
+from rlsched.traces.reader import read_trace  # noqa: E402
+from rlsched.traces.schema import SAMPLE_SCHEMA, STEP_SCHEMA  # noqa: E402
+from support import ok, rlsched, snapshot  # noqa: E402
+
+FAST = ["--n", "2", "--max-tokens", "24", "--max-batch", "8", "--k-max", "3"]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return builtin_pair()
+
+
+def _prompts(path, lines):
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_generate_writes_samples_traces_and_summary(pair, tmp_path):
+    prompts = _prompts(tmp_path / "p.jsonl", ['{"prompt": "count 3 to 9=", "id": "a", "answer": "3 4 5 6 7 8 9"}',
+                                              '{"prompt": "rev abc="}'])
+    out = tmp_path / "gen"
+    proc = ok(rlsched("generate", "--prompts", str(prompts), "--policy", "static:3", *FAST, "--out", str(out),
+                      "--json", cwd=tmp_path))
+    summary = json.loads(proc.stdout)
+    assert summary["samples"] == 4 and summary["drafter"] == "model" and summary["mean_accept_len"] > 1.0
+    df = pd.read_parquet(out / "samples.parquet")
+    assert list(df.prompt_key) == ["a", "a", "2", "2"]
+    tok = __import__("tokenizers").Tokenizer.from_file(str(pair.target / "tokenizer.json"))
+    for _, r in df.iterrows():
+        assert len(r.token_ids) == len(r.logprobs) == r.response_len <= 24
+        assert all(lp <= 0 for lp in r.logprobs)
+        assert r.text == tok.decode(list(r.token_ids), skip_special_tokens=True)
+    assert df.correct.iloc[2:].isna().all() and df.correct.iloc[:2].notna().all()
+    steps = read_trace(out / "traces", "steps")
+    samples = read_trace(out / "traces", "samples")
+    assert set(STEP_SCHEMA.names) <= set(steps.columns) and set(SAMPLE_SCHEMA.names) <= set(samples.columns)
+    decode = steps[steps.kind != "prefill"]
+    assert decode.emitted.sum() == summary["tokens"] == df.response_len.sum()
+    assert sorted(samples.sample_id) == sorted(df.sample_id)
+    # a second run into the same folder replaces it
+    ok(rlsched("generate", "--prompts", str(prompts), "--policy", "off", *FAST, "--out", str(out), cwd=tmp_path))
+    assert read_trace(out / "traces", "steps").k.max() == 0
+
+
+def test_profile_then_goodput_on_the_measured_costs(pair, tmp_path):
+    prof = tmp_path / "prof"
+    proc = ok(rlsched("profile", "--batch-sizes", "1,4", "--k-max", "2", "--contexts", "16", "--repeats", "1",
+                      "--drafter", "builtin", "--drafter", "ngram", "--out", str(prof), cwd=tmp_path))
+    assert "verify ms" in proc.stdout
+    rec = read_trace(prof / "traces", "steps")
+    assert set(rec.kind) == {"prefill", "verify", "draft"} and set(rec.drafter) >= {"model", "ngram"}
+    assert len(rec[rec.kind == "verify"]) == 2 * 3 and (rec.verify_ms[rec.kind == "verify"] > 0).all()
+    out = tmp_path / "gen"
+    summary = json.loads(ok(rlsched("generate", "--policy", "goodput", "--cost-model", str(prof), *FAST, "--out",
+                                    str(out), "--json", cwd=tmp_path)).stdout)
+    assert summary["policy"] == "goodput" and summary["samples"] == 64
+
+
+def test_generate_with_ngram_and_auto_profile(pair, tmp_path):
+    out = tmp_path / "gen"
+    summary = json.loads(ok(rlsched("generate", "--drafter", "ngram", "--policy", "goodput", *FAST, "--max-batch",
+                                    "4", "--out", str(out), "--json", cwd=tmp_path)).stdout)
+    assert summary["drafter"] == "ngram" and summary["tokens"] > 0
+
+
+def test_kill_minus_nine_keeps_completed_steps_readable(pair, tmp_path):
+    out = tmp_path / "gen"
+    env = dict(os.environ, COLUMNS="400")
+    proc = subprocess.Popen([sys.executable, "-m", "rlsched", "generate", "--policy", "static:2", "--n", "8",
+                             "--max-tokens", "200", "--ignore-eos", "--max-batch", "4", "--out", str(out)],
+                            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    parts = out / "traces" / "steps"
+    deadline = time.time() + 120
+    while time.time() < deadline and len(list(parts.glob("part-*.parquet"))) < 8:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    steps = read_trace(out / "traces", "steps")
+    assert len(steps) >= 8
+    decode = steps[steps.kind != "prefill"]
+    assert list(decode.step) == list(range(len(decode)))  # no gap, no duplicate
+    assert not (out / "summary.json").exists()
+
+
+@pytest.mark.parametrize("case, args, message", [
+    ("missing model", ["--model", "{tmp}/nope"], "model folder {tmp}/nope does not exist"),
+    ("corrupt model", ["--model", "{tmp}/corrupt"], "is not valid JSON"),
+    ("unsupported arch", ["--model", "{tmp}/gpt2"], "field 'model_type' is 'gpt2'"),
+    ("drafter vocab", ["--drafter", "{tmp}/othervocab"], "vocabulary of 50 tokens"),
+    ("bad prompts json", ["--prompts", "{tmp}/bad.jsonl"], "line 2: not valid JSON"),
+    ("prompt field", ["--prompts", "{tmp}/nofield.jsonl"], "line 1: needs a non-empty string field 'prompt'"),
+    ("no prompts file", ["--prompts", "{tmp}/absent.jsonl"], "prompts file {tmp}/absent.jsonl does not exist"),
+    ("unknown policy", ["--policy", "fastest"], "fastest"),
+    ("temperature", ["--temperature", "-1"], "temperature must be >= 0"),
+    ("top-p", ["--top-p", "0"], "top_p must lie in (0, 1]"),
+    ("n", ["--n", "0"], "--n must be >= 1"),
+    ("kv budget", ["--kv-budget", "10"], "exceed the KV cache capacity (10)"),
+    ("device", ["--device", "tpu"], "device 'tpu'"),
+])
+def test_bad_input_is_one_line_and_exit_2(pair, tmp_path, case, args, message):
+    (tmp_path / "corrupt").mkdir()
+    (tmp_path / "corrupt" / "config.json").write_text("{not json")
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text('{"model_type": "gpt2"}')
+    other = tmp_path / "othervocab"
+    other.mkdir()
+    raw = json.loads((pair.drafter / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**raw, "vocab_size": 50}))
+    import torch
+    from safetensors.torch import load_file, save_file
+    state = load_file(str(pair.drafter / "model.safetensors"))
+    state["model.embed_tokens.weight"] = state["model.embed_tokens.weight"][:50].clone()
+    save_file(state, str(other / "model.safetensors"))
+    del torch
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "add 1+2="}\n{"prompt": \n')
+    (tmp_path / "nofield.jsonl").write_text('{"text": "add 1+2="}\n')
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    before = snapshot(tmp_path)
+    proc = rlsched("generate", *args, "--out", str(tmp_path / "out"), cwd=tmp_path)
+    assert proc.returncode == 2, (case, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert message.replace("{tmp}", str(tmp_path)) in lines[0], lines[0]
+    assert snapshot(tmp_path) == before  # nothing written
+
+
+def test_profile_bad_input(pair, tmp_path):
+    proc = rlsched("profile", "--batch-sizes", "1,x", "--out", str(tmp_path / "p"), cwd=tmp_path)
+    assert proc.returncode == 2 and "--batch-sizes must be comma-separated" in proc.stderr
+    assert not (tmp_path / "p").exists()
