@@ -301,8 +301,8 @@ class RolloutEngine:
             dk = torch.minimum(dk.cpu(), torch.as_tensor(ks))
             draft_s = time.perf_counter() - t
             out = step(self.model, self._cache, slots, last, self.sampling, d, dq, dk, self.generator)
+        accepted = out.accepted.cpu()  # waits for the device: the clock below then sees the verify
         verify_s = time.perf_counter() - t - draft_s
-        accepted = out.accepted.cpu()
         emitted = self._append(rows, out, dk, accepted)
         step_s = time.perf_counter() - t
         drafted, n_acc = int(dk.sum()), int(accepted.sum())

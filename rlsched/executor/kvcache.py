@@ -47,8 +47,15 @@ class KVCache:
         return slots
 
     def write(self, layer: int, rows: torch.Tensor, positions: torch.Tensor,
-              k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v (B, kv_heads, q, head_dim) of row rows[b] at positions[b] (B, q)."""
+              k: torch.Tensor, v: torch.Tensor, start: int | None = None, first: int | None = None) -> None:
+        """Store k, v (B, kv_heads, q, head_dim) of row rows[b] at positions[b] (B, q). When the
+        rows are start..start+B-1 and every row's positions begin at `first`, a plain slice
+        copy (no index tensors)."""
+        if start is not None and first is not None:
+            b, q = positions.shape
+            self.kv[layer, 0, start:start + b, :, first:first + q] = k
+            self.kv[layer, 1, start:start + b, :, first:first + q] = v
+            return
         idx = rows[:, None]
         self.kv[layer, 0][idx, :, positions] = k.transpose(1, 2)
         self.kv[layer, 1][idx, :, positions] = v.transpose(1, 2)

@@ -75,6 +75,7 @@ class _Step:
     cache: KVCache | None
     rows: torch.Tensor | None
     start: int | None  # rows are start..start+B-1: the cache is read as views
+    first: int | None  # every row's new tokens start at this position (writes are slice copies)
     positions: torch.Tensor  # (B, q)
     upto: int  # keys 0..upto-1 of each row are read
     mask: torch.Tensor | None  # (B, 1, q, upto) bool, True = attend; None: attend to all read
@@ -107,7 +108,7 @@ class Attention(nn.Module):
         xq, xk = apply_rope(xqk.transpose(1, 2), s.cos, s.sin).split([self.nh, self.nkv], dim=1)
         xv = xv.view(b, q, self.nkv, self.hd).transpose(1, 2)
         if s.cache is not None:
-            s.cache.write(layer, s.rows, s.positions, xk, xv)
+            s.cache.write(layer, s.rows, s.positions, xk, xv, s.start, s.first)
             xk, xv = s.cache.read(layer, s.rows, s.upto, s.start)
         if s.cache is not None and not torch.is_grad_enabled():
             out = _cached_attention(xq, xk, xv, s.mask, self.nkv)
@@ -231,5 +232,10 @@ class Transformer(nn.Module):
         else:
             keys = torch.arange(upto, device=device)
             mask = (keys[None, None, :] <= positions[:, :, None])[:, None]
+        first = None
+        if cache is not None and start is not None:
+            p0 = positions[:, 0]
+            if b == 1 or bool((p0 == p0[0]).all()):
+                first = int(p0[0])
         cos, sin = self.rope(positions, self.embed.weight.dtype)
-        return _Step(cache, rows, start, positions, upto, mask, cos, sin)
+        return _Step(cache, rows, start, first, positions, upto, mask, cos, sin)

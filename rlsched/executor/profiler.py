@@ -24,13 +24,16 @@ from rlsched.executor.sampling import SamplingParams
 from rlsched.executor.speculative import prefill, step
 
 
-def _timed(fn, repeats: int) -> float:
-    """Median wall-clock milliseconds of `fn()` over `repeats` runs, after one warm-up."""
+def _timed(fn, repeats: int, sync=lambda: None) -> float:
+    """Median wall-clock milliseconds of `fn()` over `repeats` runs, after one warm-up
+    (`sync` waits for queued GPU work, so that the clock sees it)."""
     fn()
     times = []
     for _ in range(repeats):
+        sync()
         t = time.perf_counter()
         fn()
+        sync()
         times.append((time.perf_counter() - t) * 1e3)
     return float(np.median(times))
 
@@ -51,7 +54,10 @@ def profile(model, drafters: dict, *, batch_sizes=(1, 2, 4, 8, 16, 32, 64), k_ma
     (its cache, if any, must hold max(batch_sizes) rows of max(contexts) + 2 k_max + 8)."""
     sampling = sampling or SamplingParams(temperature=1.0)
     vocab = model.config.vocab_size
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)  # the random prompts and drafts (host)
+    device = next(model.parameters()).device
+    step_gen = torch.Generator(device=device).manual_seed(seed)  # sampling, on the model's device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     records = []
     points = [(b, c) for c in contexts for b in batch_sizes]
     for n, (b, ctx) in enumerate(points):
@@ -63,7 +69,7 @@ def profile(model, drafters: dict, *, batch_sizes=(1, 2, 4, 8, 16, 32, 64), k_ma
             cache.free(slots)
             return prefill(model, cache, slots, prompts)
 
-        records.append(_record("prefill", b, 0, b * ctx, step_ms=_timed(do_prefill, max(1, repeats // 2))))
+        records.append(_record("prefill", b, 0, b * ctx, step_ms=_timed(do_prefill, max(1, repeats // 2), sync)))
         last = do_prefill()
         lengths = cache.lengths[slots].clone()
         for k in range(k_max + 1):
@@ -71,10 +77,10 @@ def profile(model, drafters: dict, *, batch_sizes=(1, 2, 4, 8, 16, 32, 64), k_ma
             dk = torch.full((b,), k, dtype=torch.long)
 
             def do_verify():
-                step(model, cache, slots, last, sampling, drafts if k else None, None, dk if k else None, gen)
+                step(model, cache, slots, last, sampling, drafts if k else None, None, dk if k else None, step_gen)
                 cache.trim(slots, lengths)
 
-            ms = _timed(do_verify, repeats)
+            ms = _timed(do_verify, repeats, sync)
             records.append(_record("verify", b, k, b * ctx, verify_ms=ms))
         for name, drafter in drafters.items():
             seqs = [Seq(list(p), i, i) for i, p in enumerate(prompts)]
@@ -87,7 +93,7 @@ def profile(model, drafters: dict, *, batch_sizes=(1, 2, 4, 8, 16, 32, 64), k_ma
                         s.tokens = p + [int(torch.randint(3, vocab, (1,), generator=gen))]
                     drafter.propose(seqs, k)
 
-                ms = _timed(do_draft, repeats)
+                ms = _timed(do_draft, repeats, sync)
                 records.append(_record("draft", b, k, b * ctx, drafter=name, draft_ms=ms))
             if hasattr(drafter, "reset"):
                 drafter.reset()

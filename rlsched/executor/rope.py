@@ -82,15 +82,24 @@ class Rope(nn.Module):
         self.inv_freq = self._inv(None).to(device)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions (B, q) -> cos, sin of shape (B, 1, q, head_dim), in `dtype`."""
+        """positions (B, q) -> cos, sin of shape (B, 1, q, head_dim), in `dtype`. Looked up in
+        tables grown on demand (one gather per forward instead of computing them), except for
+        dynamic scaling past the trained length, where the frequencies depend on the length."""
         inv = self.inv_freq
-        if self.scaling is not None and self.scaling.kind == "dynamic":
-            longest = int(positions.max()) + 1
-            if longest > self.max_position_embeddings:
-                inv = self._inv(longest).to(positions.device)
-        freqs = positions[..., None].float() * inv  # (B, q, head_dim / 2)
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        longest = int(positions.max()) + 1
+        if self.scaling is not None and self.scaling.kind == "dynamic" and longest > self.max_position_embeddings:
+            freqs = positions[..., None].float() * self._inv(longest).to(positions.device)
+            emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+            return emb.cos().to(dtype), emb.sin().to(dtype)
+        table = getattr(self, "_table", None)
+        stale = table is None or table[0].shape[0] < longest or table[0].dtype != dtype or table[0].device != inv.device
+        # a table made under inference_mode cannot enter autograd (training after rollouts)
+        if stale or (table[0].is_inference() and not torch.is_inference_mode_enabled()):
+            n = max(longest, 256, 0 if table is None else 2 * table[0].shape[0])
+            freqs = torch.arange(n, device=inv.device).float()[:, None] * inv
+            emb = torch.cat((freqs, freqs), dim=-1)
+            table = self._table = (emb.cos().to(dtype), emb.sin().to(dtype))
+        return table[0][positions][:, None], table[1][positions][:, None]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
