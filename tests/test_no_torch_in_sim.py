@@ -9,7 +9,7 @@ import sys
 CHECK = """
 import importlib, pkgutil, sys
 import rlsched.cli
-for name in ("rlsched.sim", "rlsched.policies", "rlsched.traces", "rlsched.analysis"):
+for name in ("rlsched.sim", "rlsched.policies", "rlsched.traces", "rlsched.analysis", "rlsched.tasks"):
     pkg = importlib.import_module(name)
     for mod in pkgutil.walk_packages(pkg.__path__, name + "."):
         importlib.import_module(mod.name)
@@ -22,3 +22,24 @@ print("ok")
 def test_sim_policies_traces_analysis_cli_do_not_import_torch():
     out = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+NO_TORCH = """
+import sys
+sys.modules["torch"] = None  # as if the executor extra were not installed: import torch fails
+import importlib.util
+real = importlib.util.find_spec
+importlib.util.find_spec = lambda name, *a: None if name == "torch" else real(name, *a)
+sys.argv = ["rlsched", "generate", "--out", OUT]
+from rlsched.cli import main
+main()
+"""
+
+
+def test_executor_commands_without_torch_say_what_to_install(tmp_path):
+    code = NO_TORCH.replace("OUT", repr(str(tmp_path / "out")))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={"COLUMNS": "300", "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "needs the executor extra (torch is missing): pip install 'rlsched[executor]'" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()

@@ -1,0 +1,26 @@
+"""bench/gpu_engine.py is run on a lent GPU only; its --smoke mode runs the same code on the
+CPU with tiny shapes, so that the prepared script is known to work before device time is spent."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_gpu_engine_script_smoke_runs_on_cpu(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_engine.py"), "--device", "cpu", "--smoke",
+                           "--batch-sizes", "1,4", "--k-max", "2", "--context", "16", "--tokens", "4"],
+                          env=dict(os.environ, OUT=str(tmp_path)), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads((tmp_path / "gpu_engine.json").read_text())
+    kinds = {r["kind"] for r in result["profile"]}
+    assert kinds == {"prefill", "verify", "draft"}
+    assert [p["batch"] for p in result["plain"]] == [1, 4] and all(p["tok_s"] > 0 for p in result["plain"])
+    assert "verify ms by batch" in (tmp_path / "gpu_engine.txt").read_text()
