@@ -10,7 +10,8 @@ Sections (all on the built-in pair: an 8-layer target and a 1-layer drafter dist
 3. speculative decoding at B = 1: static k = 1..6 against plain, transformers assisted
    generation as a peer row;
 4. a batch that drains from 64 to 1 (long-tail lengths): off, static k, goodput (measured
-   cost model from a profile taken here) and bandit.
+   cost model from a profile taken here) and bandit, the adaptive two after one earlier
+   rollout (their estimates carry over, as between RL steps).
 
 Run: python bench/engine.py [--threads 2] [--quick]. Results: bench/results/engine.{json,txt}.
 """
@@ -36,10 +37,11 @@ from _common import table, write_result  # noqa: E402
 from rlsched.errors import UserError  # noqa: E402
 from rlsched.executor.builtin import builtin_pair, encode  # noqa: E402
 from rlsched.executor.drafters import ModelDrafter  # noqa: E402
-from rlsched.executor.engine import Request, RolloutEngine  # noqa: E402
+from rlsched.executor.engine import Request, RolloutEngine, build_policy  # noqa: E402
 from rlsched.executor.loading import load_model  # noqa: E402
 from rlsched.executor.profiler import profile  # noqa: E402
 from rlsched.executor.sampling import SamplingParams  # noqa: E402
+from rlsched.policies.acceptance import AcceptanceEstimator  # noqa: E402
 from rlsched.policies.measured import MeasuredCostModel  # noqa: E402
 from rlsched.tasks.synthetic import make_examples  # noqa: E402
 
@@ -58,12 +60,12 @@ def prompts_for(n: int, seed: int, min_answer: int = 0) -> list:
     raise RuntimeError("not enough long examples")
 
 
-def engine_run(model, drafter, policy, reqs, max_batch, cost=None, kv_budget=None, seed=0):
+def engine_run(model, drafter, policy, reqs, max_batch, cost=None, kv_budget=None, seed=0, estimator=None):
     longest = max(len(r.prompt) + r.max_new_tokens for r in reqs) + 8
     gen = torch.Generator().manual_seed(seed)
     d = None if drafter is None else ModelDrafter(drafter, SAMPLING, max_batch, longest + 16, gen)
-    eng = RolloutEngine(model, d, kv_budget or max_batch * longest, max_batch, SAMPLING, policy, cost=cost,
-                        k_max=6, generator=gen)
+    eng = RolloutEngine(model, d, kv_budget or max_batch * longest, max_batch, SAMPLING, policy, estimator,
+                        cost=cost, k_max=6, generator=gen)
     t = time.perf_counter()
     res = eng.run(reqs)
     return time.perf_counter() - t, res
@@ -239,9 +241,19 @@ def drain_section(target, drafter, repeats, quick):
     records = profile(target, {"model": d}, batch_sizes=(1, 2, 4, 8, 16, 32, 64), k_max=6,
                       contexts=(max(8, per_row // 2), per_row * 2), repeats=3 if quick else 5, sampling=SAMPLING)
     cost = MeasuredCostModel(pd.DataFrame(records))
-    policies = ["off", "static:1", "static:2", "static:3", "static:4", "static:6", "goodput", "bandit"]
-    fns = {pol: (lambda pol=pol: engine_run(target, drafter if pol != "off" else None, pol, reqs, 64,
-                                            cost=cost if pol == "goodput" else None)) for pol in policies}
+    # The adaptive policies run as they would in RL: their acceptance estimator and learned
+    # statistics carry over from an earlier rollout (other prompts), as from the RL step before.
+    warm = [Request(encode(e.prompt), i, i, n) for i, (e, n) in enumerate(zip(prompts_for(64, seed=22), lengths))]
+
+    def adaptive(name):
+        est = AcceptanceEstimator(("model",))
+        pol = build_policy(name, ("model",), cost if name == "goodput" else None, k_max=6, max_batch=64)
+        engine_run(target, drafter, pol, warm, 64, estimator=est)
+        return lambda: engine_run(target, drafter, pol, reqs, 64, estimator=est)
+
+    fns = {pol: (lambda pol=pol: engine_run(target, drafter if pol != "off" else None, pol, reqs, 64))
+           for pol in ["off", "static:1", "static:2", "static:3", "static:4", "static:6"]}
+    fns.update({name: adaptive(name) for name in ("goodput", "bandit")})
     runs = interleaved(fns, repeats)
     out = [dict(policy=pol, seconds=s, tok_s=res.stats["tokens"] / s, steps=res.stats["steps"],
                 mean_accept_len=res.stats["mean_accept_len"]) for pol, (s, res) in runs.items()]

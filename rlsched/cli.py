@@ -374,7 +374,7 @@ def profile(
     batch_sizes: str = typer.Option("1,2,4,8,16,32,64", "--batch-sizes", help="Comma-separated batch sizes."),
     k_max: int = typer.Option(6, "--k-max", help="Draft lengths 0..k_max."),
     contexts: str = typer.Option("64,192", "--contexts", help="Comma-separated context lengths per row."),
-    repeats: int = typer.Option(5, "--repeats", help="Timed runs per point (the median is kept)."),
+    repeats: int = typer.Option(5, "--repeats", help="Timed runs per point (the fastest is kept: the least disturbed on a shared machine)."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda[:N]."),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
     threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's)."),

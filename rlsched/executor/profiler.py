@@ -25,8 +25,9 @@ from rlsched.executor.speculative import prefill, step
 
 
 def _timed(fn, repeats: int, sync=lambda: None) -> float:
-    """Median wall-clock milliseconds of `fn()` over `repeats` runs, after one warm-up
-    (`sync` waits for queued GPU work, so that the clock sees it)."""
+    """Fastest wall-clock milliseconds of `fn()` over `repeats` runs, after one warm-up: on a
+    shared machine the fastest run is the least disturbed one, and a cost model built from
+    disturbed points steers a policy wrong (`sync` waits for queued GPU work)."""
     fn()
     times = []
     for _ in range(repeats):
@@ -35,7 +36,7 @@ def _timed(fn, repeats: int, sync=lambda: None) -> float:
         fn()
         sync()
         times.append((time.perf_counter() - t) * 1e3)
-    return float(np.median(times))
+    return float(np.min(times))
 
 
 def _record(kind: str, batch: int, k: int, ctx: int, drafter: str = "", draft_ms: float = 0.0,
