@@ -1,5 +1,5 @@
 """The built-in tiny model pair: a target trained on the synthetic task corpus and a drafter
-distilled from it, built on first use (about five minutes on 2 CPU cores) and cached.
+distilled from it, built on first use (about four minutes on 2 CPU cores) and cached.
 
 Why trained and not random: speculative decoding's gain is set by how often the drafter
 agrees with the target, and a random pair agrees by chance only. A target that learned the
@@ -232,7 +232,7 @@ def _build(recipe: Recipe, out: Path, log) -> None:
     distilled from it (two layers: copying from the prompt needs an induction circuit, which
     one layer cannot form)."""
     start = time.perf_counter()
-    log(f"building the built-in model pair in {out.parent} (once; about five minutes)")
+    log(f"building the built-in model pair in {out.parent} (once; about four minutes on 2 cores)")
     torch.manual_seed(recipe.seed)
     shallow = _fresh(recipe.model_config("target", recipe.stack_from))
     _train(shallow, recipe, recipe.shallow_steps, recipe.seed, recipe.lr, lm_loss, log, "target (shallow)")
