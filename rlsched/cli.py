@@ -315,7 +315,8 @@ GENERATE_HELP = (
 @app.command(help=GENERATE_HELP)
 def generate(
     model: str = typer.Option("builtin", "--model", "-m", help="Target model folder, or builtin."),
-    drafter: str = typer.Option("builtin", "--drafter", "-d", help="Drafter model folder, builtin, ngram or off."),
+    drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help="Drafter model folder, builtin, ngram or off "
+                                          "(default: builtin with the built-in model, else ngram)."),
     policy: str = typer.Option("goodput", "--policy", help="Drafting policy: off, static:K, goodput, seqgoodput, "
                                "twostate, bandit, or a policy file (table/twostate JSON)."),
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSONL prompts file (default: built-in task prompts)."),
@@ -341,6 +342,8 @@ def generate(
     _need_executor("generate")
     from rlsched.executor.generate import GenerateArgs, prepare, run
 
+    if drafter is None:
+        drafter = "builtin" if model == "builtin" else "ngram"
     args = GenerateArgs(model=model, drafter=drafter, policy=policy, prompts=prompts, n=n, max_tokens=max_tokens,
                         temperature=temperature, top_p=top_p, top_k=top_k, k_max=k_max, max_batch=max_batch,
                         kv_budget=kv_budget, cost_model=cost_model, ignore_eos=ignore_eos, device=device,

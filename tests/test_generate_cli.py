@@ -145,3 +145,11 @@ def test_profile_bad_input(pair, tmp_path):
     proc = rlsched("profile", "--batch-sizes", "1,x", "--out", str(tmp_path / "p"), cwd=tmp_path)
     assert proc.returncode == 2 and "--batch-sizes must be comma-separated" in proc.stderr
     assert not (tmp_path / "p").exists()
+
+
+def test_a_model_folder_defaults_to_the_ngram_drafter(pair, tmp_path):
+    """The built-in drafter only fits the built-in target; another model drafts with n-grams
+    unless told otherwise."""
+    summary = json.loads(ok(rlsched("generate", "--model", str(pair.target), "--policy", "static:2", *FAST,
+                                    "--out", str(tmp_path / "g"), "--json", cwd=tmp_path)).stdout)
+    assert summary["drafter"] == "ngram" and summary["model"] == str(pair.target)
