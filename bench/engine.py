@@ -37,7 +37,7 @@ from _common import table, write_result  # noqa: E402
 from rlsched.errors import UserError  # noqa: E402
 from rlsched.executor.builtin import builtin_pair, encode  # noqa: E402
 from rlsched.executor.drafters import ModelDrafter  # noqa: E402
-from rlsched.executor.engine import Request, RolloutEngine, build_policy  # noqa: E402
+from rlsched.executor.engine import Request, RolloutEngine, build_policy, reserve  # noqa: E402
 from rlsched.executor.loading import load_model  # noqa: E402
 from rlsched.executor.profiler import profile  # noqa: E402
 from rlsched.executor.sampling import SamplingParams  # noqa: E402
@@ -61,7 +61,7 @@ def prompts_for(n: int, seed: int, min_answer: int = 0) -> list:
 
 
 def engine_run(model, drafter, policy, reqs, max_batch, cost=None, kv_budget=None, seed=0, estimator=None):
-    longest = max(len(r.prompt) + r.max_new_tokens for r in reqs) + 8
+    longest = max(map(reserve, reqs)) + 8
     gen = torch.Generator().manual_seed(seed)
     d = None if drafter is None else ModelDrafter(drafter, SAMPLING, max_batch, longest + 16, gen)
     eng = RolloutEngine(model, d, kv_budget or max_batch * longest, max_batch, SAMPLING, policy, estimator,
@@ -69,12 +69,6 @@ def engine_run(model, drafter, policy, reqs, max_batch, cost=None, kv_budget=Non
     t = time.perf_counter()
     res = eng.run(reqs)
     return time.perf_counter() - t, res
-
-
-def best_of(fn, repeats):
-    """The fastest of `repeats` runs (the machines are shared: the minimum is the least disturbed)."""
-    runs = [fn() for _ in range(repeats)]
-    return min(runs, key=lambda r: r[0])
 
 
 def interleaved(fns: dict, repeats: int) -> dict:
@@ -158,9 +152,8 @@ def plain_section(pair, target, batches, tokens, repeats, threads):
 def memory_section(target, tokens):
     exs = prompts_for(64, seed=7)
     reqs = [Request(encode(e.prompt), i, i, tokens) for i, e in enumerate(exs)]
-    need = sum(len(r.prompt) + r.max_new_tokens for r in reqs)
+    need = sum(map(reserve, reqs))
     budget = need // 4
-    t0 = time.perf_counter()
     eng_s, res = engine_run(target, None, "off", reqs, 64, kv_budget=budget)
     peak = res.stats.get("kv_peak_tokens")
     refused = ""
@@ -171,7 +164,6 @@ def memory_section(target, tokens):
     out = dict(kv_budget_tokens=budget, kv_needed_all_at_once=need, kv_peak_reserved=peak,
                max_concurrent_rows=res.stats.get("max_running"), completed=len(res.samples), seconds=eng_s,
                oversized_request_refused=refused, peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-    del t0
     text = (f"KV budget {budget} tokens (a quarter of the {need} the 64 requests need at once): all "
             f"{len(res.samples)} completed, at most {out['max_concurrent_rows']} rows at once, peak reserved "
             f"{peak} tokens (<= budget: {peak <= budget}).\n"

@@ -71,6 +71,10 @@ def test_profile_then_goodput_on_the_measured_costs(pair, tmp_path):
     summary = json.loads(ok(rlsched("generate", "--policy", "goodput", "--cost-model", str(prof), *FAST, "--out",
                                     str(out), "--json", cwd=tmp_path)).stdout)
     assert summary["policy"] == "goodput" and summary["samples"] == 64
+    # twostate solves its threshold and k over the same measured costs
+    summary = json.loads(ok(rlsched("generate", "--policy", "twostate", "--cost-model", str(prof), *FAST, "--out",
+                                    str(tmp_path / "ts"), "--json", cwd=tmp_path)).stdout)
+    assert summary["policy"] == "twostate" and summary["samples"] == 64
 
 
 def test_generate_with_ngram_and_auto_profile(pair, tmp_path):

@@ -27,6 +27,7 @@ def test_grid_points_are_exact_and_between_is_linear():
     draft = lambda b, k, L: 0.2 * k + 0.1 * np.log2(b)
     m = MeasuredCostModel(_records(verify, draft))
     assert m.verify_time(4, 3, 4 * 32) == pytest.approx(verify(4, 3, 32) / 1e3)
+    assert isinstance(m.verify_time(4, 3, 4 * 32), float)  # a number for a number (twostate's solve needs it)
     # between grid points (batch 3, context 64 per row) and beyond them (batch 16): linear
     assert m.verify_time(3, 2, 3 * 64) == pytest.approx(verify(3, 2, 64) / 1e3)
     assert m.verify_time(16, 4, 16 * 96) == pytest.approx(verify(16, 4, 96) / 1e3)

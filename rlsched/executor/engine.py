@@ -197,8 +197,8 @@ class RolloutEngine:
         totals = dict(steps=0, drafted=0, accepted=0, sd_emitted=0, sd_rows=0, kv_peak_tokens=0, max_running=0)
         self._t0 = time.perf_counter()
         while waiting or running:
-            self._admit(requests, waiting, running)
-            totals["kv_peak_tokens"] = max(totals["kv_peak_tokens"], self._kv_reserved(running))
+            reserved = self._admit(requests, waiting, running)
+            totals["kv_peak_tokens"] = max(totals["kv_peak_tokens"], reserved)
             totals["max_running"] = max(totals["max_running"], len(running))
             if not running:  # nothing fits and nothing runs: cannot happen after check_requests
                 raise RuntimeError("no request fits the KV cache")
@@ -208,14 +208,10 @@ class RolloutEngine:
         self.estimator.retire(self._ids)
         return RolloutResult(list(results), self._summary(results, totals, seconds))
 
-    @staticmethod
-    def _reserve(r: Request) -> int:
-        return reserve(r)
-
     def _ensure_cache(self, requests: list[Request]) -> None:
         """A cache of max_batch rows long enough for the longest request plus k_max (a ragged
         verify writes K + 1 positions in every row, padding included; reused if it is)."""
-        need = max((self._reserve(r) for r in requests), default=1) + self.k_max
+        need = max((reserve(r) for r in requests), default=1) + self.k_max
         if self._cache is None or self._cache.max_len < need:
             self._cache = self.model.new_cache(self.max_batch, need)
         self._cache.free(torch.arange(self.max_batch))
@@ -227,21 +223,22 @@ class RolloutEngine:
                                 f"{self.max_batch} and max_len >= {need}")
 
     def _kv_reserved(self, running: dict[int, _Row]) -> int:
-        return sum(self._reserve(r.req) for r in running.values())
+        return sum(reserve(r.req) for r in running.values())
 
     # --- joining ---------------------------------------------------------------------------
 
-    def _admit(self, requests, waiting: list[int], running: dict[int, _Row]) -> None:
-        """Waiting requests join (in order) while slots and KV room allow; one prefill."""
+    def _admit(self, requests, waiting: list[int], running: dict[int, _Row]) -> int:
+        """Waiting requests join (in order) while slots and KV room allow; one prefill.
+        Returns the KV tokens the running rows then reserve."""
         free_slots = [s for s in range(self.max_batch) if s not in running]
         room = self.cache_capacity - self._kv_reserved(running)
         joining: list[tuple[int, int]] = []  # (slot, request index)
-        while waiting and free_slots and self._reserve(requests[waiting[0]]) <= room:
+        while waiting and free_slots and reserve(requests[waiting[0]]) <= room:
             i = waiting.pop(0)
-            room -= self._reserve(requests[i])
+            room -= reserve(requests[i])
             joining.append((free_slots.pop(0), i))
         if not joining:
-            return
+            return self.cache_capacity - room
         t = time.perf_counter()
         prompts = [requests[i].prompt for _, i in joining]
         last = prefill(self.model, self._cache, [s for s, _ in joining], prompts)
@@ -250,6 +247,7 @@ class RolloutEngine:
             req = requests[i]
             running[slot] = _Row(req, i, Seq(list(req.prompt), slot, req.prompt_id), tok)
         self._record_step(t, "prefill", len(joining), None, 0, 0, 0, 0, 0.0, ms, ms, sum(map(len, prompts)))
+        return self.cache_capacity - room
 
     # --- one engine step ---------------------------------------------------------------------
 

@@ -4,7 +4,7 @@ Everything the user gives is checked before anything is written (model and draft
 vocabularies, prompts, sampling, policy), so bad input leaves no folder behind. The run then
 writes, under `out/`:
 
-- `traces/steps/`, `traces/samples/`: the engine's trace parts, flushed every step (a run
+- `traces/steps/`, `traces/samples/`: the engine's trace parts, journaled every record (a run
   killed mid-way keeps every completed step readable);
 - `samples.parquet`: per sample the prompt id, the token ids, the text and the per-token
   target log-probs (what an RL update needs);
@@ -134,14 +134,15 @@ def check_drafter_vocab(target, drafter, target_dir: Path, drafter_dir: Path) ->
                             f"{target_dir}; a model drafter must share the target's tokenizer")
 
 
-def prepare_out(out: Path) -> None:
-    """Refuse a folder that holds something other than an earlier `generate` output; clear
-    one that does (after every input has been checked)."""
+def prepare_out(out: Path, marker: str = MARKER, command: str = "generate") -> None:
+    """Refuse an --out that is a file, or a non-empty folder that is not an earlier output of
+    `command` (one holding `marker`, or `traces/` from a run that was killed); such an
+    output is replaced only after every input has been checked."""
     if out.exists():
         if not out.is_dir():
             raise UserError(f"--out {out} is a file; give a folder")
-        if any(out.iterdir()) and not (out / MARKER).is_file() and not (out / "traces").is_dir():
-            raise UserError(f"--out {out} is a non-empty folder that is not an earlier generate output; "
+        if any(out.iterdir()) and not (out / marker).is_file() and not (out / "traces").is_dir():
+            raise UserError(f"--out {out} is a non-empty folder that is not an earlier {command} output; "
                             "give a new or empty folder")
 
 
@@ -183,7 +184,7 @@ class Setup:
 
 
 def prepare(a: GenerateArgs, out: Path | None, log=None) -> Setup:
-    from rlsched.executor.engine import build_policy
+    from rlsched.executor.engine import build_policy, policy_needs_cost
     from rlsched.executor.loading import load_model
 
     _check_numbers(a)
@@ -201,20 +202,16 @@ def prepare(a: GenerateArgs, out: Path | None, log=None) -> Setup:
         check_drafter_vocab(target, drafter_model, target_dir, drafter_dir)
         name = "model"
     prompts = load_prompts(a.prompts, target.tokenizer)
-    names = () if name == "off" else (name,)
-    build_policy(a.policy, names, cost=_placeholder_cost(a.policy), k_max=a.k_max)  # name check only
+    if not policy_needs_cost(a.policy):  # a priced policy is checked once its cost model exists (in run)
+        build_policy(a.policy, _drafter_names(name), k_max=a.k_max)
     if out is not None:
         prepare_out(out)
     eos = None if a.ignore_eos else eos_id(target_dir)
     return Setup(a, target, target_dir, name, drafter_dir, drafter_model, prompts, sampling, eos)
 
 
-def _placeholder_cost(policy: str):
-    """Policy names are checked before the cost model exists; a stand-in object lets priced
-    policies pass that check (they are rebuilt with the real one)."""
-    from rlsched.executor.engine import policy_needs_cost
-
-    return object() if policy_needs_cost(policy) else None
+def _drafter_names(drafter_name: str) -> tuple[str, ...]:
+    return () if drafter_name == "off" else (drafter_name,)
 
 
 def make_drafter(s: Setup, max_len: int, generator: torch.Generator):
@@ -252,7 +249,8 @@ def cost_model(s: Setup, drafter, typical_ctx: int, log=None):
 
 def run(s: Setup, out: Path, log=None) -> dict:
     """Generate every prompt `n` times with the engine; write the folder; return the summary."""
-    from rlsched.executor.engine import Request, RolloutEngine, check_requests
+    from rlsched.executor.engine import Request, RolloutEngine, build_policy, check_requests
+    from rlsched.tasks.synthetic import exact_match
     from rlsched.traces.writer import write_table, write_text_atomic
 
     a = s.args
@@ -265,12 +263,13 @@ def run(s: Setup, out: Path, log=None) -> dict:
     torch.manual_seed(a.seed)
     drafter = make_drafter(s, longest + a.k_max + 8, gen)
     typical = int(sum(len(r.prompt) for r in requests) / len(requests) + a.max_tokens / 2)
-    cost = cost_model(s, drafter, typical, log)
+    policy = build_policy(a.policy, _drafter_names(s.drafter_name), cost_model(s, drafter, typical, log),
+                          k_max=a.k_max, max_batch=a.max_batch, typical_ctx=typical)
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    engine = RolloutEngine(s.target.model, drafter, budget, a.max_batch, s.sampling, a.policy,
-                           trace_dir=out / "traces", cost=cost, k_max=a.k_max, generator=gen)
+    engine = RolloutEngine(s.target.model, drafter, budget, a.max_batch, s.sampling, policy,
+                           trace_dir=out / "traces", k_max=a.k_max, generator=gen)
     try:
         result = engine.run(requests)
     finally:
@@ -284,7 +283,7 @@ def run(s: Setup, out: Path, log=None) -> dict:
                          token_ids=sample.tokens, text=text, logprobs=sample.logprobs,
                          response_len=len(sample.tokens), finish_s=sample.finish_s,
                          mean_accept_len=sample.mean_accept_len,
-                         correct=None if p.answer is None else float(text.strip() == p.answer.strip())))
+                         correct=None if p.answer is None else exact_match(text, p.answer)))
     df = pd.DataFrame(rows)
     write_table(out / "samples.parquet", pa.Table.from_pandas(df, preserve_index=False))
     stats = result.stats

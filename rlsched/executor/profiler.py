@@ -111,7 +111,7 @@ def run_profile(*, model: str, drafters: list[str], batch_sizes: list[int], k_ma
     from rich.table import Table
 
     from rlsched.executor.drafters import ModelDrafter, NgramDrafter
-    from rlsched.executor.generate import check_drafter_vocab, resolve_model_dir
+    from rlsched.executor.generate import check_drafter_vocab, prepare_out, resolve_model_dir
     from rlsched.executor.loading import load_model
     from rlsched.traces.writer import TraceWriter, atomic_folder, write_text_atomic
 
@@ -138,8 +138,7 @@ def run_profile(*, model: str, drafters: list[str], batch_sizes: list[int], k_ma
         check_drafter_vocab(target, d, target_dir, folder)
         name = "model" if "model" not in timed else f"model:{folder.name}"
         timed[name] = ModelDrafter(d.model, sampling, max(batch_sizes), max_len)
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / "profile.json").is_file())):
-        raise UserError(f"--out {out} exists and is not an earlier profile output; give a new folder")
+    prepare_out(out, "profile.json", "profile")
     with console.status("profiling") as status:
         records = profile(target.model, timed, batch_sizes=batch_sizes, k_max=k_max, contexts=contexts,
                           repeats=repeats, sampling=sampling,

@@ -64,8 +64,8 @@ class MeasuredCostModel:
         tokens = np.asarray(tokens, dtype=float)
         b = np.broadcast_to(np.log2(max(batch, 1)), tokens.shape)
         per_row = np.broadcast_to(np.asarray(ctx_tokens, dtype=float) / max(batch, 1), tokens.shape)
-        out = np.maximum(interp(np.stack([b, tokens, per_row], axis=-1)), 0.0)
-        return out if out.ndim else float(out)
+        out = np.maximum(interp(np.stack([b, tokens, per_row], axis=-1)), 0.0).reshape(tokens.shape)
+        return out if out.ndim else float(out)  # a number for a number, as the roofline model
 
     def verify_time(self, batch: int, q, ctx_tokens: int):
         return self._at(self._verify, batch, q, ctx_tokens)
