@@ -1,0 +1,1 @@
+"""RL training on the rollout engine."""
