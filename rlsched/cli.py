@@ -396,6 +396,83 @@ def profile(
                 threads=threads, out=out, console=err_console, table_console=out_console)
 
 
+RUN_HELP = (
+    "RL training (GRPO or PPO) whose rollouts use the engine's adaptive speculative decoding, with a drafter "
+    "kept fresh by distillation from the actor.\n\n"
+    "With no arguments: the built-in tasks (count, repeat, rev; exact-match reward) with the built-in tiny "
+    "pair on CPU, 40 RL steps (a few minutes). --config takes a YAML/TOML file of RunConfig fields "
+    "(rlsched/executor/rl/config.py); --set path.to.field=value overrides one (repeatable).\n\n"
+    "Writes to --out: traces/ (engine steps, samples, one rl_steps record per RL step: stage times, tokens, "
+    "acceptance, rewards), rollouts/ (every sample's text and reward), checkpoint.pt (every "
+    "checkpoint_every steps, atomically), plots/learning_curve.png and summary.json. A killed run continues "
+    "with --resume (same --out) exactly where its last checkpoint stood.\n\n"
+    "Example: rlsched run --policy static:3 --set steps=20 --set algorithm.name=ppo --out runs/run/ppo"
+)
+
+
+@app.command(help=RUN_HELP)
+def run(
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="Run config file (YAML or TOML)."),
+    policy: Optional[str] = typer.Option(None, "--policy", help="Drafting policy (overrides the config): off, "
+                                         "static:K, goodput, seqgoodput, twostate, bandit, or a policy file."),
+    sets: list[str] = typer.Option([], "--set", help="Override a config field: path.to.field=value."),
+    out: Path = typer.Option(Path("runs/run/latest"), "--out", "-o", help="Run folder."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the run in --out from its last checkpoint."),
+    as_json: bool = JsonOpt,
+):
+    _need_executor("run")
+    from rlsched.executor.rl.config import load_run_config
+    from rlsched.executor.rl.trainer import Trainer
+
+    if resume:
+        if config is not None or policy is not None or sets:
+            raise UserError("--resume continues a run with its own config.yaml; drop --config, --policy and --set")
+        cfg = load_run_config(out / "config.yaml") if (out / "config.yaml").is_file() else None
+        if cfg is None:
+            raise UserError(f"--resume: {out} holds no run (no config.yaml); give the --out of an earlier run")
+    else:
+        cfg = load_run_config(config, list(sets) + ([f"policy={policy}"] if policy else []))
+    log = lambda msg: err_console.print(msg, highlight=False)  # noqa: E731
+    trainer = Trainer(cfg, out, resume=resume, log=log)
+    summary = _run_with_progress(trainer, cfg)
+    if as_json:
+        print(json.dumps(summary, indent=2))
+        return
+    t = Table(title=f"rlsched run: {cfg.algorithm.name}, policy={cfg.policy}, drafter={trainer.drafter_name}")
+    t.add_column("metric", style="bold")
+    t.add_column("value", justify="right")
+    t.add_row("RL steps", str(summary["steps"]))
+    t.add_row("reward: first 20% -> last 20% of steps", f"{summary['reward_start']:.3f} -> {summary['reward_end']:.3f}")
+    t.add_row("accepted length: first -> last", f"{summary['accept_len_start']:.2f} -> {summary['accept_len_end']:.2f}")
+    t.add_row("generation tokens/s", f"{summary['tokens_per_s']:,.0f}")
+    stages = summary["stage_s"]
+    t.add_row("seconds (gen / inf / train / drafter)", f"{summary['seconds']:.1f} ({stages['generation']:.1f} / "
+              f"{stages['inference']:.1f} / {stages['training']:.1f} / {stages['drafter_update']:.1f})")
+    t.add_row("traces", summary["traces"])
+    t.add_row("plot", summary["plots"][0] if summary["plots"] else "-")
+    _print_unwrapped(out_console, t)
+
+
+def _run_with_progress(trainer, cfg) -> dict:
+    """The trainer's steps under a progress bar, one line per RL step (on stderr)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    columns = (TextColumn("RL steps"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=err_console, transient=True) as bar:
+        task = bar.add_task("run", total=cfg.steps, completed=trainer.start_step)
+
+        def on_step(r: dict) -> None:
+            bar.console.print(
+                f"step {r['rl_step']:>3}  reward {r['reward_mean']:.3f}  len {r['response_len_mean']:5.1f}  "
+                f"{r['tokens_per_s']:6,.0f} tok/s  accepted {r['mean_accept_len']:.2f}  "
+                f"gen {r['generation_s']:.2f}s inf {r['inference_s']:.2f}s train {r['training_s']:.2f}s "
+                f"drafter {r['drafter_update_s']:.2f}s" + (f"  ({r['reward_failures']} rewards failed)"
+                                                          if r["reward_failures"] else ""), highlight=False)
+            bar.advance(task)
+
+        return trainer.run(on_step)
+
+
 def _int_list(text: str, option: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]

@@ -94,3 +94,46 @@ def compare_figure(report: dict, traces: list[dict]) -> Figure:
 
 def plot_compare(report: dict, traces: list[dict], path: Path) -> None:
     save_figure(compare_figure(report, traces), path)
+
+
+def run_figure(rl_steps) -> Figure:
+    """An RL run's learning curve: (a) mean reward per RL step (band: +-1 std over samples),
+    (b) mean accepted length and acceptance rate of the drafter (drift and recovery), (c)
+    seconds per stage of each RL step, stacked."""
+    df = rl_steps.sort_values("rl_step")
+    x = df["rl_step"].to_numpy()
+    fig = Figure(figsize=(12, 3.6))
+    ax = fig.add_subplot(1, 3, 1)
+    mean, std = df["reward_mean"].to_numpy(), df["reward_std"].to_numpy()
+    ax.plot(x, mean, marker=".", label="reward (mean)")
+    ax.fill_between(x, mean - std, mean + std, alpha=0.2)
+    ax.set(xlabel="RL step", ylabel="reward", title="reward")
+    ax = fig.add_subplot(1, 3, 2)
+    ax.plot(x, df["mean_accept_len"], marker=".", label="tokens per SD step")
+    ax.set(xlabel="RL step", ylabel="accepted length", title="speculation")
+    if df["accept_rate"].notna().any():
+        twin = ax.twinx()
+        twin.plot(x, df["accept_rate"], color="C1", marker=".", label="acceptance rate")
+        twin.set_ylabel("acceptance rate")
+        twin.set_ylim(0, 1)
+        twin.legend(loc="lower right")
+    ax.legend(loc="lower left")
+    ax = fig.add_subplot(1, 3, 3)
+    bottom = 0 * x.astype(float)
+    for stage in ("generation", "inference", "training", "drafter_update"):
+        v = df[f"{stage}_s"].to_numpy()
+        ax.bar(x, v, bottom=bottom, label=stage)
+        bottom = bottom + v
+    ax.set(xlabel="RL step", ylabel="seconds", title="time per stage")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    return fig
+
+
+def plot_run(rl_steps, out: Path) -> list[Path]:
+    """The run's figures under `out/plots/`: learning_curve.png and .pdf."""
+    fig = run_figure(rl_steps)
+    paths = [Path(out) / "plots" / "learning_curve.png", Path(out) / "plots" / "learning_curve.pdf"]
+    for p in paths:
+        save_figure(fig, p)
+    return paths

@@ -125,7 +125,10 @@ def encode(text: str) -> list[int]:
 
 
 def decode(ids) -> str:
-    return "".join(ALPHABET[i - len(SPECIALS)] for i in ids if i >= len(SPECIALS))
+    """Text of `ids`; special tokens and the unused ids past the alphabet (a model sampling at
+    temperature > 0 can draw them) are skipped, as `skip_special_tokens` does."""
+    n = len(SPECIALS)
+    return "".join(ALPHABET[i - n] for i in ids if n <= i < n + len(ALPHABET))
 
 
 # --- training -------------------------------------------------------------------------------

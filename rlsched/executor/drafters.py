@@ -60,15 +60,19 @@ def _find(hay: list[int], pattern: list[int], k: int, end: int) -> list[int]:
 class NgramDrafter:
     name = "ngram"
 
-    def __init__(self, max_n: int = 3, min_n: int = 1):
+    def __init__(self, max_n: int = 3, min_n: int = 1, max_history: int | None = None):
         if not 1 <= min_n <= max_n:
             raise ValueError("ngram drafter needs 1 <= min_n <= max_n")
-        self.max_n, self.min_n = max_n, min_n
+        self.max_n, self.min_n, self.max_history = max_n, min_n, max_history
         self.history: dict[Hashable, list[list[int]]] = {}
 
     def add_history(self, prompt_id: Hashable, tokens: list[int]) -> None:
-        """An earlier rollout (prompt + response) of `prompt_id`, searched after the row itself."""
-        self.history.setdefault(prompt_id, []).append(list(tokens))
+        """An earlier rollout (prompt + response) of `prompt_id`, searched after the row itself;
+        only the newest `max_history` per prompt are kept (the policy moves on: RL)."""
+        past = self.history.setdefault(prompt_id, [])
+        past.append(list(tokens))
+        if self.max_history is not None and len(past) > self.max_history:
+            del past[:len(past) - self.max_history]
 
     def draft_one(self, seq: Seq, k: int) -> list[int]:
         t = seq.tokens

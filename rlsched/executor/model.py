@@ -198,10 +198,7 @@ class Transformer(nn.Module):
                 raise ValueError(f"n_new must lie in [{int(last_only)}, {q}] for every row")
             n = n.to(ids.device)
         s = self._step(b, q, ids.device, cache, slots)
-        h = self.embed(ids)
-        for i, layer in enumerate(self.layers):
-            h = layer(h, i, s)
-        h = self.norm(h)
+        h = self._trunk(ids, s)
         if last_only:
             h = h[torch.arange(b, device=h.device), n - 1][:, None]
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
@@ -209,6 +206,18 @@ class Transformer(nn.Module):
         if cache is not None:
             cache.lengths[s.rows] = s.positions[:, 0] + n.to(cache.lengths.device)
         return logits
+
+    def features(self, ids: torch.Tensor) -> torch.Tensor:
+        """The final-norm hidden states (B, T, hidden) of whole sequences, no cache: what a
+        value head or a reward model's score head reads."""
+        b, q = ids.shape
+        return self._trunk(ids, self._step(b, q, ids.device, None, None))
+
+    def _trunk(self, ids: torch.Tensor, s: _Step) -> torch.Tensor:
+        h = self.embed(ids)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, i, s)
+        return self.norm(h)
 
     def _step(self, b: int, q: int, device, cache: KVCache | None, slots) -> _Step:
         steps = torch.arange(q, device=device)

@@ -1,0 +1,111 @@
+"""The validated configuration of an RL run (`rlsched run --config FILE`), in verl's layout:
+the models and data at the top, then one section per stage (rollout, algorithm, drafter
+update) and the run's bookkeeping. Every field has a default, so an empty file (or none) is
+the built-in task with the built-in tiny pair on CPU."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from rlsched.config import apply_override, read_config_file
+from rlsched.errors import UserError, describe_validation_error
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RolloutConfig(_Strict):
+    """The generation stage: which prompts, how many samples, how they are sampled."""
+
+    prompts_per_step: int = Field(16, ge=1)
+    group_size: int = Field(8, ge=1, description="samples per prompt (GRPO's G)")
+    max_tokens: int = Field(48, ge=1)
+    temperature: float = Field(1.0, gt=0.0, description="RL samples: > 0 (greedy would have no exploration)")
+    max_batch: int = Field(64, ge=1)
+    k_max: int = Field(6, ge=1)
+
+
+class AlgorithmConfig(_Strict):
+    """The RL update: GRPO (group-normalised advantages) or PPO (a critic and GAE), both with
+    the PPO-clip objective on the engine's log-probs as the old policy."""
+
+    name: Literal["grpo", "ppo"] = "grpo"
+    lr: float = Field(3e-4, gt=0.0)
+    clip_eps: float = Field(0.2, gt=0.0)
+    kl_coef: float = Field(0.01, ge=0.0, description="KL(actor || reference) penalty in the loss; 0 = no reference")
+    loss_agg: Literal["token", "sequence"] = "token"
+    epochs: int = Field(1, ge=1, description="passes over each rollout")
+    minibatches: int = Field(2, ge=1, description="optimizer steps per pass")
+    normalise_std: bool = Field(True, description="GRPO: divide by the group's reward std")
+    max_grad_norm: float = Field(1.0, gt=0.0)
+    critic_lr: float = Field(1e-3, gt=0.0)
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    lam: float = Field(0.95, ge=0.0, le=1.0)
+    value_clip: float = Field(0.2, gt=0.0)
+
+
+class DrafterUpdateConfig(_Strict):
+    """Keeping the model drafter fresh: distil it from the actor every `every` steps on the
+    responses of the last `buffer_steps` rollouts (ReSpec)."""
+
+    every: int = Field(4, ge=0, description="RL steps between updates; 0 = never (the drafter goes stale)")
+    weighting: Literal["reward", "plain"] = "reward"
+    steps: int = Field(16, ge=1)
+    batch: int = Field(32, ge=1)
+    lr: float = Field(5e-4, gt=0.0)
+    buffer_steps: int = Field(4, ge=1)
+    weight_min: float = Field(0.25, ge=0.0)
+    weight_max: float = Field(3.0, gt=0.0)
+
+    @model_validator(mode="after")
+    def _range(self):
+        if self.weight_min > self.weight_max:
+            raise ValueError("weight_min must not exceed weight_max")
+        return self
+
+
+class RunConfig(_Strict):
+    model: str = Field("builtin", description="actor: an HF folder, or builtin")
+    drafter: str = Field("builtin", description="an HF folder, builtin, ngram or off")
+    data: str = Field("builtin:count,repeat,rev", description="builtin[:tasks] or a JSONL file")
+    reward: str = Field("exact_match", description="exact_match, math, module:function or model:DIR")
+    policy: str = Field("goodput", description="drafting policy name or policy file")
+    cost_model: str = Field("auto", description="auto (profile at start) or a `rlsched profile` folder")
+    steps: int = Field(40, ge=1)
+    seed: int = Field(0, ge=0)
+    checkpoint_every: int = Field(5, ge=1)
+    max_reward_failures: float = Field(0.1, ge=0.0, le=1.0,
+                                       description="fraction of a step's samples whose reward may fail")
+    device: str = "cpu"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    threads: Optional[int] = Field(None, ge=1)
+    rollout: RolloutConfig = RolloutConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    drafter_update: DrafterUpdateConfig = DrafterUpdateConfig()
+
+    @field_validator("policy", "drafter", mode="before")
+    @classmethod
+    def _off(cls, v):
+        """YAML reads a bare `off` as false; here it means the name."""
+        return "off" if v is False else v
+
+
+def build_run_config(data: dict, overrides: list[str] = (), source: str = "config") -> RunConfig:
+    data = copy.deepcopy(data)
+    for o in overrides:
+        apply_override(data, o)
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise UserError(f"{source}: {describe_validation_error(e)}") from None
+
+
+def load_run_config(path: Path | None, overrides: list[str] = ()) -> RunConfig:
+    """A run's config: the file's fields (YAML or TOML) over the defaults, then `--set`s."""
+    data = {} if path is None else read_config_file(Path(path))
+    return build_run_config(data, overrides, source=str(path) if path else "run config")
