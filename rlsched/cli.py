@@ -399,7 +399,7 @@ def profile(
 RUN_HELP = (
     "RL training (GRPO or PPO) whose rollouts use the engine's adaptive speculative decoding, with a drafter "
     "kept fresh by distillation from the actor.\n\n"
-    "With no arguments: the built-in tasks (count, repeat, rev; exact-match reward) with the built-in tiny "
+    "With no arguments: a fixed set of 64 built-in task prompts (count, repeat; exact-match reward) with the built-in tiny "
     "pair on CPU, 40 RL steps (a few minutes). --config takes a YAML/TOML file of RunConfig fields "
     "(rlsched/executor/rl/config.py); --set path.to.field=value overrides one (repeatable).\n\n"
     "Writes to --out: traces/ (engine steps, samples, one rl_steps record per RL step: stage times, tokens, "

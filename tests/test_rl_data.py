@@ -158,3 +158,15 @@ def test_builtin_source_does_not_import_torch():
             "assert 'torch' not in sys.modules, 'torch imported'\nprint('ok')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_builtin_fixed_set_is_read_in_epochs():
+    src = make_source("builtin:count,repeat@12", 3)
+    assert src.size == 12
+    first = [i.key for s in range(3) for i in src.batch(s, 4)]  # one epoch: every item once
+    assert sorted(first) == sorted(f"set.{i}" for i in range(12))
+    assert {i.task for i in src.items} <= {"count", "repeat"}
+    again = make_source("builtin:count,repeat@12", 3)
+    assert [i.prompt for i in again.batch(5, 4)] == [i.prompt for i in src.batch(5, 4)]
+    with pytest.raises(UserError, match="@"):
+        make_source("builtin:count@zero", 0)

@@ -35,7 +35,7 @@ class AlgorithmConfig(_Strict):
     the PPO-clip objective on the engine's log-probs as the old policy."""
 
     name: Literal["grpo", "ppo"] = "grpo"
-    lr: float = Field(3e-4, gt=0.0)
+    lr: float = Field(1e-4, gt=0.0)
     clip_eps: float = Field(0.2, gt=0.0)
     kl_coef: float = Field(0.01, ge=0.0, description="KL(actor || reference) penalty in the loss; 0 = no reference")
     loss_agg: Literal["token", "sequence"] = "token"
@@ -72,7 +72,7 @@ class DrafterUpdateConfig(_Strict):
 class RunConfig(_Strict):
     model: str = Field("builtin", description="actor: an HF folder, or builtin")
     drafter: str = Field("builtin", description="an HF folder, builtin, ngram or off")
-    data: str = Field("builtin:count,repeat,rev", description="builtin[:tasks] or a JSONL file")
+    data: str = Field("builtin:count,repeat@64", description="builtin[:tasks][@N] or a JSONL file")
     reward: str = Field("exact_match", description="exact_match, math, module:function or model:DIR")
     policy: str = Field("goodput", description="drafting policy name or policy file")
     cost_model: str = Field("auto", description="auto (profile at start) or a `rlsched profile` folder")

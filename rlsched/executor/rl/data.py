@@ -10,7 +10,9 @@ uninterrupted run would have, with no sampler state to checkpoint.
   per line) read in epochs; epoch e is a permutation seeded by (seed, e), and step s takes
   items s*size .. s*size+size-1 of the epochs laid end to end, so every item is drawn once per
   epoch and a batch that crosses an epoch's end continues into the next.
-- `make_source(spec, seed)`: "builtin", "builtin:count,repeat,rev" or a path to a JSONL file.
+- `builtin_set(tasks, n, seed)`: a fixed set of n such examples, read in epochs like a file.
+- `make_source(spec, seed)`: "builtin", "builtin:count,repeat,rev", "builtin:count,repeat@64"
+  (a fixed set) or a path to a JSONL file.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from rlsched.tasks.synthetic import TASKS, make_example
 # independent of anything else a run seeds from (seed, step), such as its sampling.
 _BUILTIN_TAG = 0x64617461  # "data"
 _EPOCH_TAG = 0x65706F63  # "epoc"
+_SET_TAG = 0x73657420  # "set "
 
 
 @dataclass(frozen=True)
@@ -85,13 +88,12 @@ class BuiltinTasks(PromptSource):
         return out
 
 
-class JsonlDataset(PromptSource):
-    """A JSONL file's prompts in seeded epochs (see the module's docstring)."""
+class EpochSource(PromptSource):
+    """A fixed list of items drawn in seeded epochs (see the module's docstring)."""
 
-    def __init__(self, path, seed: int, shuffle: bool = True):
-        self.path, self.seed, self.shuffle = Path(path), seed, shuffle
-        self.items = _read_jsonl(self.path)
-        self.size = len(self.items)
+    def __init__(self, items: list[Item], seed: int, shuffle: bool = True):
+        self.items, self.seed, self.shuffle = items, seed, shuffle
+        self.size = len(items)
         self._orders: dict[int, np.ndarray] = {}
 
     def order(self, epoch: int) -> np.ndarray:
@@ -113,6 +115,26 @@ class JsonlDataset(PromptSource):
         return out
 
 
+class JsonlDataset(EpochSource):
+    """A JSONL file's prompts in seeded epochs."""
+
+    def __init__(self, path, seed: int, shuffle: bool = True):
+        self.path = Path(path)
+        super().__init__(_read_jsonl(self.path), seed, shuffle)
+
+
+def builtin_set(tasks: tuple[str, ...], n: int, seed: int) -> PromptSource:
+    """A fixed training set of `n` built-in task examples (drawn once from the seed), read in
+    epochs as a dataset is: RL revisits each prompt every epoch."""
+    BuiltinTasks(tasks, seed)  # checks the names
+    rng = _rng(seed, _SET_TAG, n)
+    items = []
+    for i in range(n):
+        e = make_example(rng, tuple(tasks))
+        items.append(Item(e.prompt, e.answer, f"set.{i}", e.task))
+    return EpochSource(items, seed)
+
+
 def builtin_tasks(tasks: tuple[str, ...], seed: int) -> PromptSource:
     return BuiltinTasks(tasks, seed)
 
@@ -122,13 +144,18 @@ def jsonl_dataset(path, seed: int, shuffle: bool = True) -> PromptSource:
 
 
 def make_source(spec: str, seed: int) -> PromptSource:
-    """"builtin" (every task), "builtin:count,repeat,rev" (those tasks) or a JSONL file."""
+    """"builtin" (every task), "builtin:count,repeat,rev" (those tasks), either with "@N" (a
+    fixed set of N examples read in epochs, as "builtin:count,repeat@64"), or a JSONL file."""
     spec = str(spec).strip()
-    if spec == "builtin":
-        return builtin_tasks(tuple(TASKS), seed)
-    if spec.startswith("builtin:"):
-        names = tuple(t.strip() for t in spec[len("builtin:"):].split(",") if t.strip())
-        return builtin_tasks(names, seed)
+    if spec == "builtin" or spec.startswith(("builtin:", "builtin@")):
+        rest, _, size = spec[len("builtin"):].partition("@")
+        names = tuple(t.strip() for t in rest[1:].split(",") if t.strip()) if rest.startswith(":") else tuple(TASKS)
+        if not size:
+            return builtin_tasks(names, seed)
+        if not size.strip().isdigit() or int(size) < 1:
+            raise UserError(f"data '{spec}': the set size after '@' must be a whole number >= 1 "
+                            "(as builtin:count,repeat@64)")
+        return builtin_set(names, int(size), seed)
     return jsonl_dataset(spec, seed)
 
 

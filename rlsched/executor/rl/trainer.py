@@ -411,9 +411,9 @@ class Trainer:
                                            a.loss_agg, ref, a.kl_coef)
                     self.actor_opt.zero_grad(set_to_none=True)
                     loss.backward()
-                    st["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.actor.parameters(), a.max_grad_norm))
+                    st["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.actor.parameters(), a.max_grad_norm).item()
                     self.actor_opt.step()
-                    st["loss"] = float(loss)
+                    st["loss"] = loss.item()
                     if self.critic is not None:
                         v = self.critic(mb.ids)
                         vl = value_loss(v, u["old_values"][rows], u["returns"][rows], mb.mask, a.value_clip,
@@ -422,7 +422,7 @@ class Trainer:
                         vl.backward()
                         torch.nn.utils.clip_grad_norm_(self.critic.parameters(), a.max_grad_norm)
                         self.critic_opt.step()
-                        st["value_loss"] = float(vl)
+                        st["value_loss"] = vl.item()
                     for k, v in st.items():
                         stats.setdefault(k, []).append(v)
         finally:
@@ -518,12 +518,18 @@ class Trainer:
             summary["plots"] = [str(p) for p in plot_run(df, self.out)]
         except ImportError:  # pragma: no cover - matplotlib is a core dependency
             summary["plots"] = []
-        write_text_atomic(self.out / SUMMARY, json.dumps(summary, indent=2, default=_finite) + "\n")
+        summary = _finite(summary)
+        write_text_atomic(self.out / SUMMARY, json.dumps(summary, indent=2) + "\n")
         return summary
 
 
 def _finite(x):
-    return None if isinstance(x, float) and not math.isfinite(x) else str(x)
+    """JSON has no NaN: None instead (a run without speculation has no acceptance rate)."""
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_finite(v) for v in x]
+    return None if isinstance(x, float) and not math.isfinite(x) else x
 
 
 def _truncate_traces(root: Path, next_step: int) -> None:
