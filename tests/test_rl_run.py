@@ -79,6 +79,7 @@ def test_ppo_runs_with_a_critic(pair, tmp_path):
                "--set", f"reward={tmp_path}/dense.py:length", "--out", str(out), "--json", cwd=tmp_path, timeout=300))
     rl = read_trace(out / "traces", "rl_steps")
     assert (rl.value_loss > 0).all() and (rl.reward_mean > 0).all()
+    assert (rl.critic_s > 0).all() and (rl.reference_s > 0).all() and (rl.reward_s > 0).all()
     critic = torch.load(out / "checkpoint.pt", weights_only=False)["critic"]
     assert critic["head.weight"].abs().sum() > 0  # the zero-initialised value head learned
     assert (rl.mean_accept_len == 1.0).all()  # policy off: no speculation
@@ -175,3 +176,21 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(pair, tmp_path, args, m
 def test_resume_of_a_folder_without_a_run_is_refused(tmp_path):
     proc = rlsched("run", "--out", str(tmp_path), "--resume", cwd=tmp_path)
     assert proc.returncode == 2 and "holds no run" in proc.stderr
+
+
+def test_a_reward_model_folder_scores_the_samples(pair, tmp_path):
+    import transformers
+
+    from rlsched.executor.builtin import write_tokenizer
+
+    folder = tmp_path / "rm"
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=0)
+    transformers.LlamaForSequenceClassification(config).save_pretrained(folder)
+    write_tokenizer(folder, 64)
+    out = tmp_path / "rm-run"
+    ok(rlsched("run", "--config", str(_config(tmp_path, steps=1)), "--set", f"reward=model:{folder}",
+               "--out", str(out), "--json", cwd=tmp_path, timeout=300))
+    roll = pd.read_parquet(out / "rollouts" / "step-000000.parquet")
+    assert roll.reward.notna().all() and roll.reward.nunique() > 4  # real scores, not 0/1

@@ -331,7 +331,9 @@ class Trainer:
                   for q, g, txt in zip(requests, group, texts)]
         rb = self.reward_fn.score(inputs)
         failed = int(rb.failed.sum())
-        self._write_rollout(s, items, requests, group, result, texts, rb)
+        inference_s = reward_s = time.perf_counter() - t
+        self._write_rollout(s, items, requests, group, result, texts, rb)  # bookkeeping: no stage's time
+        t = time.perf_counter()
         if failed > c.max_reward_failures * n:
             self.engine.close()
             raise RewardFailures(
@@ -342,7 +344,7 @@ class Trainer:
             self.log(f"step {s}: reward failed on {failed} of {n} samples (left out of the update); "
                      f"first: {rb.errors[0]}")
         update = self._prepare_update(prompts, requests, group, result, rb)
-        inference_s = time.perf_counter() - t
+        inference_s += time.perf_counter() - t
 
         t = time.perf_counter()
         train_stats = self._train(update, s)
@@ -358,6 +360,7 @@ class Trainer:
 
         record = self._record(s, result, rb, items, group, generation_s, inference_s, training_s,
                               drafter_update_s, time.perf_counter() - t_start, train_stats, distill_stats)
+        record.update(reward_s=reward_s, reference_s=update["reference_s"], critic_s=update["critic_s"])
         self._rl_writer.append(record)
         if (s + 1) % c.checkpoint_every == 0 or s + 1 == c.steps:
             self._checkpoint(s + 1)
@@ -372,15 +375,19 @@ class Trainer:
         batch = make_batch([q.prompt for q in requests], [x.tokens for x in result.samples],
                            [x.logprobs for x in result.samples], self.pad_id, valid.tolist())
         rewards = torch.as_tensor(np.nan_to_num(rb.rewards, nan=0.0), dtype=torch.float32)
-        update = dict(batch=batch, ref_logp=None, old_values=None, returns=None)
+        update = dict(batch=batch, ref_logp=None, old_values=None, returns=None, reference_s=0.0, critic_s=0.0)
         with torch.no_grad():
             if self.reference is not None:
+                t = time.perf_counter()
                 update["ref_logp"] = token_logprobs(self.reference, batch.ids, c.rollout.temperature)
+                update["reference_s"] = time.perf_counter() - t
             if a.name == "grpo":
                 adv = grpo_advantages(rewards, torch.as_tensor(group), torch.as_tensor(valid), a.normalise_std)
                 update["advantages"] = adv[:, None].expand_as(batch.mask).clone() * batch.mask
             else:
+                t = time.perf_counter()
                 values = self.critic(batch.ids)
+                update["critic_s"] = time.perf_counter() - t
                 adv, returns = gae(terminal_rewards(rewards, batch), values, batch.mask, a.gamma, a.lam)
                 m = batch.mask
                 if m.any():  # whitened over the batch, as PPO implementations do
