@@ -9,6 +9,7 @@ import tempfile
 from pathlib import Path
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")  # in case anything downstream reaches for pyplot: never a GUI backend
 
@@ -97,27 +98,28 @@ def plot_compare(report: dict, traces: list[dict], path: Path) -> None:
 
 
 def run_figure(rl_steps) -> Figure:
-    """An RL run's learning curve: (a) mean reward per RL step (band: +-1 std over samples),
+    """An RL run's learning curve: (a) mean reward per RL step (band: +-1 standard error),
     (b) mean accepted length and acceptance rate of the drafter (drift and recovery), (c)
     seconds per stage of each RL step, stacked."""
     df = rl_steps.sort_values("rl_step")
     x = df["rl_step"].to_numpy()
     fig = Figure(figsize=(12, 3.6))
     ax = fig.add_subplot(1, 3, 1)
-    mean, std = df["reward_mean"].to_numpy(), df["reward_std"].to_numpy()
+    mean = df["reward_mean"].to_numpy()
+    sem = df["reward_std"].to_numpy() / np.sqrt(np.maximum(df["samples"].to_numpy(), 1))
     ax.plot(x, mean, marker=".", label="reward (mean)")
-    ax.fill_between(x, mean - std, mean + std, alpha=0.2)
+    ax.fill_between(x, mean - sem, mean + sem, alpha=0.25, label="+-1 standard error")
     ax.set(xlabel="RL step", ylabel="reward", title="reward")
+    ax.legend(fontsize="small")
     ax = fig.add_subplot(1, 3, 2)
-    ax.plot(x, df["mean_accept_len"], marker=".", label="tokens per SD step")
-    ax.set(xlabel="RL step", ylabel="accepted length", title="speculation")
+    lines = ax.plot(x, df["mean_accept_len"], marker=".", label="tokens per SD step")
+    ax.set(xlabel="RL step", ylabel="tokens per SD step", title="speculation")
     if df["accept_rate"].notna().any():
         twin = ax.twinx()
-        twin.plot(x, df["accept_rate"], color="C1", marker=".", label="acceptance rate")
-        twin.set_ylabel("acceptance rate")
+        lines += twin.plot(x, df["accept_rate"], color="C1", marker=".", label="acceptance rate")
+        twin.set_ylabel("acceptance rate (accepted / drafted)")
         twin.set_ylim(0, 1)
-        twin.legend(loc="lower right")
-    ax.legend(loc="lower left")
+    ax.legend(lines, [ln.get_label() for ln in lines], fontsize="small", loc="upper left")
     ax = fig.add_subplot(1, 3, 3)
     bottom = 0 * x.astype(float)
     for stage in ("generation", "inference", "training", "drafter_update"):
