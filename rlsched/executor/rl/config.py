@@ -55,7 +55,7 @@ class DrafterUpdateConfig(_Strict):
 
     every: int = Field(4, ge=0, description="RL steps between updates; 0 = never (the drafter goes stale)")
     weighting: Literal["reward", "plain"] = "reward"
-    steps: int = Field(16, ge=1)
+    steps: int = Field(8, ge=1)
     batch: int = Field(32, ge=1)
     lr: float = Field(5e-4, gt=0.0)
     buffer_steps: int = Field(4, ge=1)
