@@ -17,7 +17,7 @@ from rlsched import __version__
 from rlsched.errors import UserError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Adaptive speculative decoding and sample reallocation for RL rollouts: simulate, compare and learn policies; generate and profile with the real engine.")
+                  help="Adaptive speculative decoding and sample reallocation for RL rollouts: simulate, compare and learn policies; generate and profile with the real engine; fit the simulator's cost model to profiles.")
 out_console = Console()
 err_console = Console(stderr=True)
 
@@ -38,6 +38,28 @@ PresetOpt = typer.Option(None, "--preset", "-p", help="A shipped job preset (see
 ConfigOpt = typer.Option(None, "--config", "-c", help="A YAML or TOML config file.")
 SetOpt = typer.Option([], "--set", "-s", help="Override a config field: path.to.field=value (repeatable).")
 JsonOpt = typer.Option(False, "--json", help="Print only a JSON summary on stdout; progress and logs go to stderr.")
+CostOpt = typer.Option(None, "--cost", help="A fitted cost-model file (`rlsched fit`): verify, draft and prefill "
+                       "step times come from it instead of the analytic roofline of the config's model and hardware. "
+                       "They are the costs of the machine and models that were profiled, whatever those presets say; "
+                       "the presets still set KV capacity, KV transfer between instances and the RL step's other "
+                       "stages (inference, training). The config's drafters must be named as the fitted ones "
+                       "(e.g. 'model'). Sets the config's cost_file.")
+
+
+def _with_cost(cfg, cost: Optional[Path]):
+    """The config with --cost applied, its cost model loaded once to check the file (one line
+    on stderr says where the step costs come from)."""
+    from rlsched.sim.costmodel import cost_model_for
+
+    if cost is not None:
+        cfg = cfg.model_copy(update={"cost_file": str(cost.resolve())})
+    model = cost_model_for(cfg)
+    if cfg.cost_file is not None:
+        d = model.describe()
+        err_console.print(f"step costs: fitted ({cfg.cost_file}: {d.get('model') or 'model ?'} on "
+                          f"{d.get('machine') or 'machine ?'}); KV capacity and transfer, inference and training: "
+                          f"{cfg.model.name} on {cfg.hardware.name}", highlight=False, soft_wrap=True)
+    return cfg
 
 
 @app.command()
@@ -85,6 +107,7 @@ def simulate(
     baseline: bool = typer.Option(True, "--baseline/--no-baseline", help="Also simulate `off` on the same seed "
                                   "to report the speedup."),
     set_: list[str] = SetOpt,
+    cost: Optional[Path] = CostOpt,
     as_json: bool = JsonOpt,
 ):
     """Simulate the generation stage (and the RL steps around it) of a config or preset.
@@ -101,7 +124,7 @@ def simulate(
     overrides = list(set_) + ([f"seed={seed}"] if seed is not None else [])
     if seed is not None and seed < 0:
         raise UserError(f"--seed must be >= 0 (got {seed})")
-    cfg = load_config(preset, config, overrides)
+    cfg = _with_cost(load_config(preset, config, overrides), cost)
     pol = policy or cfg.speculation.policy
     make_draft_policy(pol, policy_context(cfg, true_acceptance=lambda d, ids: None))
     make_realloc_policy(realloc or cfg.cluster.realloc)
@@ -172,6 +195,7 @@ def compare(
     ray: Optional[str] = typer.Option(None, "--ray", help="Run on a Ray cluster at this address ('auto': the running "
                                       "local cluster; 'local': start a private one); needs pip install 'rlsched\\[distributed]' on this machine and the same rlsched on "
                                       "every node; --workers is then ignored."),
+    cost: Optional[Path] = CostOpt,
     as_json: bool = JsonOpt,
 ):
     from rlsched.config import load_config
@@ -186,7 +210,7 @@ def compare(
         if not ray.strip():
             raise UserError("--ray needs an address (host:port) or 'auto'")
         cmp.import_ray()
-    cfg = load_config(preset, config, list(set_))
+    cfg = _with_cost(load_config(preset, config, list(set_)), cost)
     plan = cmp.make_plan(cfg, policies, realloc, seeds, first_seed, trace_instance=0 if plot else None)
     jobs = plan.jobs()
     n_workers = workers or cmp.default_workers()
@@ -234,6 +258,7 @@ def learn(
                                           "CPUs); 1 runs serially in this process."),
     ray: Optional[str] = typer.Option(None, "--ray", help="Score candidates on a Ray cluster at this address "
                                       "('auto': the running local cluster; 'local': start a private one)."),
+    cost: Optional[Path] = CostOpt,
     as_json: bool = JsonOpt,
 ):
     """Learn a drafting policy (and reallocation threshold) in the simulator; write a policy file.
@@ -260,7 +285,7 @@ def learn(
             raise UserError(f"{opt} '{path}' must end in .json")
     if ray is not None:
         cmp.import_ray()
-    cfg = load_config(preset, config, list(set_))
+    cfg = _with_cost(load_config(preset, config, list(set_)), cost)
     if not cfg.drafters:
         raise UserError("learn needs at least one drafter in the config (drafters: [...])")
     n_workers = workers or cmp.default_workers()
@@ -394,6 +419,80 @@ def profile(
     run_profile(model=model, drafters=drafter, batch_sizes=_int_list(batch_sizes, "--batch-sizes"), k_max=k_max,
                 contexts=_int_list(contexts, "--contexts"), repeats=repeats, device=device, dtype=dtype,
                 threads=threads, out=out, console=err_console, table_console=out_console)
+
+
+FIT_HELP = (
+    "Fit the cost model to measured step times and write a cost-model file for --cost.\n\n"
+    "PROFILE_OR_RUNDIR is a `rlsched profile` folder or a run folder (`generate`, `run`): anything holding "
+    "traces/steps/. Verify, prefill and each drafter's draft time are fitted as functions of batch size, tokens "
+    "per row and context per row (roofline-shaped forms, rlsched/analysis/costfile.py) with scipy. Quality is "
+    "R^2 and MAPE; held-out MAPE comes from a fit without every other batch size (or without a random 25% of a "
+    "run's steps). An op whose held-out MAPE is above --max-mape, where interpolation over the measured grid "
+    "does better, is priced by that interpolation instead (the table and the file say so).\n\n"
+    "The file holds the costs of the profiled machine and models; `simulate`, `compare` and `learn --cost FILE` "
+    "use them whatever the config's model and hardware presets are.\n\n"
+    "Example: rlsched profile --out runs/profile/builtin && rlsched fit runs/profile/builtin --out costmodel.json "
+    "--plot fit.png"
+)
+
+
+@app.command(help=FIT_HELP)
+def fit(
+    profile_or_rundir: Path = typer.Argument(..., metavar="PROFILE_OR_RUNDIR", help="A `rlsched profile` folder or "
+                                             "a run folder (holding traces/steps/).", show_default=False),
+    out: Path = typer.Option(..., "--out", "-o", help="Where to write the cost-model file (.json)."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Also draw measured points against the fit per batch "
+                                        "size and k, with residuals (.png or .pdf)."),
+    max_mape: float = typer.Option(5.0, "--max-mape", help="Held-out MAPE (%) above which an op falls back to "
+                                   "interpolation over the measured grid (where that does better)."),
+    as_json: bool = JsonOpt,
+):
+    from rlsched.analysis.fit import fit_path
+    from rlsched.traces.writer import write_text_atomic
+
+    if out.suffix != ".json":
+        raise UserError(f"--out '{out}' must end in .json")
+    if out.is_dir():
+        raise UserError(f"--out '{out}' is a folder; give a file name ending in .json")
+    if plot is not None and plot.suffix.lower() not in (".png", ".pdf"):
+        raise UserError(f"--plot '{plot}' must end in .png or .pdf")
+    if not max_mape > 0:
+        raise UserError(f"--max-mape must be > 0 (a percentage; got {max_mape})")
+    with err_console.status(f"fitting {profile_or_rundir}"):
+        result = fit_path(profile_or_rundir, max_mape / 100)
+        figure = None
+        if plot is not None:
+            from rlsched.analysis.fit_plot import fit_figure
+
+            figure = fit_figure(result)
+    write_text_atomic(out, json.dumps(result.to_json(), indent=2) + "\n")
+    if figure is not None:
+        from rlsched.analysis.plots import save_figure
+
+        save_figure(figure, plot)
+    table = _fit_table(result, out)
+    console = err_console if as_json else out_console
+    _print_unwrapped(console, table)
+    for note in result.notes:
+        console.print(f"note: {note}", highlight=False, soft_wrap=True)
+    if plot is not None:
+        console.print(f"plot: {plot}", highlight=False)
+    if as_json:
+        print(json.dumps({"out": str(out), "plot": str(plot) if plot else None, **result.summary()}, indent=2))
+
+
+def _fit_table(result, out: Path) -> Table:
+    pct = lambda v: "-" if v is None else f"{100 * v:.1f}%"  # noqa: E731
+    t = Table(title=f"rlsched fit: {result.source.get('path')} -> {out}")
+    for col in ("op", "priced by", "R^2", "MAPE", "MAPE train", "MAPE held-out", "interp. held-out", "points",
+                "held out"):
+        t.add_column(col, justify="left" if col in ("op", "priced by", "held out") else "right")
+    for key, f in result.ops.items():
+        q = f.quality
+        t.add_row(key, "fitted form" if f.used == "parametric" else "interpolation", f"{q['r2']:.4f}", pct(q["mape"]),
+                  pct(q["mape_train"]), pct(q["mape_heldout"]), pct(q["interp_mape_heldout"]),
+                  str(q["points"]), f"{q['heldout_points']}: {q['heldout']}" if q["heldout_points"] else q["heldout"])
+    return t
 
 
 RUN_HELP = (

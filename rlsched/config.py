@@ -13,7 +13,7 @@ import tomllib
 from functools import cached_property
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -249,6 +249,10 @@ class SimConfig(Strict):
     # Longest run of identical engine steps simulated in one go (the same steps, draws and
     # decisions as step by step, times equal up to float rounding; 1 turns it off).
     max_steady_run: PosInt = 256
+    # A fitted cost-model file (`rlsched fit`, `--cost`): verify, draft and prefill times of
+    # the profiled machine and models instead of the roofline of `hardware` and `model`
+    # (which still set KV capacity, KV transfer and the RL step's other stages).
+    cost_file: Optional[str] = None
 
     @field_validator("hardware", mode="before")
     @classmethod

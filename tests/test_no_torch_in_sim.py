@@ -43,3 +43,30 @@ def test_executor_commands_without_torch_say_what_to_install(tmp_path):
     assert out.returncode == 2, out.stderr[-2000:]
     assert "needs the executor extra (torch is missing): pip install 'rlsched[executor]'" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+FIT_NO_TORCH = """
+import sys
+sys.modules["torch"] = None  # import torch fails: fitting and --cost must not need it
+sys.argv = ["rlsched", "fit", PROF, "--out", OUT, "--plot", PLOT]
+from rlsched.cli import main
+try:
+    main()
+except SystemExit as e:
+    assert not e.code, e.code
+from rlsched.config import load_config
+from rlsched.sim.simulate import simulate
+cfg = load_config("default", overrides=["rl.steps=1", "workload.prompts=4", "cost_file=" + OUT])
+assert simulate(cfg, "goodput").cost.kind == "fitted"
+"""
+
+
+def test_fit_and_simulate_on_its_file_without_torch(tmp_path):
+    from test_fit import profile_records, write_steps
+
+    prof = write_steps(tmp_path / "prof", profile_records())
+    code = (FIT_NO_TORCH.replace("PROF", repr(str(prof))).replace("OUT", repr(str(tmp_path / "cm.json")))
+            .replace("PLOT", repr(str(tmp_path / "fit.png"))))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (tmp_path / "cm.json").is_file() and (tmp_path / "fit.png").is_file()

@@ -19,7 +19,7 @@ from rlsched import __version__
 from rlsched.config import SimConfig
 from rlsched.policies.lookup import TablePolicy, TwoStatePolicy, batch_grid
 from rlsched.policies.policyfile import FORMAT, VERSION, PolicyFile, ReallocSettings, save_policy_file
-from rlsched.sim.costmodel import RooflineCostModel
+from rlsched.sim.costmodel import cost_model_for
 from rlsched.sim.simulate import config_identity, policy_context
 
 ACCEPT_EDGES = [0.0, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
@@ -58,7 +58,7 @@ def parallel_evaluator(workers: int, ray_address: str | None = None) -> Evaluato
 class Learner:
     def __init__(self, cfg: SimConfig, seeds: list[int], evaluate: Evaluator = serial_evaluator, log=print):
         self.cfg, self.seeds, self.evaluate, self.log = cfg, seeds, evaluate, log
-        self.cost = RooflineCostModel.from_config(cfg)
+        self.cost = cost_model_for(cfg)
         self.ctx = policy_context(cfg, self.cost)
         self.drafter = cfg.drafters[0].name
         self.realloc = cfg.cluster.realloc

@@ -12,7 +12,7 @@ from rlsched.config import SimConfig
 from rlsched.policies.draft import PolicyContext, make_draft_policy
 from rlsched.policies.realloc import make_realloc_policy
 from rlsched.sim.cluster import kv_capacity
-from rlsched.sim.costmodel import RooflineCostModel
+from rlsched.sim.costmodel import cost_model_for
 from rlsched.sim.rlstep import StepRecord, TrueAcceptance, rl_run
 from rlsched.sim.workload import sample_lengths
 from rlsched.sim.timeline import KINDS, Timeline
@@ -138,11 +138,11 @@ def simulate(cfg: SimConfig, policy: str | None = None, realloc: str | None = No
              cost=None) -> SimResult:
     """Simulate cfg.rl.steps RL steps with a drafting policy and a reallocation policy.
 
-    `cost` defaults to the analytic roofline of the config; a fitted CostModel plugs in here.
+    `cost` defaults to the config's: its analytic roofline, or its fitted `cost_file`.
     """
     policy = policy or cfg.speculation.policy
     realloc_name = realloc or cfg.cluster.realloc
-    cost = cost or RooflineCostModel.from_config(cfg)
+    cost = cost or cost_model_for(cfg)
     truth = TrueAcceptance()
     ctx = policy_context(cfg, cost, truth)
     make_draft_policy(policy, ctx)  # validate the name before any work

@@ -1,0 +1,250 @@
+"""Fitted cost models: the parametric forms, the versioned JSON file, and the CostModel it loads as.
+
+`rlsched fit` (analysis/fit.py) writes a file; `simulate`, `compare` and `learn --cost FILE`
+and the policies price steps with `load_cost_model(FILE)`. Times are in milliseconds inside
+the forms and the file, in seconds through the `CostModel` protocol.
+
+The forms (one per operation, roofline-shaped; every parameter >= 0):
+
+  verify(B, q, L)   = t0 + s*[q > 1] + smax(a*B*q, m; p) + r*B + c*B*q*(L + (q - 1)/2)
+  draft(B, k, L)    = e + d*B*L + k * (t0 + smax(a*B, m; p) + c*B*L)   (k drafter forwards)
+  prefill(n, S)     = t0 + a*n + c*S/2 + g*h*softplus((n - n_c)/h)
+
+B = rows, q = tokens verified per row (k + 1), k = draft length, L = context per row,
+n = prompt tokens, S = sum of squared prompt lengths. smax(x, m; p) = (x^(1+p) + m^(1+p))^(1/(1+p))
+is the roofline's max(compute, memory) made smooth: small work is bound by reading the
+weights (m), large work by compute (a per token); p sets how sharp the bend is (p -> 0 adds
+them, as a launch-overhead-bound CPU does). `s` is the speculative path's extra work over
+plain decoding (verification, resampling); `r` a per-row cost (sampling, bookkeeping); `c`
+attention over the context; `e` and `d` drafting's cost besides its forwards (a fixed part,
+and one that grows with the context the drafter's cache holds). Prefill is compute (a per
+token, c per token pair of attention) over a floor t0; its softplus is the memory hierarchy:
+beyond about n_c tokens in flight the activations leave the cache and each further token
+costs `g` more. Where a form misfits, an op keeps the measured grid instead and is priced by
+interpolation over it, exactly as `MeasuredCostModel` does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from rlsched.errors import UserError
+from rlsched.policies.measured import MeasuredCostModel, _grid
+
+KIND = "rlsched-costmodel"
+VERSION = 1
+
+PARAMS = {
+    "verify": ("t0", "s", "a", "m", "p", "r", "c"),
+    "draft": ("e", "d", "t0", "a", "m", "p", "c"),
+    "prefill": ("t0", "a", "c", "g", "n_c", "h"),
+}
+FORMS = {op: f"roofline-{op}-v1" for op in PARAMS}
+TOKENS = {"verify": "q", "draft": "k", "prefill": "one"}  # the grid's second axis
+
+
+def smax(x, m, p):
+    """Smooth max of x and m (>= both, -> max as p grows, x + m at p = 0), overflow-safe."""
+    e = 1.0 + p
+    hi = np.maximum(np.maximum(x, m), 1e-300)
+    return hi * ((x / hi) ** e + (m / hi) ** e) ** (1.0 / e)
+
+
+def softplus(x):
+    return np.logaddexp(0.0, x)
+
+
+def verify_ms(p: dict, B, q, L):
+    B, q, L = (np.asarray(v, dtype=float) for v in (B, q, L))
+    return (p["t0"] + p["s"] * (q > 1) + smax(p["a"] * B * q, p["m"], p["p"]) + p["r"] * B
+            + p["c"] * B * q * (L + (q - 1) / 2))
+
+
+def draft_ms(p: dict, B, k, L):
+    B, k, L = (np.asarray(v, dtype=float) for v in (B, k, L))
+    return p["e"] + p["d"] * B * L + k * (p["t0"] + smax(p["a"] * B, p["m"], p["p"]) + p["c"] * B * L)
+
+
+def prefill_ms(p: dict, n, S):
+    n, S = np.asarray(n, dtype=float), np.asarray(S, dtype=float)
+    h = max(p["h"], 1e-9)
+    return p["t0"] + p["a"] * n + p["c"] * S / 2 + p["g"] * h * softplus((n - p["n_c"]) / h)
+
+
+def op_ms(op: str, p: dict, batch, tokens, ctx_per_row):
+    """The form of `op` on grid coordinates (batch, tokens per row, context per row); for
+    prefill tokens is unused and the prompts are `batch` rows of `ctx_per_row` tokens."""
+    if op == "verify":
+        return verify_ms(p, batch, tokens, ctx_per_row)
+    if op == "draft":
+        return draft_ms(p, batch, tokens, ctx_per_row)
+    n = np.asarray(batch, dtype=float) * ctx_per_row
+    return prefill_ms(p, n, n * ctx_per_row)
+
+
+def grid_interpolator(op: str, points, what: str):
+    """MeasuredCostModel's interpolator over (log2 batch, tokens per row, context per row) of
+    points [[batch, tokens, ctx_tokens, ms], ...]."""
+    df = pd.DataFrame(points, columns=["batch", TOKENS[op], "ctx_tokens", "ms"])
+    return _grid(df, TOKENS[op], "ms", what)
+
+
+class FittedCostModel(MeasuredCostModel):
+    """CostModel from a `rlsched fit` file: each op is its fitted form, or (where the form
+    misfit) interpolation over the measured grid. What a profile cannot know (KV capacity,
+    KV transfer between instances) comes from `base`, the config's analytic model, when given.
+    `draft_time_per_seq` is MeasuredCostModel's: the profiled executor drafts the longest
+    row's length for every drafting row."""
+
+    kind = "fitted"
+
+    def __init__(self, data: dict, base=None, path: Path | None = None):
+        # not MeasuredCostModel.__init__: that one builds its grids from profile records
+        self.data, self.base, self.path = data, base, path
+        self._ops = {}
+        for key, entry in self._entries():
+            op = key.partition(":")[0]
+            if entry["used"] == "interpolation":
+                self._ops[key] = ("grid", grid_interpolator(op, entry["grid"], f"{path}: {key}"))
+            else:
+                self._ops[key] = ("form", {k: float(v) for k, v in entry["params"].items()})
+        self.drafters = tuple(data["ops"]["draft"])
+
+    def _entries(self):
+        ops = self.data["ops"]
+        yield "verify", ops["verify"]
+        yield "prefill", ops["prefill"]
+        for name, entry in ops["draft"].items():
+            yield f"draft:{name}", entry
+
+    def _eval(self, key: str, batch, tokens, ctx_tokens):
+        """Seconds at (rows, tokens per row, the rows' total context); arrays broadcast."""
+        how, obj = self._ops[key]
+        if how == "grid":  # _at shapes everything as `tokens`: broadcast the context in first
+            tokens, ctx_tokens = np.broadcast_arrays(np.asarray(tokens, dtype=float), np.asarray(ctx_tokens, dtype=float))
+            return MeasuredCostModel._at(obj, batch, tokens, ctx_tokens)
+        b = max(float(batch), 1.0)
+        out = np.maximum(op_ms(key.partition(":")[0], obj, b, tokens, np.asarray(ctx_tokens, dtype=float) / b), 0.0)
+        out = out / 1e3
+        return out if out.ndim else float(out)  # a number for a number, as the roofline model
+
+    def verify_time(self, batch: int, q, ctx_tokens: int):
+        return self._eval("verify", batch, q, ctx_tokens)
+
+    def draft_time(self, drafter: str, batch: int, k, ctx_tokens: int, width: int = 1):
+        if drafter not in self.drafters:
+            raise UserError(f"cost model file '{self.path}' has no draft fit for drafter '{drafter}' (it has: "
+                            f"{', '.join(self.drafters) or 'none'}); profile that drafter and fit again")
+        k = np.asarray(k, dtype=float)
+        t = self._eval(f"draft:{drafter}", batch * width, np.maximum(k, 1), ctx_tokens * width)
+        return np.where(k > 0, t, 0.0) if np.ndim(t) else (t if k > 0 else 0.0)
+
+    def prefill_time(self, n_tokens: int, sum_sq_tokens: int | None = None) -> float:
+        """Prompts totalling n_tokens whose squared lengths sum to sum_sq_tokens (default: one
+        prompt): as many rows of equal length (n^2 / S rows of S / n tokens)."""
+        if n_tokens <= 0:
+            return 0.0
+        sq = float(n_tokens) ** 2 if sum_sq_tokens is None else float(max(sum_sq_tokens, 1))
+        rows = max(float(n_tokens) ** 2 / sq, 1.0)
+        return float(self._eval("prefill", rows, 1, n_tokens))
+
+    def kv_transfer_time(self, ctx_tokens: int, n_seqs: int) -> float:
+        return self.base.kv_transfer_time(ctx_tokens, n_seqs) if self.base is not None else 0.0
+
+    def kv_capacity_tokens(self, gpu_memory_utilization: float = 0.9, activation_reserve_gib: float = 2.0) -> int:
+        if self.base is None:
+            raise UserError(f"cost model file '{self.path}': KV capacity is not fitted; set cluster.kv_capacity_tokens")
+        return self.base.kv_capacity_tokens(gpu_memory_utilization, activation_reserve_gib)
+
+    def describe(self) -> dict:
+        src = self.data.get("source", {})
+        return {"kind": self.kind, "file": str(self.path) if self.path else None, "sha256": self.data.get("_sha256"),
+                "source": src.get("path"), "model": src.get("model"), "machine": src.get("machine"),
+                "ops": {key: entry["used"] for key, entry in self._entries()},
+                "kv_and_memory_from": self.base.describe() if self.base is not None and hasattr(self.base, "describe")
+                else None}
+
+
+# ----------------------------------------------------------------------------- the file
+
+def _bad(path, what: str) -> UserError:
+    return UserError(f"cost model file '{path}' {what}; re-create it with `rlsched fit PROFILE_OR_RUNDIR --out {path}`")
+
+
+def _check_entry(path, key: str, op: str, entry) -> None:
+    where = f"ops.{key}"
+    if not isinstance(entry, dict):
+        raise _bad(path, f"has no valid '{where}' (an object expected)")
+    for field in ("used", "form", "params", "quality"):
+        if field not in entry:
+            raise _bad(path, f"lacks field '{where}.{field}'")
+    if entry["used"] not in ("parametric", "interpolation"):
+        raise _bad(path, f"has '{where}.used' = {entry['used']!r} (parametric or interpolation expected)")
+    if entry["form"] != FORMS[op]:
+        raise _bad(path, f"has '{where}.form' = {entry['form']!r}, this rlsched knows {FORMS[op]!r}")
+    params = entry["params"]
+    if not isinstance(params, dict):
+        raise _bad(path, f"has no valid '{where}.params' (an object expected)")
+    for name in PARAMS[op]:
+        v = params.get(name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise _bad(path, f"has no valid '{where}.params.{name}' (a finite number >= 0 expected, got {v!r})")
+    if entry["used"] == "interpolation":
+        grid = entry.get("grid")
+        if (not isinstance(grid, list) or not grid or not all(
+                isinstance(r, list) and len(r) == 4 and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                           and math.isfinite(x) for x in r) for r in grid)):
+            raise _bad(path, f"has no valid '{where}.grid' (rows of [batch, tokens, ctx_tokens, ms] expected)")
+
+
+def read_cost_file(path) -> dict:
+    """Read and check a fitted-cost-model file; one UserError line naming the file and the fault."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"cost model file '{path}' does not exist; write one with "
+                        f"`rlsched fit PROFILE_OR_RUNDIR --out {path}`")
+    raw = path.read_bytes()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise _bad(path, f"is not valid JSON ({e})") from None
+    if not isinstance(data, dict) or data.get("kind") != KIND:
+        raise UserError(f"cost model file '{path}' is not an rlsched cost model (no \"kind\": \"{KIND}\"); "
+                        "write one with `rlsched fit`")
+    if data.get("version") != VERSION:
+        raise _bad(path, f"has version {data.get('version')!r}, this rlsched reads version {VERSION}")
+    ops = data.get("ops")
+    if not isinstance(ops, dict):
+        raise _bad(path, "lacks field 'ops'")
+    for op in ("verify", "prefill", "draft"):
+        if op not in ops:
+            raise _bad(path, f"lacks field 'ops.{op}'")
+    if not isinstance(ops["draft"], dict):
+        raise _bad(path, "has no valid 'ops.draft' (an object of drafter name -> fit expected)")
+    _check_entry(path, "verify", "verify", ops["verify"])
+    _check_entry(path, "prefill", "prefill", ops["prefill"])
+    for name, entry in ops["draft"].items():
+        _check_entry(path, f"draft.{name}", "draft", entry)
+    data["_sha256"] = hashlib.sha256(raw).hexdigest()
+    return data
+
+
+def load_cost_model(path, base=None, drafters=()) -> FittedCostModel:
+    """The CostModel of a `rlsched fit` file. `base` (the config's analytic model) supplies KV
+    capacity and transfer; `drafters` (the config's drafter names) must all have a draft fit."""
+    data = read_cost_file(path)
+    missing = [d for d in drafters if d not in data["ops"]["draft"]]
+    if missing:
+        have = ", ".join(data["ops"]["draft"]) or "none"
+        raise UserError(f"cost model file '{path}' has no draft fit for drafter(s) {', '.join(missing)} (it has: "
+                        f"{have}); name the config's drafters after the profiled ones or profile them")
+    try:
+        return FittedCostModel(data, base, Path(path))
+    except UserError as e:
+        raise _bad(path, f"has an unusable grid ({e})") from None

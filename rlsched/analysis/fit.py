@@ -1,0 +1,318 @@
+"""`rlsched fit`: fit the cost model's forms to measured step times, check them on held-out
+points, and write the versioned cost-model file (`analysis/costfile.py`).
+
+Records come from a `rlsched profile` folder (kind verify | draft | prefill, one record per
+grid point) or a run folder (`generate`, `run`: kind decode | prefill, one record per engine
+step), anything holding `traces/steps/`. Each operation (verify, prefill, drafting per drafter)
+is fitted with scipy's least_squares on log residuals (relative error, which is what MAPE
+counts) with a soft-L1 loss (a point disturbed by another process on a shared machine weighs
+little), from a linear least-squares start plus a few perturbed ones.
+
+Held-out check: on a full grid of at least three batch sizes the fit is repeated without every
+other interior batch size (1, 4, 16, 64 kept; 2, 8, 32 held out), so held-out points are whole
+batch sizes the fit never saw; otherwise (run traces) a seeded random 25% of the records. The
+file's parameters are then fitted on all points. Where the form's held-out MAPE exceeds the
+threshold and interpolation over the measured grid (MeasuredCostModel's) does better on the
+same held-out points, the op keeps the grid and is priced by interpolation; the output says so.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from scipy.optimize import least_squares, nnls
+
+from rlsched import __version__
+from rlsched.analysis.costfile import FORMS, KIND, PARAMS, VERSION, grid_interpolator, op_ms
+from rlsched.errors import UserError
+from rlsched.policies.measured import MeasuredCostModel
+from rlsched.traces.reader import read_trace
+
+DEFAULT_MAX_MAPE = 0.05
+# terms dropped when an op has fewer than two points per parameter: prefill's cache spill
+FROZEN = {"prefill": {"g": 0.0, "n_c": 1.0, "h": 1.0}}
+_STARTS = 6
+
+
+@dataclass
+class OpFit:
+    """One operation's fit: `key` is verify, prefill or draft:<drafter>."""
+
+    key: str
+    params: dict
+    used: str  # parametric | interpolation
+    quality: dict
+    data: pd.DataFrame  # batch, tokens, ctx_tokens, per_row, ms (for the plot and the grid)
+    grid: list | None = None
+    note: str = ""
+
+    @property
+    def op(self) -> str:
+        return self.key.partition(":")[0]
+
+    def predict_ms(self, batch, tokens, per_row):
+        """The fitted form (always; the plot shows it even where the grid is used)."""
+        return op_ms(self.op, self.params, batch, tokens, per_row)
+
+    def entry(self) -> dict:
+        out = {"used": self.used, "form": FORMS[self.op], "params": dict(self.params), "quality": dict(self.quality)}
+        if self.used == "interpolation":
+            out["grid"] = self.grid
+        return out
+
+
+@dataclass
+class FitResult:
+    ops: dict[str, OpFit]
+    source: dict
+    max_mape: float
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        draft = {k.partition(":")[2]: f.entry() for k, f in self.ops.items() if f.op == "draft"}
+        return {"kind": KIND, "version": VERSION,
+                "ops": {"verify": self.ops["verify"].entry(), "prefill": self.ops["prefill"].entry(), "draft": draft},
+                "max_mape": self.max_mape, "source": self.source, "notes": self.notes,
+                "created": {"rlsched": __version__, "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}}
+
+    def summary(self) -> dict:
+        return {"ops": {k: {"used": f.used, **f.quality} for k, f in self.ops.items()}, "source": self.source,
+                "notes": self.notes, "max_mape": self.max_mape}
+
+
+# ----------------------------------------------------------------------------- records
+
+def read_records(path) -> tuple[pd.DataFrame, dict]:
+    """Step records of a profile or run folder (or of its traces/ folder), and where they came from."""
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"fit: '{path}' does not exist; give a `rlsched profile` folder or a run folder")
+    for steps in (path / "traces" / "steps", path / "steps"):
+        if steps.is_dir():
+            break
+    else:
+        raise UserError(f"fit: '{path}' holds no step traces (no traces/steps/); give a `rlsched profile` "
+                        "folder or a run folder")
+    df = read_trace(steps, "steps")
+    if df.empty:
+        raise UserError(f"fit: '{steps}' holds no step records; re-run the profile or the run")
+    source = {"path": str(path.resolve()), "records": int(len(df))}
+    for name in ("profile.json", "summary.json"):
+        info = path / name
+        if info.is_file():
+            try:
+                meta = json.loads(info.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                meta = {}
+            if isinstance(meta, dict):
+                source.update({k: meta[k] for k in ("model", "drafter", "drafters", "device", "dtype", "threads",
+                                                    "machine", "created_utc") if k in meta})
+            source["kind"] = "profile" if name == "profile.json" else "run"
+            break
+    else:
+        source["kind"] = "profile" if set(df["kind"]) & {"verify", "draft"} else "run"
+    return df, source
+
+
+def op_tables(df: pd.DataFrame) -> tuple[dict[str, pd.DataFrame], list[str]]:
+    """Per operation: rows (batch, tokens, ctx_tokens, per_row, ms). Profile kinds map directly;
+    a run's decode steps give verify (q = k + 1) and drafting, kept only where every row drafted
+    k (a row capped near its budget makes the step's shape unknown)."""
+    notes = []
+    df = df[(df["batch"] > 0)]
+    parts: dict[str, list] = {}
+
+    def add(key, d, tokens, ms):
+        d = pd.DataFrame({"batch": d["batch"].to_numpy(float), "tokens": np.asarray(tokens, dtype=float),
+                          "ctx_tokens": d["ctx_tokens"].to_numpy(float), "ms": np.asarray(ms, dtype=float)})
+        parts.setdefault(key, []).append(d)
+
+    v = df[df["kind"] == "verify"]
+    add("verify", v, v["k"] + 1, v["verify_ms"])
+    for name, d in df[df["kind"] == "draft"].groupby("drafter"):
+        add(f"draft:{name}", d, d["k"], d["draft_ms"])
+    dec = df[df["kind"] == "decode"]
+    if len(dec):
+        uniform = dec["drafted"] == dec["batch"] * dec["k"] * dec["width"].clip(lower=1)
+        if (~uniform).any():
+            notes.append(f"{int((~uniform).sum())} of {len(dec)} decode steps drafted ragged lengths (rows capped "
+                         "near their budget, or per-sequence k) and were left out")
+        dec = dec[uniform & (dec["width"] <= 1)]
+        add("verify", dec, dec["k"] + 1, dec["verify_ms"])
+        sd = dec[dec["k"] > 0]
+        for name, d in sd.groupby("drafter"):
+            add(f"draft:{name}", d, d["k"], d["draft_ms"])
+    p = df[df["kind"] == "prefill"]
+    add("prefill", p, np.ones(len(p)), p["step_ms"])
+    tables = {}
+    for key, ds in parts.items():
+        t = pd.concat(ds, ignore_index=True)
+        t = t[np.isfinite(t["ms"]) & (t["ms"] > 0) & (t["ctx_tokens"] > 0)]
+        if len(t):
+            tables[key] = t.assign(per_row=t["ctx_tokens"] / t["batch"]).reset_index(drop=True)
+    if "verify" not in tables:
+        raise UserError("fit: the records hold no verify (or decode) step times; profile with `rlsched profile`")
+    if "prefill" not in tables:
+        raise UserError("fit: the records hold no prefill step times; profile with `rlsched profile`")
+    return tables, notes
+
+
+# ----------------------------------------------------------------------------- fitting
+
+def mape(pred, y) -> float:
+    y = np.asarray(y, dtype=float)
+    return float(np.mean(np.abs(np.asarray(pred, dtype=float) - y) / y))
+
+
+def r_squared(pred, y) -> float:
+    y = np.asarray(y, dtype=float)
+    ss_tot = float(((y - y.mean()) ** 2).sum())
+    ss_res = float(((y - np.asarray(pred, dtype=float)) ** 2).sum())
+    return 1.0 - ss_res / ss_tot if ss_tot > 0 else (1.0 if ss_res == 0 else 0.0)
+
+
+def _linear_start(op: str, t: pd.DataFrame) -> dict:
+    """Non-negative least squares on the forms with the bend removed (p -> 0, no spill)."""
+    B, q, L, y = (t[c].to_numpy(float) for c in ("batch", "tokens", "per_row", "ms"))
+    if op == "verify":
+        X = np.column_stack([np.ones_like(B), q > 1, B * q, B, B * q * (L + (q - 1) / 2)])
+        names = ("t0", "s", "a", "r", "c")
+    elif op == "draft":
+        X = np.column_stack([np.ones_like(B), B * L, q, q * B, q * B * L])
+        names = ("e", "d", "t0", "a", "c")
+    else:
+        n = B * L
+        X = np.column_stack([np.ones_like(B), n, n * L / 2])
+        names = ("t0", "a", "c")
+    w = 1.0 / y  # relative error
+    sol, _ = nnls(X * w[:, None], y * w)
+    p = dict(zip(names, sol))
+    if op in ("verify", "draft"):
+        p.update(m=max(float(np.min(y)) * 0.2, 1e-6), p=1.0)
+    else:
+        n = B * L
+        p.update(g=max(p["a"], 1e-6) * 0.5, n_c=float(np.median(n)), h=max(float(np.median(n)) / 4, 1.0))
+    return p
+
+
+def fit_form(op: str, t: pd.DataFrame, seed: int = 0, frozen: dict | None = None) -> dict:
+    """Least-squares parameters of `op`'s form on rows `t` (batch, tokens, per_row, ms);
+    `frozen` parameters keep their given values."""
+    names = PARAMS[op]
+    frozen = frozen or {}
+    free = [n for n in names if n not in frozen]
+    start = {**_linear_start(op, t), **frozen}
+    B, q, L, y = (t[c].to_numpy(float) for c in ("batch", "tokens", "per_row", "ms"))
+    logy = np.log(y)
+    scale = {n: max(abs(start[n]), 1e-6) for n in free}
+    # every parameter is a scale times exp(x): positive, and fitted on a log scale
+    # (p and n_c span decades; x = 0 is the start)
+
+    def params(x):
+        return {**frozen, **{n: scale[n] * np.exp(v) for n, v in zip(free, x)}}
+
+    def resid(x):
+        return np.log(np.maximum(op_ms(op, params(x), B, q, L), 1e-12)) - logy
+
+    rng = np.random.default_rng(seed)
+    best = None
+    for i in range(_STARTS):
+        x0 = np.zeros(len(free)) if i == 0 else rng.normal(0.0, 1.0, len(free))
+        with np.errstate(all="ignore"):
+            r = least_squares(resid, x0, loss="soft_l1", f_scale=0.05, method="trf", max_nfev=400)
+        if np.all(np.isfinite(r.fun)) and (best is None or r.cost < best.cost):
+            best = r
+    if best is None:
+        raise UserError(f"fit: the {op} measurements could not be fitted (no finite solution); check the records")
+    return {n: float(v) for n, v in params(best.x).items()}
+
+
+def _holdout(t: pd.DataFrame, seed: int) -> tuple[np.ndarray, str, bool]:
+    """(held-out mask, how, whether the rest is a full grid)."""
+    keys = t[["batch", "tokens", "per_row"]].drop_duplicates()
+    sizes = [t[c].nunique() for c in ("batch", "tokens", "per_row")]
+    batches = sorted(t["batch"].unique())
+    if len(keys) == int(np.prod(sizes)) and len(batches) >= 3:
+        held = batches[1:-1:2]
+        return t["batch"].isin(held).to_numpy(), "batch sizes " + ", ".join(str(int(b)) for b in held), True
+    if len(t) >= 8:
+        mask = np.zeros(len(t), dtype=bool)
+        mask[np.random.default_rng(seed).permutation(len(t))[:max(1, len(t) // 4)]] = True
+        return mask, "a random 25% of the records", False
+    return np.zeros(len(t), dtype=bool), "none: too few points", False
+
+
+def _grid_points(t: pd.DataFrame) -> list:
+    g = t.groupby(["batch", "tokens", "per_row"], as_index=False)["ms"].median()
+    return [[float(b), float(k), float(b * L), float(ms)] for b, k, L, ms in g[["batch", "tokens", "per_row", "ms"]]
+            .itertuples(index=False)]
+
+
+def _interp_ms(op: str, points: list, t: pd.DataFrame):
+    interp = grid_interpolator(op, points, op)
+    return np.array([MeasuredCostModel._at(interp, b, k, b * L) * 1e3
+                     for b, k, L in t[["batch", "tokens", "per_row"]].itertuples(index=False)])
+
+
+def fit_op(key: str, t: pd.DataFrame, max_mape: float = DEFAULT_MAX_MAPE, seed: int = 0) -> OpFit:
+    op = key.partition(":")[0]
+    frozen = FROZEN.get(op, {}) if len(t) < 2 * len(PARAMS[op]) else {}
+    held, how, grid = _holdout(t, seed)
+    q = {"points": int(len(t)), "heldout": how, "heldout_points": int(held.sum()), "mape_train": None,
+         "mape_heldout": None, "max_ape_heldout": None, "interp_mape_heldout": None}
+    if held.any():
+        train, test = t[~held], t[held]
+        p = fit_form(op, train, seed, frozen)
+        pred = op_ms(op, p, test["batch"], test["tokens"], test["per_row"])
+        q["mape_train"] = mape(op_ms(op, p, train["batch"], train["tokens"], train["per_row"]), train["ms"])
+        q["mape_heldout"] = mape(pred, test["ms"])
+        q["max_ape_heldout"] = float(np.max(np.abs(pred - test["ms"]) / test["ms"]))
+        if grid:
+            try:
+                q["interp_mape_heldout"] = mape(_interp_ms(op, _grid_points(train), test), test["ms"])
+            except UserError:
+                pass
+    p = fit_form(op, t, seed, frozen)
+    pred = op_ms(op, p, t["batch"], t["tokens"], t["per_row"])
+    q["r2"], q["mape"] = r_squared(pred, t["ms"]), mape(pred, t["ms"])
+    used, note, points = "parametric", "", None
+    mh, mi = q["mape_heldout"], q["interp_mape_heldout"]
+    bar = f"{100 * max_mape:g}%"
+    if mh is not None and mh > max_mape:
+        if mi is not None and mi < mh:
+            try:
+                points = _grid_points(t)
+                grid_interpolator(op, points, key)
+                used = "interpolation"
+                note = (f"{key}: the form's held-out MAPE {mh:.1%} is above {bar}; interpolating over "
+                        f"the measured grid instead (held-out MAPE {mi:.1%})")
+            except UserError:
+                points = None
+        if used == "parametric":
+            why = (f"interpolation does no better ({mi:.1%})" if mi is not None
+                   else "there is no full grid to interpolate over")
+            note = f"{key}: the form's held-out MAPE {mh:.1%} is above {bar} and {why}; kept the form"
+    return OpFit(key, p, used, q, t, points, note)
+
+
+def fit_records(df: pd.DataFrame, source: dict | None = None, max_mape: float = DEFAULT_MAX_MAPE,
+                seed: int = 0) -> FitResult:
+    tables, notes = op_tables(df)
+    ops = {}
+    for key in ["verify", "prefill"] + sorted(k for k in tables if k.startswith("draft:")):
+        ops[key] = fit_op(key, tables[key], max_mape, seed)
+        if ops[key].note:
+            notes.append(ops[key].note)
+    if not any(k.startswith("draft:") for k in ops):
+        notes.append("no draft measurements: the file prices no drafter (profile with --drafter)")
+    return FitResult(ops, source or {}, max_mape, notes)
+
+
+def fit_path(path, max_mape: float = DEFAULT_MAX_MAPE, seed: int = 0) -> FitResult:
+    df, source = read_records(path)
+    return fit_records(df, source, max_mape, seed)
