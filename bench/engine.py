@@ -36,7 +36,7 @@ from _common import table, write_result  # noqa: E402
 
 from rlsched.errors import UserError  # noqa: E402
 from rlsched.executor.builtin import builtin_pair, encode  # noqa: E402
-from rlsched.executor.drafters import ModelDrafter  # noqa: E402
+from rlsched.executor.drafters import ModelDrafter, drafter_cache_len  # noqa: E402
 from rlsched.executor.engine import Request, RolloutEngine, build_policy, reserve  # noqa: E402
 from rlsched.executor.loading import load_model  # noqa: E402
 from rlsched.executor.profiler import profile  # noqa: E402
@@ -63,7 +63,8 @@ def prompts_for(n: int, seed: int, min_answer: int = 0) -> list:
 def engine_run(model, drafter, policy, reqs, max_batch, cost=None, kv_budget=None, seed=0, estimator=None):
     longest = max(map(reserve, reqs)) + 8
     gen = torch.Generator().manual_seed(seed)
-    d = None if drafter is None else ModelDrafter(drafter, SAMPLING, max_batch, longest + 16, gen)
+    cache_len = drafter_cache_len(max(len(r.prompt) for r in reqs), max(r.max_new_tokens for r in reqs), 6)
+    d = None if drafter is None else ModelDrafter(drafter, SAMPLING, max_batch, cache_len, gen)
     eng = RolloutEngine(model, d, kv_budget or max_batch * longest, max_batch, SAMPLING, policy, estimator,
                         cost=cost, k_max=6, generator=gen)
     t = time.perf_counter()

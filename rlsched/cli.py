@@ -571,6 +571,68 @@ def _run_with_progress(trainer, cfg) -> dict:
         return trainer.run(on_step)
 
 
+REPLAY_HELP = (
+    "Replay a `rlsched run` in the simulator: each RL step's rollout is rebuilt from the run's traces (prompt "
+    "and response lengths, each sample's acceptance) and its generation stage simulated with the run's policy, "
+    "batch limit and k_max; predicted against measured seconds per step (MAPE, worst step), and the predicted "
+    "speedup of the run's SD over SD off.\n\n"
+    "Step costs: --cost (a `rlsched fit` file), or fitted from the run's own step records; the executor's time "
+    "between steps is charged per step as measured in the run. --baseline RUNDIR (the same run with SD off) adds "
+    "the measured speedup beside the predicted one.\n\n"
+    "Example: rlsched replay runs/run/latest --plot replay.png"
+)
+
+
+@app.command(help=REPLAY_HELP)
+def replay(
+    rundir: Path = typer.Argument(..., metavar="RUNDIR", help="A `rlsched run` output folder."),
+    cost: Optional[Path] = typer.Option(None, "--cost", help="Cost-model file from `rlsched fit` (default: fit "
+                                        "the run's own step records)."),
+    policy: Optional[str] = typer.Option(None, "--policy", help="Replay with another drafting policy (what-if)."),
+    baseline: Optional[Path] = typer.Option(None, "--baseline", help="The same run with SD off: measured speedup."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Figure of measured and predicted time per step "
+                                        "(.png or .pdf)."),
+    as_json: bool = JsonOpt,
+):
+    from rlsched.analysis.replay import read_run, replay_figure, replay_run
+
+    if plot is not None and plot.suffix.lower() not in (".png", ".pdf"):
+        raise UserError(f"--plot {plot}: the file name must end in .png or .pdf")
+    result = replay_run(rundir, cost, policy)
+    summary = result.summary()
+    if baseline is not None:
+        _, base_rl, _, _ = read_run(baseline)
+        measured = float(base_rl["generation_s"].sum() / result.steps["measured_s"].sum())
+        summary.update(measured_sd_speedup=measured, baseline=str(baseline),
+                       speedup_error_pct=(summary["predicted_sd_speedup"] / measured - 1) * 100)
+    if plot is not None:
+        from rlsched.analysis.plots import save_figure
+
+        save_figure(replay_figure(result), plot)
+        summary["plot"] = str(plot)
+    if as_json:
+        print(json.dumps(summary, indent=2))
+        return
+    t = Table(title=f"rlsched replay {rundir}: policy={result.policy} drafter={result.drafter or 'off'}")
+    t.add_column("metric", style="bold")
+    t.add_column("value", justify="right")
+    t.add_row("RL steps", str(summary["rl_steps"]))
+    t.add_row("generation s: measured / predicted", f"{summary['measured_generation_s']:.2f} / "
+              f"{summary['predicted_generation_s']:.2f}")
+    t.add_row("per-step MAPE", f"{summary['mape_pct']:.1f}%")
+    t.add_row("worst step", f"{summary['worst_step']} ({summary['worst_error_pct']:+.1f}%)")
+    t.add_row("predicted SD speedup over off", f"{summary['predicted_sd_speedup']:.3f}x")
+    if baseline is not None:
+        t.add_row("measured SD speedup (baseline run)", f"{summary['measured_sd_speedup']:.3f}x "
+                  f"({summary['speedup_error_pct']:+.1f}% off)")
+    t.add_row("executor time between steps", f"{summary['overhead_ms_per_step']:.2f} ms per step")
+    if plot is not None:
+        t.add_row("plot", str(plot))
+    _print_unwrapped(out_console, t)
+    for note in result.notes:
+        err_console.print(f"note: {note}", highlight=False)
+
+
 def _int_list(text: str, option: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]

@@ -201,3 +201,24 @@ def test_a_too_small_model_drafter_is_refused(pair):
     e = RolloutEngine(pair[0], small, 1000, 4, GREEDY, "static:2")
     with pytest.raises(UserError, match="drafter 'model'"):
         e.run(requests(1, 8))
+
+
+def test_model_drafter_feeds_rows_apart_when_a_ragged_feed_would_overflow_its_cache(tmp_path):
+    """A fresh row's whole prompt beside a row deep in its context: padding both to the
+    prompt's length would write past the cache; the drafter feeds them one by one and drafts
+    what it drafts with room to spare (greedy, so the drafts can be compared)."""
+    from rlsched.executor.drafters import ModelDrafter, Seq
+    from rlsched.executor.sampling import GREEDY
+    from support import tiny_pair
+
+    _, drafter = tiny_pair(tmp_path / "m", vocab=50)
+    long_row, fresh = list(range(1, 41)), list(range(5, 35))
+    tight = ModelDrafter(drafter, GREEDY, max_batch=2, max_len=48)
+    roomy = ModelDrafter(drafter, GREEDY, max_batch=2, max_len=128)
+    for d in (tight, roomy):
+        d.propose([Seq(long_row[:38], 0)], 1)  # row 0 cached up to 37 tokens
+    a = [Seq(long_row, 0), Seq(fresh, 1)]
+    b = [Seq(list(long_row), 0), Seq(list(fresh), 1)]
+    tight_tokens, _, _ = tight.propose(a, 3)
+    roomy_tokens, _, _ = roomy.propose(b, 3)
+    assert tight_tokens.tolist() == roomy_tokens.tolist()

@@ -105,7 +105,9 @@ class ModelDrafter:
 
     Its cache row `seq.slot` holds a prefix of the row's tokens; each `propose` keeps the
     part that still agrees with the row (accepted drafts do), feeds the rest in one ragged
-    forward, then k - 1 one-token forwards."""
+    forward, then k - 1 one-token forwards. A ragged forward pads every row to the longest
+    feed (a fresh row's prompt), so size `max_len` for the longest context plus the longest
+    prompt (`drafter_cache_len`); rows that would not fit are fed one by one."""
 
     name = "model"
 
@@ -147,8 +149,12 @@ class ModelDrafter:
             new.append(s.tokens[c:])
         self.cache.trim(slots, torch.tensor(keep, device=dev))
         q = max(len(t) for t in new)
-        ids = torch.tensor([t + [0] * (q - len(t)) for t in new], device=dev)
-        logits = self.model(ids, self.cache, slots=slots, n_new=[len(t) for t in new], last_only=True)
+        if max(keep) + q <= self.cache.max_len:
+            ids = torch.tensor([t + [0] * (q - len(t)) for t in new], device=dev)
+            logits = self.model(ids, self.cache, slots=slots, n_new=[len(t) for t in new], last_only=True)
+        else:  # a ragged feed pads every row to the longest: row by row where that would overflow
+            logits = torch.cat([self.model(torch.tensor([t], device=dev), self.cache, slots=slots[i:i + 1],
+                                           last_only=True) for i, t in enumerate(new)])
         toks, dists = [], []
         for i in range(k):
             p = self.sampling.probs(logits[:, 0])
@@ -161,6 +167,12 @@ class ModelDrafter:
         for r, s in enumerate(rows):
             self.cached[s.slot] = (s, s.tokens + tokens[r, :k - 1].tolist(), len(s.tokens))
         return tokens.cpu(), torch.stack(dists, 1), torch.full((b,), k, dtype=torch.long)
+
+
+def drafter_cache_len(longest_prompt: int, max_new_tokens: int, k_max: int) -> int:
+    """A model drafter's cache length: a row's longest context plus a ragged feed as long as
+    the longest prompt (see ModelDrafter), plus the drafts."""
+    return 2 * longest_prompt + max_new_tokens + 2 * k_max + 8
 
 
 def make_drafter(name: str, **kwargs) -> OffDrafter | NgramDrafter | ModelDrafter:

@@ -261,7 +261,9 @@ def run(s: Setup, out: Path, log=None) -> dict:
     check_requests(requests, budget)
     gen = torch.Generator(device=a.device).manual_seed(a.seed)
     torch.manual_seed(a.seed)
-    drafter = make_drafter(s, longest + a.k_max + 8, gen)
+    from rlsched.executor.drafters import drafter_cache_len
+
+    drafter = make_drafter(s, drafter_cache_len(max(len(r.prompt) for r in requests), a.max_tokens, a.k_max), gen)
     typical = int(sum(len(r.prompt) for r in requests) / len(requests) + a.max_tokens / 2)
     policy = build_policy(a.policy, _drafter_names(s.drafter_name), cost_model(s, drafter, typical, log),
                           k_max=a.k_max, max_batch=a.max_batch, typical_ctx=typical)

@@ -92,7 +92,7 @@ class Trainer:
             if not out.is_dir():
                 raise UserError(f"--out {out} is a file; give a folder")
             if any(out.iterdir()):
-                if (out / CHECKPOINT).is_file() and not (out / SUMMARY).is_file():
+                if (out / "config.yaml").is_file() and not (out / SUMMARY).is_file():
                     raise UserError(f"--out {out} holds an unfinished run; pass --resume to continue it, "
                                     "or give another --out")
                 if not (out / SUMMARY).is_file():
@@ -207,7 +207,7 @@ class Trainer:
         return MeasuredCostModel(records), records
 
     def _make_drafter(self):
-        from rlsched.executor.drafters import ModelDrafter, NgramDrafter
+        from rlsched.executor.drafters import ModelDrafter, NgramDrafter, drafter_cache_len
 
         r = self.cfg.rollout
         if self.drafter_name == "ngram":
@@ -217,7 +217,7 @@ class Trainer:
             return drafter
         if self.drafter_name == "model":
             return ModelDrafter(self.drafter_model, self.sampling, r.max_batch,
-                                self._longest + r.max_tokens + r.k_max + 8, self.generator)
+                                drafter_cache_len(self._longest, r.max_tokens, r.k_max), self.generator)
         return None
 
     def _make_policy(self, drafter):
@@ -315,8 +315,10 @@ class Trainer:
             self.engine.cache_capacity = r.max_batch * (self._longest + r.max_tokens)
             model_drafter = self.engine.drafters.get("model")
             if model_drafter is not None:
-                model_drafter.cache = self.drafter_model.new_cache(r.max_batch, self._longest + r.max_tokens
-                                                                   + r.k_max + 8)
+                from rlsched.executor.drafters import drafter_cache_len
+
+                model_drafter.cache = self.drafter_model.new_cache(
+                    r.max_batch, drafter_cache_len(self._longest, r.max_tokens, r.k_max))
         self.generator.manual_seed(_seed(c.seed, "rollout", s))
         self.engine.rl_step = s
         t = time.perf_counter()

@@ -1,0 +1,236 @@
+"""Replay a real run in the simulator: does the simulator predict what the executor did?
+
+`replay_run(RUNDIR)` rebuilds each RL step's rollout from the run's own traces (every
+sample's prompt and response length and the engine's estimate of its per-token acceptance),
+simulates that step's generation stage on one instance with the run's batch limit, k_max and
+drafting policy, and sets the predicted time beside the measured one (`generation_s` of the
+run's `rl_steps` records).
+
+Step costs come from a `rlsched fit` file (`cost_file`) or, by default, are fitted from the
+run's own step records. The executor also spends time between steps that no step record
+covers (admitting and retiring rows, the policy's choice, trace records): the replay charges
+it as a constant per engine step, measured from the run's step records as the median gap
+between one step's end and the next one's start. The drafting policy is priced as the run
+priced it: with the run's own profile (`profile.parquet`) when the run took one, so that the
+simulated policy makes the run's choices; the simulator charges the fitted costs.
+
+No torch: analysis/ runs without the executor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import simpy
+import yaml
+
+from rlsched.errors import UserError
+from rlsched.policies.acceptance import AcceptanceEstimator
+from rlsched.traces.reader import read_trace
+
+
+@dataclass
+class ReplayResult:
+    steps: pd.DataFrame  # rl_step, measured_s, predicted_s, error (relative), predicted_off_s
+    policy: str
+    drafter: str | None
+    overhead_ms: float
+    cost: dict
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def mape(self) -> float:
+        return float(np.mean(np.abs(self.steps["error"]))) * 100
+
+    @property
+    def worst(self) -> tuple[int, float]:
+        i = int(np.argmax(np.abs(self.steps["error"].to_numpy())))
+        return int(self.steps["rl_step"].iloc[i]), float(self.steps["error"].iloc[i]) * 100
+
+    @property
+    def predicted_speedup(self) -> float:
+        """Predicted generation time with SD off over predicted time with the run's policy."""
+        return float(self.steps["predicted_off_s"].sum() / self.steps["predicted_s"].sum())
+
+    def summary(self) -> dict:
+        step, err = self.worst
+        return dict(policy=self.policy, drafter=self.drafter, rl_steps=len(self.steps), mape_pct=self.mape,
+                    worst_step=step, worst_error_pct=err,
+                    measured_generation_s=float(self.steps["measured_s"].sum()),
+                    predicted_generation_s=float(self.steps["predicted_s"].sum()),
+                    predicted_off_s=float(self.steps["predicted_off_s"].sum()),
+                    predicted_sd_speedup=self.predicted_speedup, overhead_ms_per_step=self.overhead_ms,
+                    cost=self.cost, notes=self.notes)
+
+
+class _PerStepOverhead:
+    """A cost model plus a constant per engine step (the executor's loop between steps),
+    charged with each verify (every decode step verifies) and each prefill."""
+
+    def __init__(self, cost, seconds: float):
+        self._cost, self.seconds = cost, seconds
+
+    def __getattr__(self, name):
+        return getattr(self._cost, name)
+
+    def verify_time(self, batch, q, ctx_tokens):
+        return self._cost.verify_time(batch, q, ctx_tokens) + self.seconds
+
+    def prefill_time(self, n_tokens, sum_sq_tokens=None):
+        return self._cost.prefill_time(n_tokens, sum_sq_tokens) + self.seconds
+
+
+def read_run(rundir: Path) -> tuple[dict, pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """(config, rl_steps, samples, steps) of a `rlsched run` folder, with one clear error."""
+    rundir = Path(rundir)
+    if not rundir.is_dir():
+        raise UserError(f"run folder {rundir} does not exist; give the --out folder of a `rlsched run`")
+    cfg_file = rundir / "config.yaml"
+    if not cfg_file.is_file():
+        raise UserError(f"{rundir} is not a `rlsched run` folder (no config.yaml)")
+    try:
+        cfg = yaml.safe_load(cfg_file.read_text())
+    except yaml.YAMLError as e:
+        raise UserError(f"{cfg_file} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(cfg, dict) or "rollout" not in cfg or "policy" not in cfg:
+        raise UserError(f"{cfg_file} is not a run config (no 'rollout' or 'policy')")
+    traces = rundir / "traces"
+    if not traces.is_dir():
+        raise UserError(f"{rundir} has no traces/ folder; the run wrote nothing to replay")
+    rl, samples, steps = (read_trace(traces, kind) for kind in ("rl_steps", "samples", "steps"))
+    if rl.empty:
+        raise UserError(f"{traces}: no rl_steps records; the run finished no RL step")
+    return cfg, rl, samples, steps
+
+
+def step_overhead_s(steps: pd.DataFrame) -> float:
+    """Median gap between a step record's end and the next record's start, within a rollout."""
+    gaps = []
+    for _, g in steps.sort_values(["rl_step", "time_s"]).groupby("rl_step"):
+        t, ms = g["time_s"].to_numpy(), g["step_ms"].to_numpy()
+        if len(t) > 1:
+            gaps.append(t[1:] - (t[:-1] + ms[:-1] / 1e3))
+    return float(np.median(np.concatenate(gaps))) if gaps else 0.0
+
+
+def _rollout(samples: pd.DataFrame, drafter: str | None):
+    from rlsched.sim.workload import Rollout
+
+    s = samples.sort_values("sample_id")
+    prompt_of = pd.factorize(s["prompt_id"])[0].astype(np.int64)
+    if drafter is not None:
+        col = f"acceptance_{drafter}"
+        acc = s[col].to_numpy(dtype=float)[:, None] if col in s else np.full((len(s), 1), 0.6)
+        names = (drafter,)
+    else:
+        acc, names = np.zeros((len(s), 0)), ()
+    return Rollout(prompt_of, s["prompt_len"].to_numpy(np.int64), s["response_len"].to_numpy(np.int64), acc, names)
+
+
+def _drafter_name(cfg: dict) -> str | None:
+    d = str(cfg.get("drafter", "off"))
+    return None if d in ("off", "False") else ("ngram" if d == "ngram" else "model")
+
+
+def _simulate(rollouts, policy_spec: str, drafter, sim_cost, policy_cost, run_cfg: dict, seed: int) -> list[float]:
+    """Generation-stage seconds of each rollout, one instance, the run's limits."""
+    from rlsched.config import load_config
+    from rlsched.policies.draft import PolicyContext, make_draft_policy
+    from rlsched.policies.realloc import make_realloc_policy
+    from rlsched.sim.cluster import GenerationStage
+    from rlsched.sim.timeline import Timeline
+
+    r = run_cfg["rollout"]
+    cfg = load_config("default", overrides=["cluster.instances=1", f"cluster.max_batch={r['max_batch']}",
+                                            f"speculation.k_max={r['k_max']}", "cluster.realloc=none"])
+    names = () if drafter is None else (drafter,)
+    typical = int(np.mean([ro.prompt_len.mean() for ro in rollouts]) + r["max_tokens"] / 2)
+    ctx = PolicyContext(cost=policy_cost, drafters=names, k_max=r["k_max"], max_batch=r["max_batch"],
+                        typical_ctx=typical)
+    policy = make_draft_policy(policy_spec, ctx)
+    estimator = AcceptanceEstimator(names)
+    capacity = r["max_batch"] * (max(int(ro.prompt_len.max()) for ro in rollouts) + r["max_tokens"] + r["k_max"]) * 2
+    env = simpy.Environment()
+    timeline = Timeline(enabled=False)
+    realloc = make_realloc_policy("none")
+    times: list[float] = []
+    root = np.random.SeedSequence(seed)
+
+    def run():
+        for i, ro in enumerate(rollouts):
+            stage = GenerationStage(env, cfg, sim_cost, ro, [policy], realloc, estimator, timeline, i,
+                                    root.spawn(1)[0], capacity)
+            t0 = env.now
+            yield env.process(stage.run())
+            times.append(env.now - t0)
+
+    env.process(run())
+    env.run()
+    return times
+
+
+def _costs(rundir: Path, cost_file, steps: pd.DataFrame, drafter):
+    """(the simulator's cost model, what it is, the policy's cost model)."""
+    from rlsched.analysis.costfile import FittedCostModel, load_cost_model
+    from rlsched.analysis.fit import fit_path
+    from rlsched.policies.measured import MeasuredCostModel
+
+    if cost_file is not None:
+        cost = load_cost_model(cost_file, drafters=() if drafter is None else (drafter,))
+        what = {"source": str(cost_file)}
+    else:
+        fit = fit_path(rundir)
+        cost = FittedCostModel(fit.to_json(), path=rundir)
+        what = {"source": f"fitted from {rundir}/traces", **fit.summary()}
+    profile = rundir / "profile.parquet"
+    policy_cost = MeasuredCostModel(pd.read_parquet(profile)) if profile.is_file() else cost
+    return cost, what, policy_cost
+
+
+def replay_run(rundir, cost_file=None, policy: str | None = None) -> ReplayResult:
+    """Predicted against measured generation time of every RL step of a run."""
+    rundir = Path(rundir)
+    cfg, rl, samples, steps = read_run(rundir)
+    drafter = _drafter_name(cfg)
+    spec = policy or str(cfg["policy"])
+    if spec in ("False",):
+        spec = "off"
+    cost, what, policy_cost = _costs(rundir, cost_file, steps, drafter)
+    overhead = step_overhead_s(steps)
+    sim_cost = _PerStepOverhead(cost, overhead)
+    rl = rl.sort_values("rl_step")
+    done = rl["rl_step"].tolist()
+    rollouts = [_rollout(samples[samples["rl_step"] == s], drafter) for s in done]
+    predicted = _simulate(rollouts, spec, drafter, sim_cost, policy_cost, cfg, int(cfg.get("seed", 0)))
+    predicted_off = _simulate(rollouts, "off", drafter, sim_cost, policy_cost, cfg, int(cfg.get("seed", 0)))
+    measured = rl["generation_s"].to_numpy(dtype=float)
+    df = pd.DataFrame(dict(rl_step=done, measured_s=measured, predicted_s=predicted, predicted_off_s=predicted_off))
+    df["error"] = (df["predicted_s"] - df["measured_s"]) / df["measured_s"]
+    notes = []
+    if spec != str(cfg["policy"]):
+        notes.append(f"replayed with policy {spec}; the run used {cfg['policy']}")
+    if spec.startswith("bandit"):
+        notes.append("bandit learns from measured step times: its simulated choices differ from the run's")
+    return ReplayResult(df, spec, drafter, overhead * 1e3, what, notes)
+
+
+def replay_figure(result: ReplayResult):
+    """Measured and predicted generation time per RL step, and the relative error."""
+    from rlsched.analysis.plots import Figure
+
+    df = result.steps
+    fig = Figure(figsize=(10, 3.6))
+    ax = fig.add_subplot(1, 2, 1)
+    ax.plot(df["rl_step"], df["measured_s"], marker=".", label="measured")
+    ax.plot(df["rl_step"], df["predicted_s"], marker=".", label=f"simulated ({result.policy})")
+    ax.set(xlabel="RL step", ylabel="generation stage (s)", title=f"replay: MAPE {result.mape:.1f}%")
+    ax.legend()
+    ax = fig.add_subplot(1, 2, 2)
+    ax.bar(df["rl_step"], df["error"] * 100)
+    ax.axhline(0, color="k", linewidth=0.8)
+    ax.set(xlabel="RL step", ylabel="(predicted - measured) / measured, %", title="error per step")
+    fig.tight_layout()
+    return fig

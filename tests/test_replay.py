@@ -1,0 +1,89 @@
+"""`rlsched replay`: a real run replayed in the simulator. The simulator's engine steps must
+be the executor's (closed form under a constant-cost model), and bad input is one line."""
+
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+
+from rlsched.analysis.fit import fit_path  # noqa: E402
+from rlsched.traces.reader import read_trace  # noqa: E402
+from support import ok, rlsched  # noqa: E402
+
+TINY = """
+steps: 3
+checkpoint_every: 3
+rollout: {prompts_per_step: 4, group_size: 4, max_tokens: 16, max_batch: 8, k_max: 3}
+algorithm: {minibatches: 1}
+drafter_update: {every: 0}
+"""
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from rlsched.executor.builtin import builtin_pair
+
+    builtin_pair()
+    root = tmp_path_factory.mktemp("replay")
+    (root / "run.yaml").write_text(TINY)
+    out = {}
+    for label, extra in (("sd", ["--policy", "static:2"]), ("off", ["--policy", "off", "--set", "drafter=off"])):
+        out[label] = root / label
+        ok(rlsched("run", "--config", str(root / "run.yaml"), *extra, "--out", str(out[label]), cwd=root, timeout=300))
+    return root, out
+
+
+def test_replay_reports_predicted_against_measured_per_step(runs):
+    root, out = runs
+    proc = ok(rlsched("replay", str(out["sd"]), "--baseline", str(out["off"]), "--plot", str(root / "r.png"),
+                      "--json", cwd=root))
+    s = json.loads(proc.stdout)
+    assert s["rl_steps"] == 3 and s["policy"] == "static:2" and s["drafter"] == "model"
+    assert s["predicted_generation_s"] > 0 and s["measured_generation_s"] > 0
+    assert 0 <= s["mape_pct"] < 100 and s["worst_step"] in (0, 1, 2)
+    # SD at k = 2 on 8 rows: the simulator prices the drafts and the longer verify
+    assert s["predicted_off_s"] != pytest.approx(s["predicted_generation_s"])
+    assert s["measured_sd_speedup"] > 0 and "speedup_error_pct" in s
+    assert (root / "r.png").stat().st_size > 1000
+
+
+def test_replayed_engine_steps_are_the_executors_under_constant_costs(runs, tmp_path):
+    """With every verify costing c and every prefill P, the replay of a run with SD off
+    predicts (decode steps) x (c + gap) + (prefills) x (P + gap): the simulated engine takes
+    exactly the executor's steps (same continuous batching, same lengths)."""
+    root, out = runs
+    data = fit_path(out["off"]).to_json()
+    c_ms, p_ms = 3.0, 5.0
+    data["ops"]["verify"].update(used="parametric", params=dict(t0=c_ms, s=0, a=0, m=0, p=1, r=0, c=0))
+    data["ops"]["prefill"].update(used="parametric", params=dict(t0=p_ms, a=0, c=0, g=0, n_c=0, h=1))
+    cost = tmp_path / "const.json"
+    cost.write_text(json.dumps(data))
+    s = json.loads(ok(rlsched("replay", str(out["off"]), "--cost", str(cost), "--json", cwd=root)).stdout)
+    steps = read_trace(out["off"] / "traces", "steps")
+    gap = s["overhead_ms_per_step"]
+    n_decode, n_prefill = (steps.kind == "decode").sum(), (steps.kind == "prefill").sum()
+    want = (n_decode * (c_ms + gap) + n_prefill * (p_ms + gap)) / 1e3
+    assert s["predicted_generation_s"] == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda p: p / "missing", "does not exist"),
+    (lambda p: p, "no config.yaml"),
+])
+def test_bad_run_folders_are_one_line_exit_2(tmp_path, make, message):
+    proc = rlsched("replay", str(make(tmp_path)), cwd=tmp_path)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_corrupt_traces_name_the_file(runs, tmp_path):
+    import shutil
+
+    root, out = runs
+    broken = tmp_path / "broken"
+    shutil.copytree(out["off"], broken)
+    part = sorted((broken / "traces" / "rl_steps").glob("part-*"))[0]
+    part.write_bytes(b"garbage")
+    proc = rlsched("replay", str(broken), cwd=tmp_path)
+    assert proc.returncode == 2 and part.name in proc.stderr and "Traceback" not in proc.stderr
