@@ -234,3 +234,38 @@ def replay_figure(result: ReplayResult):
     ax.set(xlabel="RL step", ylabel="(predicted - measured) / measured, %", title="error per step")
     fig.tight_layout()
     return fig
+
+
+def sim_config_from_run(rundir, cost_file=None, steps: int = 3) -> dict:
+    """A simulator config (raw, for `rlsched learn`/`compare --config`) of a run's workload:
+    one instance with the run's batch limit and k_max, its prompts x group size, the prompt and
+    response lengths it produced (empirical), the mean acceptance its drafter reached, and its
+    step costs (`cost_file`, a `rlsched fit` file). The model and hardware presets only set
+    KV capacity (given here) and the non-generation stages."""
+    cfg, rl, samples, _ = read_run(rundir)
+    r, drafter = cfg["rollout"], _drafter_name(cfg)
+    drafters = []
+    if drafter is not None:
+        col = f"acceptance_{drafter}"
+        mean = float(samples[col].mean()) if col in samples else 0.6
+        drafters.append({"name": drafter, "kind": "ngram" if drafter == "ngram" else "model",
+                         **({} if drafter == "ngram" else {"model": "qwen2.5-0.5b"}),
+                         "acceptance": {"mean": round(min(max(mean, 0.01), 0.99), 4), "prompt_concentration": 20,
+                                        "sample_concentration": 50}})
+    prompt = [int(x) for x in samples["prompt_len"]]
+    response = [max(1, int(x)) for x in samples["response_len"]]
+    out = {
+        "name": f"replay-of-{Path(rundir).name}", "hardware": "h100-sxm", "model": "qwen2.5-0.5b",
+        "drafters": drafters,
+        "workload": {"prompts": int(r["prompts_per_step"]), "samples_per_prompt": int(r["group_size"]),
+                     "prompt_len": {"dist": "empirical", "values": prompt},
+                     "response_len": {"dist": "empirical", "values": response, "max": int(r["max_tokens"])}},
+        "cluster": {"instances": 1, "max_batch": int(r["max_batch"]),
+                    "kv_capacity_tokens": int(r["max_batch"]) * (max(prompt) + int(r["max_tokens"]) + 16) * 2},
+        "speculation": {"policy": "goodput" if drafters else "off", "k_max": int(r["k_max"])},
+        "rl": {"steps": steps},
+        "seed": int(cfg.get("seed", 0)),
+    }
+    if cost_file is not None:
+        out["cost_file"] = str(cost_file)
+    return out
