@@ -495,6 +495,97 @@ def _fit_table(result, out: Path) -> Table:
     return t
 
 
+PLOT_HELP = (
+    "Draw the figures a folder's data supports, as PNG and PDF, and print the files written.\n\n"
+    "FOLDER is a `rlsched run`, `generate`, `profile`, `simulate` or `compare --out` folder. Figures: fit (the "
+    "cost-model fit of the folder's profile, or of --cost's file over the folder's steps), speedup (of each k over "
+    "plain decoding against batch size, predicted from measured step costs at the measured acceptance, and "
+    "measured from the run's own steps where they allow), acceptance (over RL steps), batch_k (batch size and "
+    "chosen k over time per instance, one RL step), stages (seconds per stage of each RL step), learning_curve "
+    "(a run's), compare (a compare folder's speedups). Those the data does not support are listed on stderr.\n\n"
+    "Example: rlsched plot runs/run/latest && rlsched plot runs/profile/builtin --out figs"
+)
+
+
+@app.command(help=PLOT_HELP)
+def plot(
+    folder: Path = typer.Argument(..., metavar="FOLDER", help="A run, generate, profile, simulate or compare output "
+                                  "folder.", show_default=False),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Folder for the figures (default FOLDER/plots)."),
+    cost: Optional[Path] = typer.Option(None, "--cost", help="A cost-model file (`rlsched fit`): draw its fit over "
+                                        "the folder's step times, and price the speedup figure with it where the "
+                                        "folder holds no profile."),
+    rl_step: Optional[int] = typer.Option(None, "--rl-step", help="The RL step of the batch-size and k figure "
+                                          "(default: the first)."),
+    acceptance: Optional[float] = typer.Option(None, "--acceptance", help="Per-token acceptance for the predicted "
+                                               "speedups (default: measured from the folder's speculative steps; "
+                                               "0.7 where it has none, e.g. a profile)."),
+    as_json: bool = JsonOpt,
+):
+    if out is not None and out.exists() and not out.is_dir():
+        raise UserError(f"--out {out}: exists and is not a folder")
+    if acceptance is not None and not 0 < acceptance < 1:
+        raise UserError(f"--acceptance must be between 0 and 1 (got {acceptance})")
+    from rlsched.analysis.figures import figures_for, load_folder, write_figures
+
+    cost_data = _read_cost(cost)
+    with err_console.status(f"drawing {folder}"):
+        data = load_folder(folder)
+        figs, skipped = figures_for(data, cost_data, cost, rl_step, acceptance)
+        if not figs:
+            raise UserError(f"'{folder}' has nothing to plot: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
+        out = out if out is not None else folder / "plots"
+        paths = write_figures(figs, out)
+    for name, why in skipped.items():
+        err_console.print(f"not drawn: {name} ({why})", highlight=False, soft_wrap=True)
+    if as_json:
+        print(json.dumps({"folder": str(folder), "kind": data.kind, "out": str(out), "files": [str(p) for p in paths],
+                          "figures": list(figs), "skipped": skipped}, indent=2))
+    else:
+        for p in paths:
+            print(p)
+
+
+def _read_cost(cost: Optional[Path]):
+    from rlsched.analysis.costfile import read_cost_file
+
+    return read_cost_file(cost) if cost is not None else None
+
+
+REPORT_HELP = (
+    "Write one self-contained HTML page of a run: its key numbers (reward first -> last, generation tokens/s, "
+    "mean accepted length, acceptance rate, stage split, policy, drafter, algorithm, steps) and every figure "
+    "`rlsched plot` draws for it, embedded as PNG (the page is one file, no scripts).\n\n"
+    "RUNDIR is a `rlsched run` folder (other folders `rlsched plot` takes work too, with their summary's numbers).\n\n"
+    "Example: rlsched report runs/run/latest --out report.html"
+)
+
+
+@app.command(help=REPORT_HELP)
+def report(
+    rundir: Path = typer.Argument(..., metavar="RUNDIR", help="A `rlsched run` output folder.", show_default=False),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="The page to write (.html; default "
+                                       "RUNDIR/report.html)."),
+    cost: Optional[Path] = typer.Option(None, "--cost", help="A cost-model file (`rlsched fit`), as for `rlsched plot`."),
+    as_json: bool = JsonOpt,
+):
+    if out is not None and (out.suffix.lower() not in (".html", ".htm") or out.is_dir()):
+        raise UserError(f"--out {out}: give a file name ending in .html")
+    from rlsched.analysis.report import build_report
+    from rlsched.traces.writer import write_text_atomic
+
+    cost_data = _read_cost(cost)
+    with err_console.status(f"writing the report of {rundir}"):
+        page, info = build_report(rundir, cost_data, cost)
+        out = out if out is not None else rundir / "report.html"
+        write_text_atomic(out, page)
+    info["out"] = str(out)
+    if as_json:
+        print(json.dumps(info, indent=2))
+    else:
+        print(f"report: {out} ({len(info['figures'])} figures: {', '.join(info['figures'])})")
+
+
 RUN_HELP = (
     "RL training (GRPO or PPO) whose rollouts use the engine's adaptive speculative decoding, with a drafter "
     "kept fresh by distillation from the actor.\n\n"

@@ -70,3 +70,27 @@ def test_fit_and_simulate_on_its_file_without_torch(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert (tmp_path / "cm.json").is_file() and (tmp_path / "fit.png").is_file()
+
+
+PLOT_NO_TORCH = """
+import sys
+sys.modules["torch"] = None  # import torch fails: plots (and reports: the same figures) must not need it
+sys.argv = ["rlsched", "plot", PROF, "--out", OUT]
+from rlsched.cli import main
+try:
+    main()
+except SystemExit as e:
+    assert not e.code, e.code
+"""
+
+
+def test_plot_of_a_profile_without_torch(tmp_path):
+    from test_fit import profile_records, write_steps
+
+    records = profile_records()
+    records = records[(records.ctx_tokens == records.batch * 64) & (records.k <= 3)]  # small: quick to fit and draw
+    prof = write_steps(tmp_path / "prof", records)
+    code = PLOT_NO_TORCH.replace("PROF", repr(str(prof))).replace("OUT", repr(str(tmp_path / "figs")))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert sorted(p.name for p in (tmp_path / "figs").iterdir()) == ["fit.pdf", "fit.png", "speedup.pdf", "speedup.png"]

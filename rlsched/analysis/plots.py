@@ -4,6 +4,7 @@ canvas, so they work without a display and inside worker processes."""
 
 from __future__ import annotations
 
+import io
 import os
 import tempfile
 from pathlib import Path
@@ -16,6 +17,7 @@ matplotlib.use("Agg")  # in case anything downstream reaches for pyplot: never a
 from matplotlib.figure import Figure  # noqa: E402
 
 FORMATS = {".png": "png", ".pdf": "pdf"}
+DPI = 120
 
 
 def save_figure(fig: Figure, path: Path) -> None:
@@ -28,11 +30,18 @@ def save_figure(fig: Figure, path: Path) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
-        fig.savefig(tmp, format=fmt, dpi=120, bbox_inches="tight")
+        fig.savefig(tmp, format=fmt, dpi=DPI, bbox_inches="tight")
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def figure_png(fig: Figure) -> bytes:
+    """The figure as PNG bytes (as save_figure writes it), e.g. to embed in a page."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=DPI, bbox_inches="tight")
+    return buf.getvalue()
 
 
 def compare_figure(report: dict, traces: list[dict]) -> Figure:
@@ -97,37 +106,60 @@ def plot_compare(report: dict, traces: list[dict], path: Path) -> None:
     save_figure(compare_figure(report, traces), path)
 
 
-def run_figure(rl_steps) -> Figure:
-    """An RL run's learning curve: (a) mean reward per RL step (band: +-1 standard error),
-    (b) mean accepted length and acceptance rate of the drafter (drift and recovery), (c)
-    seconds per stage of each RL step, stacked."""
-    df = rl_steps.sort_values("rl_step")
+STAGES = ("generation", "inference", "training", "drafter_update")
+
+
+def reward_panel(ax, df) -> None:
+    """Mean reward per RL step of `df` (rl_steps records, sorted), band: +-1 standard error."""
     x = df["rl_step"].to_numpy()
-    fig = Figure(figsize=(12, 3.6))
-    ax = fig.add_subplot(1, 3, 1)
     mean = df["reward_mean"].to_numpy()
     sem = df["reward_std"].to_numpy() / np.sqrt(np.maximum(df["samples"].to_numpy(), 1))
     ax.plot(x, mean, marker=".", label="reward (mean)")
     ax.fill_between(x, mean - sem, mean + sem, alpha=0.25, label="+-1 standard error")
     ax.set(xlabel="RL step", ylabel="reward", title="reward")
     ax.legend(fontsize="small")
-    ax = fig.add_subplot(1, 3, 2)
+
+
+def speculation_panel(ax, df, estimates: bool = False, legend: dict | None = None) -> None:
+    """Mean accepted length (tokens per SD step, left axis) and acceptance rate (accepted /
+    drafted, right axis) per RL step of `df` (rl_step, mean_accept_len, accept_rate, sorted);
+    with `estimates`, also every accept_mean_<drafter> column (per-token acceptance) on the
+    right axis, dashed. `legend`: the legend's placement (default upper left, inside)."""
+    x = df["rl_step"].to_numpy()
     lines = ax.plot(x, df["mean_accept_len"], marker=".", label="tokens per SD step")
     ax.set(xlabel="RL step", ylabel="tokens per SD step", title="speculation")
-    if df["accept_rate"].notna().any():
+    extra = [c for c in df.columns if c.startswith("accept_mean_")] if estimates else []
+    if df["accept_rate"].notna().any() or extra:
         twin = ax.twinx()
         lines += twin.plot(x, df["accept_rate"], color="C1", marker=".", label="acceptance rate")
+        for i, col in enumerate(extra):
+            lines += twin.plot(x, df[col], color=f"C{2 + i}", ls="--", marker=".",
+                               label=f"per-token acceptance, {col.removeprefix('accept_mean_')} (estimate)")
         twin.set_ylabel("acceptance rate (accepted / drafted)")
         twin.set_ylim(0, 1)
-    ax.legend(lines, [ln.get_label() for ln in lines], fontsize="small", loc="upper left")
-    ax = fig.add_subplot(1, 3, 3)
+    ax.legend(lines, [ln.get_label() for ln in lines], fontsize="small", **(legend or {"loc": "upper left"}))
+
+
+def stage_panel(ax, df, legend: dict | None = None) -> None:
+    """Seconds per stage of each RL step of `df` (rl_steps records, sorted), stacked bars."""
+    x = df["rl_step"].to_numpy()
     bottom = 0 * x.astype(float)
-    for stage in ("generation", "inference", "training", "drafter_update"):
+    for stage in STAGES:
         v = df[f"{stage}_s"].to_numpy()
         ax.bar(x, v, bottom=bottom, label=stage)
         bottom = bottom + v
     ax.set(xlabel="RL step", ylabel="seconds", title="time per stage")
-    ax.legend(fontsize="small")
+    ax.legend(fontsize="small", **(legend or {}))
+
+
+def run_figure(rl_steps) -> Figure:
+    """An RL run's learning curve: (a) mean reward per RL step (band: +-1 standard error),
+    (b) mean accepted length and acceptance rate of the drafter (drift and recovery), (c)
+    seconds per stage of each RL step, stacked."""
+    df = rl_steps.sort_values("rl_step")
+    fig = Figure(figsize=(12, 3.6))
+    for i, panel in enumerate((reward_panel, speculation_panel, stage_panel)):
+        panel(fig.add_subplot(1, 3, i + 1), df)
     fig.tight_layout()
     return fig
 

@@ -1,0 +1,496 @@
+"""The figures people read, from whatever a folder holds: a `rlsched run`, `generate`, `profile`
+or `simulate` output folder (and a `compare --out` folder). Headless and torch-free (plots.py).
+
+Figures (each a function returning a `matplotlib.figure.Figure`; `figures_for` picks those the
+folder's data supports and says why it left the others out):
+
+- fit: the cost-model fit (analysis/fit_plot.py's figure) of the folder's profile (a profile
+  folder, or the profile a `run` took for its policy: profile.parquet), or, with a cost-model
+  file, that file's fitted forms against the folder's measured step times;
+- speedup: per-step speedup of each draft length k over plain decoding against batch size
+  (`speedup_figure`: predicted from measured step costs, plus the run's measured ratio where
+  its steps allow one);
+- acceptance: acceptance rate and mean accepted length over RL steps;
+- batch_k: batch size and chosen k over time, one panel per instance, in one RL step;
+- stages: seconds per stage of each RL step (generation, inference, training, drafter update);
+- learning_curve: a run's reward, speculation and stages side by side (plots.run_figure);
+- compare: a `compare --out` folder's speedups (plots.compare_figure).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from rlsched.analysis.plots import (Figure, compare_figure, run_figure, save_figure, speculation_panel,
+                                    stage_panel)
+from rlsched.errors import UserError
+from rlsched.traces.reader import read_trace
+from rlsched.traces.schema import STEP_SCHEMA
+
+ORDER = ("fit", "speedup", "acceptance", "batch_k", "stages", "learning_curve", "compare")
+MAX_PANELS = 8  # instances drawn in the batch/k figure
+ASSUMED_ACCEPTANCE = 0.7
+BELOW = {"loc": "upper center", "bbox_to_anchor": (0.5, -0.16), "ncol": 4}  # a legend under the axes
+
+
+@dataclass
+class FolderData:
+    """What a folder holds that the figures draw on; None where it holds nothing of that kind."""
+
+    path: Path
+    kind: str  # run | generate | profile | simulate | compare
+    steps: pd.DataFrame | None = None  # engine step records (kind decode | prefill)
+    rl_steps: pd.DataFrame | None = None
+    profile: pd.DataFrame | None = None  # step-cost records (kind verify | draft | prefill)
+    profile_path: Path | None = None
+    summary: dict | None = None
+    config: dict | None = None
+    compare: dict | None = None
+
+
+def _json(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"'{path}' is not valid JSON ({e}); re-run the command that wrote it") from None
+    if not isinstance(data, dict):
+        raise UserError(f"'{path}' does not hold a JSON object; re-run the command that wrote it")
+    return data
+
+
+def _yaml(path: Path) -> dict | None:
+    import yaml
+
+    if not path.is_file():
+        return None
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise UserError(f"'{path}' is not valid YAML ({str(e).splitlines()[0]})") from None
+    return data if isinstance(data, dict) else None
+
+
+def _profile_records(path: Path) -> pd.DataFrame:
+    """A run's profile.parquet (step-cost records written without the trace metadata)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        df = pq.read_table(path).to_pandas()
+    except (pa.ArrowInvalid, OSError) as e:
+        raise UserError(f"profile file '{path}' is corrupt or truncated ({str(e).splitlines()[0]}); delete it "
+                        "or re-run") from None
+    missing = [n for n in STEP_SCHEMA.names if n not in df.columns]
+    if missing:
+        raise UserError(f"profile file '{path}' lacks columns {', '.join(missing)}")
+    return df
+
+
+def _nonempty(df: pd.DataFrame | None) -> pd.DataFrame | None:
+    return df if df is not None and len(df) else None
+
+
+def load_folder(path) -> FolderData:
+    """Read a run, generate, profile, simulate or compare output folder. A missing folder, one
+    holding nothing to plot, and a corrupt or mismatched file are one UserError naming it."""
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"'{path}' does not exist; give a run, generate, profile or simulate output folder")
+    if not path.is_dir():
+        raise UserError(f"'{path}' is not a folder; give a run, generate, profile or simulate output folder")
+    d = FolderData(path, "unknown", summary=_json(path / "summary.json"))
+    traces = path / "traces"
+    if (path / "compare.json").is_file():
+        d.kind, d.compare = "compare", _json(path / "compare.json")
+        if not {"aggregate", "policies", "realloc", "seeds", "name"} <= set(d.compare):
+            raise UserError(f"'{path / 'compare.json'}' is not a `rlsched compare` report (it lacks aggregate, "
+                            "policies, realloc, seeds or name)")
+        return d
+    if (path / "timeline.parquet").is_file() or (path / "rl_steps.parquet").is_file():
+        d.kind = "simulate"
+        if (path / "timeline.parquet").is_file():
+            d.steps = _nonempty(read_trace(path / "timeline.parquet", "steps"))
+        if (path / "rl_steps.parquet").is_file():
+            d.rl_steps = _nonempty(read_trace(path / "rl_steps.parquet", "rl_steps"))
+        d.config = _yaml(path / "config.yaml")
+    elif (traces / "steps").is_dir() or (traces / "rl_steps").is_dir():
+        steps = read_trace(traces, "steps") if (traces / "steps").is_dir() else None
+        if (path / "profile.json").is_file() or (steps is not None and set(steps["kind"]) & {"verify", "draft"}):
+            d.kind, d.profile, d.profile_path = "profile", _nonempty(steps), path
+        else:
+            d.steps = _nonempty(steps)
+            d.rl_steps = _nonempty(read_trace(traces, "rl_steps")) if (traces / "rl_steps").is_dir() else None
+            d.kind = "run" if d.rl_steps is not None or (path / "rollouts").is_dir() else "generate"
+            d.config = _yaml(path / "config.yaml")
+            if (path / "profile.parquet").is_file():
+                d.profile, d.profile_path = _nonempty(_profile_records(path / "profile.parquet")), path / "profile.parquet"
+            elif d.config and isinstance(d.config.get("cost_model"), str) and d.config["cost_model"] != "auto":
+                prof = Path(d.config["cost_model"])
+                if (prof / "traces" / "steps").is_dir():
+                    d.profile, d.profile_path = _nonempty(read_trace(prof / "traces", "steps")), prof
+    if d.steps is None and d.rl_steps is None and d.profile is None:
+        what = "its traces hold no records" if traces.is_dir() or d.kind == "simulate" else "no traces"
+        raise UserError(f"'{path}' has nothing to plot ({what}: no traces/steps, traces/rl_steps, timeline.parquet, "
+                        "rl_steps.parquet, compare.json or profile); give a run, generate, profile or simulate output "
+                        "folder")
+    return d
+
+
+# ----------------------------------------------------------------------------- numbers
+
+def _sd_uniform(steps: pd.DataFrame) -> pd.DataFrame:
+    """Decode steps that drafted k for every row (a row capped near its budget, or per-row
+    lengths, leave the step's shape unknown)."""
+    dec = steps[(steps["kind"] == "decode") & (steps["k"] > 0) & (steps["batch"] > 0)]
+    return dec[dec["drafted"] == dec["batch"] * dec["k"] * dec["width"].clip(lower=1)]
+
+
+def chain_acceptance(steps: pd.DataFrame | None) -> float | None:
+    """The per-token acceptance `a` of chain drafting that explains the folder's speculative
+    steps: sum over steps of batch x (a + a^2 + ... + a^k) = accepted (bisection); None
+    without such steps."""
+    if steps is None:
+        return None
+    sd = _sd_uniform(steps)
+    if sd.empty or sd["drafted"].sum() == 0:
+        return None
+    accepted = float(sd["accepted"].sum())
+    rows = sd.groupby("k")["batch"].sum()
+    ks, n = rows.index.to_numpy(float), rows.to_numpy(float)
+    expected = lambda a: float((n * a * (1 - a ** ks) / (1 - a)).sum())  # noqa: E731
+    lo, hi = 0.0, 1.0 - 1e-9
+    if accepted >= expected(hi):
+        return hi
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected(mid) < accepted else (lo, mid)
+    return (lo + hi) / 2
+
+
+def expected_tokens(a: float, k) -> np.ndarray:
+    """Tokens per row of a chain-drafting step of length k at per-token acceptance a:
+    (1 - a^(k+1)) / (1 - a), the accepted drafts plus the target's own token."""
+    k = np.asarray(k, dtype=float)
+    return k + 1 if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
+
+
+def per_step_acceptance(d: FolderData) -> pd.DataFrame | None:
+    """rl_step, mean_accept_len (tokens per SD step per row), accept_rate (accepted / drafted)
+    and any accept_mean_<drafter> per RL step: a run's own rl_steps records, or (simulator)
+    derived from its step records the way the executor counts them."""
+    rl = d.rl_steps
+    if rl is not None and {"mean_accept_len", "accept_rate"} <= set(rl.columns):
+        return rl.sort_values("rl_step")
+    if d.steps is None:
+        return None
+    sd = d.steps[(d.steps["kind"] == "decode") & (d.steps["k"] > 0)]
+    if sd.empty:
+        return None
+    g = sd.groupby("rl_step")[["emitted", "batch", "accepted", "drafted"]].sum()
+    out = pd.DataFrame({"rl_step": g.index.to_numpy(), "mean_accept_len": (g["emitted"] / g["batch"]).to_numpy(),
+                        "accept_rate": (g["accepted"] / g["drafted"].where(g["drafted"] > 0)).to_numpy()})
+    if rl is not None:
+        extra = [c for c in rl.columns if c.startswith("accept_mean_")]
+        out = out.merge(rl[["rl_step", *extra]], on="rl_step", how="left")
+    return out.sort_values("rl_step").reset_index(drop=True)
+
+
+# ----------------------------------------------------------------------------- figures
+
+def fit_result_for(d: FolderData, cost: dict | None = None, cost_path: Path | None = None):
+    """A FitResult for fit_plot.fit_figure: the fit of the folder's profile, or (with a
+    cost-model file's data) that file's forms over the folder's measured step times, their
+    R^2 and MAPE on those points (no held-out check: the file was fitted elsewhere)."""
+    from rlsched.analysis.fit import OpFit, FitResult, fit_records, mape, op_tables, r_squared
+
+    records = d.profile if d.profile is not None else d.steps
+    if records is None:
+        raise UserError(f"'{d.path}' holds no measured step times to draw a fit against")
+    if cost is None:
+        return fit_records(records, {"path": str(d.profile_path), "kind": "profile"})
+    tables, notes = op_tables(records)
+    entries = {"verify": cost["ops"]["verify"], "prefill": cost["ops"]["prefill"],
+               **{f"draft:{k}": v for k, v in cost["ops"]["draft"].items()}}
+    ops = {}
+    for key, entry in entries.items():
+        t = tables.get(key)
+        if t is None:
+            continue
+        op = OpFit(key, {k: float(v) for k, v in entry["params"].items()}, entry["used"], {}, t)
+        pred = op.predict_ms(t["batch"], t["tokens"], t["per_row"])
+        op.quality = {"r2": r_squared(pred, t["ms"]), "mape": mape(pred, t["ms"]), "mape_heldout": None}
+        ops[key] = op
+    src = d.profile_path if d.profile is not None else d.path / "traces" / "steps"
+    return FitResult(ops, {"path": f"{cost_path} over {src}"}, cost.get("max_mape", 0.05), notes)
+
+
+def fit_figure_for(d: FolderData, cost: dict | None = None, cost_path: Path | None = None) -> Figure:
+    """The cost-model fit figure (fit_plot.fit_figure) of `fit_result_for`."""
+    from rlsched.analysis.fit_plot import fit_figure
+
+    return fit_figure(fit_result_for(d, cost, cost_path))
+
+
+def predicted_speedup(profile: pd.DataFrame, a: float, per_row: float | None = None,
+                      drafter: str | None = None) -> tuple[pd.DataFrame, float, str]:
+    """Per (batch, k >= 1): verify(B, 0) / (verify(B, k) + draft(B, k)) x expected tokens per
+    row at acceptance `a`, from measured step costs (profile records) at the profiled context
+    per row nearest `per_row` (default: the median one). Returns (batch, k, speedup), that
+    context and the drafter."""
+    p = profile[profile["batch"] > 0].assign(per_row=lambda x: (x["ctx_tokens"] / x["batch"]).round())
+    v = p[p["kind"] == "verify"]
+    dr = p[p["kind"] == "draft"]
+    if v.empty or dr.empty or not (v["k"] == 0).any():
+        raise UserError("the profile holds no verify times at k = 0 and draft times to price speculation with")
+    names = sorted(dr["drafter"].unique())
+    drafter = drafter if drafter in names else names[0]
+    dr = dr[dr["drafter"] == drafter]
+    ctxs = np.array(sorted(set(v["per_row"]) & set(dr["per_row"])))
+    if not len(ctxs):
+        raise UserError("the profile's verify and draft times share no context length")
+    ctx = float(ctxs[np.abs(ctxs - (per_row if per_row is not None else np.median(ctxs))).argmin()])
+    vt = v[v["per_row"] == ctx].groupby(["batch", "k"])["verify_ms"].median()
+    dt = dr[dr["per_row"] == ctx].groupby(["batch", "k"])["draft_ms"].median()
+    rows = []
+    for (b, k), draft in dt.items():
+        if k > 0 and (b, k) in vt.index and (b, 0) in vt.index:
+            rows.append((int(b), int(k), float(expected_tokens(a, k) * vt[(b, 0)] / (vt[(b, k)] + draft))))
+    return pd.DataFrame(rows, columns=["batch", "k", "speedup"]), ctx, drafter
+
+
+def cost_model_speedup(cost: dict, cost_path: Path, a: float, batches, per_row: float,
+                       drafter: str | None = None) -> tuple[pd.DataFrame, str]:
+    """As `predicted_speedup`, priced by a fitted cost-model file at k = 1..6."""
+    from rlsched.analysis.costfile import FittedCostModel
+
+    m = FittedCostModel(cost, path=cost_path)
+    if not m.drafters:
+        raise UserError(f"cost model file '{cost_path}' prices no drafter")
+    drafter = drafter if drafter in m.drafters else m.drafters[0]
+    rows = []
+    for b in batches:
+        plain = m.verify_time(b, 1, b * per_row)
+        for k in range(1, 7):
+            t = m.verify_time(b, k + 1, b * per_row) + m.draft_time(drafter, b, k, b * per_row)
+            rows.append((int(b), k, float(expected_tokens(a, k) * plain / t)))
+    return pd.DataFrame(rows, columns=["batch", "k", "speedup"]), drafter
+
+
+def measured_speedup(steps: pd.DataFrame | None, min_steps: int = 3) -> pd.DataFrame | None:
+    """From decode step records: per batch-size bucket (powers of two) and k, tokens per row per
+    second of the steps with that k over those with k = 0 in the same bucket (sums of tokens
+    per row over sums of step time, buckets with at least `min_steps` of each). An adaptive
+    policy chooses k by batch size, so few buckets hold both; None where none does."""
+    if steps is None:
+        return None
+    dec = steps[(steps["kind"] == "decode") & (steps["batch"] > 0) & (steps["step_ms"] > 0)]
+    if dec.empty:
+        return None
+    dec = dec.assign(bucket=2 ** np.floor(np.log2(dec["batch"])).astype(int), per_row=dec["emitted"] / dec["batch"])
+    g = dec.groupby(["bucket", "k"]).agg(n=("per_row", "size"), tok=("per_row", "sum"), ms=("step_ms", "sum"))
+    g = g[g["n"] >= min_steps]
+    rate = (g["tok"] / g["ms"]).rename("rate").reset_index()
+    plain = rate[rate["k"] == 0].set_index("bucket")["rate"]
+    sd = rate[(rate["k"] > 0) & rate["bucket"].isin(plain.index)]
+    if sd.empty:
+        return None
+    return pd.DataFrame({"batch": sd["bucket"].to_numpy(), "k": sd["k"].to_numpy(),
+                         "speedup": (sd["rate"] / plain.loc[sd["bucket"]].to_numpy()).to_numpy()})
+
+
+def speedup_figure(predicted: pd.DataFrame | None, measured: pd.DataFrame | None, title: str = "",
+                   measured_title: str = "") -> Figure:
+    """Speedup of each draft length k over plain decoding against batch size, one line per k.
+
+    Left panel, `predicted`: per-step speedup from measured step costs (a profile's verify and
+    draft times, or a fitted cost-model file) at an acceptance rate, expected tokens per row
+    (1 - a^(k+1)) / (1 - a) x plain step time / (verify + draft time). This is the panel to read:
+    every (batch, k) is timed on the same inputs side by side, so the ratio is clean, and it
+    covers every k at every batch size. Right panel, `measured` (drawn only where a run's own
+    decode steps give it): tokens per row per second of steps with k over steps with k = 0 in
+    the same batch-size bucket. It checks the prediction, but it is observational: an adaptive
+    policy picks k by batch size, so the buckets that hold both are few, and their steps differ
+    in context length and timing noise."""
+    panels = [x for x in (predicted, measured) if x is not None]
+    if not panels:
+        raise ValueError("speedup_figure needs predicted or measured speedups")
+    fig = Figure(figsize=(6.2 * len(panels), 4.2), layout="constrained")
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    for ax, df, t, style in zip(axes, panels, [title if predicted is not None else measured_title, measured_title],
+                                ["-", ":"] if predicted is not None else [":"]):
+        for k, g in df.sort_values(["k", "batch"]).groupby("k"):
+            ax.plot(g["batch"], g["speedup"], marker="o", ms=3.5, ls=style, color=f"C{(int(k) - 1) % 10}",
+                    label=f"k={int(k)}")
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set(xlabel="batch size (rows)", ylabel="speedup over plain decoding (x)")
+        ax.set_title(t, fontsize=9)
+        ax.legend(fontsize="x-small", ncol=2)
+    return fig
+
+
+def acceptance_figure(per_step: pd.DataFrame) -> Figure:
+    """Mean accepted length (tokens per SD step per row) and acceptance rate (accepted / drafted)
+    over RL steps, with the drafters' per-token acceptance estimates (accept_mean_<drafter>)
+    where recorded: the drafter's drift as the policy trains away from it, and its recovery
+    after each update (plots.speculation_panel)."""
+    fig = Figure(figsize=(8, 4.4), layout="constrained")
+    speculation_panel(fig.add_subplot(1, 1, 1), per_step.sort_values("rl_step"), estimates=True, legend=BELOW)
+    fig.axes[0].set_title("acceptance over RL steps")
+    return fig
+
+
+def stage_figure(rl_steps: pd.DataFrame) -> Figure:
+    """Seconds per stage of each RL step, stacked: generation, inference, training, drafter
+    update (plots.stage_panel)."""
+    fig = Figure(figsize=(max(6.0, min(14.0, 0.18 * len(rl_steps) + 4)), 4), layout="constrained")
+    stage_panel(fig.add_subplot(1, 1, 1), rl_steps.sort_values("rl_step"), legend=BELOW)
+    fig.axes[0].set_title("time per stage of each RL step")
+    return fig
+
+
+def batch_k_figure(steps: pd.DataFrame, rl_step: int | None = None) -> Figure:
+    """Batch size (left axis) and chosen draft length k (right axis, 0 = off) of every decode
+    step over time since the RL step's rollout began, one panel per instance (the first
+    MAX_PANELS), in RL step `rl_step` (default: the first)."""
+    dec = steps[steps["kind"] == "decode"]
+    if dec.empty:
+        raise UserError("no decode steps to draw batch size and k from")
+    have = sorted(int(s) for s in dec["rl_step"].unique())
+    if rl_step is None:
+        rl_step = have[0]
+    elif rl_step not in have:
+        raise UserError(f"--rl-step {rl_step}: the step records hold RL steps {have[0]}..{have[-1]}")
+    one = dec[dec["rl_step"] == rl_step].sort_values(["instance", "time_s", "step"])
+    start = float(steps.loc[steps["rl_step"] == rl_step, "time_s"].min())
+    instances = sorted(int(i) for i in one["instance"].unique())
+    shown = instances[:MAX_PANELS]
+    fig = Figure(figsize=(8, 2.3 * len(shown) + 0.6), layout="constrained")
+    axes = fig.subplots(len(shown), 1, squeeze=False, sharex=True)[:, 0]
+    kmax = int(one["k"].max())
+    for ax, inst in zip(axes, shown):
+        g = one[one["instance"] == inst]
+        t = g["time_s"].to_numpy(float) - start
+        lines = ax.step(t, g["batch"].to_numpy(), where="post", color="C0", lw=1.2, label="batch size")
+        ax.set_ylabel("batch size")
+        ax.set_ylim(bottom=0)
+        twin = ax.twinx()
+        lines += twin.step(t, g["k"].to_numpy(), where="post", color="C1", lw=1.0, label="k (0 = off)")
+        twin.set_ylabel("draft length k")
+        twin.set_ylim(-0.3, kmax + 0.5)
+        twin.yaxis.get_major_locator().set_params(integer=True)
+        ax.set_title(f"instance {inst}", fontsize=9, loc="left")
+        ax.legend(lines, [ln.get_label() for ln in lines], fontsize="x-small", loc="upper right")
+    axes[-1].set_xlabel("time since the rollout began (s)")
+    more = f" (first {len(shown)} of {len(instances)} instances)" if len(instances) > len(shown) else ""
+    fig.suptitle(f"RL step {rl_step}: batch size and chosen k per decode step{more}", fontsize=10)
+    return fig
+
+
+# ----------------------------------------------------------------------------- the folder's figures
+
+def _drafter(d: FolderData) -> str | None:
+    """The drafter of most of the folder's speculative steps (else the summary's)."""
+    if d.steps is not None:
+        used = d.steps.loc[(d.steps["k"] > 0) & (d.steps["drafter"] != "off"), "drafter"].dropna()
+        if len(used):
+            return str(used.value_counts().index[0])
+    return (d.summary or {}).get("drafter")
+
+
+def _per_row(steps: pd.DataFrame | None) -> float | None:
+    if steps is None:
+        return None
+    dec = steps[(steps["kind"] == "decode") & (steps["batch"] > 0)]
+    return float((dec["ctx_tokens"] / dec["batch"]).median()) if len(dec) else None
+
+
+def _speedup(d: FolderData, cost: dict | None, cost_path: Path | None, acceptance: float | None):
+    measured_a = chain_acceptance(d.steps)
+    a = acceptance if acceptance is not None else measured_a
+    how = ("given" if acceptance is not None else "measured in this folder's SD steps" if measured_a is not None
+           else "assumed; --acceptance sets it")
+    a = ASSUMED_ACCEPTANCE if a is None else a
+    drafter, per_row = _drafter(d), _per_row(d.steps)
+    predicted, title, why = None, "", ""
+    if d.profile is not None:
+        try:
+            predicted, ctx, drafter = predicted_speedup(d.profile, a, per_row, drafter)
+            title = (f"predicted from measured step costs ({d.profile_path.name}), context {ctx:g} per row, "
+                     f"drafter {drafter}\nper-token acceptance {a:.2f} ({how})")
+        except UserError as e:
+            why = f"{d.profile_path}: {e}; "
+    if predicted is None and cost is not None:
+        ctx = per_row if per_row is not None else 128.0
+        top = int(d.steps["batch"].max()) if d.steps is not None else 256
+        batches = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b <= max(top, 1)] or [1]
+        predicted, drafter = cost_model_speedup(cost, cost_path, a, batches, ctx, drafter)
+        title = (f"predicted by {cost_path.name}, context {ctx:g} per row, drafter {drafter}\n"
+                 f"per-token acceptance {a:.2f} ({how})")
+    measured = measured_speedup(d.steps)
+    if predicted is not None and predicted.empty:
+        predicted = None
+    if predicted is None and measured is None:
+        return None, (why or "no step costs to predict from (no profile; --cost gives a cost-model file); ") + (
+            "no batch-size bucket with both plain and speculative decode steps")
+    mtitle = ("measured: tokens per row per second of decode steps with k over k = 0\n"
+              "in the same batch-size bucket (at least 3 steps each)")
+    return speedup_figure(predicted, measured, title, mtitle), None
+
+
+def figures_for(d: FolderData, cost: dict | None = None, cost_path: Path | None = None,
+                rl_step: int | None = None, acceptance: float | None = None) -> tuple[dict, dict]:
+    """({name: Figure} of every figure the folder's data supports, {name: why not} of the rest)."""
+    figs, skipped = {}, {}
+    if d.kind == "compare":
+        return {"compare": compare_figure(d.compare, [])}, {}
+    if d.profile is not None or cost is not None:
+        try:
+            figs["fit"] = fit_figure_for(d, cost, cost_path)
+        except UserError as e:
+            skipped["fit"] = str(e)
+    else:
+        skipped["fit"] = "no profile in the folder (give a cost-model file with --cost to draw one against its steps)"
+    try:
+        fig, why = _speedup(d, cost, cost_path, acceptance)
+    except UserError as e:
+        fig, why = None, str(e)
+    if fig is not None:
+        figs["speedup"] = fig
+    else:
+        skipped["speedup"] = why
+    per_step = per_step_acceptance(d)
+    if per_step is not None and d.kind in ("run", "simulate"):
+        figs["acceptance"] = acceptance_figure(per_step)
+    else:
+        skipped["acceptance"] = "no RL steps with speculative decode steps"
+    if d.steps is not None and (d.steps["kind"] == "decode").any():
+        figs["batch_k"] = batch_k_figure(d.steps, rl_step)
+    else:
+        skipped["batch_k"] = "no decode step records"
+    if d.rl_steps is not None:
+        figs["stages"] = stage_figure(d.rl_steps)
+    else:
+        skipped["stages"] = "no RL step records"
+    if d.rl_steps is not None and {"reward_mean", "reward_std", "samples", "mean_accept_len",
+                                   "accept_rate"} <= set(d.rl_steps.columns):
+        figs["learning_curve"] = run_figure(d.rl_steps)
+    return {k: figs[k] for k in ORDER if k in figs}, skipped
+
+
+def write_figures(figs: dict, out: Path) -> list[Path]:
+    """Each figure as NAME.png and NAME.pdf under `out` (each file atomically)."""
+    paths = []
+    for name, fig in figs.items():
+        for suffix in (".png", ".pdf"):
+            p = Path(out) / f"{name}{suffix}"
+            save_figure(fig, p)
+            paths.append(p)
+    return paths
