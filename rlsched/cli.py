@@ -724,6 +724,45 @@ def replay(
         err_console.print(f"note: {note}", highlight=False)
 
 
+IMPORT_VLLM_HELP = (
+    "Import vLLM's speculative-decoding metrics as step traces that `rlsched fit DIR` reads.\n\n"
+    "METRICS is a sequence of vLLM metric snapshots: LLM.get_metrics() as JSON (bench/peers/vllm_spec_metrics.py "
+    "writes one after each generate call) or Prometheus text from /metrics (scrapes separated by '# rlsched-snapshot "
+    "{...}' lines). Each interval between snapshots becomes a decode record (counter deltas; plain engines also a "
+    "prefill record) in DIR/traces/steps/, and DIR/vllm.json holds the intervals, acceptance per draft position and "
+    "what is exact and what approximate. vLLM does not separate draft time from verify time: fit prices verify from "
+    "the plain (k = 0) steps and prefill, and no drafter (rlsched/traces/vllm_metrics.py says more)."
+)
+
+
+@app.command("import-vllm", help=IMPORT_VLLM_HELP)
+def import_vllm(
+    metrics: Path = typer.Argument(..., metavar="METRICS", help="METRICS.json or Prometheus text (.prom).",
+                                   show_default=False),
+    out: Path = typer.Option(..., "--out", "-o", help="Output folder (traces/steps/ and vllm.json)."),
+    k: Optional[int] = typer.Option(None, "--k", help="Draft length (num_speculative_tokens) where the file does "
+                                    "not say it."),
+    drafter: Optional[str] = typer.Option(None, "--drafter", help="Drafter name of the speculative records "
+                                          "(default: the file's, else 'vllm')."),
+    as_json: bool = JsonOpt,
+):
+    from rlsched.traces.vllm_metrics import import_vllm as run_import, report
+
+    summary = run_import(metrics, out, k, drafter)
+    if as_json:
+        print(json.dumps(summary, indent=2))
+        return
+    cols, rows, lines = report(summary)
+    t = Table(title=f"rlsched import-vllm: {metrics} -> {out}")
+    for c in cols:
+        t.add_column(c, justify="left" if c in ("interval", "drafter") else "right")
+    for r in rows:
+        t.add_row(*r)
+    _print_unwrapped(out_console, t)
+    for line in lines:
+        out_console.print(line, highlight=False, soft_wrap=True)
+
+
 def _int_list(text: str, option: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
