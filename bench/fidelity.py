@@ -7,7 +7,7 @@ fitted from its own step records). Reported: per-step MAPE and the worst step of
 replay, and the predicted SD speedup of the generation stage (the SD run replayed with its
 policy and with `off`) beside the measured one (off run over SD run, same seed).
 
-Run: python bench/fidelity.py [--seeds 2] [--steps 40]. Results: bench/results/fidelity.{json,txt,png}.
+Run: python bench/fidelity.py [--seeds 2] [--steps 40] [--work DIR]. Results: bench/results/fidelity.{json,txt,png}.
 """
 
 from __future__ import annotations
@@ -33,15 +33,20 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--set", dest="sets", action="append", default=[])
     ap.add_argument("--name", default="fidelity")
+    ap.add_argument("--work", type=Path, default=None, help="keep the runs here; finished runs found there are "
+                    "replayed again, not re-run")
     args = ap.parse_args()
     rows, out = [], []
     with tempfile.TemporaryDirectory() as tmp:
+        root = args.work or Path(tmp)
         for seed in range(args.seeds):
             dirs = {}
             for label, over in (("sd", []), ("off", ["policy=off", "drafter=off"])):
+                dirs[label] = root / f"{label}-{seed}"
+                if (dirs[label] / "summary.json").is_file():
+                    continue
                 print(f"seed {seed}: {label} run ...", flush=True)
                 cfg = build_run_config({}, [f"seed={seed}", f"steps={args.steps}", *over, *args.sets])
-                dirs[label] = Path(tmp) / f"{label}-{seed}"
                 Trainer(cfg, dirs[label]).run()
             sd, off = replay_run(dirs["sd"]), replay_run(dirs["off"])
             measured = off.steps["measured_s"].sum() / sd.steps["measured_s"].sum()

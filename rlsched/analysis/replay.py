@@ -7,7 +7,8 @@ drafting policy, and sets the predicted time beside the measured one (`generatio
 run's `rl_steps` records).
 
 Step costs come from a `rlsched fit` file (`cost_file`) or, by default, are fitted from the
-run's own step records. The executor also spends time between steps that no step record
+run's own step records (each op then scaled so that its fitted total equals its measured
+total on those records: see `mean_calibration`). The executor also spends time between steps that no step record
 covers (admitting and retiring rows, the policy's choice, trace records): the replay charges
 it as a constant per engine step, measured from the run's step records as the median gap
 between one step's end and the next one's start. The drafting policy is priced as the run
@@ -66,21 +67,44 @@ class ReplayResult:
                     cost=self.cost, notes=self.notes)
 
 
-class _PerStepOverhead:
-    """A cost model plus a constant per engine step (the executor's loop between steps),
-    charged with each verify (every decode step verifies) and each prefill."""
+class _AsRun:
+    """A cost model as the run paid it: each op's time times its calibration factor, plus a
+    constant per engine step (the executor's loop between steps) with each verify (every
+    decode step verifies) and each prefill."""
 
-    def __init__(self, cost, seconds: float):
-        self._cost, self.seconds = cost, seconds
+    def __init__(self, cost, seconds: float, factors: dict | None = None):
+        self._cost, self.seconds, self.factors = cost, seconds, factors or {}
 
     def __getattr__(self, name):
         return getattr(self._cost, name)
 
+    def _f(self, key: str) -> float:
+        return self.factors.get(key, 1.0)
+
     def verify_time(self, batch, q, ctx_tokens):
-        return self._cost.verify_time(batch, q, ctx_tokens) + self.seconds
+        return self._f("verify") * self._cost.verify_time(batch, q, ctx_tokens) + self.seconds
+
+    def draft_time(self, drafter, batch, k, ctx_tokens, width=1):
+        return self._f(f"draft:{drafter}") * self._cost.draft_time(drafter, batch, k, ctx_tokens, width)
 
     def prefill_time(self, n_tokens, sum_sq_tokens=None):
-        return self._cost.prefill_time(n_tokens, sum_sq_tokens) + self.seconds
+        return self._f("prefill") * self._cost.prefill_time(n_tokens, sum_sq_tokens) + self.seconds
+
+
+def mean_calibration(fit) -> dict[str, float]:
+    """Per fitted op: measured total over predicted total on its own records. The forms are
+    fitted to log times (robust to the spikes of a shared machine), which predicts a step's
+    typical time; a stage's time is the sum of its steps, whose mean the spikes raise. This
+    factor (a smearing correction) puts the sum back."""
+    out = {}
+    for key, f in fit.ops.items():
+        d = f.data
+        if f.used != "parametric" or d.empty:
+            continue
+        pred = np.asarray(f.predict_ms(d["batch"], d["tokens"], d["per_row"]), dtype=float)
+        if np.isfinite(pred).all() and pred.sum() > 0:
+            out[key] = float(d["ms"].sum() / pred.sum())
+    return out
 
 
 def read_run(rundir: Path) -> tuple[dict, pd.DataFrame, pd.DataFrame, pd.DataFrame]:
@@ -173,21 +197,24 @@ def _simulate(rollouts, policy_spec: str, drafter, sim_cost, policy_cost, run_cf
 
 
 def _costs(rundir: Path, cost_file, steps: pd.DataFrame, drafter):
-    """(the simulator's cost model, what it is, the policy's cost model)."""
+    """(the cost model, what it is, the policy's cost model, calibration factors: those of a
+    fit of the run's own records, none for a given file)."""
     from rlsched.analysis.costfile import FittedCostModel, load_cost_model
     from rlsched.analysis.fit import fit_path
     from rlsched.policies.measured import MeasuredCostModel
 
+    factors = {}
     if cost_file is not None:
         cost = load_cost_model(cost_file, drafters=() if drafter is None else (drafter,))
         what = {"source": str(cost_file)}
     else:
         fit = fit_path(rundir)
         cost = FittedCostModel(fit.to_json(), path=rundir)
-        what = {"source": f"fitted from {rundir}/traces", **fit.summary()}
+        factors = mean_calibration(fit)
+        what = {"source": f"fitted from {rundir}/traces", "calibration": factors, **fit.summary()}
     profile = rundir / "profile.parquet"
     policy_cost = MeasuredCostModel(pd.read_parquet(profile)) if profile.is_file() else cost
-    return cost, what, policy_cost
+    return cost, what, policy_cost, factors
 
 
 def replay_run(rundir, cost_file=None, policy: str | None = None) -> ReplayResult:
@@ -198,9 +225,9 @@ def replay_run(rundir, cost_file=None, policy: str | None = None) -> ReplayResul
     spec = policy or str(cfg["policy"])
     if spec in ("False",):
         spec = "off"
-    cost, what, policy_cost = _costs(rundir, cost_file, steps, drafter)
+    cost, what, policy_cost, factors = _costs(rundir, cost_file, steps, drafter)
     overhead = step_overhead_s(steps)
-    sim_cost = _PerStepOverhead(cost, overhead)
+    sim_cost = _AsRun(cost, overhead, factors)
     rl = rl.sort_values("rl_step")
     done = rl["rl_step"].tolist()
     rollouts = [_rollout(samples[samples["rl_step"] == s], drafter) for s in done]
