@@ -22,7 +22,7 @@ $RLSCHED profile --out "$WORK/profile" --batch-sizes 1,2,4,8,16,32,64 --k-max 6 
 say "2/6 fit the cost model -> $WORK/cost.json"
 $RLSCHED fit "$WORK/profile" --out "$WORK/cost.json" >/dev/null
 say "3/6 a 3-step pilot run for the workload (lengths, acceptance)"
-$RLSCHED run --policy static:2 --set steps=3 --out "$WORK/pilot" --json >/dev/null
+$RLSCHED run --policy static:2 --set steps=3 --out "$WORK/pilot" --json >/dev/null 2>&1
 $PY - "$WORK" <<'PYEOF'
 import sys, yaml
 from rlsched.analysis.replay import sim_config_from_run
@@ -40,6 +40,6 @@ $RLSCHED compare --config "$WORK/sim.yaml" --policies "$POLICIES" --seeds 2 --wo
 say "6/6 measured: rlsched run x $(echo "$POLICIES" | tr ',' '\n' | wc -l), $STEPS RL steps each"
 for p in ${POLICIES//,/ }; do
     name=$(echo "$p" | sed 's|table:.*|table|; s|:|-|')
-    $RLSCHED run --policy "$p" --set steps="$STEPS" --out "$WORK/run-$name" --json >/dev/null
+    $RLSCHED run --policy "$p" --set steps="$STEPS" --out "$WORK/run-$name" --json >/dev/null 2>&1
 done
 $PY bench/closed_loop_report.py "$WORK" "$POLICIES" "$(($(date +%s) - t0))"

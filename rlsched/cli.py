@@ -654,8 +654,8 @@ def _run_with_progress(trainer, cfg) -> dict:
         def on_step(r: dict) -> None:
             bar.console.print(
                 f"step {r['rl_step']:>3} reward {r['reward_mean']:.3f} {r['tokens_per_s']:5,.0f} tok/s "
-                f"acc {r['mean_accept_len']:.2f} | gen {r['generation_s']:.2f} inf {r['inference_s']:.2f} "
-                f"train {r['training_s']:.2f} drft {r['drafter_update_s']:.2f} s"
+                f"acc {r['mean_accept_len']:.2f} | s: gen {r['generation_s']:.2f} inf {r['inference_s']:.2f} "
+                f"train {r['training_s']:.2f} dr {r['drafter_update_s']:.2f}"
                 + (f" ({r['reward_failures']} rewards failed)" if r["reward_failures"] else ""), highlight=False)
             bar.advance(task)
 

@@ -57,6 +57,11 @@ def test_run_writes_traces_rollouts_checkpoint_plot_and_summary(pair, tmp_path):
     steps = read_trace(out / "traces", "steps")
     samples = read_trace(out / "traces", "samples")
     assert sorted(samples.sample_id) == list(range(3 * 16))  # every sample once
+    # per-sample chain trials add up to the steps' (static:2 feeds no estimator: the acceptance
+    # column comes from the sample's own trials, not the prior)
+    decode_steps = steps[steps.kind == "decode"]
+    assert samples.accepted.sum() == decode_steps.accepted.sum() and samples.drafted.sum() == decode_steps.drafted.sum()
+    assert (samples.rejected <= samples.drafted).all() and samples.acceptance_model.nunique() > 3
     for s in range(3):
         decode = steps[(steps.rl_step == s) & (steps.kind == "decode")]
         assert decode.emitted.sum() == rl.response_tokens[rl.rl_step == s].item()

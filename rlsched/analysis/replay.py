@@ -146,12 +146,22 @@ def _rollout(samples: pd.DataFrame, drafter: str | None):
     s = samples.sort_values("sample_id")
     prompt_of = pd.factorize(s["prompt_id"])[0].astype(np.int64)
     if drafter is not None:
-        col = f"acceptance_{drafter}"
-        acc = s[col].to_numpy(dtype=float)[:, None] if col in s else np.full((len(s), 1), 0.6)
-        names = (drafter,)
+        acc, names = per_sample_acceptance(s, drafter)[:, None], (drafter,)
     else:
         acc, names = np.zeros((len(s), 0)), ()
     return Rollout(prompt_of, s["prompt_len"].to_numpy(np.int64), s["response_len"].to_numpy(np.int64), acc, names)
+
+
+def per_sample_acceptance(samples: pd.DataFrame, drafter: str, strength: float = 4.0) -> np.ndarray:
+    """Each sample's per-token acceptance: from its own chain trials (accepted drafts, and
+    rejections: steps that ended in one) shrunk towards the run's rate with `strength` trials;
+    from the engine's estimate (acceptance_<drafter>) for traces without the trial counts."""
+    if {"accepted", "rejected"} <= set(samples.columns):
+        acc, rej = samples["accepted"].to_numpy(float), samples["rejected"].to_numpy(float)
+        rate = acc.sum() / (acc.sum() + rej.sum()) if acc.sum() + rej.sum() > 0 else 0.6
+        return (acc + rate * strength) / (acc + rej + strength)
+    col = f"acceptance_{drafter}"
+    return samples[col].to_numpy(dtype=float) if col in samples else np.full(len(samples), 0.6)
 
 
 def _drafter_name(cfg: dict) -> str | None:
@@ -273,8 +283,7 @@ def sim_config_from_run(rundir, cost_file=None, steps: int = 3) -> dict:
     r, drafter = cfg["rollout"], _drafter_name(cfg)
     drafters = []
     if drafter is not None:
-        col = f"acceptance_{drafter}"
-        mean = float(samples[col].mean()) if col in samples else 0.6
+        mean = float(per_sample_acceptance(samples, drafter).mean())
         drafters.append({"name": drafter, "kind": "ngram" if drafter == "ngram" else "model",
                          **({} if drafter == "ngram" else {"model": "qwen2.5-0.5b"}),
                          "acceptance": {"mean": round(min(max(mean, 0.01), 0.99), 4), "prompt_concentration": 20,

@@ -92,6 +92,7 @@ class _Row:
     steps: int = 0
     drafted: int = 0
     accepted: int = 0
+    rejected: int = 0  # speculative steps that ended in a rejection (a chain's failed trial)
     done: bool = False
 
     @property
@@ -334,6 +335,7 @@ class RolloutEngine:
             r.steps += 1
             r.drafted += d
             r.accepted += a
+            r.rejected += a < d
             r.done = r.done or r.remaining <= 0
             emitted += len(toks)
         return emitted
@@ -387,9 +389,15 @@ class RolloutEngine:
             return
         rec = dict(rl_step=self.rl_step, sample_id=r.req.sample_id, prompt_id=r.req.prompt_id, instance=self.instance,
                    prompt_len=len(r.req.prompt), response_len=len(r.tokens), finish_s=finish_s,
-                   preemptions=0, migrations=0)
+                   preemptions=0, migrations=0, drafted=r.drafted, accepted=r.accepted, rejected=r.rejected)
+        informed = getattr(self.policy, "needs_acceptance", True)
         for name in self.drafters:
-            rec[f"acceptance_{name}"] = float(self.estimator.estimates(name, np.array([r.index]))[0])
+            if informed:  # the shared estimator's (shrunk to the prompt and the drafter)
+                a = float(self.estimator.estimates(name, np.array([r.index]))[0])
+            else:  # the policy fed no estimator: the row's own chain trials, from the same prior
+                e = self.estimator
+                a = (r.accepted + e.prior_mean * e.sample_strength) / (r.accepted + r.rejected + e.sample_strength)
+            rec[f"acceptance_{name}"] = a
         self._samples_w.append(rec)
 
     @staticmethod
