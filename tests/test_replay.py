@@ -87,3 +87,33 @@ def test_corrupt_traces_name_the_file(runs, tmp_path):
     part.write_bytes(b"garbage")
     proc = rlsched("replay", str(broken), cwd=tmp_path)
     assert proc.returncode == 2 and part.name in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("version", "schema version 99"),
+    ("columns", "lacks columns"),
+    ("truncated", "corrupt or truncated"),
+])
+def test_mixed_versions_missing_columns_and_truncation_name_the_file(runs, tmp_path, damage, message):
+    import shutil
+
+    import pyarrow.parquet as pq
+
+    root, out = runs
+    broken = tmp_path / damage
+    shutil.copytree(out["off"], broken)
+    part = sorted((broken / "traces" / "steps").glob("part-*.parquet"))[-1]
+    table = pq.read_table(part)
+    if damage == "version":
+        meta = dict(table.schema.metadata)
+        meta[b"rlsched.trace"] = json.dumps({"kind": "steps", "version": 99}).encode()
+        pq.write_table(table.replace_schema_metadata(meta), part)
+    elif damage == "columns":
+        pq.write_table(table.drop(["verify_ms"]), part)
+    else:
+        part.write_bytes(part.read_bytes()[:-200])
+    for command in (["replay", str(broken)], ["fit", str(broken), "--out", str(tmp_path / "c.json")]):
+        proc = rlsched(*command, cwd=tmp_path)
+        assert proc.returncode == 2, proc.stderr
+        assert message in proc.stderr and part.name in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "c.json").exists()
