@@ -402,7 +402,9 @@ def profile(
     batch_sizes: str = typer.Option("1,2,4,8,16,32,64", "--batch-sizes", help="Comma-separated batch sizes."),
     k_max: int = typer.Option(6, "--k-max", help="Draft lengths 0..k_max."),
     contexts: str = typer.Option("64,192", "--contexts", help="Comma-separated context lengths per row."),
-    repeats: int = typer.Option(5, "--repeats", help="Timed runs per point (the fastest is kept: the least disturbed on a shared machine)."),
+    repeats: int = typer.Option(12, "--repeats", help="Timed runs per point (the fastest is kept: the least disturbed on a shared machine)."),
+    passes: int = typer.Option(6, "--passes", help="Sweep the grid this many times, --repeats spread over "
+                               "them (repeats a minute apart escape a lasting disturbance; at most --repeats)."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda[:N]."),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
     threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's)."),
@@ -417,7 +419,7 @@ def profile(
     from rlsched.executor.profiler import run_profile
 
     run_profile(model=model, drafters=drafter, batch_sizes=_int_list(batch_sizes, "--batch-sizes"), k_max=k_max,
-                contexts=_int_list(contexts, "--contexts"), repeats=repeats, device=device, dtype=dtype,
+                contexts=_int_list(contexts, "--contexts"), repeats=repeats, passes=passes, device=device, dtype=dtype,
                 threads=threads, out=out, console=err_console, table_console=out_console)
 
 
