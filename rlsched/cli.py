@@ -17,7 +17,7 @@ from rlsched import __version__
 from rlsched.errors import UserError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Adaptive speculative decoding and sample reallocation for RL rollouts: simulate, compare and learn policies; generate and profile with the real engine; fit the simulator's cost model to profiles.")
+                  help="Adaptive speculative decoding and sample reallocation for RL rollouts: simulate, compare and learn policies; generate, profile and train (run) with the real engine; fit, replay, plot and report from what it measured.")
 out_console = Console()
 err_console = Console(stderr=True)
 
