@@ -138,7 +138,8 @@ def op_tables(df: pd.DataFrame) -> tuple[dict[str, pd.DataFrame], list[str]]:
         add(f"draft:{name}", d, d["k"], d["draft_ms"])
     dec = df[df["kind"] == "decode"]
     if len(dec):
-        uniform = dec["drafted"] == dec["batch"] * dec["k"] * dec["width"].clip(lower=1)
+        covered = dec["steps"].fillna(1) if "steps" in dec else 1  # an imported record spans several steps
+        uniform = dec["drafted"] == dec["batch"] * dec["k"] * dec["width"].clip(lower=1) * covered
         if (~uniform).any():
             notes.append(f"{int((~uniform).sum())} of {len(dec)} decode steps drafted ragged lengths (rows capped "
                          "near their budget, or per-sequence k) and were left out")
