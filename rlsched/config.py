@@ -346,12 +346,14 @@ def apply_override(data: dict, assignment: str) -> None:
         raise UserError(f"--set '{path}': '{'.'.join(keys[:-1])}' is a value, not a section")
 
 
-def build_config(data: dict, overrides: list[str] = (), source: str = "config") -> SimConfig:
+def build_config(data: dict, overrides: list[str] = (), source: str = "config", model: type[BaseModel] | None = None):
+    """`model` (default SimConfig) validated from raw data with `--set` overrides applied; one
+    UserError line naming the field when it does not validate."""
     data = copy.deepcopy(data)
     for o in overrides:
         apply_override(data, o)
     try:
-        return SimConfig.model_validate(data)
+        return (model or SimConfig).model_validate(data)
     except ValidationError as e:
         raise UserError(f"{source}: {describe_validation_error(e)}") from None
 

@@ -166,7 +166,7 @@ def per_sample_acceptance(samples: pd.DataFrame, drafter: str, strength: float =
 
 def _drafter_name(cfg: dict) -> str | None:
     d = str(cfg.get("drafter", "off"))
-    return None if d in ("off", "False") else ("ngram" if d == "ngram" else "model")
+    return None if d == "off" else ("ngram" if d == "ngram" else "model")
 
 
 def _simulate(rollouts, policy_spec: str, drafter, sim_cost, policy_cost, run_cfg: dict, seed: int) -> list[float]:
@@ -206,7 +206,7 @@ def _simulate(rollouts, policy_spec: str, drafter, sim_cost, policy_cost, run_cf
     return times
 
 
-def _costs(rundir: Path, cost_file, steps: pd.DataFrame, drafter):
+def _costs(rundir: Path, cost_file, drafter):
     """(the cost model, what it is, the policy's cost model, calibration factors: those of a
     fit of the run's own records, none for a given file)."""
     from rlsched.analysis.costfile import FittedCostModel, load_cost_model
@@ -233,9 +233,7 @@ def replay_run(rundir, cost_file=None, policy: str | None = None) -> ReplayResul
     cfg, rl, samples, steps = read_run(rundir)
     drafter = _drafter_name(cfg)
     spec = policy or str(cfg["policy"])
-    if spec in ("False",):
-        spec = "off"
-    cost, what, policy_cost, factors = _costs(rundir, cost_file, steps, drafter)
+    cost, what, policy_cost, factors = _costs(rundir, cost_file, drafter)
     overhead = step_overhead_s(steps)
     sim_cost = _AsRun(cost, overhead, factors)
     rl = rl.sort_values("rl_step")

@@ -236,15 +236,11 @@ def cost_model(s: Setup, drafter, typical_ctx: int, log=None):
         from rlsched.traces.reader import read_trace
 
         return MeasuredCostModel(read_trace(Path(a.cost_model) / "traces", "steps"))
-    from rlsched.executor.profiler import profile
+    from rlsched.executor.profiler import policy_profile
 
-    sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < a.max_batch] + [a.max_batch]
-    drafters = {} if drafter is None else {drafter.name: drafter}
-    if log:
-        log(f"profiling step costs for the {a.policy} policy (batch 1..{a.max_batch}, k 0..{a.k_max})")
-    records = profile(s.target.model, drafters, batch_sizes=sizes, k_max=a.k_max,
-                      contexts=(max(8, typical_ctx),), repeats=3, sampling=s.sampling, seed=a.seed)
-    return MeasuredCostModel(pd.DataFrame(records))
+    return MeasuredCostModel(policy_profile(s.target.model, drafter, policy=a.policy, max_batch=a.max_batch,
+                                            k_max=a.k_max, typical_ctx=typical_ctx, sampling=s.sampling,
+                                            seed=a.seed, log=log))
 
 
 def run(s: Setup, out: Path, log=None) -> dict:

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import torch
 
 from rlsched.errors import UserError
@@ -120,6 +121,18 @@ def _profile_pass(model, drafters: dict, *, batch_sizes, k_max: int, contexts, r
         if progress is not None:
             progress(n + 1, len(points), b, ctx)
     return records
+
+
+def policy_profile(model, drafter, *, policy: str, max_batch: int, k_max: int, typical_ctx: int,
+                   sampling: SamplingParams, seed: int = 0, log=None) -> pd.DataFrame:
+    """A short profile (a few seconds) for a policy that prices steps: batch sizes up to
+    max_batch, k 0..k_max, one context (the workload's typical one), 3 repeats."""
+    sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_batch] + [max_batch]
+    if log:
+        log(f"profiling step costs for the {policy} policy (batch 1..{max_batch}, k 0..{k_max})")
+    drafters = {} if drafter is None else {drafter.name: drafter}
+    return pd.DataFrame(profile(model, drafters, batch_sizes=sizes, k_max=k_max, contexts=(max(8, typical_ctx),),
+                                repeats=3, sampling=sampling, seed=seed))
 
 
 def run_profile(*, model: str, drafters: list[str], batch_sizes: list[int], k_max: int, contexts: list[int],

@@ -49,19 +49,30 @@ def write_table(path: Path, table: pa.Table) -> None:
         raise
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """A small text file (JSON, YAML) written whole or not at all."""
+@contextmanager
+def atomic_file(path: Path, mode: str = "w", fsync: bool = False):
+    """Yield a file to write that replaces `path` whole once the block ends, or vanishes on
+    any error (a temporary sibling, renamed into place); `fsync` also survives power loss."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, mode) as f:
+            yield f
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """A small text file (JSON, YAML) written whole or not at all."""
+    with atomic_file(path) as f:
+        f.write(text)
 
 
 @contextmanager

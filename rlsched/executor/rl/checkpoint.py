@@ -3,8 +3,6 @@ complete one."""
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -14,18 +12,10 @@ from rlsched.errors import UserError
 
 def save_checkpoint(path: Path, state: dict) -> None:
     """torch.save to a temporary sibling, fsync, then rename over `path`."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    from rlsched.traces.writer import atomic_file
+
+    with atomic_file(path, "wb", fsync=True) as f:
+        torch.save(state, f)
 
 
 def load_checkpoint(path: Path) -> dict:

@@ -5,14 +5,12 @@ the built-in task with the built-in tiny pair on CPU."""
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from rlsched.config import apply_override, read_config_file
-from rlsched.errors import UserError, describe_validation_error
+from rlsched.config import build_config, read_config_file
 
 
 class _Strict(BaseModel):
@@ -96,13 +94,7 @@ class RunConfig(_Strict):
 
 
 def build_run_config(data: dict, overrides: list[str] = (), source: str = "config") -> RunConfig:
-    data = copy.deepcopy(data)
-    for o in overrides:
-        apply_override(data, o)
-    try:
-        return RunConfig.model_validate(data)
-    except ValidationError as e:
-        raise UserError(f"{source}: {describe_validation_error(e)}") from None
+    return build_config(data, overrides, source, model=RunConfig)
 
 
 def load_run_config(path: Path | None, overrides: list[str] = ()) -> RunConfig:

@@ -195,15 +195,11 @@ class Trainer:
         saved = self.out / "profile.parquet"
         if saved.is_file():  # the run's own profile: a resumed run prices steps as before
             return MeasuredCostModel(pd.read_parquet(saved)), None
-        from rlsched.executor.profiler import profile
+        from rlsched.executor.profiler import policy_profile
 
-        mb = c.rollout.max_batch
-        sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < mb] + [mb]
-        self.log(f"profiling step costs for the {c.policy} policy (batch 1..{mb}, k 0..{c.rollout.k_max})")
-        drafters = {} if drafter is None else {drafter.name: drafter}
-        records = pd.DataFrame(profile(self.actor, drafters, batch_sizes=sizes, k_max=c.rollout.k_max,
-                                       contexts=(max(8, self._typical_ctx()),), repeats=3,
-                                       sampling=self.sampling, seed=c.seed))
+        records = policy_profile(self.actor, drafter, policy=c.policy, max_batch=c.rollout.max_batch,
+                                 k_max=c.rollout.k_max, typical_ctx=self._typical_ctx(), sampling=self.sampling,
+                                 seed=c.seed, log=self.log)
         return MeasuredCostModel(records), records
 
     def _make_drafter(self):
@@ -336,8 +332,7 @@ class Trainer:
         inference_s = reward_s = time.perf_counter() - t
         self._write_rollout(s, items, requests, group, result, texts, rb)  # bookkeeping: no stage's time
         t = time.perf_counter()
-        if failed > c.max_reward_failures * n:
-            self.engine.close()
+        if failed > c.max_reward_failures * n:  # run()'s finally closes the trace writers
             raise RewardFailures(
                 f"reward '{c.reward}' failed on {failed} of {n} samples at step {s} (more than "
                 f"max_reward_failures={c.max_reward_failures:g}); first: {rb.errors[0]}; the run stopped, its traces "
@@ -345,7 +340,7 @@ class Trainer:
         if failed:
             self.log(f"step {s}: reward failed on {failed} of {n} samples (left out of the update); "
                      f"first: {rb.errors[0]}")
-        update = self._prepare_update(prompts, requests, group, result, rb)
+        update = self._prepare_update(requests, group, result, rb)
         inference_s += time.perf_counter() - t
 
         t = time.perf_counter()
@@ -360,7 +355,7 @@ class Trainer:
         distill_stats = self._update_drafter(s)
         drafter_update_s = time.perf_counter() - t
 
-        record = self._record(s, result, rb, items, group, generation_s, inference_s, training_s,
+        record = self._record(s, result, rb, requests, generation_s, inference_s, training_s,
                               drafter_update_s, time.perf_counter() - t_start, train_stats, distill_stats)
         record.update(reward_s=reward_s, reference_s=update["reference_s"], critic_s=update["critic_s"])
         self._rl_writer.append(record)
@@ -368,7 +363,7 @@ class Trainer:
             self._checkpoint(s + 1)
         return record
 
-    def _prepare_update(self, prompts, requests, group, result, rb) -> dict:
+    def _prepare_update(self, requests, group, result, rb) -> dict:
         """The padded batch, old log-probs, advantages (and the critic's values for PPO)."""
         from rlsched.executor.rl.algos import gae, grpo_advantages, make_batch, terminal_rewards, token_logprobs
 
@@ -453,14 +448,14 @@ class Trainer:
 
     # --- records ------------------------------------------------------------------------------
 
-    def _record(self, s, result, rb, items, group, generation_s, inference_s, training_s, drafter_update_s,
+    def _record(self, s, result, rb, requests, generation_s, inference_s, training_s, drafter_update_s,
                 total_s, train_stats, distill_stats) -> dict:
         st = result.stats
         ok = ~rb.failed
         rewards = rb.rewards[ok]
         rec = dict(rl_step=s, generation_s=generation_s, inference_s=inference_s, training_s=training_s,
                    drafter_update_s=drafter_update_s, total_s=total_s,
-                   prompt_tokens=int(sum(len(self._encode(items[g].prompt)) for g in group)),
+                   prompt_tokens=sum(len(q.prompt) for q in requests),
                    response_tokens=int(st["tokens"]),
                    reward_mean=float(rewards.mean()) if len(rewards) else float("nan"),
                    reward_std=float(rewards.std()) if len(rewards) else float("nan"),
