@@ -610,6 +610,12 @@ def run(
     sets: list[str] = typer.Option([], "--set", help="Override a config field: path.to.field=value."),
     out: Path = typer.Option(Path("runs/run/latest"), "--out", "-o", help="Run folder."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --out from its last checkpoint."),
+    backend: Optional[str] = typer.Option(None, "--backend", help="Rollout engine (rollout.backend): local "
+                                          "(rlsched's own) or vllm (vLLM's offline engine; see make test-vllm)."),
+    instances: Optional[int] = typer.Option(None, "--instances", help="Rollout instances (rollout.instances); "
+                                            "more than 1 runs them as Ray actors (the [distributed] extra)."),
+    realloc: Optional[str] = typer.Option(None, "--realloc", help="Sample reallocation across instances "
+                                          "(rollout.realloc): none, rebalance, consolidate."),
     as_json: bool = JsonOpt,
 ):
     _need_executor("run")
@@ -617,13 +623,17 @@ def run(
     from rlsched.executor.rl.trainer import Trainer
 
     if resume:
-        if config is not None or policy is not None or sets:
-            raise UserError("--resume continues a run with its own config.yaml; drop --config, --policy and --set")
+        if config is not None or policy is not None or sets or backend or instances or realloc:
+            raise UserError("--resume continues a run with its own config.yaml; drop --config, --policy, --set, "
+                            "--backend, --instances and --realloc")
         cfg = load_run_config(out / "config.yaml") if (out / "config.yaml").is_file() else None
         if cfg is None:
             raise UserError(f"--resume: {out} holds no run (no config.yaml); give the --out of an earlier run")
     else:
-        cfg = load_run_config(config, list(sets) + ([f"policy={policy}"] if policy else []))
+        flags = [f"{k}={v}" for k, v in (("policy", policy), ("rollout.backend", backend),
+                                          ("rollout.instances", instances), ("rollout.realloc", realloc))
+                 if v is not None]
+        cfg = load_run_config(config, list(sets) + flags)
     log = lambda msg: err_console.print(msg, highlight=False)  # noqa: E731
     trainer = Trainer(cfg, out, resume=resume, log=log)
     summary = _run_with_progress(trainer, cfg)

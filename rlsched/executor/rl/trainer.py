@@ -122,12 +122,13 @@ class Trainer:
         pad = raw.get("pad_token_id")
         self.pad_id = pad if isinstance(pad, int) else (self.eos if self.eos is not None else 0)
         self.sampling = SamplingParams(temperature=c.rollout.temperature)
-        self.drafter_name, self.drafter_model = c.drafter, None
+        self.drafter_name, self.drafter_model, self.drafter_dir = c.drafter, None, None
         if c.drafter not in ("off", "ngram"):
             d_dir = resolve_model_dir(c.drafter, "drafter", self.log)
             d = load_model(d_dir, device=c.device, dtype=c.dtype)
             check_drafter_vocab(loaded, d, self.target_dir, d_dir)
             self.drafter_model, self.drafter_name = d.model, "model"
+            self.drafter_dir = d_dir
         names = () if self.drafter_name == "off" else (self.drafter_name,)
         self.drafter_names = names
         if not policy_needs_cost(c.policy):
@@ -231,9 +232,20 @@ class Trainer:
         return policy, None, records
 
     def _make_engine(self, drafter, policy, estimator):
+        """The rollout engine: rlsched's own (one in-process instance, or a Ray pool of them),
+        or vLLM's. Every kind has `run(requests) -> RolloutResult`, `rl_step`,
+        `sync_weights(actor, drafter_model)` (called after every update) and `close()`."""
         from rlsched.executor.engine import RolloutEngine
 
         r = self.cfg.rollout
+        if r.backend == "vllm":
+            from rlsched.executor.vllm_backend import VllmRolloutEngine
+
+            return VllmRolloutEngine(
+                self.target_dir, self.drafter_dir if self.drafter_name == "model" else self.drafter_name,
+                self.sampling, self.cfg.policy, max_batch=r.max_batch, k_max=r.k_max,
+                max_len=self._longest + r.max_tokens + r.k_max + 1, trace_dir=self.out / "traces",
+                seed=self.cfg.seed, threads=self.cfg.threads, dtype=self.cfg.dtype)
         return RolloutEngine(self.actor, drafter, r.max_batch * (self._longest + r.max_tokens), r.max_batch,
                              self.sampling, policy, estimator, trace_dir=self.out / "traces", k_max=r.k_max,
                              generator=self.generator)
@@ -263,8 +275,8 @@ class Trainer:
             critic_opt=None if self.critic_opt is None else self.critic_opt.state_dict(),
             drafter=None if self.drafter_model is None else self.drafter_model.state_dict(),
             drafter_opt=None if self.drafter_opt is None else self.drafter_opt.state_dict(),
-            policy=(e.policy, e.estimator),
-            ngram=getattr(e.drafters.get("ngram"), "history", None),
+            policy=(getattr(e, "policy", None), getattr(e, "estimator", None)),
+            ngram=getattr(getattr(e, "drafters", {}).get("ngram"), "history", None),
             buffer=self.buffer.state(),
             rng=dict(torch=torch.get_rng_state(), generator=self.generator.get_state()),
         )
@@ -309,7 +321,7 @@ class Trainer:
         if max(len(p) for p in prompts) > self._longest:  # a longer prompt than sized for: a bigger cache
             self._longest = max(len(p) for p in prompts)
             self.engine.cache_capacity = r.max_batch * (self._longest + r.max_tokens)
-            model_drafter = self.engine.drafters.get("model")
+            model_drafter = getattr(self.engine, "drafters", {}).get("model")
             if model_drafter is not None:
                 from rlsched.executor.drafters import drafter_cache_len
 
@@ -353,6 +365,7 @@ class Trainer:
                          for q, x, rw in zip(requests, result.samples, rb.rewards)])
         t = time.perf_counter()
         distill_stats = self._update_drafter(s)
+        self.engine.sync_weights(self.actor, self.drafter_model)  # the next rollout samples the new policy
         drafter_update_s = time.perf_counter() - t
 
         record = self._record(s, result, rb, requests, generation_s, inference_s, training_s,
@@ -466,8 +479,9 @@ class Trainer:
                    accept_rate=st["accepted"] / st["drafted"] if st["drafted"] else float("nan"),
                    drafter_kl_before=float("nan") if distill_stats is None else distill_stats["kl_before"],
                    drafter_kl_after=float("nan") if distill_stats is None else distill_stats["kl_after"])
+        estimator = getattr(self.engine, "estimator", None)
         for name in self.drafter_names:
-            rec[f"accept_mean_{name}"] = float(self.engine.estimator.mean(name))
+            rec[f"accept_mean_{name}"] = float(estimator.mean(name)) if estimator is not None else float("nan")
         for k in ("loss", "kl_ref", "clip_frac", "approx_kl_old", "grad_norm", "value_loss"):
             rec[k] = train_stats.get(k, float("nan"))
         return rec
