@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 SIM_STAMP := $(VENV)/.installed-sim
 ALL_STAMP := $(VENV)/.installed-all
 
-.PHONY: demo test bench bench-rl clean
+.PHONY: demo test test-vllm bench bench-rl clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -27,6 +27,24 @@ demo: $(SIM_STAMP)
 
 test: $(ALL_STAMP)
 	$(BIN)/python -m pytest
+
+# The vLLM rollout backend's tests (pytest -m vllm) in .venv-vllm: vLLM's CPU build
+# (bench/peers/setup_vllm.sh, idempotent) plus rlsched installed editable. Everything vLLM
+# already installed (torch 2.13.0+cpu, transformers, tokenizers, safetensors, numpy, ...) is
+# pinned as a constraint, so pip only adds what rlsched needs and replaces nothing. Not in CI:
+# the install alone takes minutes (see the README).
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-rlsched
+$(VLLM_STAMP): pyproject.toml bench/peers/setup_vllm.sh
+	bash bench/peers/setup_vllm.sh >/dev/null
+	$(VLLM_VENV)/bin/python -m pip freeze --exclude-editable | grep -v '^rlsched' > $(VLLM_VENV)/constraints.txt
+	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check -c $(VLLM_VENV)/constraints.txt \
+		-e '.[dev]' safetensors tokenizers 'transformers>=5.0'
+	$(VLLM_VENV)/bin/python -c "import torch, vllm, rlsched; assert torch.__version__ == '2.13.0+cpu', torch.__version__"
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pytest -m vllm
 
 bench: $(ALL_STAMP)
 	$(BIN)/python bench/sim_effects.py

