@@ -19,7 +19,7 @@ $(SIM_STAMP): pyproject.toml | $(BIN)/python
 # Everything the tests need. The executor extra pins torch to the CPU build found locally
 # (a bare torch would pull a multi-GB CUDA build). Re-installed when the requirements change.
 $(ALL_STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[dev,executor]'
+	$(BIN)/pip install -q -e '.[dev,executor,distributed]'
 	touch $(ALL_STAMP) $(SIM_STAMP)
 
 demo: $(SIM_STAMP)

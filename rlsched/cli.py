@@ -360,7 +360,12 @@ def generate(
     device: str = typer.Option("cpu", "--device", help="cpu or cuda[:N]."),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
     seed: int = typer.Option(0, "--seed", help="Sampling seed."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's)."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's; "
+                                          "with --instances, per instance: cores / instances)."),
+    instances: int = typer.Option(1, "--instances", help="Rollout instances; more than 1 runs them as Ray actors "
+                                  "(the [distributed] extra), each with --max-batch rows."),
+    realloc: str = typer.Option("none", "--realloc", help="Sample reallocation across instances: none, rebalance, "
+                                "consolidate."),
     out: Path = typer.Option(Path("runs/generate/latest"), "--out", "-o", help="Output folder."),
     as_json: bool = JsonOpt,
 ):
@@ -372,7 +377,7 @@ def generate(
     args = GenerateArgs(model=model, drafter=drafter, policy=policy, prompts=prompts, n=n, max_tokens=max_tokens,
                         temperature=temperature, top_p=top_p, top_k=top_k, k_max=k_max, max_batch=max_batch,
                         kv_budget=kv_budget, cost_model=cost_model, ignore_eos=ignore_eos, device=device,
-                        dtype=dtype, seed=seed, threads=threads)
+                        dtype=dtype, seed=seed, threads=threads, instances=instances, realloc=realloc)
     log = lambda msg: err_console.print(msg, highlight=False)  # noqa: E731
     setup = prepare(args, out, log)
     with err_console.status(f"generating {len(setup.prompts)} prompts x {n} samples ({policy})"):

@@ -12,7 +12,8 @@ from rlsched.config import load_config
 from rlsched.errors import UserError
 from rlsched.policies.realloc import Consolidate, NoRealloc, Rebalance, make_realloc_policy
 from rlsched.policies.types import InstanceView, Migration, ReallocEvent
-from rlsched.sim.cluster import GenerationStage, split_kv_reprefill
+from rlsched.policies.realloc import split_kv_reprefill
+from rlsched.sim.cluster import GenerationStage
 from rlsched.sim.costmodel import RooflineCostModel
 from rlsched.sim.engine import Instance
 from rlsched.sim.simulate import simulate

@@ -93,6 +93,7 @@ class _Row:
     drafted: int = 0
     accepted: int = 0
     rejected: int = 0  # speculative steps that ended in a rejection (a chain's failed trial)
+    migrations: int = 0  # times it moved to another instance
     done: bool = False
 
     @property
@@ -145,12 +146,13 @@ class RolloutEngine:
     the running rows; max_batch: rows at once; sampling: SamplingParams; policy: a DraftPolicy
     or a name/policy file (built with `build_policy`, `cost` given or None); estimator: the
     shared AcceptanceEstimator (a fresh one over the drafters when None); trace_dir: where
-    `steps/` and `samples/` trace parts go (none when None)."""
+    `steps/` and `samples/` trace parts go (none when None; `trace_tag` names this engine's
+    parts where several engines write into one folder)."""
 
     def __init__(self, model, drafter, cache_capacity: int, max_batch: int, sampling: SamplingParams,
                  policy, estimator: AcceptanceEstimator | None = None, trace_dir: Path | None = None, *,
                  cost=None, k_max: int = 8, instance: int = 0, rl_step: int = 0,
-                 generator: torch.Generator | None = None, ngram_history: bool = True):
+                 generator: torch.Generator | None = None, ngram_history: bool = True, trace_tag: str = ""):
         if max_batch < 1 or cache_capacity < 1:
             raise UserError(f"the engine needs max_batch >= 1 and cache_capacity >= 1 (got {max_batch}, {cache_capacity})")
         self.model, self.sampling, self.generator = model, sampling, generator
@@ -166,8 +168,8 @@ class RolloutEngine:
         self.trace_dir = None if trace_dir is None else Path(trace_dir)
         self._steps_w = self._samples_w = None
         if self.trace_dir is not None:
-            self._steps_w = TraceWriter(self.trace_dir, "steps", flush_every=256, journal=True)
-            self._samples_w = TraceWriter(self.trace_dir, "samples", flush_every=256, journal=True)
+            self._steps_w = TraceWriter(self.trace_dir, "steps", flush_every=256, journal=True, tag=trace_tag)
+            self._samples_w = TraceWriter(self.trace_dir, "samples", flush_every=256, journal=True, tag=trace_tag)
         self._cache = None
         self.step_index = 0
 
@@ -185,34 +187,126 @@ class RolloutEngine:
         check_requests(requests, self.cache_capacity)
         prompt_index: dict = {}
         prompt_of = np.array([prompt_index.setdefault(r.prompt_id, len(prompt_index)) for r in requests], dtype=np.int64)
-        self.estimator.begin_rollout(len(requests), prompt_of)
-        self._ensure_cache(requests)
+        self.begin(prompt_of, max((reserve(r) for r in requests), default=1))
+        self.submit(list(enumerate(requests)))
+        results: list[SampleResult | None] = [None] * len(requests)
+        while self.has_work:
+            for i, res in self.work():
+                results[i] = res
+        seconds = time.perf_counter() - self._t0
+        self.estimator.retire(self._ids)
+        return RolloutResult(list(results), self._summary(results, self._totals, seconds))
+
+    # --- the rollout one step at a time (what `run` and a pool instance drive) ---------------
+
+    def begin(self, prompt_of: np.ndarray, longest_reserve: int) -> None:
+        """Start a rollout of len(prompt_of) samples (dense indices 0..n-1, sample i of prompt
+        prompt_of[i]); this instance may get any of them (`submit`, `import_rows`)."""
+        self.estimator.begin_rollout(len(prompt_of), prompt_of)
+        self._ensure_cache(longest_reserve)
         for d in self.drafters.values():
             if hasattr(d, "reset"):
                 d.reset()
-        waiting = list(range(len(requests)))
-        running: dict[int, _Row] = {}  # cache slot -> row
-        results: list[SampleResult | None] = [None] * len(requests)
+        self._queue: list[_Row] = []  # waiting rows: fresh requests, or migrated ones to re-prefill
+        self._running: dict[int, _Row] = {}  # cache slot -> row
         self._ids = np.zeros(0, dtype=np.int64)
         self.step_index = 0  # steps count per rollout, as in the simulator
-        totals = dict(steps=0, drafted=0, accepted=0, sd_emitted=0, sd_rows=0, kv_peak_tokens=0, max_running=0)
+        self._totals = dict(steps=0, drafted=0, accepted=0, sd_emitted=0, sd_rows=0, kv_peak_tokens=0, max_running=0)
         self._t0 = time.perf_counter()
-        while waiting or running:
-            reserved = self._admit(requests, waiting, running)
-            totals["kv_peak_tokens"] = max(totals["kv_peak_tokens"], reserved)
-            totals["max_running"] = max(totals["max_running"], len(running))
-            if not running:  # nothing fits and nothing runs: cannot happen after check_requests
-                raise RuntimeError("no request fits the KV cache")
-            self._decode(running, totals, len(waiting))
-            self._retire(running, results)
-        seconds = time.perf_counter() - self._t0
-        self.estimator.retire(self._ids)
-        return RolloutResult(list(results), self._summary(results, totals, seconds))
 
-    def _ensure_cache(self, requests: list[Request]) -> None:
+    def submit(self, items: list[tuple[int, Request]]) -> None:
+        """Queue requests (their dense rollout index, the request)."""
+        for i, req in items:
+            self._queue.append(_Row(req, i, Seq(list(req.prompt), -1, req.prompt_id), req.prompt[-1]))
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._queue or self._running)
+
+    def work(self) -> list[tuple[int, SampleResult]]:
+        """One engine step (admissions, one decode or speculative step, retirements); returns
+        the samples that finished, with their dense indices."""
+        with torch.inference_mode():
+            reserved = self._admit()
+            t = self._totals
+            t["kv_peak_tokens"] = max(t["kv_peak_tokens"], reserved)
+            t["max_running"] = max(t["max_running"], len(self._running))
+            if not self._running:  # nothing fits and nothing runs: cannot happen after check_requests
+                raise RuntimeError("no request fits the KV cache")
+            self._decode(self._running, t, len(self._queue))
+            return self._retire(self._running)
+
+    def view(self) -> dict:
+        """What a reallocation policy sees of this instance (InstanceView's fields)."""
+        rows = list(self._running.values())
+        return dict(running_ids=np.array([r.index for r in rows], dtype=np.int64),
+                    running_ctx=np.array([len(r.seq.tokens) for r in rows], dtype=np.int64),
+                    waiting_ids=[r.index for r in self._queue],
+                    kv_free_tokens=self.cache_capacity - self._kv_reserved(self._running)
+                    - sum(reserve(r.req) for r in self._queue),
+                    max_batch=self.max_batch)
+
+    # --- migration: rows leave with their tokens (and KV), and join elsewhere -------------------
+
+    def export_rows(self, indices, with_kv: set | frozenset = frozenset()) -> list[dict]:
+        """Take these samples off this instance (those still here: a sample that finished
+        meanwhile has been reported and stays). Each leaves as a dict: its request, tokens,
+        log-probs, counters, acceptance counts and, for indices in `with_kv`, its KV cache rows."""
+        want = set(int(i) for i in indices)
+        self.estimator.retire(self._ids)  # apply pending acceptance counts before reading them
+        out = []
+        for row in [r for r in self._queue if r.index in want]:
+            self._queue.remove(row)
+            out.append(self._moved(row, None))
+        leaving = [(slot, r) for slot, r in self._running.items() if r.index in want]
+        for slot, row in leaving:
+            kv = None
+            if row.index in with_kv:
+                n = int(self._cache.lengths[slot])
+                kv = self._cache.kv[:, :, slot, :, :n].clone()
+            del self._running[slot]
+            out.append(self._moved(row, kv))
+        if leaving:
+            self._cache.free(torch.tensor([s for s, _ in leaving], dtype=torch.long))
+            for d in self.drafters.values():
+                if hasattr(d, "release"):
+                    d.release([r.seq for _, r in leaving])
+        return out
+
+    def _moved(self, row: _Row, kv) -> dict:
+        counts = {d: self.estimator.sample_counts(d, row.index) for d in self.estimator.drafters}
+        return dict(req=row.req, index=row.index, seq_tokens=list(row.seq.tokens), last=row.last,
+                    tokens=row.tokens, logprobs=row.logprobs, steps=row.steps, drafted=row.drafted,
+                    accepted=row.accepted, rejected=row.rejected, migrations=row.migrations + 1,
+                    counts=counts, kv=kv)
+
+    def import_rows(self, moved: list[dict]) -> None:
+        """Rows from another instance: with KV they run at once in a free slot (their cache
+        rows copied in); without (or when no slot is free) they queue to be re-prefilled."""
+        for m in moved:
+            row = _Row(m["req"], m["index"], Seq(list(m["seq_tokens"]), -1, m["req"].prompt_id), m["last"],
+                       list(m["tokens"]), list(m["logprobs"]), m["steps"], m["drafted"], m["accepted"],
+                       m["rejected"], migrations=m["migrations"])
+            for d, (succ, fail) in m["counts"].items():
+                if d in self.estimator.drafters:
+                    self.estimator.add_sample_counts(d, row.index, succ, fail)
+            free = [s for s in range(self.max_batch) if s not in self._running]
+            kv = m["kv"]
+            fits = self._kv_reserved(self._running) + reserve(row.req) <= self.cache_capacity
+            if kv is not None and free and fits and kv.shape[3] + self.k_max + 1 <= self._cache.max_len:
+                slot = free[0]
+                n = kv.shape[3]
+                self._cache.kv[:, :, slot, :, :n] = kv.to(self._cache.kv.device, self._cache.kv.dtype)
+                self._cache.lengths[slot] = n
+                row.seq.slot = slot
+                self._running[slot] = row
+            else:
+                self._queue.append(row)
+
+    def _ensure_cache(self, longest_reserve: int) -> None:
         """A cache of max_batch rows long enough for the longest request plus k_max (a ragged
         verify writes K + 1 positions in every row, padding included; reused if it is)."""
-        need = max((reserve(r) for r in requests), default=1) + self.k_max
+        need = longest_reserve + self.k_max
         if self._cache is None or self._cache.max_len < need:
             self._cache = self.model.new_cache(self.max_batch, need)
         self._cache.free(torch.arange(self.max_batch))
@@ -228,25 +322,28 @@ class RolloutEngine:
 
     # --- joining ---------------------------------------------------------------------------
 
-    def _admit(self, requests, waiting: list[int], running: dict[int, _Row]) -> int:
-        """Waiting requests join (in order) while slots and KV room allow; one prefill.
-        Returns the KV tokens the running rows then reserve."""
+    def _admit(self) -> int:
+        """Queued rows join (in order) while slots and KV room allow; one ragged prefill of
+        their tokens so far (the prompt, or a migrated row's prompt and response). Returns the
+        KV tokens the running rows then reserve."""
+        running = self._running
         free_slots = [s for s in range(self.max_batch) if s not in running]
         room = self.cache_capacity - self._kv_reserved(running)
-        joining: list[tuple[int, int]] = []  # (slot, request index)
-        while waiting and free_slots and reserve(requests[waiting[0]]) <= room:
-            i = waiting.pop(0)
-            room -= reserve(requests[i])
-            joining.append((free_slots.pop(0), i))
+        joining: list[_Row] = []
+        while self._queue and free_slots and reserve(self._queue[0].req) <= room:
+            row = self._queue.pop(0)
+            room -= reserve(row.req)
+            row.seq.slot = free_slots.pop(0)
+            joining.append(row)
         if not joining:
             return self.cache_capacity - room
         t = time.perf_counter()
-        prompts = [requests[i].prompt for _, i in joining]
-        last = prefill(self.model, self._cache, [s for s, _ in joining], prompts)
+        prompts = [r.seq.tokens for r in joining]
+        last = prefill(self.model, self._cache, [r.seq.slot for r in joining], prompts)
         ms = (time.perf_counter() - t) * 1e3
-        for (slot, i), tok in zip(joining, last.tolist()):
-            req = requests[i]
-            running[slot] = _Row(req, i, Seq(list(req.prompt), slot, req.prompt_id), tok)
+        for row, tok in zip(joining, last.tolist()):
+            row.last = tok
+            running[row.seq.slot] = row
         self._record_step(t, "prefill", len(joining), None, 0, 0, 0, 0, 0.0, ms, ms, sum(map(len, prompts)))
         return self.cache_capacity - room
 
@@ -352,11 +449,12 @@ class RolloutEngine:
 
     # --- leaving ---------------------------------------------------------------------------
 
-    def _retire(self, running: dict[int, _Row], results: list) -> None:
-        """Finished rows leave: cache rows freed, drafters told, estimator folded, records written."""
+    def _retire(self, running: dict[int, _Row]) -> list[tuple[int, SampleResult]]:
+        """Finished rows leave: cache rows freed, drafters told, estimator folded, records
+        written; returns them (dense index, result)."""
         done = [slot for slot, r in running.items() if r.done]
         if not done:
-            return
+            return []
         rows = [running.pop(slot) for slot in done]
         self._cache.free(torch.tensor(done, dtype=torch.long))
         finish_s = time.perf_counter() - self._t0
@@ -367,10 +465,12 @@ class RolloutEngine:
                 for r in rows:
                     d.add_history(r.req.prompt_id, r.req.prompt + r.tokens)
         self.estimator.finish(np.array([r.index for r in rows], dtype=np.int64))
+        out = []
         for r in rows:
-            results[r.index] = SampleResult(r.req.prompt_id, r.req.sample_id, r.tokens, r.logprobs, finish_s,
-                                            r.steps, r.drafted, r.accepted)
+            out.append((r.index, SampleResult(r.req.prompt_id, r.req.sample_id, r.tokens, r.logprobs, finish_s,
+                                              r.steps, r.drafted, r.accepted)))
             self._record_sample(r, finish_s)
+        return out
 
     # --- traces and stats ------------------------------------------------------------------
 
@@ -389,7 +489,7 @@ class RolloutEngine:
             return
         rec = dict(rl_step=self.rl_step, sample_id=r.req.sample_id, prompt_id=r.req.prompt_id, instance=self.instance,
                    prompt_len=len(r.req.prompt), response_len=len(r.tokens), finish_s=finish_s,
-                   preemptions=0, migrations=0, drafted=r.drafted, accepted=r.accepted, rejected=r.rejected)
+                   preemptions=0, migrations=r.migrations, drafted=r.drafted, accepted=r.accepted, rejected=r.rejected)
         informed = getattr(self.policy, "needs_acceptance", True)
         for name in self.drafters:
             if informed:  # the shared estimator's (shrunk to the prompt and the drafter)

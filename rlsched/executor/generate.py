@@ -50,6 +50,8 @@ class GenerateArgs:
     dtype: str = "float32"
     seed: int = 0
     threads: int | None = None
+    instances: int = 1  # more than 1: a Ray pool (rlsched.executor.pool)
+    realloc: str = "none"  # the pool's ReallocPolicy
 
 
 @dataclass
@@ -164,6 +166,15 @@ def _check_numbers(a: GenerateArgs) -> None:
         raise UserError(f"--kv-budget must be >= 1 token (got {a.kv_budget})")
     if a.threads is not None and a.threads < 1:
         raise UserError(f"--threads must be >= 1 (got {a.threads})")
+    if a.instances < 1:
+        raise UserError(f"--instances must be >= 1 (got {a.instances})")
+    from rlsched.policies.realloc import make_realloc_policy
+
+    make_realloc_policy(a.realloc)  # an unknown name: one line, before anything is loaded
+    if a.instances > 1:
+        from rlsched.executor.pool import require_ray
+
+        require_ray()
 
 
 # --- the run ---------------------------------------------------------------------------------
@@ -225,12 +236,13 @@ def make_drafter(s: Setup, max_len: int, generator: torch.Generator):
 
 
 def cost_model(s: Setup, drafter, typical_ctx: int, log=None):
-    """The executor's own step costs: a `rlsched profile` folder, or a short profile now."""
+    """The executor's own step costs: a `rlsched profile` folder, or a short profile now
+    (for a priced policy, or for pricing migrations between instances)."""
     from rlsched.executor.engine import policy_needs_cost
     from rlsched.policies.measured import MeasuredCostModel
 
     a = s.args
-    if not policy_needs_cost(a.policy):
+    if not policy_needs_cost(a.policy) and not (a.instances > 1 and a.realloc != "none"):
         return None
     if a.cost_model != "auto":
         from rlsched.traces.reader import read_trace
@@ -241,6 +253,20 @@ def cost_model(s: Setup, drafter, typical_ctx: int, log=None):
     return MeasuredCostModel(policy_profile(s.target.model, drafter, policy=a.policy, max_batch=a.max_batch,
                                             k_max=a.k_max, typical_ctx=typical_ctx, sampling=s.sampling,
                                             seed=a.seed, log=log))
+
+
+def _pool(s: Setup, policy, cost, budget: int, drafter_len: int, out: Path, log):
+    """--instances N: N engines as Ray actors (each with --max-batch rows and the KV budget)."""
+    import os
+
+    from rlsched.executor.pool import InstancePool, InstanceSpec
+
+    a = s.args
+    threads = a.threads or max(1, (os.cpu_count() or 1) // a.instances)
+    spec = InstanceSpec(str(s.target_dir), s.drafter_name, None if s.drafter_dir is None else str(s.drafter_dir),
+                        s.sampling, policy, budget, a.max_batch, a.k_max, drafter_len, str(out / "traces"),
+                        a.device, a.dtype, threads)
+    return InstancePool(a.instances, spec, realloc=a.realloc, cost=cost, seed=a.seed, log=log)
 
 
 def run(s: Setup, out: Path, log=None) -> dict:
@@ -261,13 +287,18 @@ def run(s: Setup, out: Path, log=None) -> dict:
 
     drafter = make_drafter(s, drafter_cache_len(max(len(r.prompt) for r in requests), a.max_tokens, a.k_max), gen)
     typical = int(sum(len(r.prompt) for r in requests) / len(requests) + a.max_tokens / 2)
-    policy = build_policy(a.policy, _drafter_names(s.drafter_name), cost_model(s, drafter, typical, log),
+    cost = cost_model(s, drafter, typical, log)
+    policy = build_policy(a.policy, _drafter_names(s.drafter_name), cost,
                           k_max=a.k_max, max_batch=a.max_batch, typical_ctx=typical)
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    engine = RolloutEngine(s.target.model, drafter, budget, a.max_batch, s.sampling, policy,
-                           trace_dir=out / "traces", k_max=a.k_max, generator=gen)
+    if a.instances > 1:
+        engine = _pool(s, policy, cost, budget, drafter_cache_len(max(len(r.prompt) for r in requests),
+                                                                  a.max_tokens, a.k_max), out, log)
+    else:
+        engine = RolloutEngine(s.target.model, drafter, budget, a.max_batch, s.sampling, policy,
+                               trace_dir=out / "traces", k_max=a.k_max, generator=gen)
     try:
         result = engine.run(requests)
     finally:
@@ -285,7 +316,7 @@ def run(s: Setup, out: Path, log=None) -> dict:
     df = pd.DataFrame(rows)
     write_table(out / "samples.parquet", pa.Table.from_pandas(df, preserve_index=False))
     stats = result.stats
-    summary = dict(stats, model=str(s.target_dir), drafter=s.drafter_name,
+    summary = dict(stats, model=str(s.target_dir), drafter=s.drafter_name, instances=a.instances, realloc=a.realloc,
                    drafter_dir=None if s.drafter_dir is None else str(s.drafter_dir), policy=a.policy,
                    prompts=len(s.prompts), kv_budget_tokens=budget,
                    accuracy=None if df["correct"].isna().all() else float(df["correct"].mean()),

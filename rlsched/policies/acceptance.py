@@ -126,6 +126,18 @@ class AcceptanceEstimator:
         s.g_n = decay * s.g_n + n_acc + n_fail
         s.stale += steps
 
+    def sample_counts(self, drafter: str, i: int) -> tuple[float, float]:
+        """Sample i's own (accepted, rejected) trial counts: what it carries to another instance."""
+        self._flush()
+        s = self._stats[drafter]
+        return float(s.succ[i]), float(s.fail[i])
+
+    def add_sample_counts(self, drafter: str, i: int, succ: float, fail: float) -> None:
+        """Sample i arrived from another instance with these trial counts."""
+        s = self._stats[drafter]
+        s.succ[i] += succ
+        s.fail[i] += fail
+
     def finish(self, ids: np.ndarray) -> None:
         """Fold finished samples into their prompts' counts (their siblings gain from them)."""
         self._flush()

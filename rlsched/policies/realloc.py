@@ -70,6 +70,22 @@ def _fits(ctx: np.ndarray, kv_free: int) -> int:
     return int(np.searchsorted(np.cumsum(ctx), kv_free, side="right"))
 
 
+def split_kv_reprefill(cost: CostModel, ctx: np.ndarray) -> int:
+    """How many of the sequences with these contexts (sorted ascending) to re-prefill at the
+    destination rather than ship as KV: the shortest ones (prefill attention grows with the
+    square of the length, a transfer only linearly); the split with the least charged time
+    (re-prefill of the first s + KV transfer of the rest)."""
+    n = len(ctx)
+    cs = np.concatenate(([0], np.cumsum(ctx)))
+    cs2 = np.concatenate(([0], np.cumsum(ctx * ctx)))
+    best_s, best_t = 0, cost.kv_transfer_time(int(cs[-1]), n)
+    for s in range(1, n + 1):
+        t = cost.prefill_time(int(cs[s]), int(cs2[s])) + cost.kv_transfer_time(int(cs[-1] - cs[s]), n - s)
+        if t < best_t:
+            best_s, best_t = s, t
+    return best_s
+
+
 class NoRealloc:
     """Samples stay where they were first assigned; an instance that runs out of work is free."""
 

@@ -24,6 +24,7 @@ import simpy
 from rlsched.config import SimConfig
 from rlsched.errors import UserError
 from rlsched.policies.acceptance import AcceptanceEstimator
+from rlsched.policies.realloc import split_kv_reprefill
 from rlsched.policies.types import CostModel, InstanceView, Migration, ReallocEvent
 from rlsched.sim.engine import Instance
 from rlsched.sim.timeline import Timeline
@@ -36,22 +37,6 @@ def kv_capacity(cfg: SimConfig, cost) -> int:
     if cfg.cluster.kv_capacity_tokens is not None:
         return cfg.cluster.kv_capacity_tokens
     return cost.kv_capacity_tokens(cfg.cluster.gpu_memory_utilization, cfg.cluster.activation_reserve_gib)
-
-
-def split_kv_reprefill(cost: CostModel, ctx: np.ndarray) -> int:
-    """How many of the sequences with these contexts (sorted ascending) to re-prefill at the
-    destination rather than ship as KV: the shortest ones (prefill attention grows with the
-    square of the length, a transfer only linearly); the split with the least charged time
-    (re-prefill of the first s + KV transfer of the rest)."""
-    n = len(ctx)
-    cs = np.concatenate(([0], np.cumsum(ctx)))
-    cs2 = np.concatenate(([0], np.cumsum(ctx * ctx)))
-    best_s, best_t = 0, cost.kv_transfer_time(int(cs[-1]), n)
-    for s in range(1, n + 1):
-        t = cost.prefill_time(int(cs[s]), int(cs2[s])) + cost.kv_transfer_time(int(cs[-1] - cs[s]), n - s)
-        if t < best_t:
-            best_s, best_t = s, t
-    return best_s
 
 
 class GenerationStage:

@@ -113,21 +113,28 @@ class TraceWriter:
     record it appended readable (`read_trace` reads journals whose part is missing), at the
     cost of a line of JSON per record instead of a Parquet file per record."""
 
-    def __init__(self, root: Path, kind: str, flush_every: int = 1, journal: bool = False):
+    def __init__(self, root: Path, kind: str, flush_every: int = 1, journal: bool = False, tag: str = ""):
         self.dir = Path(root) / kind
         self.dir.mkdir(parents=True, exist_ok=True)
         self.kind, self.flush_every, self.journal = kind, flush_every, journal
+        self.tag = f"-{tag}" if tag else ""  # writers sharing a folder (pool instances) each tag their parts
         self._rows: list[dict] = []
-        numbers = [int(p.name.split("-")[1].split(".")[0]) for p in self.dir.glob("part-*.*")
-                   if p.suffix in (".parquet", ".jsonl")]
+        numbers = []
+        for p in self.dir.glob("part-*.*"):
+            number, _, rest = p.name.split(".")[0][len("part-"):].partition("-")
+            if p.suffix in (".parquet", ".jsonl") and (f"-{rest}" if rest else "") == self.tag and number.isdigit():
+                numbers.append(int(number))
         self._next = max(numbers) + 1 if numbers else 0
         self._journal = None
+
+    def _part(self, suffix: str) -> Path:
+        return self.dir / f"part-{self._next:06d}{self.tag}{suffix}"
 
     def append(self, record: dict) -> None:
         self._rows.append(record)
         if self.journal:
             if self._journal is None:
-                self._journal = open(self.dir / f"part-{self._next:06d}.jsonl", "a")
+                self._journal = open(self._part(".jsonl"), "a")
             self._journal.write(json.dumps(record, default=_plain) + "\n")
             self._journal.flush()
         if len(self._rows) >= self.flush_every:
@@ -136,7 +143,7 @@ class TraceWriter:
     def flush(self) -> None:
         if not self._rows:
             return
-        write_table(self.dir / f"part-{self._next:06d}.parquet", to_table(self.kind, pd.DataFrame(self._rows)))
+        write_table(self._part(".parquet"), to_table(self.kind, pd.DataFrame(self._rows)))
         if self._journal is not None:  # the part is in place: its journal is no longer needed
             self._journal.close()
             Path(self._journal.name).unlink(missing_ok=True)

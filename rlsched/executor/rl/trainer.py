@@ -37,15 +37,10 @@ import yaml
 
 from rlsched.errors import UserError
 from rlsched.executor.rl.config import RunConfig
+from rlsched.executor.seeds import derive_seed as _seed
 
 CHECKPOINT = "checkpoint.pt"
 SUMMARY = "summary.json"
-
-
-def _seed(*parts) -> int:
-    """A 63-bit seed from the run's seed and a purpose: randomness depends on nothing else."""
-    h = hashlib.blake2b(json.dumps(parts).encode(), digest_size=8).digest()
-    return int.from_bytes(h, "little") & (2 ** 63 - 1)
 
 
 def prompt_key(text: str) -> int:
@@ -187,7 +182,7 @@ class Trainer:
         from rlsched.policies.measured import MeasuredCostModel
 
         c = self.cfg
-        if not policy_needs_cost(c.policy):
+        if not (policy_needs_cost(c.policy) or self._realloc_priced):
             return None, None
         if c.cost_model != "auto":
             from rlsched.traces.reader import read_trace
@@ -222,11 +217,12 @@ class Trainer:
         when the policy prices steps and no profile is given)."""
         from rlsched.executor.engine import build_policy
 
-        if self.policy_state is not None:
+        if self.policy_state is not None and not isinstance(self.policy_state, list):
             policy, estimator = self.policy_state
             return policy, estimator, None
         r = self.cfg.rollout
         cost, records = self._cost_model(drafter)
+        self._cost = cost  # a pool prices its migrations by it too
         policy = build_policy(self.cfg.policy, self.drafter_names, cost, k_max=r.k_max, max_batch=r.max_batch,
                               typical_ctx=self._typical_ctx())
         return policy, None, records
@@ -246,9 +242,41 @@ class Trainer:
                 self.sampling, self.cfg.policy, max_batch=r.max_batch, k_max=r.k_max,
                 max_len=self._longest + r.max_tokens + r.k_max + 1, trace_dir=self.out / "traces",
                 seed=self.cfg.seed, threads=self.cfg.threads, dtype=self.cfg.dtype)
+        if r.instances > 1:
+            return self._make_pool(policy)
         return RolloutEngine(self.actor, drafter, r.max_batch * (self._longest + r.max_tokens), r.max_batch,
                              self.sampling, policy, estimator, trace_dir=self.out / "traces", k_max=r.k_max,
                              generator=self.generator)
+
+    @property
+    def _realloc_priced(self) -> bool:
+        r = self.cfg.rollout
+        return r.instances > 1 and r.realloc != "none"
+
+    def _make_pool(self, policy):
+        """rollout.instances engines as Ray actors, each with the actor's current weights and its
+        own copy of the policy (restored per instance on resume)."""
+        import os
+
+        from rlsched.executor.drafters import drafter_cache_len
+        from rlsched.executor.pool import InstancePool, InstanceSpec
+
+        c, r = self.cfg, self.cfg.rollout
+        threads = c.threads or max(1, (os.cpu_count() or 1) // r.instances)
+        spec = InstanceSpec(str(self.target_dir), self.drafter_name, None if self.drafter_dir is None else str(self.drafter_dir),
+                            self.sampling, policy, r.max_batch * (self._longest + r.max_tokens), r.max_batch, r.k_max,
+                            drafter_cache_len(self._longest, r.max_tokens, r.k_max), str(self.out / "traces"),
+                            c.device, c.dtype, threads, 2 * r.group_size)
+        states = self.policy_state if isinstance(self.policy_state, list) else None
+        cost = getattr(self, "_cost", None)
+        if cost is None and self._realloc_priced:
+            from rlsched.policies.measured import MeasuredCostModel
+
+            cost = MeasuredCostModel(pd.read_parquet(self.out / "profile.parquet"))
+        return InstancePool(r.instances, spec, realloc=r.realloc, threshold=r.realloc_threshold, cost=cost,
+                            seed=c.seed, target_state=self.actor.state_dict(),
+                            drafter_state=None if self.drafter_model is None else self.drafter_model.state_dict(),
+                            states=states, log=self.log)
 
     def _longest_prompt(self) -> int:
         """Prompts are drawn per step; the cache is sized for the longest seen in a sweep of
@@ -275,7 +303,8 @@ class Trainer:
             critic_opt=None if self.critic_opt is None else self.critic_opt.state_dict(),
             drafter=None if self.drafter_model is None else self.drafter_model.state_dict(),
             drafter_opt=None if self.drafter_opt is None else self.drafter_opt.state_dict(),
-            policy=(getattr(e, "policy", None), getattr(e, "estimator", None)),
+            policy=(e.policy_state() if hasattr(e, "policy_state")  # a pool: per instance
+                    else (getattr(e, "policy", None), getattr(e, "estimator", None))),
             ngram=getattr(getattr(e, "drafters", {}).get("ngram"), "history", None),
             buffer=self.buffer.state(),
             rng=dict(torch=torch.get_rng_state(), generator=self.generator.get_state()),
@@ -479,6 +508,9 @@ class Trainer:
                    accept_rate=st["accepted"] / st["drafted"] if st["drafted"] else float("nan"),
                    drafter_kl_before=float("nan") if distill_stats is None else distill_stats["kl_before"],
                    drafter_kl_after=float("nan") if distill_stats is None else distill_stats["kl_after"])
+        for k in ("migrated", "migrated_kv", "migrated_reprefill", "requeued", "instances_died"):
+            if k in st:  # a pool of instances
+                rec[k] = int(st[k])
         estimator = getattr(self.engine, "estimator", None)
         for name in self.drafter_names:
             rec[f"accept_mean_{name}"] = float(estimator.mean(name)) if estimator is not None else float("nan")

@@ -1,0 +1,472 @@
+"""Several rollout instances as Ray actors, with live sample reallocation and failover.
+
+Each instance is one `RolloutEngine` in its own Ray worker process (its own threads; its own
+device in real use), writing its traces as before (parts tagged by instance). The driver
+holds the rollout's bookkeeping:
+
+- it assigns the samples (a prompt's G samples to one instance, prompts round-robin), then
+  lets every instance run a few engine steps at a time (`work`), each call answering with the
+  samples that finished and the instance's view (running ids and contexts, queue, KV room);
+- after every answer it runs the ReallocPolicy from `policies/` on the live views, exactly
+  as the simulator does (events 'finished', 'drained' below the threshold, 'idle'), and
+  carries the migrations out between the two instances' steps: a running sequence leaves with
+  its tokens and log-probs and either its KV-cache rows (instances on one host) or nothing,
+  to be re-prefilled at the destination, whichever the cost model prices cheaper;
+- an instance that dies (its process gone: `ray.kill`, a crash, an out-of-memory kill) has
+  every sample it held and had not yet reported re-queued on the others, from the prompt.
+
+A sample is reported by exactly one instance exactly once: the driver refuses a second
+report, and checks at the end that every request came back.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rlsched.errors import UserError
+from rlsched.executor.engine import Request, RolloutResult, check_requests, reserve
+from rlsched.executor.seeds import derive_seed as _seed
+from rlsched.policies.types import InstanceView, Migration, ReallocEvent
+
+STEPS_PER_CALL = 4  # engine steps per `work` call: how often the driver sees the instances
+
+
+def require_ray():
+    try:
+        import ray
+    except ImportError:
+        raise UserError("several rollout instances need Ray: pip install -e '.[distributed]' "
+                        "(or pip install ray), or run with one instance") from None
+    return ray
+
+
+@dataclass
+class InstanceSpec:
+    """How to build one instance: the models (folders, plus current weights when an RL run
+    has trained them), the drafter, sampling, the policy (each instance gets its own copy:
+    acceptance estimates and bandits are per instance) and the engine's sizes."""
+
+    target_dir: str
+    drafter: str  # off, ngram or model
+    drafter_dir: str | None
+    sampling: object
+    policy: object  # a DraftPolicy or a name
+    cache_capacity: int
+    max_batch: int
+    k_max: int
+    drafter_max_len: int
+    trace_dir: str | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    threads: int = 1
+    ngram_max_history: int | None = None
+
+
+class InstanceWorker:
+    """One rollout instance (the body of a Ray actor)."""
+
+    def __init__(self, idx: int, spec: InstanceSpec, target_state=None, drafter_state=None, estimator=None,
+                 ngram_history=None):
+        from rlsched.executor.drafters import ModelDrafter, NgramDrafter
+        from rlsched.executor.engine import RolloutEngine
+        from rlsched.executor.loading import load_model
+
+        torch.set_num_threads(spec.threads)
+        self.idx, self.spec = idx, spec
+        self.model = load_model(Path(spec.target_dir), device=spec.device, dtype=spec.dtype).model
+        if target_state is not None:
+            self.model.load_state_dict(target_state)
+        self.generator = torch.Generator(device=spec.device)
+        self.drafter_model, drafter = None, None
+        if spec.drafter == "ngram":
+            drafter = NgramDrafter(max_history=spec.ngram_max_history)
+            if ngram_history is not None:
+                drafter.history = ngram_history
+        elif spec.drafter == "model":
+            self.drafter_model = load_model(Path(spec.drafter_dir), device=spec.device, dtype=spec.dtype).model
+            if drafter_state is not None:
+                self.drafter_model.load_state_dict(drafter_state)
+            drafter = ModelDrafter(self.drafter_model, spec.sampling, spec.max_batch, spec.drafter_max_len,
+                                   self.generator)
+        self.engine = RolloutEngine(self.model, drafter, spec.cache_capacity, spec.max_batch, spec.sampling,
+                                    spec.policy, estimator, trace_dir=spec.trace_dir and Path(spec.trace_dir),
+                                    k_max=spec.k_max, instance=idx, generator=self.generator,
+                                    trace_tag=f"i{idx}")
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def begin(self, rl_step: int, prompt_of: np.ndarray, longest_reserve: int, seed: int) -> None:
+        self.engine.rl_step = rl_step
+        self.generator.manual_seed(seed)
+        self.engine.begin(prompt_of, longest_reserve)
+
+    def submit(self, items: list[tuple[int, Request]]) -> dict:
+        self.engine.submit(items)
+        return self.engine.view()
+
+    def work(self, max_steps: int) -> dict:
+        """Up to max_steps engine steps; the finished samples, the view, the running totals."""
+        finished = []
+        for _ in range(max_steps):
+            if not self.engine.has_work:
+                break
+            finished += self.engine.work()
+        e = self.engine
+        return dict(finished=finished, view=e.view(), totals=dict(e._totals),
+                    accept_means={d: e.estimator.mean(d) for d in e.estimator.drafters})
+
+    def export_rows(self, indices, with_kv) -> tuple[list[dict], dict]:
+        moved = self.engine.export_rows(indices, set(with_kv))
+        for m in moved:  # tensors travel as numpy (zero-copy in Ray's object store)
+            if m["kv"] is not None:
+                m["kv"] = m["kv"].numpy()
+        return moved, self.engine.view()
+
+    def import_rows(self, moved: list[dict]) -> dict:
+        for m in moved:
+            if m["kv"] is not None:
+                m["kv"] = torch.from_numpy(np.array(m["kv"]))
+        self.engine.import_rows(moved)
+        return self.engine.view()
+
+    def echo(self, payload) -> int:
+        """Receive a payload (the driver times KV transfers with it)."""
+        return int(getattr(payload, "nbytes", 0))
+
+    def sync_weights(self, target_state, drafter_state) -> None:
+        self.model.load_state_dict(target_state)
+        if drafter_state is not None and self.drafter_model is not None:
+            self.drafter_model.load_state_dict(drafter_state)
+
+    def policy_state(self):
+        e = self.engine
+        return e.policy, e.estimator, getattr(e.drafters.get("ngram"), "history", None)
+
+    def flush(self) -> None:
+        self.engine.close()
+
+
+class _Means:
+    """The acceptance estimates the trainer records: the instances' mean per drafter."""
+
+    def __init__(self):
+        self.by_instance: dict[int, dict[str, float]] = {}
+
+    def mean(self, drafter: str) -> float:
+        vals = [m[drafter] for m in self.by_instance.values() if drafter in m]
+        return float(np.mean(vals)) if vals else float("nan")
+
+
+class HostCost:
+    """The cost model migrations are priced by: step and prefill times from the executor's
+    measured profile (`base`), and the KV transfer between instances on this host as measured
+    through Ray's object store when the pool starts (a latency and a bandwidth)."""
+
+    def __init__(self, base, kv_bytes_per_token: int, latency_s: float, bytes_per_s: float):
+        self.base, self.kv_bytes_per_token = base, kv_bytes_per_token
+        self.latency_s, self.bytes_per_s = latency_s, bytes_per_s
+
+    def __getattr__(self, name):
+        return getattr(self.base, name)
+
+    def kv_transfer_time(self, ctx_tokens: int, n_seqs: int) -> float:
+        if n_seqs == 0:
+            return 0.0
+        return self.latency_s + ctx_tokens * self.kv_bytes_per_token / self.bytes_per_s
+
+
+class InstancePool:
+    """N rollout instances on Ray with a ReallocPolicy in the driver; `run(requests)` returns
+    what `RolloutEngine.run` returns, plus the migration and failover counts in the stats.
+
+    spec: how each instance is built; realloc: a ReallocPolicy name; threshold: the load
+    below which an instance reports 'drained'; cost: the base CostModel migrations are priced
+    by (a MeasuredCostModel; needed for realloc other than 'none'); states: per-instance
+    (policy, estimator, n-gram history) to restore from a checkpoint."""
+
+    def __init__(self, n: int, spec: InstanceSpec, *, realloc: str = "none", threshold: int = 8, cost=None,
+                 seed: int = 0, target_state=None, drafter_state=None, states=None, log=None):
+        from rlsched.policies.realloc import make_realloc_policy
+
+        if n < 1:
+            raise UserError(f"instances must be >= 1 (got {n})")
+        self.realloc = make_realloc_policy(realloc)
+        if self.realloc.name != "none" and cost is None:
+            raise UserError(f"reallocation '{realloc}' needs a cost model (a profile of the instances' steps)")
+        ray = require_ray()
+        self.ray, self.n, self.spec, self.threshold, self.seed = ray, n, spec, threshold, seed
+        self.log = log or (lambda msg: None)
+        if not ray.is_initialized():
+            ray.init(num_cpus=max(2, os.cpu_count() or 1), include_dashboard=False, configure_logging=False,
+                     log_to_driver=False, ignore_reinit_error=True)
+        remote = ray.remote(num_cpus=0, max_restarts=0)(InstanceWorker)  # threads are set per instance
+        t_ref = None if target_state is None else ray.put(_cpu(target_state))
+        d_ref = None if drafter_state is None else ray.put(_cpu(drafter_state))
+        self.actors = []
+        for i in range(n):
+            st = states[i] if states else None  # (policy, estimator, n-gram history)
+            self.actors.append(remote.remote(i, spec if st is None else replace(spec, policy=st[0]), t_ref, d_ref,
+                                             None if st is None else st[1], None if st is None else st[2]))
+        self.alive = set(range(n))
+        ray.get([a.pid.remote() for a in self.actors])  # started (and the models loaded) before timing anything
+        self.cost = None if cost is None else self._host_cost(cost)
+        self.rl_step = 0
+        self.estimator = _Means()
+        self.policy = realloc
+        self.on_report = None  # test hook: called with (instance, report) after every answer
+
+    # --- setup ----------------------------------------------------------------------------
+
+    def _host_cost(self, base) -> HostCost:
+        """Time a small and a large payload to one instance: latency and bandwidth."""
+        from rlsched.executor.kvcache import KVCache
+        from rlsched.executor.loading import load_config
+
+        c = load_config(Path(self.spec.target_dir))
+        per_token = KVCache.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim,
+                                            getattr(torch, self.spec.dtype))
+        actor = self.actors[0]
+
+        def trip(nbytes: int) -> float:
+            best = float("inf")
+            for _ in range(3):
+                x = np.zeros(max(1, nbytes // 4), dtype=np.float32)
+                t = time.perf_counter()
+                self.ray.get(actor.echo.remote(self.ray.put(x)))
+                best = min(best, time.perf_counter() - t)
+            return best
+
+        small, big = trip(1 << 10), trip(1 << 23)
+        bw = (1 << 23) / max(big - small, 1e-6)
+        return HostCost(base, per_token, small, bw)
+
+    # --- the rollout ------------------------------------------------------------------------
+
+    def run(self, requests: list[Request]) -> RolloutResult:
+        ray = self.ray
+        check_requests(requests, self.spec.cache_capacity)
+        n = len(requests)
+        prompt_index: dict = {}
+        prompt_of = np.array([prompt_index.setdefault(r.prompt_id, len(prompt_index)) for r in requests],
+                             dtype=np.int64)
+        longest = max((reserve(r) for r in requests), default=1)
+        live = sorted(self.alive)
+        if not live:
+            raise RuntimeError("every rollout instance has died")
+        self.requests, self.results = requests, [None] * n
+        self.location = np.array([live[p % len(live)] for p in prompt_of], dtype=np.int64)
+        self.views: dict[int, InstanceView] = {}
+        self.totals: dict[int, dict] = {}
+        self.counts = dict(migrated=0, migrated_kv=0, migrated_reprefill=0, migrations=0, requeued=0,
+                           instances_died=0)
+        self.inflight: dict[int, object] = {}
+        self._idle_told: set[int] = set()
+        self._t0 = time.perf_counter()
+        self.finish_s = {i: 0.0 for i in live}
+        for i in live:
+            seed = _seed(self.seed, "instance", self.rl_step, i)
+            self.actors[i].begin.remote(self.rl_step, prompt_of, longest, seed)
+            items = [(j, requests[j]) for j in np.flatnonzero(self.location == i)]
+            self._call(i, self.actors[i].submit.remote(items), self._set_view)
+        self._done = 0
+        while self._done < n:
+            for i in sorted(self.alive):
+                if i not in self.inflight and self.views[i].load > 0:
+                    self.inflight[i] = self.actors[i].work.remote(STEPS_PER_CALL)
+            if not self.inflight:
+                raise RuntimeError(f"rollout stalled with {n - self._done} samples unfinished")
+            ready, _ = ray.wait(list(self.inflight.values()), num_returns=1)
+            i = next(k for k, ref in self.inflight.items() if ref == ready[0])
+            report = self._collect(i)
+            if report is not None and self.realloc.name != "none":
+                self._reallocate(i, report)
+        seconds = time.perf_counter() - self._t0
+        missing = [j for j, r in enumerate(self.results) if r is None]
+        if missing:  # cannot happen: the loop ends when every sample has been reported
+            raise RuntimeError(f"samples {missing[:5]} were never reported")
+        return RolloutResult(list(self.results), self._summary(seconds))
+
+    def _call(self, i: int, ref, then=None):
+        """ray.get one call to instance i; None (and its samples re-queued) if it died."""
+        try:
+            value = self.ray.get(ref)
+        except self.ray.exceptions.RayActorError:
+            self._died(i)
+            return None
+        if then is not None:
+            then(i, value)
+        return value
+
+    def _set_view(self, i: int, view: dict) -> None:
+        self.views[i] = InstanceView(i, view["running_ids"], view["running_ctx"], None, list(view["waiting_ids"]),
+                                     int(view["kv_free_tokens"]), int(view["max_batch"]))
+        if self.views[i].load > 0:
+            self._idle_told.discard(i)
+
+    def _collect(self, i: int) -> dict | None:
+        """Instance i's answer to its `work` call: record its finished samples (each once)."""
+        report = self._call(i, self.inflight.pop(i))
+        if report is None:
+            return None
+        for j, res in report["finished"]:
+            if self.results[j] is not None:
+                raise RuntimeError(f"sample {j} was reported twice (instance {i})")
+            if self.location[j] != i:
+                raise RuntimeError(f"sample {j} was reported by instance {i}, but it lives on {self.location[j]}")
+            self.results[j] = res
+            self._done += 1
+        self._set_view(i, report["view"])
+        self.totals[i] = report["totals"]
+        self.estimator.by_instance[i] = report["accept_means"]
+        if report["finished"]:
+            self.finish_s[i] = time.perf_counter() - self._t0
+        if self.on_report is not None:
+            self.on_report(i, report)
+        return report
+
+    def _died(self, i: int) -> None:
+        """Instance i is gone: every sample it held and never reported starts again elsewhere."""
+        self.alive.discard(i)
+        self.inflight.pop(i, None)
+        self.views.pop(i, None)
+        self.counts["instances_died"] += 1
+        lost = [j for j in np.flatnonzero(self.location == i) if self.results[j] is None]
+        live = sorted(self.alive)
+        self.log(f"rollout instance {i} died; re-queuing its {len(lost)} unfinished samples on "
+                 f"{len(live)} other instance(s)")
+        if not live:
+            raise RuntimeError("every rollout instance has died; the rollout cannot complete")
+        by_prompt: dict[int, list[int]] = {}
+        for j in lost:
+            by_prompt.setdefault(self.requests[j].prompt_id, []).append(int(j))
+        for group in by_prompt.values():
+            dst = min(live, key=lambda k: (self.views[k].load if k in self.views else 0, k))
+            if dst in self.inflight:  # its answer first (it may die too)
+                self._collect(dst)
+                if dst not in self.alive:
+                    return self._died_again(group)
+            self.location[group] = dst
+            self._call(dst, self.actors[dst].submit.remote([(j, self.requests[j]) for j in group]), self._set_view)
+            self.counts["requeued"] += len(group)
+
+    def _died_again(self, group):
+        """A receiver died while taking over: its own handling re-queues what it held; these
+        samples still point at the first dead instance, so send them on too."""
+        live = sorted(self.alive)
+        if not live:
+            raise RuntimeError("every rollout instance has died; the rollout cannot complete")
+        dst = live[0]
+        self.location[group] = dst
+        self._call(dst, self.actors[dst].submit.remote([(j, self.requests[j]) for j in group]), self._set_view)
+        self.counts["requeued"] += len(group)
+
+    # --- reallocation ------------------------------------------------------------------------
+
+    def _reallocate(self, i: int, report: dict) -> None:
+        if i not in self.views:
+            return
+        load = self.views[i].load
+        if load == 0:
+            if i in self._idle_told:
+                return
+            self._idle_told.add(i)
+            kind = "idle"
+        elif report["finished"]:
+            kind = "drained" if load < self.threshold else "finished"
+        else:
+            return
+        views = [self.views[k] for k in sorted(self.alive) if k in self.views]
+        event = ReallocEvent(kind, i, time.perf_counter() - self._t0, views)
+        for m in self.realloc.on_event(event, self.cost):
+            self._migrate(m)
+
+    def _migrate(self, m: Migration) -> None:
+        """Move m's samples between two instances' steps: tokens, log-probs and (by cost) KV."""
+        from rlsched.policies.realloc import split_kv_reprefill
+
+        src, dst = m.src, m.dst
+        for k in (src, dst):  # both between steps: collect what they are doing
+            if k in self.inflight:
+                self._collect(k)
+        if src not in self.alive or dst not in self.alive:
+            return
+        ids = [int(j) for j in m.sample_ids if self.results[j] is None and self.location[j] == src]
+        if not ids:
+            return
+        v = self.views[src]
+        ctx_of = dict(zip(v.running_ids.tolist(), v.running_ctx.tolist()))
+        running = sorted((j for j in ids if j in ctx_of), key=lambda j: ctx_of[j])
+        with_kv: list[int] = []
+        if running and m.mode != "reprefill":
+            ctx = np.array([ctx_of[j] for j in running], dtype=np.int64)
+            cut = 0 if m.mode == "kv" else split_kv_reprefill(self.cost, ctx)
+            with_kv = running[cut:]
+        got = self._call(src, self.actors[src].export_rows.remote(ids, with_kv))
+        if got is None:
+            return
+        moved, src_view = got
+        self._set_view(src, src_view)
+        if not moved:
+            return
+        self.location[[mv["index"] for mv in moved]] = dst
+        if self._call(dst, self.actors[dst].import_rows.remote(moved), self._set_view) is None:
+            return  # dst died: its handler re-queued these too
+        n_kv = sum(mv["kv"] is not None for mv in moved)
+        self.counts["migrations"] += 1
+        self.counts["migrated"] += len(moved)
+        self.counts["migrated_kv"] += n_kv
+        self.counts["migrated_reprefill"] += sum(1 for mv in moved if mv["kv"] is None and mv["tokens"])
+
+    # --- results and the rest ----------------------------------------------------------------
+
+    def _summary(self, seconds: float) -> dict:
+        t = {k: sum(tt.get(k, 0) for tt in self.totals.values())
+             for k in ("steps", "drafted", "accepted", "sd_emitted", "sd_rows")}
+        tokens = sum(len(s.tokens) for s in self.results)
+        return dict(samples=len(self.results), tokens=tokens, seconds=seconds,
+                    tokens_per_s=tokens / seconds if seconds > 0 else 0.0, steps=t["steps"],
+                    drafted=t["drafted"], accepted=t["accepted"],
+                    mean_accept_len=t["sd_emitted"] / t["sd_rows"] if t["sd_rows"] else 1.0,
+                    kv_peak_tokens=max((tt.get("kv_peak_tokens", 0) for tt in self.totals.values()), default=0),
+                    max_running=max((tt.get("max_running", 0) for tt in self.totals.values()), default=0),
+                    instances=self.n, instances_alive=len(self.alive),
+                    instance_finish_s={str(k): v for k, v in sorted(self.finish_s.items())}, **self.counts)
+
+    def kill(self, i: int) -> None:
+        """End instance i's process now (what a crash does; tests and failure drills use it)."""
+        self.ray.kill(self.actors[i], no_restart=True)
+
+    def sync_weights(self, model, drafter_model=None) -> None:
+        """The trainer's new weights to every instance (one copy in the object store)."""
+        t_ref = self.ray.put(_cpu(model.state_dict()))
+        d_ref = None if drafter_model is None else self.ray.put(_cpu(drafter_model.state_dict()))
+        for i in sorted(self.alive):
+            self._call(i, self.actors[i].sync_weights.remote(t_ref, d_ref))
+
+    def policy_state(self) -> list:
+        """Per instance (policy, estimator, n-gram history), for checkpoints."""
+        return [self._call(i, self.actors[i].policy_state.remote()) if i in self.alive else None
+                for i in range(self.n)]
+
+    def close(self) -> None:
+        """Write the instances' last trace parts and end their processes."""
+        for i in sorted(self.alive):
+            self._call(i, self.actors[i].flush.remote())
+        for a in self.actors:
+            try:
+                self.ray.kill(a, no_restart=True)
+            except Exception:  # already gone
+                pass
+        self.alive.clear()
+
+
+def _cpu(state: dict) -> dict:
+    return {k: v.detach().to("cpu") for k, v in state.items()}
+

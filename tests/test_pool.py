@@ -1,0 +1,218 @@
+"""Rollout instances as Ray actors: reallocation moves sequences without losing or duplicating
+a token, a killed instance's samples finish elsewhere, new weights reach every instance.
+
+Greedy decoding makes the checks exact: a sequence that migrated (with its KV cache, or
+re-prefilled from its tokens) must end exactly as it does on one engine that never moved it.
+Every instance runs in its own Ray worker process (a local Ray, started once for the module).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+ray = pytest.importorskip("ray")
+
+from rlsched.executor.drafters import ModelDrafter  # noqa: E402
+from rlsched.executor.engine import Request, RolloutEngine  # noqa: E402
+from rlsched.executor.pool import InstancePool, InstanceSpec  # noqa: E402
+from rlsched.executor.sampling import GREEDY  # noqa: E402
+from rlsched.policies.types import Migration  # noqa: E402
+from rlsched.traces import read_trace  # noqa: E402
+from support import ok, rlsched, tiny_pair  # noqa: E402
+
+V = 16
+MAX_BATCH = 8
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("pool") / "tiny"
+    target, drafter = tiny_pair(folder, V)
+    return folder, target, drafter
+
+
+def long_tail_requests(n_prompts: int = 8, group: int = 3, seed: int = 0) -> list[Request]:
+    """Prompts whose budgets differ a lot (no eos: each sample runs to its budget)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for p in range(n_prompts):
+        prompt = rng.integers(1, V, size=int(rng.integers(2, 6))).tolist()
+        budget = int(rng.choice([6, 10, 40]))
+        for _ in range(group):
+            out.append(Request(prompt, p, 1000 + len(out), budget, None))
+    return out
+
+
+def spec_of(pair, trace_dir=None, policy="static:2") -> InstanceSpec:
+    folder, _, _ = pair
+    return InstanceSpec(str(folder), "model", str(folder), GREEDY, policy, MAX_BATCH * 50, MAX_BATCH, 4, 64,
+                        trace_dir=None if trace_dir is None else str(trace_dir), threads=1)
+
+
+def reference(pair, requests, model=None) -> list[list[int]]:
+    """What one engine that never moves a sequence emits (greedy: the plain greedy tokens)."""
+    _, target, drafter = pair
+    eng = RolloutEngine(model or target, ModelDrafter(drafter, GREEDY, MAX_BATCH, 64), MAX_BATCH * 50, MAX_BATCH,
+                        GREEDY, "static:2", k_max=4)
+    return [s.tokens for s in eng.run(requests).samples]
+
+
+class MoveHalf:
+    """A ReallocPolicy for the test: at instance 0's first report, half of its running
+    sequences go to instance 1 in the given mode."""
+
+    name = "move-half"
+
+    def __init__(self, mode: str):
+        self.mode, self.done = mode, False
+
+    def on_event(self, event, cost):
+        if self.done or event.instance != 0:
+            return []
+        v = next(v for v in event.views if v.instance == 0)
+        ids = tuple(int(i) for i in v.running_ids[: len(v.running_ids) // 2])
+        if not ids:
+            return []
+        self.done = True
+        return [Migration(0, 1, ids, self.mode)]
+
+
+@pytest.fixture(scope="module")
+def pool(pair):
+    p = InstancePool(2, spec_of(pair), target_state=pair[1].state_dict(), drafter_state=pair[2].state_dict(),
+                     seed=1)
+    yield p
+    p.close()
+
+
+def check_exactly_once(requests, result, expected):
+    assert [s.sample_id for s in result.samples] == [r.sample_id for r in requests]
+    for r, s, want in zip(requests, result.samples, expected):
+        assert len(s.tokens) == r.max_new_tokens == len(s.logprobs)  # nothing lost, nothing twice
+        assert s.tokens == want, f"sample {r.sample_id} differs from the unmoved run"
+
+
+@pytest.mark.parametrize("mode", ["kv", "reprefill"])
+def test_migrated_sequences_lose_and_duplicate_no_token(pair, pool, mode):
+    requests = long_tail_requests()
+    pool.realloc = MoveHalf(mode)
+    result = pool.run(requests)
+    st = result.stats
+    assert st["migrated"] > 0, st
+    assert st[f"migrated_{mode}"] > 0, st
+    check_exactly_once(requests, result, reference(pair, requests))
+
+
+def test_rebalance_on_live_states_is_lossless(pair, pool, tmp_path):
+    """The real ReallocPolicy (rebalance, priced by a measured cost model) on the live views."""
+    from rlsched.executor.profiler import policy_profile
+    from rlsched.executor.pool import HostCost
+    from rlsched.policies.measured import MeasuredCostModel
+    from rlsched.policies.realloc import make_realloc_policy
+
+    base = MeasuredCostModel(policy_profile(pair[1], None, policy="off", max_batch=MAX_BATCH, k_max=4,
+                                            typical_ctx=16, sampling=GREEDY))
+    pool.cost, pool.threshold = HostCost(base, 256, 1e-3, 1e9), 4
+    pool.realloc = make_realloc_policy("rebalance")
+    # instance 0 gets every long prompt: uneven loads
+    requests = [Request([1 + p, 2, 3], p, p, 40 if p % 2 == 0 else 4, None) for p in range(12) for _ in range(2)]
+    result = pool.run(requests)
+    assert result.stats["migrated"] > 0, result.stats
+    check_exactly_once(requests, result, reference(pair, requests))
+
+
+def test_killed_instance_samples_finish_on_the_other(pair):
+    requests = long_tail_requests(seed=3)
+    p = InstancePool(2, spec_of(pair), target_state=pair[1].state_dict(), drafter_state=pair[2].state_dict())
+    killed = []
+
+    def kill_one(i, report):  # instance 1 dies after its first answer, mid-rollout
+        if i == 1 and not killed:
+            held = len(report["view"]["running_ids"]) + len(report["view"]["waiting_ids"])
+            killed.append(held)
+            p.kill(1)
+
+    p.on_report = kill_one
+    try:
+        result = p.run(requests)
+    finally:
+        p.close()
+    assert killed and killed[0] > 0  # it held unfinished samples when it died
+    st = result.stats
+    assert st["instances_died"] == 1 and st["instances_alive"] == 1 and st["requeued"] >= killed[0]
+    check_exactly_once(requests, result, reference(pair, requests))
+
+
+def test_new_weights_reach_every_instance(pair, pool):
+    _, target, _ = pair
+    changed = type(target)(target.config)
+    changed.load_state_dict(target.state_dict())
+    with torch.no_grad():
+        for prm in changed.parameters():
+            prm.add_(0.2 * torch.randn_like(prm))
+    requests = long_tail_requests(seed=5)
+    pool.realloc = MoveHalf("kv")
+    before = pool.run(requests)
+    pool.sync_weights(changed)
+    after = pool.run(requests)
+    want = reference(pair, requests, model=changed)
+    assert [s.tokens for s in before.samples] != want
+    check_exactly_once(requests, after, want)
+    pool.sync_weights(target)
+
+
+def test_each_instance_writes_its_own_traces(pair, tmp_path):
+    p = InstancePool(2, spec_of(pair, tmp_path / "traces"), target_state=pair[1].state_dict(),
+                     drafter_state=pair[2].state_dict())
+    p.realloc = MoveHalf("reprefill")
+    try:
+        requests = long_tail_requests(seed=7)
+        p.run(requests)
+    finally:
+        p.close()
+    samples = read_trace(tmp_path / "traces", "samples")
+    steps = read_trace(tmp_path / "traces", "steps")
+    assert sorted(samples["sample_id"]) == sorted(r.sample_id for r in requests)
+    assert set(samples["instance"]) == {0, 1} and set(steps["instance"]) == {0, 1}
+    assert samples["migrations"].sum() > 0
+    assert {f.name.split(".")[0].rsplit("-", 1)[1] for f in (tmp_path / "traces" / "steps").iterdir()} == {"i0", "i1"}
+
+
+def test_generate_with_instances_through_the_cli(tmp_path):
+    out = tmp_path / "gen"
+    proc = ok(rlsched("generate", "--instances", "2", "--realloc", "rebalance", "--policy", "static:2", "--n", "2",
+                      "--max-tokens", "24", "--out", str(out), "--json", cwd=tmp_path, timeout=300))
+    import json
+
+    summary = json.loads(proc.stdout)
+    assert summary["instances"] == 2 and summary["samples"] == 64
+    import pandas as pd
+
+    df = pd.read_parquet(out / "samples.parquet")
+    assert df["sample_id"].is_unique and len(df) == 64
+    assert set(read_trace(out / "traces", "samples")["instance"]) == {0, 1}
+
+
+@pytest.mark.parametrize("args, field", [(["--instances", "0"], "--instances"),
+                                         (["--instances", "2", "--realloc", "shuffle"], "reallocation")])
+def test_bad_pool_arguments(tmp_path, args, field):
+    proc = rlsched("generate", *args, "--out", str(tmp_path / "o"), cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert field in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()
+
+
+def test_without_ray_one_line_says_how_to_get_it(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['ray'] = None; from rlsched.cli import main; "
+            f"sys.argv = ['rlsched', 'generate', '--instances', '2', '--out', {str(tmp_path / 'o')!r}]; main()")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                          env={**__import__("os").environ, "COLUMNS": "400"})
+    assert proc.returncode == 2, proc.stderr
+    assert "distributed" in proc.stderr and "ray" in proc.stderr.lower()
+    assert not (tmp_path / "o").exists()
