@@ -40,10 +40,12 @@ plus a prefill record when decoding plain; see that module for what is exact and
 mean), tagged with the run's `rl_step`. `rlsched fit` needs plain decode and prefill records:
 a run whose policy is `off` gives them; a speculative vLLM run's steps mix draft and verify
 time, which vLLM does not separate. Per sample: vLLM (0.32) exposes per-request speculative
-metrics (`per_request_spec_decode_metrics="summary"`: proposed draft tokens and a histogram of
-accepted drafts per verify step), so the sample records hold drafted, accepted, rejected and
-`acceptance_<drafter>` (accepted / drafted) exactly; `finish_s` is the request's last-token
-time; preemptions are vLLM's per request.
+metrics (`per_request_spec_decode_metrics="detailed"`: drafts proposed and accepted in each of
+the request's verify steps), so the sample records hold its chain trials exactly (drafted,
+accepted, rejected = verify steps that ended in a rejection) and `acceptance_<drafter>`, the
+per-token acceptance from those trials (shrunk towards the rollout's rate, as `replay` does);
+`finish_s` is the request's last-token time, preemptions are vLLM's per request. vLLM counts
+drafts accepted past a stop token too, so a sample's accepted may exceed what it kept.
 """
 
 from __future__ import annotations
@@ -213,6 +215,23 @@ def patch_cpu_rejection_sampler() -> bool:
     return True
 
 
+def _quiet_chat_warmup() -> None:
+    """vLLM warms up chat-template rendering at start-up, which needs a tokenizer; the engine
+    runs on token ids (skip_tokenizer_init), so that fails by design and vLLM logs a traceback
+    as a warning. That one record is dropped; everything else vLLM logs stays."""
+    import logging
+
+    log = logging.getLogger("vllm.renderers.base")
+    if not any(getattr(f, "_rlsched", False) for f in log.filters):
+        class _DropChatWarmup(logging.Filter):
+            _rlsched = True
+
+            def filter(self, record):
+                return "Chat template warmup failed" not in str(record.msg)
+
+        log.addFilter(_DropChatWarmup())
+
+
 def keep_cpu_linear_weights() -> bool:
     """The CPU build packs every linear layer's weight for oneDNN at load time and empties the
     checkpoint-format parameter (`dispatch_cpu_unquantized_gemm(remove_weight=True)`), so a
@@ -312,6 +331,7 @@ class VllmRolloutEngine:
             if self.plan["table"] is not None:
                 spec[TABLE_FIELD] = [tuple(e) for e in self.plan["table"]]
         self.method = None if spec is None else spec["method"]
+        _quiet_chat_warmup()
         if self.on_cpu:
             patch_cpu_rejection_sampler()
             keep_cpu_linear_weights()
@@ -330,7 +350,7 @@ class VllmRolloutEngine:
                            distributed_executor_backend="uni", skip_tokenizer_init=True, seed=seed,
                            enable_prefix_caching=False, disable_log_stats=False, speculative_config=spec,
                            logprobs_mode="processed_logprobs",
-                           per_request_spec_decode_metrics="summary" if spec is not None else "none", **kwargs)
+                           per_request_spec_decode_metrics="detailed" if spec is not None else "none", **kwargs)
         except UserError:
             raise
         except Exception as e:  # vLLM's own refusal of a config: one line
@@ -378,7 +398,7 @@ class VllmRolloutEngine:
         seconds = time.perf_counter() - t0
         metrics = _metrics_json(self.llm.get_metrics())
         interval = self._record_steps(metrics, seconds, requests)
-        results = []
+        results, extra = [], []
         for r, o in zip(requests, outs):
             c = o.outputs[0]
             toks = list(c.token_ids)
@@ -398,7 +418,9 @@ class VllmRolloutEngine:
             finish_s = (m.last_token_ts - t0m) if m is not None and getattr(m, "last_token_ts", 0) else seconds
             res = SampleResult(r.prompt_id, r.sample_id, toks, lps, finish_s, steps, drafted, accepted)
             results.append(res)
-            self._record_sample(r, res, sd, m)
+            rejected = sum(a < d for a, d in zip(sd.per_step_accepted, sd.per_step_drafted)) if sd is not None else 0
+            extra.append((r, res, rejected, m))
+        self._record_samples(extra)
         tokens = sum(len(x.tokens) for x in results)
         stats = dict(samples=len(results), tokens=tokens, seconds=seconds,
                      tokens_per_s=tokens / seconds if seconds > 0 else 0.0,
@@ -440,19 +462,26 @@ class VllmRolloutEngine:
         intervals = imported.summary["intervals"]
         return intervals[0] if intervals else {}
 
-    def _record_sample(self, r, res: SampleResult, sd, m) -> None:
+    def _record_samples(self, rows: list) -> None:
+        """One sample record per request: its chain trials (drafted, accepted, rejected: verify
+        steps that ended in a rejection, from vLLM's per-request metrics) and, with a drafter,
+        acceptance_<drafter>: its per-token acceptance accepted / (accepted + rejected), shrunk
+        towards the rollout's rate with 4 trials (as `replay` reads trials), the rollout's rate
+        for a sample that never drafted."""
         if self._samples_w is None:
             return
-        rec = dict(rl_step=self.rl_step, sample_id=r.sample_id, prompt_id=r.prompt_id, instance=self.instance,
-                   prompt_len=len(r.prompt), response_len=len(res.tokens), finish_s=res.finish_s,
-                   preemptions=int(getattr(m, "num_preemptions", 0) or 0), migrations=0,
-                   drafted=res.drafted, accepted=res.accepted)
-        if sd is not None and self.plan is not None:
-            # a verify step was rejected where fewer drafts were accepted than proposed; with a
-            # fixed k that is every step short of k (a batch-size table varies k: not known per step)
-            rec["rejected"] = int(sum(sd.histogram[:self.plan["k"]])) if self.plan["table"] is None else -1
-            rec[f"acceptance_{self.plan['drafter']}"] = res.accepted / res.drafted if res.drafted else float("nan")
-        self._samples_w.append(rec)
+        acc = sum(res.accepted for _, res, _, _ in rows)
+        rej = sum(rejected for _, _, rejected, _ in rows)
+        rate = acc / (acc + rej) if acc + rej else float("nan")
+        for r, res, rejected, m in rows:
+            rec = dict(rl_step=self.rl_step, sample_id=r.sample_id, prompt_id=r.prompt_id, instance=self.instance,
+                       prompt_len=len(r.prompt), response_len=len(res.tokens), finish_s=res.finish_s,
+                       preemptions=int(getattr(m, "num_preemptions", 0) or 0), migrations=0,
+                       drafted=res.drafted, accepted=res.accepted, rejected=int(rejected))
+            if self.plan is not None:
+                rec[f"acceptance_{self.plan['drafter']}"] = (
+                    (res.accepted + rate * 4.0) / (res.accepted + rejected + 4.0) if acc + rej else float("nan"))
+            self._samples_w.append(rec)
 
     # --- weights ---------------------------------------------------------------------------
 
