@@ -68,8 +68,10 @@ def test_bad_tables_and_a_drafting_policy_without_drafter(tmp_path):
 @pytest.mark.skipif(HAVE_VLLM, reason="vllm is importable here")
 def test_without_vllm_the_engine_says_how_to_get_it(tmp_path):
     from rlsched.executor.sampling import SamplingParams
-    from rlsched.executor.vllm_backend import VllmRolloutEngine
+    from rlsched.executor.vllm_backend import VllmRolloutEngine, check_vllm_backend
 
+    with pytest.raises(UserError, match=r"needs vLLM, which is not installed here.*make test-vllm"):
+        check_vllm_backend("static:2", "ngram", k_max=2, max_batch=4)
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 256}))
     with pytest.raises(UserError, match=r"needs vLLM, which is not importable.*make test-vllm.*pip install vllm"):
         VllmRolloutEngine(tmp_path, "off", SamplingParams(1.0), "off", max_batch=4, k_max=2, max_len=64,

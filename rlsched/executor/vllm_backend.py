@@ -178,6 +178,19 @@ def speculative_plan(policy: str, drafter, *, k_max: int, max_batch: int) -> dic
     return {"k": k, "table": table, "drafter": "ngram" if drafter == "ngram" else "model"}
 
 
+def check_vllm_backend(policy: str, drafter, *, k_max: int, max_batch: int) -> dict | None:
+    """Everything a vLLM rollout needs that can be checked without starting vLLM (for a caller
+    that must refuse bad input before writing anything): the policy's plan, and that vllm is
+    importable. UserError otherwise, one line."""
+    import importlib.util
+
+    plan = speculative_plan(policy, drafter if isinstance(drafter, str) else "model", k_max=k_max,
+                            max_batch=max_batch)
+    if importlib.util.find_spec("vllm") is None:
+        raise UserError(f"rollout.backend vllm needs vLLM, which is not installed here; {INSTALL_HINT}")
+    return plan
+
+
 # ----------------------------------------------------------------------------- vLLM start-up
 
 def _import_vllm():
