@@ -216,3 +216,19 @@ def test_without_ray_one_line_says_how_to_get_it(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "distributed" in proc.stderr and "ray" in proc.stderr.lower()
     assert not (tmp_path / "o").exists()
+
+
+def test_rl_run_on_two_instances_through_the_cli(tmp_path):
+    """`rlsched run --instances 2 --realloc rebalance`: the rollouts run on two Ray actors
+    that get the new weights after every update; the traces hold both instances."""
+    out = tmp_path / "run"
+    ok(rlsched("run", "--instances", "2", "--realloc", "rebalance", "--policy", "static:2",
+               "--set", "steps=2", "--set", "rollout.prompts_per_step=4", "--set", "rollout.group_size=4",
+               "--set", "rollout.max_tokens=16", "--set", "checkpoint_every=1", "--out", str(out),
+               cwd=tmp_path, timeout=600))
+    rl = read_trace(out / "traces", "rl_steps")
+    assert list(rl["rl_step"]) == [0, 1] and "migrated" in rl and (rl["samples"] == 16).all()
+    samples = read_trace(out / "traces", "samples")
+    assert set(samples["instance"]) == {0, 1}
+    assert samples.groupby("rl_step")["sample_id"].apply(lambda s: s.is_unique and len(s) == 16).all()
+    assert (out / "checkpoint.pt").is_file() and (out / "summary.json").is_file()

@@ -131,9 +131,11 @@ def read_run(rundir: Path) -> tuple[dict, pd.DataFrame, pd.DataFrame, pd.DataFra
 
 
 def step_overhead_s(steps: pd.DataFrame) -> float:
-    """Median gap between a step record's end and the next record's start, within a rollout."""
+    """Median gap between a step record's end and the next record's start, within a rollout
+    of one instance (instances of a pool keep their own clocks)."""
     gaps = []
-    for _, g in steps.sort_values(["rl_step", "time_s"]).groupby("rl_step"):
+    keys = ["rl_step", "instance"] if "instance" in steps else ["rl_step"]
+    for _, g in steps.sort_values([*keys, "time_s"]).groupby(keys):
         t, ms = g["time_s"].to_numpy(), g["step_ms"].to_numpy()
         if len(t) > 1:
             gaps.append(t[1:] - (t[:-1] + ms[:-1] / 1e3))

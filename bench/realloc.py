@@ -1,0 +1,163 @@
+"""Live sample reallocation on two real rollout instances (Ray actors), beside the simulator.
+
+Workload: the built-in pair, PROMPTS prompts x G samples of the built-in tasks, each prompt
+with a long-tailed token budget (lognormal; its samples vary around it; no eos, so a sample
+runs to its budget): the long-tail rollout RL sees. Prompts are assigned round-robin to two
+instances (a prompt's samples stay together), so the loads are uneven. Each instance: its own
+Ray worker process, 1 thread, max_batch rows, static:K speculative decoding with the model
+drafter.
+
+Measured side by side: `none` and `rebalance` alternate on the same pool (the same two
+processes), REPS times each; the generation-stage time is the wall time of the rollout.
+Predicted: the simulator runs the same rollout (every sample's prompt and response length and
+its own measured acceptance) on two instances with each policy, its step costs fitted from
+the `none` runs' own step records (as `rlsched replay` does, with the per-step overhead), KV
+transfers priced by the link the pool measured.
+
+Run: python bench/realloc.py [--reps 3] [--prompts 8] [--group 16] [--max-batch 16] [--seed 0]
+Results: bench/results/realloc.{json,txt}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import table, write_result  # noqa: E402
+
+
+def workload(tokenizer, prompts: int, group: int, seed: int, median: int, sigma: float, cap: int):
+    from rlsched.executor.engine import Request
+    from rlsched.tasks.synthetic import make_examples
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for p, e in enumerate(make_examples(prompts, seed=seed)):
+        ids = tokenizer.encode(e.prompt, add_special_tokens=False).ids
+        base = float(np.exp(rng.normal(np.log(median), sigma)))
+        for _ in range(group):
+            budget = int(np.clip(round(base * rng.uniform(0.7, 1.3)), 4, cap))
+            out.append(Request(ids, p, len(out), budget, None))
+    return out
+
+
+def simulate(samples: pd.DataFrame, steps: pd.DataFrame, work: Path, args, link) -> dict[str, float]:
+    """Predicted generation-stage seconds of this rollout on two instances, per realloc policy."""
+    import simpy
+
+    from rlsched.analysis.costfile import FittedCostModel
+    from rlsched.analysis.fit import fit_path
+    from rlsched.analysis.replay import _AsRun, _rollout, mean_calibration, step_overhead_s
+    from rlsched.config import load_config
+    from rlsched.policies.acceptance import AcceptanceEstimator
+    from rlsched.policies.draft import PolicyContext, make_draft_policy
+    from rlsched.policies.realloc import make_realloc_policy
+    from rlsched.sim.cluster import GenerationStage
+    from rlsched.sim.timeline import Timeline
+
+    fit = fit_path(work)
+    cost = _AsRun(FittedCostModel(fit.to_json(), path=work), step_overhead_s(steps), mean_calibration(fit))
+    cost.kv_transfer_time = link.kv_transfer_time  # the link the pool measured (instances on one host)
+    rollout = _rollout(samples, "model")
+    out = {}
+    for name in ("none", "rebalance"):
+        cfg = load_config("default", overrides=[
+            "cluster.instances=2", f"cluster.max_batch={args.max_batch}", "cluster.assignment=by_prompt",
+            f"cluster.realloc={name}", f"cluster.realloc_threshold={args.threshold}",
+            f"speculation.k_max={args.k}"])
+        ctx = PolicyContext(cost=cost, drafters=("model",), k_max=args.k, max_batch=args.max_batch)
+        policies = [make_draft_policy(f"static:{args.k}", ctx) for _ in range(2)]
+        env = simpy.Environment()
+        capacity = args.max_batch * (int(rollout.prompt_len.max()) + args.cap + args.k + 8)
+        stage = GenerationStage(env, cfg, cost, rollout, policies, make_realloc_policy(name),
+                                AcceptanceEstimator(("model",)), Timeline(enabled=False), 0,
+                                np.random.SeedSequence(0), capacity)
+        env.process(stage.run())
+        env.run()
+        out[name] = float(stage.makespan)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--group", type=int, default=16)
+    ap.add_argument("--max-batch", type=int, default=16)
+    ap.add_argument("--median", type=int, default=32, help="median token budget of a prompt")
+    ap.add_argument("--sigma", type=float, default=1.0, help="lognormal spread of the prompts' budgets")
+    ap.add_argument("--cap", type=int, default=256, help="longest budget")
+    ap.add_argument("--k", type=int, default=3, help="static draft length")
+    ap.add_argument("--threshold", type=int, default=8, help="realloc threshold (load below it: drained)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--work", type=Path, default=None)
+    args = ap.parse_args()
+
+    from rlsched.executor.builtin import builtin_pair
+    from rlsched.executor.loading import load_model
+    from rlsched.executor.pool import InstancePool, InstanceSpec
+    from rlsched.executor.profiler import policy_profile
+    from rlsched.executor.sampling import SamplingParams
+    from rlsched.policies.measured import MeasuredCostModel
+    from rlsched.policies.realloc import make_realloc_policy
+    from rlsched.traces.reader import read_trace
+
+    pair = builtin_pair()
+    target = load_model(pair.target)
+    sampling = SamplingParams(temperature=1.0)
+    requests = workload(target.tokenizer, args.prompts, args.group, args.seed, args.median, args.sigma, args.cap)
+    longest = max(len(r.prompt) for r in requests) + args.cap
+    base = MeasuredCostModel(policy_profile(target.model, None, policy="off", max_batch=args.max_batch,
+                                            k_max=args.k, typical_ctx=40, sampling=sampling))
+    with tempfile.TemporaryDirectory() as tmp:
+        work = args.work or Path(tmp)
+        spec = InstanceSpec(str(pair.target), "model", str(pair.drafter), sampling, f"static:{args.k}",
+                            args.max_batch * longest, args.max_batch, args.k, longest + 2 * args.k + 8,
+                            trace_dir=str(work / "traces"), threads=1)
+        pool = InstancePool(2, spec, realloc="rebalance", threshold=args.threshold, cost=base, seed=args.seed)
+        measured: dict[str, list[float]] = {"none": [], "rebalance": []}
+        stats: dict[str, list[dict]] = {"none": [], "rebalance": []}
+        try:
+            pool.rl_step = 0
+            pool.realloc = make_realloc_policy("none")
+            pool.run(requests)  # warm-up (traces kept: rl_step 0)
+            for rep in range(args.reps):
+                for j, name in enumerate(("none", "rebalance") if rep % 2 == 0 else ("rebalance", "none")):
+                    pool.rl_step = 1 + 2 * rep + j
+                    pool.realloc = make_realloc_policy(name)
+                    res = pool.run(requests)
+                    measured[name].append(res.stats["seconds"])
+                    stats[name].append({**res.stats, "rl_step": pool.rl_step})
+                    print(f"rep {rep} {name:9s} {res.stats['seconds']:.2f} s, migrated {res.stats['migrated']} "
+                          f"(kv {res.stats['migrated_kv']}), finish {res.stats['instance_finish_s']}", flush=True)
+        finally:
+            pool.close()
+        steps, samples = read_trace(work / "traces", "steps"), read_trace(work / "traces", "samples")
+        none_steps = [s["rl_step"] for s in stats["none"]]
+        first = samples[samples["rl_step"] == none_steps[0]]
+        predicted = simulate(first, steps[steps["rl_step"].isin(none_steps)], work, args, pool.cost)
+
+    med = {k: float(np.median(v)) for k, v in measured.items()}
+    best = {k: float(np.min(v)) for k, v in measured.items()}
+    cut = 1 - med["rebalance"] / med["none"]
+    pcut = 1 - predicted["rebalance"] / predicted["none"]
+    rows = [[name, med[name], best[name], predicted[name], float(np.mean([s["migrated"] for s in stats[name]]))]
+            for name in ("none", "rebalance")]
+    text = table(["realloc", "measured median s", "measured min s", "simulated s", "migrated"], rows)
+    text += (f"\n\nrebalance cuts the generation stage by {cut:.1%} measured (median of {args.reps}), "
+             f"{1 - best['rebalance'] / best['none']:.1%} (min); the simulator predicts {pcut:.1%}")
+    print(text)
+    write_result("realloc", dict(args={k: str(v) for k, v in vars(args).items()}, measured=measured,
+                                 measured_median=med, predicted=predicted, cut_measured=cut, cut_predicted=pcut,
+                                 samples=len(requests), stats=stats,
+                                 link=dict(latency_s=pool.cost.latency_s, bytes_per_s=pool.cost.bytes_per_s)), text)
+
+
+if __name__ == "__main__":
+    main()
