@@ -99,8 +99,11 @@ class InstanceWorker:
                                     k_max=spec.k_max, instance=idx, generator=self.generator,
                                     trace_tag=f"i{idx}")
 
-    def pid(self) -> int:
-        return os.getpid()
+    def where(self) -> tuple[int, str]:
+        """(process id, Ray node id): KV moves only between instances on one node."""
+        import ray
+
+        return os.getpid(), ray.get_runtime_context().get_node_id()
 
     def begin(self, rl_step: int, prompt_of: np.ndarray, longest_reserve: int, seed: int) -> None:
         self.engine.rl_step = rl_step
@@ -215,7 +218,8 @@ class InstancePool:
             self.actors.append(remote.remote(i, spec if st is None else replace(spec, policy=st[0]), t_ref, d_ref,
                                              None if st is None else st[1], None if st is None else st[2]))
         self.alive = set(range(n))
-        ray.get([a.pid.remote() for a in self.actors])  # started (and the models loaded) before timing anything
+        # started (and the models loaded) before timing anything
+        self.node_of = [node for _, node in ray.get([a.where.remote() for a in self.actors])]
         self.cost = None if cost is None else self._host_cost(cost)
         self.rl_step = 0
         self.estimator = _Means()
@@ -270,9 +274,9 @@ class InstancePool:
         self._idle_told: set[int] = set()
         self._t0 = time.perf_counter()
         self.finish_s = {i: 0.0 for i in live}
+        for i in live:  # every instance begins before any gets work (a failover may send it some)
+            self.actors[i].begin.remote(self.rl_step, prompt_of, longest, _seed(self.seed, "instance", self.rl_step, i))
         for i in live:
-            seed = _seed(self.seed, "instance", self.rl_step, i)
-            self.actors[i].begin.remote(self.rl_step, prompt_of, longest, seed)
             items = [(j, requests[j]) for j in np.flatnonzero(self.location == i)]
             self._call(i, self.actors[i].submit.remote(items), self._set_view)
         self._done = 0
@@ -404,7 +408,7 @@ class InstancePool:
         ctx_of = dict(zip(v.running_ids.tolist(), v.running_ctx.tolist()))
         running = sorted((j for j in ids if j in ctx_of), key=lambda j: ctx_of[j])
         with_kv: list[int] = []
-        if running and m.mode != "reprefill":
+        if running and m.mode != "reprefill" and self.node_of[src] == self.node_of[dst]:
             ctx = np.array([ctx_of[j] for j in running], dtype=np.int64)
             cut = 0 if m.mode == "kv" else split_kv_reprefill(self.cost, ctx)
             with_kv = running[cut:]
