@@ -48,39 +48,20 @@ def workload(tokenizer, prompts: int, group: int, seed: int, median: int, sigma:
 
 
 def simulate(samples: pd.DataFrame, steps: pd.DataFrame, work: Path, args, link) -> dict[str, float]:
-    """Predicted generation-stage seconds of this rollout on two instances, per realloc policy."""
-    import simpy
+    """Predicted generation-stage seconds of this rollout on two instances, per realloc policy:
+    `rlsched replay`'s simulation (costs fitted from the traces' own steps, calibrated, plus
+    the per-step overhead), with the KV link the pool measured."""
+    from rlsched.analysis.replay import _AsRun, _costs, _rollout, _simulate, step_overhead_s
 
-    from rlsched.analysis.costfile import FittedCostModel
-    from rlsched.analysis.fit import fit_path
-    from rlsched.analysis.replay import _AsRun, _rollout, mean_calibration, step_overhead_s
-    from rlsched.config import load_config
-    from rlsched.policies.acceptance import AcceptanceEstimator
-    from rlsched.policies.draft import PolicyContext, make_draft_policy
-    from rlsched.policies.realloc import make_realloc_policy
-    from rlsched.sim.cluster import GenerationStage
-    from rlsched.sim.timeline import Timeline
-
-    fit = fit_path(work)
-    cost = _AsRun(FittedCostModel(fit.to_json(), path=work), step_overhead_s(steps), mean_calibration(fit))
-    cost.kv_transfer_time = link.kv_transfer_time  # the link the pool measured (instances on one host)
+    cost, _, policy_cost, factors = _costs(work, None, "model")
+    sim_cost = _AsRun(cost, step_overhead_s(steps), factors)
+    sim_cost.kv_transfer_time = link.kv_transfer_time  # instances on one host
     rollout = _rollout(samples, "model")
     out = {}
     for name in ("none", "rebalance"):
-        cfg = load_config("default", overrides=[
-            "cluster.instances=2", f"cluster.max_batch={args.max_batch}", "cluster.assignment=by_prompt",
-            f"cluster.realloc={name}", f"cluster.realloc_threshold={args.threshold}",
-            f"speculation.k_max={args.k}"])
-        ctx = PolicyContext(cost=cost, drafters=("model",), k_max=args.k, max_batch=args.max_batch)
-        policies = [make_draft_policy(f"static:{args.k}", ctx) for _ in range(2)]
-        env = simpy.Environment()
-        capacity = args.max_batch * (int(rollout.prompt_len.max()) + args.cap + args.k + 8)
-        stage = GenerationStage(env, cfg, cost, rollout, policies, make_realloc_policy(name),
-                                AcceptanceEstimator(("model",)), Timeline(enabled=False), 0,
-                                np.random.SeedSequence(0), capacity)
-        env.process(stage.run())
-        env.run()
-        out[name] = float(stage.makespan)
+        run_cfg = {"rollout": dict(max_batch=args.max_batch, k_max=args.k, max_tokens=args.cap, instances=2,
+                                   realloc=name, realloc_threshold=args.threshold)}
+        out[name] = _simulate([rollout], f"static:{args.k}", "model", sim_cost, policy_cost, run_cfg, args.seed)[0]
     return out
 
 

@@ -2,8 +2,8 @@
 
 `replay_run(RUNDIR)` rebuilds each RL step's rollout from the run's own traces (every
 sample's prompt and response length and the engine's estimate of its per-token acceptance),
-simulates that step's generation stage on one instance with the run's batch limit, k_max and
-drafting policy, and sets the predicted time beside the measured one (`generation_s` of the
+simulates that step's generation stage with the run's batch limit, k_max and drafting policy
+(on one instance, or on the run's instances with its reallocation policy), and sets the predicted time beside the measured one (`generation_s` of the
 run's `rl_steps` records).
 
 Step costs come from a `rlsched fit` file (`cost_file`) or, by default, are fitted from the
@@ -172,7 +172,9 @@ def _drafter_name(cfg: dict) -> str | None:
 
 
 def _simulate(rollouts, policy_spec: str, drafter, sim_cost, policy_cost, run_cfg: dict, seed: int) -> list[float]:
-    """Generation-stage seconds of each rollout, one instance, the run's limits."""
+    """Generation-stage seconds of each rollout with the run's limits: on one instance, or on
+    the run's `rollout.instances` (prompts assigned round-robin, as the pool does) with its
+    reallocation policy and threshold."""
     from rlsched.config import load_config
     from rlsched.policies.draft import PolicyContext, make_draft_policy
     from rlsched.policies.realloc import make_realloc_policy
@@ -180,24 +182,27 @@ def _simulate(rollouts, policy_spec: str, drafter, sim_cost, policy_cost, run_cf
     from rlsched.sim.timeline import Timeline
 
     r = run_cfg["rollout"]
-    cfg = load_config("default", overrides=["cluster.instances=1", f"cluster.max_batch={r['max_batch']}",
-                                            f"speculation.k_max={r['k_max']}", "cluster.realloc=none"])
+    n_inst, realloc_name = int(r.get("instances", 1)), str(r.get("realloc", "none"))
+    cfg = load_config("default", overrides=[
+        f"cluster.instances={n_inst}", f"cluster.max_batch={r['max_batch']}", f"speculation.k_max={r['k_max']}",
+        f"cluster.realloc={realloc_name}", f"cluster.realloc_threshold={int(r.get('realloc_threshold', 8))}",
+        "cluster.assignment=by_prompt"])
     names = () if drafter is None else (drafter,)
     typical = int(np.mean([ro.prompt_len.mean() for ro in rollouts]) + r["max_tokens"] / 2)
     ctx = PolicyContext(cost=policy_cost, drafters=names, k_max=r["k_max"], max_batch=r["max_batch"],
                         typical_ctx=typical)
-    policy = make_draft_policy(policy_spec, ctx)
+    policies = [make_draft_policy(policy_spec, ctx) for _ in range(n_inst)]  # one per instance, as in the pool
     estimator = AcceptanceEstimator(names)
     capacity = r["max_batch"] * (max(int(ro.prompt_len.max()) for ro in rollouts) + r["max_tokens"] + r["k_max"]) * 2
     env = simpy.Environment()
     timeline = Timeline(enabled=False)
-    realloc = make_realloc_policy("none")
+    realloc = make_realloc_policy(realloc_name)
     times: list[float] = []
     root = np.random.SeedSequence(seed)
 
     def run():
         for i, ro in enumerate(rollouts):
-            stage = GenerationStage(env, cfg, sim_cost, ro, [policy], realloc, estimator, timeline, i,
+            stage = GenerationStage(env, cfg, sim_cost, ro, policies, realloc, estimator, timeline, i,
                                     root.spawn(1)[0], capacity)
             t0 = env.now
             yield env.process(stage.run())
