@@ -198,6 +198,26 @@ def test_traces_of_each_run(self_engine, requests_):
     assert (s7.rejected <= 1).all() and (s7.acceptance_model > 0.8).all()
 
 
+@pytest.mark.vllm
+@needs_vllm
+def test_ngram_drafting(pair, requests_):
+    """vLLM's n-gram proposer (prompt lookup): lossless log-probs, drafts on repeating text.
+    (A second engine in the process: the first one's metrics are this one's from now on.)"""
+    from rlsched.executor.loading import load_model
+    from rlsched.executor.sampling import SamplingParams
+    from rlsched.executor.vllm_backend import VllmRolloutEngine
+
+    eng = VllmRolloutEngine(pair.target, "ngram", SamplingParams(1.0), "static:2", max_batch=8, k_max=3,
+                            max_len=128, trace_dir=None, seed=0, threads=1, dtype="float32")
+    try:
+        res = eng.run(requests_)
+        assert res.stats["drafted"] > 0 and 0 < res.stats["accepted"] < res.stats["drafted"]
+        ours = _our_logprobs(load_model(pair.target).model, requests_, res)
+        assert max((o - torch.tensor(x.logprobs)).abs().max().item() for o, x in zip(ours, res.samples)) < 1e-4
+    finally:
+        eng.close()
+
+
 RUN = """
 steps: {steps}
 seed: 1

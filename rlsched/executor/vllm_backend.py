@@ -46,6 +46,9 @@ accepted, rejected = verify steps that ended in a rejection) and `acceptance_<dr
 per-token acceptance from those trials (shrunk towards the rollout's rate, as `replay` does);
 `finish_s` is the request's last-token time, preemptions are vLLM's per request. vLLM counts
 drafts accepted past a stop token too, so a sample's accepted may exceed what it kept.
+Prometheus' registry is per process and a new vLLM engine takes it over: each engine serves
+its own model_name and reads only its own metrics, and an engine whose metrics were taken over
+writes no more step records (one line on stderr; its results and sample records are unharmed).
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ import gc
 import json
 import os
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -278,12 +282,19 @@ def _repack_cpu_linears(model) -> int:
     return n
 
 
-def _metrics_json(metrics) -> list[dict]:
-    """LLM.get_metrics() objects as the JSON `vllm_metrics` reads (name, labels, type, numbers)."""
+_ENGINES = 0  # engines made in this process: each serves its own model_name, so its metrics are its own
+
+
+def _metrics_json(metrics, served_name: str) -> list[dict]:
+    """LLM.get_metrics() objects as the JSON `vllm_metrics` reads (name, labels, type, numbers),
+    this engine's only (Prometheus' registry is per process; a newer engine replaces an older
+    one's metrics, which then has none)."""
     import dataclasses
 
     out = []
     for m in metrics:
+        if m.labels.get("model_name", served_name) != served_name:
+            continue
         d = dataclasses.asdict(m)
         d["type"] = type(m).__name__.lower()
         out.append(d)
@@ -351,6 +362,9 @@ class VllmRolloutEngine:
         kwargs = {}
         if not self.on_cpu:
             kwargs["gpu_memory_utilization"] = float(os.environ.get("RLSCHED_VLLM_GPU_MEMORY_UTILIZATION", "0.4"))
+        global _ENGINES
+        _ENGINES += 1
+        self.served_name = f"rlsched-rollout-{os.getpid()}-{_ENGINES}"
         set_threads = torch.set_num_threads
         states = (torch.get_rng_state(), np.random.get_state(), random.getstate())
         if threads:
@@ -362,7 +376,7 @@ class VllmRolloutEngine:
                            max_num_batched_tokens=max(2048, max_batch * self.max_model_len),
                            distributed_executor_backend="uni", skip_tokenizer_init=True, seed=seed,
                            enable_prefix_caching=False, disable_log_stats=False, speculative_config=spec,
-                           logprobs_mode="processed_logprobs",
+                           logprobs_mode="processed_logprobs", served_model_name=self.served_name,
                            per_request_spec_decode_metrics="detailed" if spec is not None else "none", **kwargs)
         except UserError:
             raise
@@ -375,7 +389,8 @@ class VllmRolloutEngine:
             np.random.set_state(states[1])
             random.setstate(states[2])
         self.startup_s = time.perf_counter() - t
-        self._last = _metrics_json(self.llm.get_metrics())  # the baseline of the first run's interval
+        self._last = _metrics_json(self.llm.get_metrics(), self.served_name)  # the baseline of the first run's interval
+        self._warned = False
         self.trace_dir = None if trace_dir is None else Path(trace_dir)
         self._steps_w = self._samples_w = None
         if self.trace_dir is not None:
@@ -409,9 +424,9 @@ class VllmRolloutEngine:
             torch.manual_seed(_seed(self.seed, "vllm-rollout", self.rl_step))
             outs = self.llm.generate(prompts, params, use_tqdm=False) if requests else []
         seconds = time.perf_counter() - t0
-        metrics = _metrics_json(self.llm.get_metrics())
+        metrics = _metrics_json(self.llm.get_metrics(), self.served_name)
         interval = self._record_steps(metrics, seconds, requests)
-        results, extra = [], []
+        results, extra, verify_total = [], [], 0
         for r, o in zip(requests, outs):
             c = o.outputs[0]
             toks = list(c.token_ids)
@@ -425,6 +440,7 @@ class VllmRolloutEngine:
             drafted = int(sd.num_draft_tokens) if sd is not None else 0
             accepted = int(sum(j * n for j, n in enumerate(sd.histogram))) if sd is not None else 0
             verify_steps = int(sum(sd.histogram)) if sd is not None else 0
+            verify_total += verify_steps
             # steps: the prefill step (it makes the first token), the verify steps, the plain steps
             steps = max(1 + verify_steps, len(toks) - accepted) if toks else 0
             m = getattr(o, "metrics", None)
@@ -437,9 +453,10 @@ class VllmRolloutEngine:
         tokens = sum(len(x.tokens) for x in results)
         stats = dict(samples=len(results), tokens=tokens, seconds=seconds,
                      tokens_per_s=tokens / seconds if seconds > 0 else 0.0,
-                     steps=int(interval.get("engine_steps", 0)), drafted=int(interval.get("drafted", 0)),
-                     accepted=int(interval.get("accepted", 0)),
-                     mean_accept_len=(1 + interval["accepted"] / interval["drafts"]) if interval.get("drafts") else 1.0,
+                     # engine steps from the metrics; drafts from the requests' own (exact, the same sums)
+                     steps=int(interval.get("engine_steps", max((x.steps for x in results), default=0))),
+                     drafted=sum(x.drafted for x in results), accepted=sum(x.accepted for x in results),
+                     mean_accept_len=1 + sum(x.accepted for x in results) / verify_total if verify_total else 1.0,
                      kv_peak_tokens=self._kv_peak(requests, results),
                      max_running=min(len(requests), self.max_batch))
         return RolloutResult(results, stats)
@@ -466,8 +483,16 @@ class VllmRolloutEngine:
         snaps = [Snapshot({"run": 0, "record": False, "label": f"{label}-start"}, before, f"{label}-start"),
                  Snapshot({"run": 0, "label": label, "time_s": seconds, "k": k, "drafter": drafter,
                            "batch": len(requests), "generate_s": seconds}, metrics, label)]
-        imported = build(Source(Path(f"vllm:{label}"), "json", snaps, {"vllm": self.vllm_version}),
-                         require_spec=False)
+        try:
+            imported = build(Source(Path(f"vllm:{label}"), "json", snaps, {"vllm": self.vllm_version}),
+                             require_spec=False)
+        except UserError as e:  # the metrics were lost (another vLLM engine started in this process
+            # unregisters them: one engine per process keeps its metrics) or were reset
+            if not self._warned:
+                print(f"rlsched: vLLM's metrics give no step records for rollout {label} ({e}); "
+                      "step traces are left out", file=sys.stderr)
+                self._warned = True
+            return {}
         if self._steps_w is not None:
             for rec in imported.steps.to_dict("records"):
                 rec.update(rl_step=self.rl_step, instance=self.instance)
