@@ -200,6 +200,15 @@ def test_traces_of_each_run(self_engine, requests_):
 
 @pytest.mark.vllm
 @needs_vllm
+def test_a_request_past_vllms_window_is_refused(self_engine):
+    from rlsched.executor.engine import Request
+
+    with pytest.raises(UserError, match=r"sample 5: prompt \+ max_new_tokens \(1003 tokens\) exceed vLLM's max_model_len"):
+        self_engine.run([Request([3, 4, 5], 0, 5, 1000, 1)])
+
+
+@pytest.mark.vllm
+@needs_vllm
 def test_ngram_drafting(pair, requests_):
     """vLLM's n-gram proposer (prompt lookup): lossless log-probs, drafts on repeating text.
     (A second engine in the process: the first one's metrics are this one's from now on.)"""

@@ -330,7 +330,9 @@ class VllmRolloutEngine:
         if max_len > limit:
             raise UserError(f"rollout: the longest prompt + max_tokens + k_max ({max_len} tokens) exceed the model's "
                             f"max_position_embeddings ({limit}); lower rollout.max_tokens")
-        self.max_model_len = limit  # vLLM allocates KV blocks on demand: the whole window costs nothing up front
+        # vLLM's window is fixed at start-up (KV blocks are allocated on demand, so room to spare costs
+        # little): twice what the trainer sized for, for prompts longer than its first sweep saw
+        self.max_model_len = min(limit, max(2 * max_len, 256))
         vllm = _import_vllm()
         self.vllm_version = vllm.__version__
         from vllm import LLM
@@ -373,7 +375,7 @@ class VllmRolloutEngine:
         try:
             self.llm = LLM(model=str(self.target_dir), dtype=dtype, enforce_eager=True, max_num_seqs=max_batch,
                            max_model_len=self.max_model_len,
-                           max_num_batched_tokens=max(2048, max_batch * self.max_model_len),
+                           max_num_batched_tokens=max(2048, min(max_batch * self.max_model_len, 16384)),
                            distributed_executor_backend="uni", skip_tokenizer_init=True, seed=seed,
                            enable_prefix_caching=False, disable_log_stats=False, speculative_config=spec,
                            logprobs_mode="processed_logprobs", served_model_name=self.served_name,
@@ -414,7 +416,12 @@ class VllmRolloutEngine:
         max_batch at once); results in request order, with overall stats."""
         from vllm.inputs import TokensPrompt
 
-        check_requests(requests, self.max_model_len)
+        check_requests(requests, 2 ** 62)  # empty prompts, budgets < 1
+        for r in requests:
+            if len(r.prompt) + r.max_new_tokens > self.max_model_len:
+                raise UserError(f"sample {r.sample_id}: prompt + max_new_tokens ({len(r.prompt) + r.max_new_tokens} "
+                                f"tokens) exceed vLLM's max_model_len ({self.max_model_len}), fixed when the engine "
+                                "started; lower rollout.max_tokens")
         prompts = [TokensPrompt(prompt_token_ids=list(r.prompt)) for r in requests]
         params = [self._params(r) for r in requests]
         t0, t0m = time.perf_counter(), time.monotonic()
