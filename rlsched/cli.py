@@ -363,7 +363,7 @@ def generate(
     threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's; "
                                           "with --instances, per instance: cores / instances)."),
     instances: int = typer.Option(1, "--instances", help="Rollout instances; more than 1 runs them as Ray actors "
-                                  "(the [distributed] extra), each with --max-batch rows."),
+                                  "(the distributed extra), each with --max-batch rows."),
     realloc: str = typer.Option("none", "--realloc", help="Sample reallocation across instances: none, rebalance, "
                                 "consolidate."),
     out: Path = typer.Option(Path("runs/generate/latest"), "--out", "-o", help="Output folder."),
@@ -618,7 +618,7 @@ def run(
     backend: Optional[str] = typer.Option(None, "--backend", help="Rollout engine (rollout.backend): local "
                                           "(rlsched's own) or vllm (vLLM's offline engine; see make test-vllm)."),
     instances: Optional[int] = typer.Option(None, "--instances", help="Rollout instances (rollout.instances); "
-                                            "more than 1 runs them as Ray actors (the [distributed] extra)."),
+                                            "more than 1 runs them as Ray actors (the distributed extra)."),
     realloc: Optional[str] = typer.Option(None, "--realloc", help="Sample reallocation across instances "
                                           "(rollout.realloc): none, rebalance, consolidate."),
     as_json: bool = JsonOpt,
