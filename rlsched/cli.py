@@ -14,6 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from rlsched import __version__
+from rlsched.distributed import import_ray
 from rlsched.errors import UserError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -209,7 +210,7 @@ def compare(
     if ray is not None:
         if not ray.strip():
             raise UserError("--ray needs an address (host:port) or 'auto'")
-        cmp.import_ray()
+        import_ray("--ray")
     cfg = _with_cost(load_config(preset, config, list(set_)), cost)
     plan = cmp.make_plan(cfg, policies, realloc, seeds, first_seed, trace_instance=0 if plot else None)
     jobs = plan.jobs()
@@ -284,7 +285,7 @@ def learn(
         if path is not None and path.suffix != ".json":
             raise UserError(f"{opt} '{path}' must end in .json")
     if ray is not None:
-        cmp.import_ray()
+        import_ray("--ray")
     cfg = _with_cost(load_config(preset, config, list(set_)), cost)
     if not cfg.drafters:
         raise UserError("learn needs at least one drafter in the config (drafters: [...])")

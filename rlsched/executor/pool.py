@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rlsched.distributed import import_ray
 from rlsched.errors import UserError
 from rlsched.executor.engine import Request, RolloutResult, check_requests, reserve
 from rlsched.executor.seeds import derive_seed as _seed
@@ -38,12 +39,7 @@ STEPS_PER_CALL = 4  # engine steps per `work` call: how often the driver sees th
 
 
 def require_ray():
-    try:
-        import ray
-    except ImportError:
-        raise UserError("several rollout instances need Ray: pip install -e '.[distributed]' "
-                        "(or pip install ray), or run with one instance") from None
-    return ray
+    return import_ray("more than one rollout instance (--instances)")
 
 
 @dataclass

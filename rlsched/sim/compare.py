@@ -22,12 +22,10 @@ from typing import Callable, Iterable
 
 from rlsched import __version__
 from rlsched.config import SimConfig
+from rlsched.distributed import import_ray
 from rlsched.errors import UserError
 
 BASELINE = "off"
-RAY_HINT = "pip install 'rlsched[distributed]'"
-
-
 # ----------------------------------------------------------------------------- plan
 
 def policy_kind(name: str) -> str:
@@ -208,16 +206,8 @@ def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def import_ray():
-    try:
-        import ray
-    except ImportError:
-        raise UserError(f"--ray needs Ray, which is not installed: {RAY_HINT}") from None
-    return ray
-
-
 def _run_ray(cfg: SimConfig, jobs: list[Job], address: str, on_done) -> list[dict]:
-    ray = import_ray()
+    ray = import_ray("--ray")
     started = not ray.is_initialized()
     if started:
         try:
