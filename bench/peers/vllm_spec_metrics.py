@@ -110,18 +110,11 @@ def task_prompts(n: int, seed: int, model_dir: str) -> list[list[int]]:
 
 
 def patch_rejection_sampler() -> None:
-    """vLLM issue #55005: on CPU, expand_batch_to_tokens's shim leaves its output unwritten."""
-    import torch
-    from vllm.v1.sample import rejection_sampler as rs
+    """vLLM issue #55005 (the CPU shim of expand_batch_to_tokens): the backend's patch."""
+    sys.path.insert(0, str(ROOT))
+    from rlsched.executor.vllm_backend import patch_cpu_rejection_sampler
 
-    def expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
-        counts = torch.diff(cu_num_tokens, prepend=cu_num_tokens.new_zeros(1)).to(torch.long)
-        out = torch.repeat_interleave(x, counts, output_size=num_tokens)
-        if replace_from != replace_to:
-            out = torch.where(out == replace_from, torch.full_like(out, replace_to), out)
-        return out
-
-    rs.expand_batch_to_tokens = expand_batch_to_tokens
+    patch_cpu_rejection_sampler()
 
 
 def prom_family(line: str) -> str:

@@ -126,7 +126,12 @@ class Trainer:
             self.drafter_dir = d_dir
         names = () if self.drafter_name == "off" else (self.drafter_name,)
         self.drafter_names = names
-        if not policy_needs_cost(c.policy):
+        if c.rollout.backend == "vllm":  # vLLM's own policies: checked before anything is profiled or written
+            from rlsched.executor.vllm_backend import check_vllm_backend
+
+            check_vllm_backend(c.policy, self.drafter_dir if self.drafter_name == "model" else self.drafter_name,
+                               k_max=c.rollout.k_max, max_batch=c.rollout.max_batch)
+        elif not policy_needs_cost(c.policy):
             build_policy(c.policy, names, k_max=c.rollout.k_max)
         elif c.cost_model != "auto" and not (Path(c.cost_model) / "traces").is_dir():
             raise UserError(f"cost_model: {c.cost_model} is not a `rlsched profile` folder (no traces/); "
@@ -217,6 +222,8 @@ class Trainer:
         when the policy prices steps and no profile is given)."""
         from rlsched.executor.engine import build_policy
 
+        if self.cfg.rollout.backend == "vllm":  # the engine is vLLM's: no local policy, no profile
+            return self.cfg.policy, None, None
         if self.policy_state is not None and not isinstance(self.policy_state, list):
             policy, estimator = self.policy_state
             return policy, estimator, None
