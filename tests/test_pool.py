@@ -34,13 +34,13 @@ def pair(tmp_path_factory):
     return folder, target, drafter
 
 
-def long_tail_requests(n_prompts: int = 8, group: int = 3, seed: int = 0) -> list[Request]:
+def long_tail_requests(n_prompts: int = 8, group: int = 3, seed: int = 0, budgets=(6, 10, 40)) -> list[Request]:
     """Prompts whose budgets differ a lot (no eos: each sample runs to its budget)."""
     rng = np.random.default_rng(seed)
     out = []
     for p in range(n_prompts):
         prompt = rng.integers(1, V, size=int(rng.integers(2, 6))).tolist()
-        budget = int(rng.choice([6, 10, 40]))
+        budget = int(rng.choice(budgets))
         for _ in range(group):
             out.append(Request(prompt, p, 1000 + len(out), budget, None))
     return out
@@ -61,8 +61,8 @@ def reference(pair, requests, model=None) -> list[list[int]]:
 
 
 class MoveHalf:
-    """A ReallocPolicy for the test: at instance 0's first report, half of its running
-    sequences go to instance 1 in the given mode."""
+    """A ReallocPolicy for the test: at instance 0's first event, half of its running
+    sequences (the least advanced: the most left to do) go to instance 1 in the given mode."""
 
     name = "move-half"
 
@@ -73,7 +73,8 @@ class MoveHalf:
         if self.done or event.instance != 0:
             return []
         v = next(v for v in event.views if v.instance == 0)
-        ids = tuple(int(i) for i in v.running_ids[: len(v.running_ids) // 2])
+        order = np.argsort(v.running_ctx, kind="stable")
+        ids = tuple(int(i) for i in v.running_ids[order[: len(order) // 2]])
         if not ids:
             return []
         self.done = True
@@ -169,7 +170,7 @@ def test_each_instance_writes_its_own_traces(pair, tmp_path):
                      drafter_state=pair[2].state_dict())
     p.realloc = MoveHalf("reprefill")
     try:
-        requests = long_tail_requests(seed=7)
+        requests = long_tail_requests(seed=7, budgets=(24, 40))  # still running when the move lands
         p.run(requests)
     finally:
         p.close()

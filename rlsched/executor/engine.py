@@ -252,7 +252,10 @@ class RolloutEngine:
         """Take these samples off this instance (those still here: a sample that finished
         meanwhile has been reported and stays). Each leaves as a dict: its request, tokens,
         log-probs, counters, acceptance counts and, for indices in `with_kv`, its KV cache rows."""
-        want = set(int(i) for i in indices)
+        with torch.inference_mode():
+            return self._export_rows(set(int(i) for i in indices), with_kv)
+
+    def _export_rows(self, want: set, with_kv) -> list[dict]:
         self.estimator.retire(self._ids)  # apply pending acceptance counts before reading them
         out = []
         for row in [r for r in self._queue if r.index in want]:
@@ -283,6 +286,10 @@ class RolloutEngine:
     def import_rows(self, moved: list[dict]) -> None:
         """Rows from another instance: with KV they run at once in a free slot (their cache
         rows copied in); without (or when no slot is free) they queue to be re-prefilled."""
+        with torch.inference_mode():
+            self._import_rows(moved)
+
+    def _import_rows(self, moved: list[dict]) -> None:
         for m in moved:
             row = _Row(m["req"], m["index"], Seq(list(m["seq_tokens"]), -1, m["req"].prompt_id), m["last"],
                        list(m["tokens"]), list(m["logprobs"]), m["steps"], m["drafted"], m["accepted"],

@@ -22,6 +22,7 @@ report, and checks at the end that every request came back.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -36,6 +37,8 @@ from rlsched.executor.seeds import derive_seed as _seed
 from rlsched.policies.types import InstanceView, Migration, ReallocEvent
 
 STEPS_PER_CALL = 4  # engine steps per `work` call: how often the driver sees the instances
+CALLS_QUEUED = 2  # `work` calls queued per instance, so that it never idles during a round trip
+MOVES = "moves"  # the actors' concurrency group of migrations
 
 
 def require_ray():
@@ -94,6 +97,21 @@ class InstanceWorker:
                                     spec.policy, estimator, trace_dir=spec.trace_dir and Path(spec.trace_dir),
                                     k_max=spec.k_max, instance=idx, generator=self.generator,
                                     trace_tag=f"i{idx}")
+        # `work` runs in the actor's main thread; migrations arrive on a second one (their own
+        # concurrency group) and take the engine between two steps: the step loop lets a
+        # waiting command in before its next step, so a move lands within one step.
+        self._lock, self._count_lock, self._commands, self.seq = threading.Lock(), threading.Lock(), 0, 0
+
+    def _command(self, fn):
+        """Run fn on the engine between two steps (from the migration thread)."""
+        with self._count_lock:
+            self._commands += 1
+        try:
+            with self._lock:
+                return fn()
+        finally:
+            with self._count_lock:
+                self._commands -= 1
 
     def where(self) -> tuple[int, str]:
         """(process id, Ray node id): KV moves only between instances on one node."""
@@ -101,55 +119,81 @@ class InstanceWorker:
 
         return os.getpid(), ray.get_runtime_context().get_node_id()
 
+    def _view(self) -> dict:
+        """The engine's view, numbered: the driver keeps the newest (answers may arrive late).
+        Called with the lock held."""
+        self.seq += 1
+        return dict(self.engine.view(), seq=self.seq)
+
     def begin(self, rl_step: int, prompt_of: np.ndarray, longest_reserve: int, seed: int) -> None:
-        self.engine.rl_step = rl_step
-        self.generator.manual_seed(seed)
-        self.engine.begin(prompt_of, longest_reserve)
+        with self._lock:
+            self.engine.rl_step = rl_step
+            self.generator.manual_seed(seed)
+            self.engine.begin(prompt_of, longest_reserve)
 
     def submit(self, items: list[tuple[int, Request]]) -> dict:
-        self.engine.submit(items)
-        return self.engine.view()
+        with self._lock:
+            self.engine.submit(items)
+            return self._view()
 
     def work(self, max_steps: int) -> dict:
         """Up to max_steps engine steps; the finished samples, the view, the running totals."""
         finished = []
         for _ in range(max_steps):
-            if not self.engine.has_work:
-                break
-            finished += self.engine.work()
-        e = self.engine
-        return dict(finished=finished, view=e.view(), totals=dict(e._totals),
-                    accept_means={d: e.estimator.mean(d) for d in e.estimator.drafters})
+            while self._commands:  # a migration is waiting: let it in first
+                time.sleep(1e-4)
+            with self._lock:
+                if not self.engine.has_work:
+                    break
+                finished += self.engine.work()
+        with self._lock:
+            e = self.engine
+            return dict(finished=finished, view=self._view(), totals=dict(e._totals),
+                        accept_means={d: e.estimator.mean(d) for d in e.estimator.drafters})
 
-    def export_rows(self, indices, with_kv) -> tuple[list[dict], dict]:
-        moved = self.engine.export_rows(indices, set(with_kv))
-        for m in moved:  # tensors travel as numpy (zero-copy in Ray's object store)
-            if m["kv"] is not None:
-                m["kv"] = m["kv"].numpy()
-        return moved, self.engine.view()
+    def export_rows(self, indices, with_kv) -> dict:
+        """Between two steps: these samples leave (those still here), with their KV for with_kv."""
+        def export():
+            moved = self.engine.export_rows(indices, set(with_kv))
+            for m in moved:  # tensors travel as numpy (zero-copy in Ray's object store)
+                if m["kv"] is not None:
+                    m["kv"] = m["kv"].numpy()
+            return dict(moved=moved, view=self._view())
 
-    def import_rows(self, moved: list[dict]) -> dict:
+        return self._command(export)
+
+    def import_rows(self, exported: dict) -> dict:
+        """Between two steps: what another instance's export_rows gave (Ray hands it over once
+        that call has finished)."""
+        moved = exported["moved"]
         for m in moved:
             if m["kv"] is not None:
                 m["kv"] = torch.from_numpy(np.array(m["kv"]))
-        self.engine.import_rows(moved)
-        return self.engine.view()
+
+        def land():
+            self.engine.import_rows(moved)
+            return dict(view=self._view())
+
+        return self._command(land)
 
     def echo(self, payload) -> int:
         """Receive a payload (the driver times KV transfers with it)."""
         return int(getattr(payload, "nbytes", 0))
 
     def sync_weights(self, target_state, drafter_state) -> None:
-        self.model.load_state_dict(target_state)
-        if drafter_state is not None and self.drafter_model is not None:
-            self.drafter_model.load_state_dict(drafter_state)
+        with self._lock:
+            self.model.load_state_dict(target_state)
+            if drafter_state is not None and self.drafter_model is not None:
+                self.drafter_model.load_state_dict(drafter_state)
 
     def policy_state(self):
-        e = self.engine
-        return e.policy, e.estimator, getattr(e.drafters.get("ngram"), "history", None)
+        with self._lock:
+            e = self.engine
+            return e.policy, e.estimator, getattr(e.drafters.get("ngram"), "history", None)
 
     def flush(self) -> None:
-        self.engine.close()
+        with self._lock:
+            self.engine.close()
 
 
 class _Means:
@@ -181,6 +225,15 @@ class HostCost:
         return self.latency_s + ctx_tokens * self.kv_bytes_per_token / self.bytes_per_s
 
 
+@dataclass
+class _Move:
+    src: int
+    dst: int
+    ids: list[int]
+    export_ref: object
+    import_ref: object
+
+
 class InstancePool:
     """N rollout instances on Ray with a ReallocPolicy in the driver; `run(requests)` returns
     what `RolloutEngine.run` returns, plus the migration and failover counts in the stats.
@@ -205,7 +258,8 @@ class InstancePool:
         if not ray.is_initialized():
             ray.init(num_cpus=max(2, os.cpu_count() or 1), include_dashboard=False, configure_logging=False,
                      log_to_driver=False, ignore_reinit_error=True)
-        remote = ray.remote(num_cpus=0, max_restarts=0)(InstanceWorker)  # threads are set per instance
+        # threads are set per instance; migrations run in their own group (see InstanceWorker)
+        remote = ray.remote(num_cpus=0, max_restarts=0, concurrency_groups={MOVES: 1})(InstanceWorker)
         t_ref = None if target_state is None else ray.put(_cpu(target_state))
         d_ref = None if drafter_state is None else ray.put(_cpu(drafter_state))
         self.actors = []
@@ -266,7 +320,9 @@ class InstancePool:
         self.totals: dict[int, dict] = {}
         self.counts = dict(migrated=0, migrated_kv=0, migrated_reprefill=0, migrations=0, requeued=0,
                            instances_died=0)
-        self.inflight: dict[int, object] = {}
+        self.inflight: dict[int, list] = {}  # per instance, its queued `work` calls, oldest first
+        self.view_seq: dict[int, int] = {}
+        self.moves: list[_Move] = []  # migrations under way (export, then import, queued on the instances)
         self._idle_told: set[int] = set()
         self._t0 = time.perf_counter()
         self.finish_s = {i: 0.0 for i in live}
@@ -277,13 +333,19 @@ class InstancePool:
             self._call(i, self.actors[i].submit.remote(items), self._set_view)
         self._done = 0
         while self._done < n:
-            for i in sorted(self.alive):
-                if i not in self.inflight and self.views[i].load > 0:
-                    self.inflight[i] = self.actors[i].work.remote(STEPS_PER_CALL)
-            if not self.inflight:
+            for i in sorted(self.alive):  # two calls queued: the next starts as soon as one ends
+                queue = self.inflight.setdefault(i, [])
+                while len(queue) < CALLS_QUEUED and self.views[i].load > 0:
+                    queue.append(self.actors[i].work.remote(STEPS_PER_CALL))
+            oldest = {q[0]: k for k, q in self.inflight.items() if q}
+            landing = {m.import_ref: m for m in self.moves}
+            if not oldest and not landing:
                 raise RuntimeError(f"rollout stalled with {n - self._done} samples unfinished")
-            ready, _ = ray.wait(list(self.inflight.values()), num_returns=1)
-            i = next(k for k, ref in self.inflight.items() if ref == ready[0])
+            ready, _ = ray.wait([*oldest, *landing], num_returns=1)
+            if ready[0] in landing:
+                self._settle(landing[ready[0]])
+                continue
+            i = oldest[ready[0]]
             report = self._collect(i)
             if report is not None and self.realloc.name != "none":
                 self._reallocate(i, report)
@@ -305,17 +367,30 @@ class InstancePool:
         return value
 
     def _set_view(self, i: int, view: dict) -> None:
-        self.views[i] = InstanceView(i, view["running_ids"], view["running_ctx"], None, list(view["waiting_ids"]),
-                                     int(view["kv_free_tokens"]), int(view["max_batch"]))
+        if view["seq"] <= self.view_seq.get(i, 0):  # an answer older than one already read
+            return
+        self.view_seq[i] = view["seq"]
+        v = InstanceView(i, view["running_ids"], view["running_ctx"], None, list(view["waiting_ids"]),
+                         int(view["kv_free_tokens"]), int(view["max_batch"]))
+        for m in self.moves:  # as it will be once the moves under way have landed
+            if m.src == i:
+                v = _without(v, set(m.ids))
+            elif m.dst == i:
+                have = set(v.running_ids.tolist()) | set(v.waiting_ids)
+                v = replace(v, waiting_ids=v.waiting_ids + [j for j in m.ids if j not in have])
+        self.views[i] = v
         if self.views[i].load > 0:
             self._idle_told.discard(i)
 
     def _collect(self, i: int) -> dict | None:
         """Instance i's answer to its `work` call: record its finished samples (each once)."""
-        report = self._call(i, self.inflight.pop(i))
+        report = self._call(i, self.inflight[i].pop(0))
         if report is None:
             return None
         for j, res in report["finished"]:
+            if self.location[j] != i:  # it arrived here by a move whose landing is not yet read
+                for m in [m for m in self.moves if m.dst == i and j in m.ids]:
+                    self._settle(m)
             if self.results[j] is not None:
                 raise RuntimeError(f"sample {j} was reported twice (instance {i})")
             if self.location[j] != i:
@@ -337,6 +412,8 @@ class InstancePool:
         self.inflight.pop(i, None)
         self.views.pop(i, None)
         self.counts["instances_died"] += 1
+        for m in [m for m in self.moves if i in (m.src, m.dst)]:  # where each moving sample now is
+            self._settle(m)
         lost = [j for j in np.flatnonzero(self.location == i) if self.results[j] is None]
         live = sorted(self.alive)
         self.log(f"rollout instance {i} died; re-queuing its {len(lost)} unfinished samples on "
@@ -347,25 +424,18 @@ class InstancePool:
         for j in lost:
             by_prompt.setdefault(self.requests[j].prompt_id, []).append(int(j))
         for group in by_prompt.values():
-            dst = min(live, key=lambda k: (self.views[k].load if k in self.views else 0, k))
-            if dst in self.inflight:  # its answer first (it may die too)
-                self._collect(dst)
-                if dst not in self.alive:
-                    return self._died_again(group)
-            self.location[group] = dst
-            self._call(dst, self.actors[dst].submit.remote([(j, self.requests[j]) for j in group]), self._set_view)
-            self.counts["requeued"] += len(group)
+            self._requeue(group)
 
-    def _died_again(self, group):
-        """A receiver died while taking over: its own handling re-queues what it held; these
-        samples still point at the first dead instance, so send them on too."""
+    def _requeue(self, group: list[int]) -> None:
+        """Send these samples (from the prompt) to the least loaded live instance."""
         live = sorted(self.alive)
         if not live:
             raise RuntimeError("every rollout instance has died; the rollout cannot complete")
-        dst = live[0]
-        self.location[group] = dst
-        self._call(dst, self.actors[dst].submit.remote([(j, self.requests[j]) for j in group]), self._set_view)
-        self.counts["requeued"] += len(group)
+        dst = min(live, key=lambda k: (self.views[k].load if k in self.views else 0, k))
+        self.location[group] = dst  # if dst dies taking them, its own handler re-queues them
+        if self._call(dst, self.actors[dst].submit.remote([(j, self.requests[j]) for j in group]),
+                      self._set_view) is not None:
+            self.counts["requeued"] += len(group)
 
     # --- reallocation ------------------------------------------------------------------------
 
@@ -388,16 +458,17 @@ class InstancePool:
             self._migrate(m)
 
     def _migrate(self, m: Migration) -> None:
-        """Move m's samples between two instances' steps: tokens, log-probs and (by cost) KV."""
+        """Start moving m's samples: an export queued on the source (it runs between two of its
+        steps) whose result an import queued on the destination takes (between two of its
+        steps); neither instance waits for the driver. Running samples ship their KV rows or
+        are re-prefilled, whichever the cost model prices cheaper."""
         from rlsched.policies.realloc import split_kv_reprefill
 
         src, dst = m.src, m.dst
-        for k in (src, dst):  # both between steps: collect what they are doing
-            if k in self.inflight:
-                self._collect(k)
         if src not in self.alive or dst not in self.alive:
             return
-        ids = [int(j) for j in m.sample_ids if self.results[j] is None and self.location[j] == src]
+        busy = {j for mv in self.moves for j in mv.ids}
+        ids = [int(j) for j in m.sample_ids if self.results[j] is None and self.location[j] == src and j not in busy]
         if not ids:
             return
         v = self.views[src]
@@ -408,21 +479,42 @@ class InstancePool:
             ctx = np.array([ctx_of[j] for j in running], dtype=np.int64)
             cut = 0 if m.mode == "kv" else split_kv_reprefill(self.cost, ctx)
             with_kv = running[cut:]
-        got = self._call(src, self.actors[src].export_rows.remote(ids, with_kv))
-        if got is None:
+        export_ref = self.actors[src].export_rows.options(concurrency_group=MOVES).remote(ids, with_kv)
+        import_ref = self.actors[dst].import_rows.options(concurrency_group=MOVES).remote(export_ref)
+        self.moves.append(_Move(src, dst, ids, export_ref, import_ref))
+        # the policy's next look sees them where they are going (as the simulator shows them)
+        self.views[src] = _without(v, set(ids))
+        self.views[dst] = replace(self.views[dst], waiting_ids=list(self.views[dst].waiting_ids) + ids)
+
+    def _settle(self, move: "_Move") -> None:
+        """A migration's outcome: which samples left the source and whether they landed."""
+        if move not in self.moves:
             return
-        moved, src_view = got
-        self._set_view(src, src_view)
+        self.moves.remove(move)
+        try:
+            exported = self.ray.get(move.export_ref)
+        except self.ray.exceptions.RayActorError:  # the source died first: they are still its own
+            if move.src in self.alive:
+                self._died(move.src)
+            return
+        self._set_view(move.src, exported["view"])
+        moved = [mv["index"] for mv in exported["moved"]]
         if not moved:
             return
-        self.location[[mv["index"] for mv in moved]] = dst
-        if self._call(dst, self.actors[dst].import_rows.remote(moved), self._set_view) is None:
-            return  # dst died: its handler re-queued these too
-        n_kv = sum(mv["kv"] is not None for mv in moved)
+        self.location[moved] = move.dst
+        try:
+            landed = self.ray.get(move.import_ref)
+        except self.ray.exceptions.RayActorError:  # the destination died: they start again elsewhere
+            if move.dst in self.alive:
+                self._died(move.dst)  # re-queues what it holds, these included
+            else:
+                self._requeue([j for j in moved if self.results[j] is None])
+            return
+        self._set_view(move.dst, landed["view"])
         self.counts["migrations"] += 1
         self.counts["migrated"] += len(moved)
-        self.counts["migrated_kv"] += n_kv
-        self.counts["migrated_reprefill"] += sum(1 for mv in moved if mv["kv"] is None and mv["tokens"])
+        self.counts["migrated_kv"] += sum(mv["kv"] is not None for mv in exported["moved"])
+        self.counts["migrated_reprefill"] += sum(1 for mv in exported["moved"] if mv["kv"] is None and mv["tokens"])
 
     # --- results and the rest ----------------------------------------------------------------
 
@@ -465,6 +557,13 @@ class InstancePool:
             except Exception:  # already gone
                 pass
         self.alive.clear()
+
+
+def _without(v: InstanceView, gone: set) -> InstanceView:
+    """The view without these samples (they are leaving)."""
+    keep = np.array([j not in gone for j in v.running_ids.tolist()], dtype=bool)
+    return replace(v, running_ids=v.running_ids[keep], running_ctx=v.running_ctx[keep],
+                   waiting_ids=[j for j in v.waiting_ids if j not in gone])
 
 
 def _cpu(state: dict) -> dict:
