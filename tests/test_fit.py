@@ -155,6 +155,17 @@ def test_run_folder_records_keep_uniform_steps(tmp_path):
     assert "draft:off" not in res.ops
 
 
+def test_speculative_steps_timed_as_a_whole_are_refused_with_the_reason(tmp_path):
+    """vLLM's speculative rollouts give one time per interval, draft and verify together: the
+    fit names that and what to fit instead (exit 2 through the CLI, nothing written)."""
+    rows = [_rec("decode", 20 + i, 3, 40, drafter="model", verify_ms=float("nan"), draft_ms=float("nan"),
+                 step_ms=40.0 + i, steps=10) for i in range(4)]
+    write_steps(tmp_path / "vllm-run", pd.DataFrame(rows))
+    proc = rlsched("fit", str(tmp_path / "vllm-run"), "--out", str(tmp_path / "c.json"), cwd=tmp_path)
+    assert proc.returncode == 2 and "timed as a whole" in proc.stderr and "policy off" in proc.stderr
+    assert not (tmp_path / "c.json").exists()
+
+
 # ----------------------------------------------------------------------------- bad files
 
 @pytest.mark.parametrize("case,expect", [

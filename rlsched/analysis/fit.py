@@ -157,6 +157,11 @@ def op_tables(df: pd.DataFrame) -> tuple[dict[str, pd.DataFrame], list[str]]:
         if len(t):
             tables[key] = t.assign(per_row=t["ctx_tokens"] / t["batch"]).reset_index(drop=True)
     if "verify" not in tables:
+        whole = df[(df["kind"] == "decode") & (df["k"] > 0)]
+        if len(whole) and whole["verify_ms"].isna().all() and whole["step_ms"].notna().any():
+            raise UserError("fit: these speculative steps are timed as a whole (vLLM does not time drafting and "
+                            "verification apart); fit a run with policy off, or an `rlsched import-vllm` of a sweep "
+                            "over k (bench/peers/vllm_spec_metrics.py)")
         raise UserError("fit: the records hold no verify (or decode) step times; profile with `rlsched profile`")
     if "prefill" not in tables:
         raise UserError("fit: the records hold no prefill step times; profile with `rlsched profile`")
