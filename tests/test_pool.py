@@ -233,3 +233,74 @@ def test_rl_run_on_two_instances_through_the_cli(tmp_path):
     assert set(samples["instance"]) == {0, 1}
     assert samples.groupby("rl_step")["sample_id"].apply(lambda s: s.is_unique and len(s) == 16).all()
     assert (out / "checkpoint.pt").is_file() and (out / "summary.json").is_file()
+
+
+def test_an_instance_dead_before_the_rollout_leaves_its_share_to_the_others(pair):
+    """Instance 0 dies between rollouts: its share is submitted to instance 1 once, not twice."""
+    requests = long_tail_requests(seed=11)
+    p = InstancePool(2, spec_of(pair), target_state=pair[1].state_dict(), drafter_state=pair[2].state_dict())
+    try:
+        p.kill(0)
+        result = p.run(requests)
+    finally:
+        p.close()
+    assert result.stats["instances_died"] == 1 and result.stats["instances_alive"] == 1
+    check_exactly_once(requests, result, reference(pair, requests))
+
+
+def test_resize_makes_room_for_longer_prompts(pair, pool):
+    spec_capacity = pool.spec.cache_capacity
+    requests = [Request([1 + (i % 9)] * 30, i, i, 30, None) for i in range(MAX_BATCH * 2)]  # 60 tokens each
+    pool.realloc = MoveHalf("kv")
+    pool.resize(MAX_BATCH * 64, 80)
+    try:
+        check_exactly_once(requests, pool.run(requests), reference(pair, requests))
+    finally:
+        pool.resize(spec_capacity, 64)
+
+
+def _rows_round_trip(model, drafter, requests, with_kv: bool, dtype=torch.float32):
+    """Run a few steps, export every running row (through pickle, as Ray ships it), import it
+    back into the same engine, finish: what comes out, and the acceptance counts before/after."""
+    import pickle
+
+    eng = RolloutEngine(model, ModelDrafter(drafter, GREEDY, MAX_BATCH, 64), MAX_BATCH * 50, MAX_BATCH,
+                        GREEDY, "static:2", k_max=4)
+    prompt_of = np.array([r.prompt_id for r in requests])
+    eng.begin(prompt_of, max(len(r.prompt) + r.max_new_tokens for r in requests))
+    eng.submit(list(enumerate(requests)))
+    results = {}
+    for _ in range(3):
+        results.update(eng.work())
+    ids = [int(i) for i in eng.view()["running_ids"]]
+    before = {i: eng.estimator.take_sample_counts("model", i) for i in ids}
+    for i, (s, f) in before.items():  # put them back: export takes them again
+        eng.estimator.add_sample_counts("model", i, s, f)
+    moved = pickle.loads(pickle.dumps(eng.export_rows(ids, set(ids) if with_kv else set())))
+    assert all((m["kv"] is not None) == with_kv for m in moved)
+    assert all(eng.estimator.take_sample_counts("model", i) == (0.0, 0.0) for i in ids)  # they left
+    eng.import_rows(moved)
+    after = {i: eng.estimator.take_sample_counts("model", i) for i in ids}
+    assert after == before  # came back once, counted once
+    for i, (s, f) in after.items():
+        eng.estimator.add_sample_counts("model", i, s, f)
+    while eng.has_work:
+        results.update(eng.work())
+    return [results[i].tokens for i in range(len(requests))]
+
+
+@pytest.mark.parametrize("with_kv", [True, False])
+def test_a_row_that_leaves_and_comes_back_keeps_its_tokens_and_counts(pair, with_kv):
+    requests = long_tail_requests(n_prompts=3, seed=2, budgets=(24, 40))
+    assert _rows_round_trip(pair[1], pair[2], requests, with_kv) == reference(pair, requests)
+
+
+def test_bfloat16_kv_rows_travel(pair):
+    """KV rows leave as CPU tensors of the cache's dtype (numpy has no bfloat16)."""
+    from rlsched.executor.loading import load_model
+
+    model = load_model(pair[0], dtype="bfloat16").model
+    drafter = load_model(pair[0], dtype="bfloat16").model
+    requests = long_tail_requests(n_prompts=3, seed=2, budgets=(24, 40))
+    out = _rows_round_trip(model, drafter, requests, with_kv=True)
+    assert [len(t) for t in out] == [r.max_new_tokens for r in requests]

@@ -266,7 +266,7 @@ class RolloutEngine:
             kv = None
             if row.index in with_kv:
                 n = int(self._cache.lengths[slot])
-                kv = self._cache.kv[:, :, slot, :, :n].clone()
+                kv = self._cache.kv[:, :, slot, :, :n].to("cpu", copy=True)  # travels between processes
             del self._running[slot]
             out.append(self._moved(row, kv))
         if leaving:
@@ -277,7 +277,7 @@ class RolloutEngine:
         return out
 
     def _moved(self, row: _Row, kv) -> dict:
-        counts = {d: self.estimator.sample_counts(d, row.index) for d in self.estimator.drafters}
+        counts = {d: self.estimator.take_sample_counts(d, row.index) for d in self.estimator.drafters}
         return dict(req=row.req, index=row.index, seq_tokens=list(row.seq.tokens), last=row.last,
                     tokens=row.tokens, logprobs=row.logprobs, steps=row.steps, drafted=row.drafted,
                     accepted=row.accepted, rejected=row.rejected, migrations=row.migrations + 1,

@@ -37,7 +37,7 @@ from rlsched.executor.seeds import derive_seed as _seed
 from rlsched.policies.types import InstanceView, Migration, ReallocEvent
 
 STEPS_PER_CALL = 4  # engine steps per `work` call: how often the driver sees the instances
-CALLS_QUEUED = 2  # `work` calls queued per instance, so that it never idles during a round trip
+CALLS_QUEUED = 2  # `work` calls queued per instance: it does not wait for the driver between calls
 MOVES = "moves"  # the actors' concurrency group of migrations
 
 
@@ -153,12 +153,8 @@ class InstanceWorker:
 
     def export_rows(self, indices, with_kv) -> dict:
         """Between two steps: these samples leave (those still here), with their KV for with_kv."""
-        def export():
-            moved = self.engine.export_rows(indices, set(with_kv))
-            for m in moved:  # tensors travel as numpy (zero-copy in Ray's object store)
-                if m["kv"] is not None:
-                    m["kv"] = m["kv"].numpy()
-            return dict(moved=moved, view=self._view())
+        def export():  # KV rows travel as CPU tensors of the cache's dtype (Ray pickles them)
+            return dict(moved=self.engine.export_rows(indices, set(with_kv)), view=self._view())
 
         return self._command(export)
 
@@ -166,9 +162,6 @@ class InstanceWorker:
         """Between two steps: what another instance's export_rows gave (Ray hands it over once
         that call has finished)."""
         moved = exported["moved"]
-        for m in moved:
-            if m["kv"] is not None:
-                m["kv"] = torch.from_numpy(np.array(m["kv"]))
 
         def land():
             self.engine.import_rows(moved)
@@ -179,6 +172,14 @@ class InstanceWorker:
     def echo(self, payload) -> int:
         """Receive a payload (the driver times KV transfers with it)."""
         return int(getattr(payload, "nbytes", 0))
+
+    def resize(self, cache_capacity: int, drafter_max_len: int) -> None:
+        """Room for longer requests: the KV budget, and the model drafter's cache rows."""
+        with self._lock:
+            self.engine.cache_capacity = cache_capacity
+            d = self.engine.drafters.get("model")
+            if d is not None:
+                d.cache = self.drafter_model.new_cache(self.spec.max_batch, drafter_max_len)
 
     def sync_weights(self, target_state, drafter_state) -> None:
         with self._lock:
@@ -268,6 +269,7 @@ class InstancePool:
             self.actors.append(remote.remote(i, spec if st is None else replace(spec, policy=st[0]), t_ref, d_ref,
                                              None if st is None else st[1], None if st is None else st[2]))
         self.alive = set(range(n))
+        self._reset_rollout([], np.zeros(0, dtype=np.int64))
         # started (and the models loaded) before timing anything
         self.node_of = [node for _, node in ray.get([a.where.remote() for a in self.actors])]
         self.cost = None if cost is None else self._host_cost(cost)
@@ -314,23 +316,17 @@ class InstancePool:
         live = sorted(self.alive)
         if not live:
             raise RuntimeError("every rollout instance has died")
-        self.requests, self.results = requests, [None] * n
-        self.location = np.array([live[p % len(live)] for p in prompt_of], dtype=np.int64)
-        self.views: dict[int, InstanceView] = {}
-        self.totals: dict[int, dict] = {}
-        self.counts = dict(migrated=0, migrated_kv=0, migrated_reprefill=0, migrations=0, requeued=0,
-                           instances_died=0)
-        self.inflight: dict[int, list] = {}  # per instance, its queued `work` calls, oldest first
-        self.view_seq: dict[int, int] = {}
-        self.moves: list[_Move] = []  # migrations under way (export, then import, queued on the instances)
-        self._idle_told: set[int] = set()
-        self._t0 = time.perf_counter()
-        self.finish_s = {i: 0.0 for i in live}
-        for i in live:  # every instance begins before any gets work (a failover may send it some)
-            self.actors[i].begin.remote(self.rl_step, prompt_of, longest, _seed(self.seed, "instance", self.rl_step, i))
+        self._reset_rollout(requests, np.array([live[p % len(live)] for p in prompt_of], dtype=np.int64))
+        assigned = {i: np.flatnonzero(self.location == i) for i in live}  # before any failover moves some
+        # every instance begins before any gets work (a failover may send it some)
+        begun = {i: self.actors[i].begin.remote(self.rl_step, prompt_of, longest,
+                                                _seed(self.seed, "instance", self.rl_step, i)) for i in live}
+        for i, ref in begun.items():
+            if i in self.alive:
+                self._call(i, ref)
         for i in live:
-            items = [(j, requests[j]) for j in np.flatnonzero(self.location == i)]
-            self._call(i, self.actors[i].submit.remote(items), self._set_view)
+            if i in self.alive:
+                self._call(i, self.actors[i].submit.remote([(j, requests[j]) for j in assigned[i]]), self._set_view)
         self._done = 0
         while self._done < n:
             for i in sorted(self.alive):  # two calls queued: the next starts as soon as one ends
@@ -350,10 +346,26 @@ class InstancePool:
             if report is not None and self.realloc.name != "none":
                 self._reallocate(i, report)
         seconds = time.perf_counter() - self._t0
+        for m in list(self.moves):  # moves of samples that finished first: landed empty before the next rollout
+            self._settle(m)
         missing = [j for j, r in enumerate(self.results) if r is None]
         if missing:  # cannot happen: the loop ends when every sample has been reported
             raise RuntimeError(f"samples {missing[:5]} were never reported")
         return RolloutResult(list(self.results), self._summary(seconds))
+
+    def _reset_rollout(self, requests: list[Request], location: np.ndarray) -> None:
+        """The driver's bookkeeping of one rollout (empty before the first)."""
+        self.requests, self.results, self.location = requests, [None] * len(requests), location
+        self.views: dict[int, InstanceView] = {}
+        self.totals: dict[int, dict] = {}
+        self.counts = dict(migrated=0, migrated_kv=0, migrated_reprefill=0, migrations=0, requeued=0,
+                           instances_died=0)
+        self.inflight: dict[int, list] = {}  # per instance, its queued `work` calls, oldest first
+        self.view_seq: dict[int, int] = {}
+        self.moves: list[_Move] = []  # migrations under way (export, then import, queued on the instances)
+        self._idle_told: set[int] = set()
+        self._t0 = time.perf_counter()
+        self.finish_s = {i: 0.0 for i in self.alive}
 
     def _call(self, i: int, ref, then=None):
         """ray.get one call to instance i; None (and its samples re-queued) if it died."""
@@ -377,7 +389,8 @@ class InstancePool:
                 v = _without(v, set(m.ids))
             elif m.dst == i:
                 have = set(v.running_ids.tolist()) | set(v.waiting_ids)
-                v = replace(v, waiting_ids=v.waiting_ids + [j for j in m.ids if j not in have])
+                v = replace(v, waiting_ids=v.waiting_ids + [j for j in m.ids
+                                                            if j not in have and self.results[j] is None])
         self.views[i] = v
         if self.views[i].load > 0:
             self._idle_told.discard(i)
@@ -407,7 +420,13 @@ class InstancePool:
         return report
 
     def _died(self, i: int) -> None:
-        """Instance i is gone: every sample it held and never reported starts again elsewhere."""
+        """Instance i is gone: every sample it held and never reported starts again elsewhere.
+        It is killed first: an instance Ray only found unreachable must not come back and
+        report (or export) what now runs elsewhere."""
+        try:
+            self.ray.kill(self.actors[i], no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
         self.alive.discard(i)
         self.inflight.pop(i, None)
         self.views.pop(i, None)
@@ -534,6 +553,12 @@ class InstancePool:
     def kill(self, i: int) -> None:
         """End instance i's process now (what a crash does; tests and failure drills use it)."""
         self.ray.kill(self.actors[i], no_restart=True)
+
+    def resize(self, cache_capacity: int, drafter_max_len: int) -> None:
+        """Every instance makes room for longer requests (a longer prompt than sized for)."""
+        self.spec = replace(self.spec, cache_capacity=cache_capacity, drafter_max_len=drafter_max_len)
+        for i in sorted(self.alive):
+            self._call(i, self.actors[i].resize.remote(cache_capacity, drafter_max_len))
 
     def sync_weights(self, model, drafter_model=None) -> None:
         """The trainer's new weights to every instance (one copy in the object store)."""

@@ -126,11 +126,14 @@ class AcceptanceEstimator:
         s.g_n = decay * s.g_n + n_acc + n_fail
         s.stale += steps
 
-    def sample_counts(self, drafter: str, i: int) -> tuple[float, float]:
-        """Sample i's own (accepted, rejected) trial counts: what it carries to another instance."""
+    def take_sample_counts(self, drafter: str, i: int) -> tuple[float, float]:
+        """Sample i's own (accepted, rejected) trial counts, which it carries to another
+        instance: they leave this estimator (a sample that comes back brings them again)."""
         self._flush()
         s = self._stats[drafter]
-        return float(s.succ[i]), float(s.fail[i])
+        out = float(s.succ[i]), float(s.fail[i])
+        s.succ[i] = s.fail[i] = 0.0
+        return out
 
     def add_sample_counts(self, drafter: str, i: int, succ: float, fail: float) -> None:
         """Sample i arrived from another instance with these trial counts."""

@@ -355,14 +355,18 @@ class Trainer:
         requests = [Request(p, prompt_key(it.prompt), s * n + i * r.group_size + j, r.max_tokens, self.eos)
                     for i, (it, p) in enumerate(zip(items, prompts)) for j in range(r.group_size)]
         if max(len(p) for p in prompts) > self._longest:  # a longer prompt than sized for: a bigger cache
-            self._longest = max(len(p) for p in prompts)
-            self.engine.cache_capacity = r.max_batch * (self._longest + r.max_tokens)
-            model_drafter = getattr(self.engine, "drafters", {}).get("model")
-            if model_drafter is not None:
-                from rlsched.executor.drafters import drafter_cache_len
+            from rlsched.executor.drafters import drafter_cache_len
 
-                model_drafter.cache = self.drafter_model.new_cache(
-                    r.max_batch, drafter_cache_len(self._longest, r.max_tokens, r.k_max))
+            self._longest = max(len(p) for p in prompts)
+            capacity = r.max_batch * (self._longest + r.max_tokens)
+            drafter_len = drafter_cache_len(self._longest, r.max_tokens, r.k_max)
+            if hasattr(self.engine, "resize"):  # a pool: every instance
+                self.engine.resize(capacity, drafter_len)
+            else:
+                self.engine.cache_capacity = capacity
+                model_drafter = getattr(self.engine, "drafters", {}).get("model")
+                if model_drafter is not None:
+                    model_drafter.cache = self.drafter_model.new_cache(r.max_batch, drafter_len)
         self.generator.manual_seed(_seed(c.seed, "rollout", s))
         self.engine.rl_step = s
         t = time.perf_counter()
