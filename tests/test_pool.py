@@ -304,3 +304,16 @@ def test_bfloat16_kv_rows_travel(pair):
     requests = long_tail_requests(n_prompts=3, seed=2, budgets=(24, 40))
     out = _rows_round_trip(model, drafter, requests, with_kv=True)
     assert [len(t) for t in out] == [r.max_new_tokens for r in requests]
+
+
+def test_instances_on_cuda_need_a_gpu_each(pair):
+    """On a GPU machine each instance gets its own GPU; where Ray sees too few, one clear line."""
+    from dataclasses import replace
+
+    from rlsched.errors import UserError
+
+    gpus = ray.cluster_resources().get("GPU", 0) if ray.is_initialized() else 0
+    if gpus >= 2:
+        pytest.skip("this machine has the GPUs")
+    with pytest.raises(UserError, match=r"2 rollout instances on 'cuda' need 2 GPUs, Ray sees"):
+        InstancePool(2, replace(spec_of(pair), device="cuda"))

@@ -261,6 +261,13 @@ class InstancePool:
                      log_to_driver=False, ignore_reinit_error=True)
         # threads are set per instance; migrations run in their own group (see InstanceWorker)
         remote = ray.remote(num_cpus=0, max_restarts=0, concurrency_groups={MOVES: 1})(InstanceWorker)
+        if spec.device.startswith("cuda"):  # one GPU per instance: Ray sets each actor's CUDA_VISIBLE_DEVICES
+            gpus = ray.cluster_resources().get("GPU", 0)
+            if gpus < n:
+                raise UserError(f"{n} rollout instances on '{spec.device}' need {n} GPUs, Ray sees {gpus:g}; "
+                                "lower --instances or add GPUs")
+            remote = remote.options(num_gpus=1)
+            spec = replace(spec, device="cuda")
         t_ref = None if target_state is None else ray.put(_cpu(target_state))
         d_ref = None if drafter_state is None else ray.put(_cpu(drafter_state))
         self.actors = []

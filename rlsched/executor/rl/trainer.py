@@ -269,7 +269,7 @@ class Trainer:
         from rlsched.executor.pool import InstancePool, InstanceSpec
 
         c, r = self.cfg, self.cfg.rollout
-        threads = c.threads or max(1, (os.cpu_count() or 1) // r.instances)
+        threads = max(1, (c.threads or os.cpu_count() or 1) // r.instances)  # the instances share the cores
         spec = InstanceSpec(str(self.target_dir), self.drafter_name, None if self.drafter_dir is None else str(self.drafter_dir),
                             self.sampling, policy, r.max_batch * (self._longest + r.max_tokens), r.max_batch, r.k_max,
                             drafter_cache_len(self._longest, r.max_tokens, r.k_max), str(self.out / "traces"),
