@@ -393,11 +393,10 @@ class InstancePool:
                          int(view["kv_free_tokens"]), int(view["max_batch"]))
         for m in self.moves:  # as it will be once the moves under way have landed
             if m.src == i:
-                v = _without(v, set(m.ids))
+                v = self._without(v, set(m.ids))
             elif m.dst == i:
                 have = set(v.running_ids.tolist()) | set(v.waiting_ids)
-                v = replace(v, waiting_ids=v.waiting_ids + [j for j in m.ids
-                                                            if j not in have and self.results[j] is None])
+                v = self._with(v, [j for j in m.ids if j not in have and self.results[j] is None])
         self.views[i] = v
         if self.views[i].load > 0:
             self._idle_told.discard(i)
@@ -509,8 +508,21 @@ class InstancePool:
         import_ref = self.actors[dst].import_rows.options(concurrency_group=MOVES).remote(export_ref)
         self.moves.append(_Move(src, dst, ids, export_ref, import_ref))
         # the policy's next look sees them where they are going (as the simulator shows them)
-        self.views[src] = _without(v, set(ids))
-        self.views[dst] = replace(self.views[dst], waiting_ids=list(self.views[dst].waiting_ids) + ids)
+        self.views[src] = self._without(v, set(ids))
+        self.views[dst] = self._with(self.views[dst], ids)
+
+    def _without(self, v: InstanceView, gone: set) -> InstanceView:
+        """The view without these samples (they are leaving: their KV reservation is freed)."""
+        keep = np.array([j not in gone for j in v.running_ids.tolist()], dtype=bool)
+        left = [j for j in v.waiting_ids if j not in gone]
+        n_out = [j for j in v.running_ids.tolist() + list(v.waiting_ids) if j in gone]
+        return replace(v, running_ids=v.running_ids[keep], running_ctx=v.running_ctx[keep], waiting_ids=left,
+                       kv_free_tokens=v.kv_free_tokens + sum(reserve(self.requests[j]) for j in n_out))
+
+    def _with(self, v: InstanceView, arriving: list[int]) -> InstanceView:
+        """The view with these samples queued (arriving: they reserve KV here)."""
+        return replace(v, waiting_ids=list(v.waiting_ids) + list(arriving),
+                       kv_free_tokens=v.kv_free_tokens - sum(reserve(self.requests[j]) for j in arriving))
 
     def _settle(self, move: "_Move") -> None:
         """A migration's outcome: which samples left the source and whether they landed."""
@@ -589,13 +601,6 @@ class InstancePool:
             except Exception:  # already gone
                 pass
         self.alive.clear()
-
-
-def _without(v: InstanceView, gone: set) -> InstanceView:
-    """The view without these samples (they are leaving)."""
-    keep = np.array([j not in gone for j in v.running_ids.tolist()], dtype=bool)
-    return replace(v, running_ids=v.running_ids[keep], running_ctx=v.running_ctx[keep],
-                   waiting_ids=[j for j in v.waiting_ids if j not in gone])
 
 
 def _cpu(state: dict) -> dict:
