@@ -282,7 +282,6 @@ class InstancePool:
         self.cost = None if cost is None else self._host_cost(cost)
         self.rl_step = 0
         self.estimator = _Means()
-        self.policy = realloc
         self.on_report = None  # test hook: called with (instance, report) after every answer
 
     # --- setup ----------------------------------------------------------------------------

@@ -222,6 +222,7 @@ class Trainer:
         when the policy prices steps and no profile is given)."""
         from rlsched.executor.engine import build_policy
 
+        self._cost = None  # the cost model priced policies and a pool's migrations use (set below)
         if self.cfg.rollout.backend == "vllm":  # the engine is vLLM's: no local policy, no profile
             return self.cfg.policy, None, None
         if self.policy_state is not None and not isinstance(self.policy_state, list):
@@ -275,12 +276,7 @@ class Trainer:
                             drafter_cache_len(self._longest, r.max_tokens, r.k_max), str(self.out / "traces"),
                             c.device, c.dtype, threads, 2 * r.group_size)
         states = self.policy_state if isinstance(self.policy_state, list) else None
-        cost = getattr(self, "_cost", None)
-        if cost is None and self._realloc_priced:
-            from rlsched.policies.measured import MeasuredCostModel
-
-            cost = MeasuredCostModel(pd.read_parquet(self.out / "profile.parquet"))
-        return InstancePool(r.instances, spec, realloc=r.realloc, threshold=r.realloc_threshold, cost=cost,
+        return InstancePool(r.instances, spec, realloc=r.realloc, threshold=r.realloc_threshold, cost=self._cost,
                             seed=c.seed, target_state=self.actor.state_dict(),
                             drafter_state=None if self.drafter_model is None else self.drafter_model.state_dict(),
                             states=states, log=self.log)
