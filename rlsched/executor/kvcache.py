@@ -25,6 +25,9 @@ class KVCache:
         self.kv = torch.zeros(num_layers, 2, max_batch, num_kv_heads, max_len, head_dim,
                               device=device, dtype=dtype)
         self.lengths = torch.zeros(max_batch, dtype=torch.long, device=device)
+        # per-layer views, indexed once here rather than twice per access in every forward
+        self.keys = list(self.kv[:, 0].unbind(0))
+        self.values = list(self.kv[:, 1].unbind(0))
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -47,18 +50,30 @@ class KVCache:
         return slots
 
     def write(self, layer: int, rows: torch.Tensor, positions: torch.Tensor,
-              k: torch.Tensor, v: torch.Tensor, start: int | None = None, first: int | None = None) -> None:
+              k: torch.Tensor, v: torch.Tensor, start: int | None = None, first: int | None = None,
+              flat: torch.Tensor | None = None) -> None:
         """Store k, v (B, kv_heads, q, head_dim) of row rows[b] at positions[b] (B, q). When the
         rows are start..start+B-1 and every row's positions begin at `first`, a plain slice
-        copy (no index tensors)."""
+        copy (no index tensors); otherwise one index_copy_ per tensor at `flat_index(rows,
+        positions)` (pass it to compute it once for all layers)."""
         if start is not None and first is not None:
             b, q = positions.shape
-            self.kv[layer, 0, start:start + b, :, first:first + q] = k
-            self.kv[layer, 1, start:start + b, :, first:first + q] = v
+            self.keys[layer][start:start + b, :, first:first + q] = k
+            self.values[layer][start:start + b, :, first:first + q] = v
             return
-        idx = rows[:, None]
-        self.kv[layer, 0][idx, :, positions] = k.transpose(1, 2)
-        self.kv[layer, 1][idx, :, positions] = v.transpose(1, 2)
+        if flat is None:
+            flat = self.flat_index(rows, positions)
+        d = k.shape[-1]
+        self.keys[layer].view(-1, d).index_copy_(0, flat, k.reshape(-1, d))
+        self.values[layer].view(-1, d).index_copy_(0, flat, v.reshape(-1, d))
+
+    def flat_index(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Where (row, head, position) lands in one layer's keys viewed as (-1, head_dim), in
+        the order of k (B, kv_heads, q, head_dim): an index_copy_ is half the time of the
+        equivalent advanced-index assignment (8 vs 16 us at B = 64)."""
+        heads = torch.arange(self.kv.shape[3], device=rows.device)
+        return ((rows[:, None, None] * self.kv.shape[3] + heads[None, :, None]) * self.max_len
+                + positions[:, None, :]).reshape(-1)
 
     def read(self, layer: int, rows: torch.Tensor, upto: int,
              start: int | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,8 +81,8 @@ class KVCache:
         are the consecutive range start..start+B-1, a gather otherwise."""
         if start is not None:
             end = start + rows.shape[0]
-            return self.kv[layer, 0, start:end, :, :upto], self.kv[layer, 1, start:end, :, :upto]
-        return self.kv[layer, 0][rows, :, :upto], self.kv[layer, 1][rows, :, :upto]
+            return self.keys[layer][start:end, :, :upto], self.values[layer][start:end, :, :upto]
+        return self.keys[layer][rows, :, :upto], self.values[layer][rows, :, :upto]
 
     def consecutive(self, rows: torch.Tensor) -> int | None:
         """The first row when `rows` is a consecutive ascending range (reads are then views, no

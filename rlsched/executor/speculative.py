@@ -127,12 +127,36 @@ def prefill(model, cache: KVCache, slots, prompts: list[list[int]]) -> torch.Ten
     dev = cache.lengths.device
     slots = torch.as_tensor(slots, dtype=torch.long, device=dev)
     cache.free(slots)
-    n = [len(p) - 1 for p in prompts]
-    q = max(n)
-    if q > 0:
-        ids = torch.tensor([p[:-1] + [0] * (q - len(p) + 1) for p in prompts], device=dev)
-        model(ids, cache, slots=slots, n_new=n)
+    for group in length_groups([len(p) - 1 for p in prompts]):
+        n = [len(prompts[i]) - 1 for i in group]
+        q = max(n)
+        if q > 0:
+            ids = torch.tensor([prompts[i][:-1] + [0] * (q - n_i) for i, n_i in zip(group, n)], device=dev)
+            rows = slots if len(group) == len(prompts) else slots[torch.tensor(group, device=dev)]
+            model(ids, cache, slots=rows, n_new=n)
     return torch.tensor([p[-1] for p in prompts], dtype=torch.long, device=dev)
+
+
+def length_groups(lengths: list[int], waste: float = 0.25, overhead: int = 64) -> list[list[int]]:
+    """Indices of `lengths` in forwards of similar lengths: a padded forward computes every
+    row to the longest, so one forward over prompts of 8 to 47 tokens did 3x the work. Rows
+    are taken longest first; a group closes when padding would pass `waste` of its tokens,
+    unless it is still cheaper than a forward's fixed cost (`overhead` tokens' worth)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups, cur, total = [], [], 0
+    for i in order:
+        if cur:
+            padded = lengths[cur[0]] * (len(cur) + 1)
+            if padded - total - lengths[i] > max(waste * padded, overhead):
+                groups.append(cur)
+                cur, total = [], 0
+        cur.append(i)
+        total += lengths[i]
+    if cur:
+        groups.append(cur)
+    if len(groups) == 1:
+        return [list(range(len(lengths)))]  # one forward in the caller's order (slots stay consecutive)
+    return groups
 
 
 @torch.no_grad()
