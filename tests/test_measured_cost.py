@@ -41,6 +41,16 @@ def test_grid_points_are_exact_and_between_is_linear():
     assert m.draft_time_per_seq("model", np.array([0, 2, 3]), 96) == pytest.approx(m.draft_time("model", 2, 3, 96))
 
 
+def test_extrapolation_never_prices_a_step_below_the_fastest_measured():
+    # noise made the longer context measure faster: the slope extended far past the grid
+    # would reach zero and below (goodput divided by it)
+    verify = lambda b, q, L: 2.0 + 0.1 * q - 0.015 * L
+    m = MeasuredCostModel(_records(verify, lambda b, k, L: 0.2 * k))
+    fastest = min(verify(b, q, L) for b in (1, 2, 4, 8) for q in range(1, 5) for L in (32, 96)) / 1e3
+    assert m.verify_time(1, 1, 1000) == pytest.approx(fastest)
+    assert m.verify_time(4, 2, 4 * 64) > fastest  # inside the grid: interpolated as before
+
+
 def test_goodput_runs_on_a_measured_model():
     from rlsched.policies.draft import PolicyContext, make_draft_policy
     from rlsched.policies.types import EngineState

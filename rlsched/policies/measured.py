@@ -2,10 +2,11 @@
 
 Verify and draft times are interpolated over the profiled grid: linearly in log2(batch),
 in the number of tokens per row (q for verify, k for draft) and in the context per row;
-outside the grid the nearest edge's slope is extended. Prefill is a least-squares line in
-the number of prompt tokens. It implements the `CostModel` protocol, so `goodput` and the
-other priced policies run on the executor with the executor's own costs. (A parametric fit
-that also extrapolates to other models and hardware is the analysis layer's job.)
+outside the grid the nearest edge's slope is extended, never below the fastest measured
+step. Prefill is a least-squares line in the number of prompt tokens. It implements the
+`CostModel` protocol, so `goodput` and the other priced policies run on the executor with the
+executor's own costs. (A parametric fit that also extrapolates to other models and hardware
+is the analysis layer's job.)
 """
 
 from __future__ import annotations
@@ -64,7 +65,9 @@ class MeasuredCostModel:
         tokens = np.asarray(tokens, dtype=float)
         b = np.broadcast_to(np.log2(max(batch, 1)), tokens.shape)
         per_row = np.broadcast_to(np.asarray(ctx_tokens, dtype=float) / max(batch, 1), tokens.shape)
-        out = np.maximum(interp(np.stack([b, tokens, per_row], axis=-1)), 0.0).reshape(tokens.shape)
+        # no step is faster than the fastest measured one: a slope extended past the grid can
+        # otherwise reach zero or below when noise made a larger context measure faster
+        out = np.maximum(interp(np.stack([b, tokens, per_row], axis=-1)), interp.values.min()).reshape(tokens.shape)
         return out if out.ndim else float(out)  # a number for a number, as the roofline model
 
     def verify_time(self, batch: int, q, ctx_tokens: int):
