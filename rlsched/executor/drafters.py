@@ -129,6 +129,13 @@ class ModelDrafter:
         for s in slots:
             self.cached.pop(s, None)
 
+    def move(self, src: int, dst: int) -> None:
+        """The row in slot `src` now lives in the empty slot `dst` (the engine compacts)."""
+        self.cache.move(src, dst)
+        self.cached.pop(dst, None)
+        if src in self.cached:
+            self.cached[dst] = self.cached.pop(src)
+
     @torch.no_grad()
     def propose(self, rows, k):
         b = len(rows)

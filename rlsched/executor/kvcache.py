@@ -103,6 +103,13 @@ class KVCache:
             raise ValueError("trim can only shorten rows (0 <= new length <= current length)")
         self.lengths[slots] = new
 
+    def move(self, src: int, dst: int) -> None:
+        """Row `src`'s cached tokens into the empty row `dst`; `src` is emptied."""
+        n = int(self.lengths[src])
+        self.kv[:, :, dst, :, :n] = self.kv[:, :, src, :, :n]
+        self.lengths[dst] = n
+        self.lengths[src] = 0
+
     def free(self, slots) -> None:
         """Empty rows so that new sequences can take them."""
         slots = torch.as_tensor(slots, dtype=torch.long, device=self.lengths.device)
