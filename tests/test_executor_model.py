@@ -92,6 +92,42 @@ def test_prefill_equals_transformers(models, name):
     assert cache.lengths.tolist() == [13, 13]
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen2-tied", "qwen3"])
+def test_wide_ragged_batch_equals_transformers(models, name):
+    """12 rows of very different lengths in scattered slots of a 16-row cache: `prefill` splits
+    them into length groups; a 3-token step at batch > 8 takes the batched-matmul attention
+    with a ragged mask, a 1-token step SDPA with one; then rows move to other slots (as the
+    engine compacts) and a last step reads them there."""
+    from rlsched.executor.speculative import length_groups, prefill
+
+    folder, hf = models[name]
+    model = load_model(folder).model
+    g = torch.Generator().manual_seed(3)
+    rand = lambda n: torch.randint(0, VOCAB, (n,), generator=g).tolist()  # noqa: E731
+    lengths = [4, 90, 7, 60, 12, 85, 5, 33, 70, 9, 48, 20]
+    assert len(length_groups([n - 1 for n in lengths])) > 1
+    seqs = [rand(n) for n in lengths]
+    slots = torch.tensor([15, 0, 3, 7, 1, 12, 9, 4, 14, 2, 10, 6])
+    cache = model.new_cache(16, 100)
+    with torch.no_grad():
+        last = prefill(model, cache, slots, seqs)
+        assert last.tolist() == [s[-1] for s in seqs]
+        for q in (3, 1):
+            new = [[s[-1]] + rand(q - 1) for s in seqs]
+            out = model(torch.tensor(new), cache, slots=slots)
+            for r, t in enumerate(new):
+                seqs[r] = seqs[r] + t[1:]
+                _check(name, out[r], _ref(hf, seqs[r])[-q:])
+            seqs = [s + rand(1) for s in seqs]  # each row's next token, fed by the next step
+        for src, dst in [(12, 5), (14, 8), (15, 11)]:  # into the holes below 12, as the engine does
+            cache.move(src, dst)
+            slots[slots == src] = dst
+        assert sorted(slots.tolist()) == list(range(12)) and cache.lengths[12:].sum() == 0
+        out = model(torch.tensor([[s[-1]] for s in seqs]), cache, slots=slots)
+    for r, s in enumerate(seqs):
+        _check(name, out[r, 0], _ref(hf, s)[-1])
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_incremental_decode_equals_transformers(models, name):
     """Two rows of different lengths in cache rows 2 and 0 of 4: a ragged prefill, a 1-token

@@ -200,9 +200,8 @@ class Transformer(nn.Module):
         `last_only` returns only the logits of each row's last kept token: (B, 1, V).
         """
         b, q = ids.shape
-        if n_new is None:
-            n = torch.full((b,), q, dtype=torch.long, device=ids.device)
-        else:
+        n = None  # every row keeps its q tokens
+        if n_new is not None:
             n = torch.as_tensor(n_new, dtype=torch.long).expand(b)
             if bool((n < int(last_only)).any()) or bool((n > q).any()):
                 raise ValueError(f"n_new must lie in [{int(last_only)}, {q}] for every row")
@@ -210,11 +209,14 @@ class Transformer(nn.Module):
         s = self._step(b, q, ids.device, cache, slots)
         h = self._trunk(ids, s)
         if last_only:
-            h = h[torch.arange(b, device=h.device), n - 1][:, None]
+            h = h[:, -1:] if n is None else h[torch.arange(b, device=h.device), n - 1][:, None]
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(h, weight).float()
         if cache is not None:
-            cache.lengths[s.rows] = s.positions[:, 0] + n.to(cache.lengths.device)
+            if n is None and s.start is not None:
+                cache.lengths[s.start:s.start + b] += q
+            else:
+                cache.lengths[s.rows] = s.positions[:, 0] + (q if n is None else n.to(cache.lengths.device))
         return logits
 
     def features(self, ids: torch.Tensor) -> torch.Tensor:
@@ -237,7 +239,8 @@ class Transformer(nn.Module):
             positions = steps.expand(b, q)
         else:
             rows = cache.rows(slots, b)
-            start = 0 if slots is None else cache.consecutive(rows)
+            start = 0 if slots is None else int(rows[0]) if b == 1 and rows.device.type == "cpu" else (
+                cache.consecutive(rows))
             positions = cache.lengths[rows][:, None].to(device) + steps
         upto = int(positions[:, -1].max()) + 1
         if cache is not None and upto > cache.max_len:
@@ -260,5 +263,5 @@ class Transformer(nn.Module):
                 first = int(p0[0])
         if cache is not None and (start is None or first is None):
             flat = cache.flat_index(rows, positions)
-        cos, sin = self.rope(positions, dtype)
+        cos, sin = self.rope.forward(positions, dtype, upto)
         return _Step(cache, rows, start, first, positions, upto, mask, flat, cos, sin)

@@ -81,13 +81,15 @@ class Rope(nn.Module):
         """Recompute the buffer on a real device (after the model was built on `meta`)."""
         self.inv_freq = self._inv(None).to(device)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype,
+                longest: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """positions (B, q) -> cos and signed sin (see `apply_rope`) of shape (B, 1, q, head_dim),
         in `dtype`. Looked up in tables grown on demand (one gather per forward instead of
         computing them), except for dynamic scaling past the trained length, where the
-        frequencies depend on the length."""
+        frequencies depend on the length. `longest`: max(positions) + 1 when the caller knows it."""
         inv = self.inv_freq
-        longest = int(positions.max()) + 1
+        if longest is None:
+            longest = int(positions.max()) + 1
         if self.scaling is not None and self.scaling.kind == "dynamic" and longest > self.max_position_embeddings:
             cos, sin = _tables(positions.float(), self._inv(longest).to(positions.device), dtype)
             return cos[:, None], sin[:, None]
