@@ -92,10 +92,11 @@ def test_prefill_equals_transformers(models, name):
     assert cache.lengths.tolist() == [13, 13]
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2-tied", "qwen3"])
-def test_wide_ragged_batch_equals_transformers(models, name):
+@pytest.mark.parametrize("name,max_tokens", [("llama", -1), ("qwen2-tied", -1), ("qwen3", -1), ("llama", 100)])
+def test_wide_ragged_batch_equals_transformers(models, name, max_tokens):
     """12 rows of very different lengths in scattered slots of a 16-row cache: `prefill` splits
-    them into length groups; a 3-token step at batch > 8 takes the batched-matmul attention
+    them into length groups (and, with max_tokens = 100, each group into forwards of at most
+    100 padded tokens); a 3-token step at batch > 8 takes the batched-matmul attention
     with a ragged mask, a 1-token step SDPA with one; then rows move to other slots (as the
     engine compacts) and a last step reads them there."""
     from rlsched.executor.speculative import length_groups, prefill
@@ -110,7 +111,7 @@ def test_wide_ragged_batch_equals_transformers(models, name):
     slots = torch.tensor([15, 0, 3, 7, 1, 12, 9, 4, 14, 2, 10, 6])
     cache = model.new_cache(16, 100)
     with torch.no_grad():
-        last = prefill(model, cache, slots, seqs)
+        last = prefill(model, cache, slots, seqs, max_tokens)
         assert last.tolist() == [s[-1] for s in seqs]
         for q in (3, 1):
             new = [[s[-1]] + rand(q - 1) for s in seqs]

@@ -119,22 +119,44 @@ def verify(target_probs: torch.Tensor, draft_tokens: torch.Tensor,
 
 
 @torch.no_grad()
-def prefill(model, cache: KVCache, slots, prompts: list[list[int]]) -> torch.Tensor:
+def prefill(model, cache: KVCache, slots, prompts: list[list[int]], max_tokens: int | None = -1) -> torch.Tensor:
     """Cache every prompt but its last token (ragged) in rows `slots`; returns the last
-    tokens (B,), which the first step feeds."""
+    tokens (B,), which the first step feeds. Prompts go in forwards of similar lengths
+    (`length_groups`) of at most `max_tokens` padded tokens each (default
+    `prefill_token_budget(model)`; None: no limit), a row at least."""
     if any(len(p) < 1 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     dev = cache.lengths.device
     slots = torch.as_tensor(slots, dtype=torch.long, device=dev)
     cache.free(slots)
+    if max_tokens == -1:
+        max_tokens = prefill_token_budget(model)
     for group in length_groups([len(p) - 1 for p in prompts]):
-        n = [len(prompts[i]) - 1 for i in group]
-        q = max(n)
-        if q > 0:
-            ids = torch.tensor([prompts[i][:-1] + [0] * (q - n_i) for i, n_i in zip(group, n)], device=dev)
-            rows = slots if len(group) == len(prompts) else slots[torch.tensor(group, device=dev)]
+        q = max(len(prompts[i]) - 1 for i in group)
+        if q == 0:
+            continue
+        per = len(group) if max_tokens is None else max(1, max_tokens // q)
+        for chunk in (group[j:j + per] for j in range(0, len(group), per)):
+            n = [len(prompts[i]) - 1 for i in chunk]
+            ids = torch.tensor([prompts[i][:-1] + [0] * (q - n_i) for i, n_i in zip(chunk, n)], device=dev)
+            rows = slots if len(chunk) == len(prompts) else slots[torch.tensor(chunk, device=dev)]
             model(ids, cache, slots=rows, n_new=n)
     return torch.tensor([p[-1] for p in prompts], dtype=torch.long, device=dev)
+
+
+PREFILL_ACTIVATION_BYTES = 16 << 20
+
+
+def prefill_token_budget(model) -> int | None:
+    """Most tokens one prefill forward takes on a CPU: its widest activation (gate and up,
+    2 x intermediate values per token) within PREFILL_ACTIVATION_BYTES, about what the
+    last-level cache holds: past it a token cost twice as much here (the built-in target:
+    34-44 us a token up to 6k tokens a forward, 72-97 us at 8-12k). None (no limit) on a
+    GPU, where larger forwards only pay better."""
+    w = model.embed.weight
+    if w.device.type != "cpu":
+        return None
+    return max(1, PREFILL_ACTIVATION_BYTES // (2 * model.config.intermediate_size * w.element_size()))
 
 
 def length_groups(lengths: list[int], waste: float = 0.25, overhead: int = 64) -> list[list[int]]:
