@@ -96,7 +96,7 @@ def test_prefill_equals_transformers(models, name):
 def test_wide_ragged_batch_equals_transformers(models, name, max_tokens):
     """12 rows of very different lengths in scattered slots of a 16-row cache: `prefill` splits
     them into length groups (and, with max_tokens = 100, each group into forwards of at most
-    100 padded tokens); a 3-token step at batch > 8 takes the batched-matmul attention
+    100 padded tokens); a 3-token step at batch > 2 takes the batched-matmul attention
     with a ragged mask, a 1-token step SDPA with one; then rows move to other slots (as the
     engine compacts) and a last step reads them there."""
     from rlsched.executor.speculative import length_groups, prefill

@@ -26,8 +26,8 @@ class KVCache:
                               device=device, dtype=dtype)
         self.lengths = torch.zeros(max_batch, dtype=torch.long, device=device)
         # per-layer views, indexed once here rather than twice per access in every forward
-        self.keys = list(self.kv[:, 0].unbind(0))
-        self.values = list(self.kv[:, 1].unbind(0))
+        self.keys = [self.kv[layer, 0] for layer in range(num_layers)]
+        self.values = [self.kv[layer, 1] for layer in range(num_layers)]
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

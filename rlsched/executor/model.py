@@ -2,7 +2,7 @@
 
 Written for the speculative executor, in the spirit of gpt-fast and nano-vllm: q/k/v and
 gate/up are fused into one matmul each (fewer, larger kernels at small batch), attention is
-`scaled_dot_product_attention` (or, for several new tokens per row at batch > 8, two batched
+`scaled_dot_product_attention` (or, for several new tokens per row at batch > 2, two batched
 matmuls) with an explicit mask built once per forward from the cache rows' lengths, and a
 forward accepts q >= 1 new tokens per row at per-row positions, so the same call does
 prefill, decode and verification of k drafts (q = k + 1).
@@ -113,7 +113,7 @@ class Attention(nn.Module):
         if s.cache is not None:
             s.cache.write(layer, s.rows, s.positions, xk, xv, s.start, s.first, s.flat)
             xk, xv = s.cache.read(layer, s.rows, s.upto, s.start)
-        if s.cache is not None and not torch.is_grad_enabled() and q > 1 and b > 8:
+        if s.cache is not None and not torch.is_grad_enabled() and q > 1 and b > SDPA_MAX_BATCH:
             out = _cached_attention(xq, xk, xv, s.mask, self.nkv)
         else:
             out = F.scaled_dot_product_attention(xq, xk, xv, attn_mask=s.mask,
@@ -121,14 +121,19 @@ class Attention(nn.Module):
         return F.linear(out.transpose(1, 2).reshape(b, q, self.nh * self.hd), self.o.weight, self.o.bias)
 
 
+SDPA_MAX_BATCH = 2  # several new tokens per row above this batch: the batched matmuls below
+
+
 def _cached_attention(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, mask: torch.Tensor | None,
                       nkv: int) -> torch.Tensor:
     """Attention of a few new tokens over a cache, as two batched matmuls: the query heads that
     share a KV head are stacked into one matrix, so keys and values are read once per KV head
-    and never copied. Used for verification at batch > 8, where it measured 1.5-2x faster than
-    SDPA's CPU kernel (B = 64, q = 4: 330 vs 708 us); SDPA is faster for one new token per row
-    (B = 1: 10 vs 58 us; B = 64: 190 vs 223 us) and at small batch. xq (B, H, q, d), xk/xv
-    (B, KV, L, d), mask (B, 1, q, L)."""
+    and never copied. Used for several new tokens per row at batch > SDPA_MAX_BATCH, where the
+    whole verify forward measured as fast or faster than with SDPA's CPU kernel (q = 5: 5.21 vs
+    5.27 ms at B = 4, 16.5 vs 19.4 at B = 32, 21.4 vs 23.9 at B = 64); SDPA is faster for one
+    new token per row (attention alone at B = 1: 10 vs 58 us; B = 64: 190 vs 223 us) and for
+    verification at batch 1-2 (3.47 vs 3.80 ms). xq (B, H, q, d), xk/xv (B, KV, L, d), mask
+    (B, 1, q, L)."""
     b, h, q, d = xq.shape
     g = h // nkv
     scores = torch.matmul(xq.reshape(b, nkv, g * q, d), xk.transpose(-1, -2)) * d ** -0.5  # (B, KV, G*q, L)
