@@ -238,16 +238,20 @@ class Transformer(nn.Module):
 
     def _step(self, b: int, q: int, device, cache: KVCache | None, slots) -> _Step:
         dtype = self.embed.weight.dtype
-        steps = torch.arange(q, device=device)
+        one_row = None  # a single CPU row: its start position, read once (fewer ops per forward)
         if cache is None:
             rows, start = None, 0
-            positions = steps.expand(b, q)
+            positions = torch.arange(q, device=device).expand(b, q)
         else:
             rows = cache.rows(slots, b)
-            start = 0 if slots is None else int(rows[0]) if b == 1 and rows.device.type == "cpu" else (
-                cache.consecutive(rows))
-            positions = cache.lengths[rows][:, None].to(device) + steps
-        upto = int(positions[:, -1].max()) + 1
+            if b == 1 and rows.device.type == "cpu":
+                start = int(rows[0])
+                one_row = int(cache.lengths[start])
+                positions = torch.arange(one_row, one_row + q, device=device)[None]
+            else:
+                start = 0 if slots is None else cache.consecutive(rows)
+                positions = cache.lengths[rows][:, None].to(device) + torch.arange(q, device=device)
+        upto = one_row + q if one_row is not None else int(positions[:, -1].max()) + 1
         if cache is not None and upto > cache.max_len:
             raise ValueError(f"a row needs {upto} cache positions, more than the cache's max_len "
                              f"{cache.max_len}")
@@ -261,12 +265,13 @@ class Transformer(nn.Module):
             keys = torch.arange(upto, device=device)
             hidden = (keys[None, None, :] > positions[:, :, None])[:, None]
             mask = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
-        first = flat = None
-        if cache is not None and start is not None:
+        first = one_row
+        flat = None
+        if first is None and cache is not None and start is not None:
             p0 = positions[:, 0]
             if b == 1 or bool((p0 == p0[0]).all()):
                 first = int(p0[0])
         if cache is not None and (start is None or first is None):
             flat = cache.flat_index(rows, positions)
-        cos, sin = self.rope.forward(positions, dtype, upto)
+        cos, sin = self.rope.forward(positions, dtype, upto, first)
         return _Step(cache, rows, start, first, positions, upto, mask, flat, cos, sin)

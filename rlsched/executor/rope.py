@@ -81,12 +81,14 @@ class Rope(nn.Module):
         """Recompute the buffer on a real device (after the model was built on `meta`)."""
         self.inv_freq = self._inv(None).to(device)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype,
-                longest: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype, longest: int | None = None,
+                first: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """positions (B, q) -> cos and signed sin (see `apply_rope`) of shape (B, 1, q, head_dim),
         in `dtype`. Looked up in tables grown on demand (one gather per forward instead of
         computing them), except for dynamic scaling past the trained length, where the
-        frequencies depend on the length. `longest`: max(positions) + 1 when the caller knows it."""
+        frequencies depend on the length. `longest`: max(positions) + 1 when the caller knows it;
+        `first`: every row's positions are first..first+q-1 (the tables are then sliced, not
+        gathered, and broadcast over the rows)."""
         inv = self.inv_freq
         if longest is None:
             longest = int(positions.max()) + 1
@@ -99,6 +101,9 @@ class Rope(nn.Module):
         if stale or (table[0].is_inference() and not torch.is_inference_mode_enabled()):
             n = max(longest, 256, 0 if table is None else 2 * table[0].shape[0])
             table = self._table = _tables(torch.arange(n, device=inv.device).float(), inv, dtype)
+        if first is not None:
+            q = positions.shape[-1]
+            return table[0][None, None, first:first + q], table[1][None, None, first:first + q]
         return table[0][positions][:, None], table[1][positions][:, None]
 
 
