@@ -59,6 +59,26 @@ def test_bandit_learns_the_best_arm_per_bucket(ctx):
     assert pol.choose(state(200, 100)) == OFF  # a new bucket starts with its first untried arm
 
 
+def test_calibrated_goodput_follows_measured_step_times(ctx):
+    """Where drafting measures 30x what the cost model prices it, a calibrating goodput turns
+    SD off; one that does not calibrate (the simulator's) keeps the priced choice."""
+    from dataclasses import replace
+
+    plain, live = make_draft_policy("goodput:1", ctx), make_draft_policy("goodput:1", replace(ctx, calibrate=True))
+    assert not plain.observes and live.observes
+    first = live.choose(state(1))
+    assert first.k > 0 and plain.choose(state(1)) == first
+    cost = ctx.cost
+    for step in range(1, 30):
+        s = live.choose(state(1, step))
+        if s.is_off:
+            break
+        draft, verify = cost.draft_time(s.drafter, 1, s.k, 1000), cost.verify_time(1, s.k + 1, 1000)
+        live.observe(StepOutcome(0, step, s, 1, s.k, 0, 1, 30 * draft + verify, 30 * draft, verify))
+    assert live.choose(state(1, 31)) == OFF
+    assert plain.choose(state(1, 31)) == first
+
+
 def test_analytic_table_drafts_more_at_small_batch(ctx):
     table = TablePolicy.analytic(ctx, "model")
     assert table.choose(state(1)).k > table.choose(state(256)).k

@@ -135,6 +135,7 @@ def build_policy(spec: str, drafters: tuple[str, ...], cost=None, **ctx_kwargs):
     if cost is None and policy_needs_cost(spec):
         raise UserError(f"policy '{spec}' needs a cost model; pass one (a fitted or analytic CostModel) "
                         "or choose a policy without one: off, static:K, bandit, table:FILE")
+    ctx_kwargs.setdefault("calibrate", True)  # step times here are measured: priced policies follow them
     return make_draft_policy(spec, PolicyContext(cost=cost, drafters=drafters, **ctx_kwargs))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -26,6 +27,10 @@ class PolicyContext:
     identity: dict = field(default_factory=dict)  # model, hardware, drafters: checked against policy files
     true_acceptance: Callable[[str, np.ndarray], np.ndarray] | None = None  # the simulator's truth (oracle only)
     shared: dict = field(default_factory=dict)  # state shared by the policies of one cluster (learners)
+    # Step times are measured (the executor): policies that price steps scale the cost model's
+    # draft and verify times by what recent steps took against it (off in the simulator, whose
+    # step times are the cost model's).
+    calibrate: bool = False
 
     def prior(self, drafter: str) -> float:
         return self.acceptance_prior.get(drafter, 0.6)
@@ -92,17 +97,26 @@ class GoodputPolicy:
     The choice is re-derived whenever the batch size changes, the batch's context grows by
     `ctx_tolerance`, or `refresh` steps have passed (acceptance estimates move slowly); in
     between the last choice stands. refresh=1 re-derives every step.
+
+    With `ctx.calibrate` (the executor) the verify and each drafter's times are scaled by the
+    geometric mean of measured / priced over recent steps: a profile taken minutes earlier on a
+    shared machine, or one that misses per-step overheads, can misprice drafting against
+    verification by 1.5x. The choices then depend on measured times, as bandit's do.
     """
 
     name = "goodput"
     needs_acceptance = True
     observes = False
+    _DECAY = 0.8  # weight of the running scale against one new step's ratio
 
     def __init__(self, ctx: PolicyContext, refresh: int = 32, ctx_tolerance: float = 0.05):
         self.cost, self.drafters, self.k_max = ctx.cost, ctx.drafters, ctx.k_max
         self.refresh, self.ctx_tolerance = refresh, ctx_tolerance
         self._ks = np.arange(1, self.k_max + 1)
         self._last = None  # (batch, ctx_tokens, step, strategy)
+        self.calibrate = self.observes = ctx.calibrate
+        self._scale: dict[str, float] = {}  # "verify" or a drafter -> measured / priced time
+        self._priced = None  # (batch, verify at q = 1, verify at q = 2.., {drafter: draft at k = 1..})
 
     def choose(self, state: EngineState) -> Strategy:
         last = self._last
@@ -118,15 +132,37 @@ class GoodputPolicy:
 
     def _decide(self, state: EngineState) -> Strategy:
         b, ctx = state.batch, state.ctx_tokens
-        best, best_rate = OFF, b / self.cost.verify_time(b, 1, ctx)
+        sv = self._scale.get("verify", 1.0)
+        v1 = self.cost.verify_time(b, 1, ctx)
+        best, best_rate = OFF, b / (sv * v1)
+        vk = self.cost.verify_time(b, self._ks + 1, ctx)
+        drafts = {}
         for d in self.drafters:
             tokens = expected_tokens(self._acceptance(state, d), self.k_max)[1:]
-            times = self.cost.draft_time(d, b, self._ks, ctx) + self.cost.verify_time(b, self._ks + 1, ctx)
-            rates = tokens / times
+            drafts[d] = self.cost.draft_time(d, b, self._ks, ctx)
+            rates = tokens / (self._scale.get(d, 1.0) * drafts[d] + sv * vk)
             j = int(np.argmax(rates))
             if rates[j] > best_rate:
                 best, best_rate = Strategy(d, int(self._ks[j])), float(rates[j])
+        if self.calibrate:
+            self._priced = (b, v1, vk, drafts)
         return best
+
+    def observe(self, outcome: StepOutcome) -> None:
+        """(With calibrate) fold this step's measured verify and draft times into the scales,
+        against the prices of the choice it ran under."""
+        s, priced = outcome.strategy, self._priced
+        if not self.calibrate or priced is None or priced[0] != outcome.batch or s.width != 1 or s.per_seq is not None:
+            return
+        _, v1, vk, drafts = priced
+        self._fold("verify", outcome.verify_time, v1 if s.k == 0 else vk[s.k - 1])
+        if s.k > 0 and s.drafter in drafts:
+            self._fold(s.drafter, outcome.draft_time, drafts[s.drafter][s.k - 1])
+
+    def _fold(self, key: str, measured: float, priced: float) -> None:
+        if measured > 0 and priced > 0:
+            old = math.log(self._scale.get(key, 1.0))
+            self._scale[key] = math.exp(self._DECAY * old + (1 - self._DECAY) * math.log(measured / priced))
 
     def _acceptance(self, state: EngineState, drafter: str) -> np.ndarray:
         return state.accept_est(drafter)
@@ -140,9 +176,6 @@ class GoodputPolicy:
         room = last[1] * (1 + self.ctx_tolerance) - state.ctx_tokens
         by_ctx = int(room // max_growth) - 1 if max_growth > 0 else NEVER_CHANGES
         return max(0, min(by_refresh, by_ctx))
-
-    def observe(self, outcome: StepOutcome) -> None:
-        pass
 
 
 class SeqGoodputPolicy(GoodputPolicy):
