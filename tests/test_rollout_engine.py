@@ -203,6 +203,20 @@ def test_a_too_small_model_drafter_is_refused(pair):
         e.run(requests(1, 8))
 
 
+def test_resize_makes_room_for_longer_requests(pair):
+    """A request past the KV budget and the model drafter's cache is refused; after resize
+    (what the trainer does when a longer prompt comes) it runs."""
+    e = engine(pair, "model", "static:2", capacity=200)
+    long = [Request([1 + i % 9 for i in range(40)], 0, 0, 80)]  # 120 tokens: over the drafter's 64
+    with pytest.raises(UserError):
+        e.run([Request(long[0].prompt, 0, 0, 180)])  # over the KV budget too
+    with pytest.raises(UserError, match="drafter 'model'"):
+        e.run(long)
+    e.resize(400, 256)
+    assert e.cache_capacity == 400 and e.drafters["model"].cache.max_len == 256
+    assert len(e.run(long).samples[0].tokens) == 80
+
+
 def test_model_drafter_feeds_rows_apart_when_a_ragged_feed_would_overflow_its_cache(tmp_path):
     """A fresh row's whole prompt beside a row deep in its context: padding both to the
     prompt's length would write past the cache; the drafter feeds them one by one and drafts

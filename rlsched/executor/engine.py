@@ -238,6 +238,14 @@ class RolloutEngine:
             self._decode(self._running, t, len(self._queue))
             return self._retire(self._running)
 
+    def resize(self, cache_capacity: int, drafter_max_len: int) -> None:
+        """Room for longer requests (a longer prompt than the engine was sized for): the KV
+        budget, and a model drafter's cache rows."""
+        self.cache_capacity = cache_capacity
+        d = self.drafters.get("model")
+        if d is not None:
+            d.cache = d.model.new_cache(self.max_batch, drafter_max_len)
+
     def _compact(self) -> None:
         """Running rows in cache slots 0..n-1, in slot order, so that every layer reads the
         cache as views: rows finish (or leave) at different times, and the holes they leave

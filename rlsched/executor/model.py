@@ -113,7 +113,7 @@ class Attention(nn.Module):
         if s.cache is not None:
             s.cache.write(layer, s.rows, s.positions, xk, xv, s.start, s.first, s.flat)
             xk, xv = s.cache.read(layer, s.rows, s.upto, s.start)
-        if s.cache is not None and not torch.is_grad_enabled() and q > 1 and b > SDPA_MAX_BATCH:
+        if s.cache is not None and not torch.is_grad_enabled() and q > 1:
             out = _cached_attention(xq, xk, xv, s.mask, self.nkv)
         else:
             out = F.scaled_dot_product_attention(xq, xk, xv, attn_mask=s.mask,
@@ -121,22 +121,17 @@ class Attention(nn.Module):
         return F.linear(out.transpose(1, 2).reshape(b, q, self.nh * self.hd), self.o.weight, self.o.bias)
 
 
-# Several new tokens per row above this batch: the batched matmuls below. SDPA verifies 8-10%
-# faster at batch 1-2, but a step cost that jumps there is one the cost model's smooth forms
-# cannot fit (held-out MAPE rose from ~4% to 5-7%), so every batch takes the same path.
-SDPA_MAX_BATCH = 0
-
-
 def _cached_attention(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, mask: torch.Tensor | None,
                       nkv: int) -> torch.Tensor:
     """Attention of a few new tokens over a cache, as two batched matmuls: the query heads that
     share a KV head are stacked into one matrix, so keys and values are read once per KV head
-    and never copied. Used for several new tokens per row at batch > SDPA_MAX_BATCH, where the
-    whole verify forward measured as fast or faster than with SDPA's CPU kernel (q = 5: 5.21 vs
-    5.27 ms at B = 4, 16.5 vs 19.4 at B = 32, 21.4 vs 23.9 at B = 64); SDPA is faster for one
-    new token per row (attention alone at B = 1: 10 vs 58 us; B = 64: 190 vs 223 us) and for
-    verification at batch 1-2 (3.47 vs 3.80 ms). xq (B, H, q, d), xk/xv (B, KV, L, d), mask
-    (B, 1, q, L)."""
+    and never copied. Used for several new tokens per row (verify, prefill), where the whole
+    verify forward measured as fast or faster than with SDPA's CPU kernel (q = 5: 5.21 vs 5.27
+    ms at B = 4, 16.5 vs 19.4 at B = 32, 21.4 vs 23.9 at B = 64); SDPA is faster for one new
+    token per row (attention alone at B = 1: 10 vs 58 us; B = 64: 190 vs 223 us). SDPA also
+    verifies 8-10% faster at batch 1-2, but a step cost that jumps there is one the cost
+    model's smooth forms cannot fit (held-out MAPE rose from ~4% to 5-7%), so every batch takes
+    this path. xq (B, H, q, d), xk/xv (B, KV, L, d), mask (B, 1, q, L)."""
     b, h, q, d = xq.shape
     g = h // nkv
     scores = torch.matmul(xq.reshape(b, nkv, g * q, d), xk.transpose(-1, -2)) * d ** -0.5  # (B, KV, G*q, L)

@@ -176,10 +176,7 @@ class InstanceWorker:
     def resize(self, cache_capacity: int, drafter_max_len: int) -> None:
         """Room for longer requests: the KV budget, and the model drafter's cache rows."""
         with self._lock:
-            self.engine.cache_capacity = cache_capacity
-            d = self.engine.drafters.get("model")
-            if d is not None:
-                d.cache = self.drafter_model.new_cache(self.spec.max_batch, drafter_max_len)
+            self.engine.resize(cache_capacity, drafter_max_len)
 
     def sync_weights(self, target_state, drafter_state) -> None:
         with self._lock:

@@ -170,12 +170,12 @@ def length_groups(lengths: list[int], waste: float = 0.25, overhead: int = 64) -
         if cur:
             padded = lengths[cur[0]] * (len(cur) + 1)
             if padded - total - lengths[i] > max(waste * padded, overhead):
-                groups.append(cur)
+                groups.append(sorted(cur))  # in the caller's order within a group: slots ascending
                 cur, total = [], 0
         cur.append(i)
         total += lengths[i]
     if cur:
-        groups.append(cur)
+        groups.append(sorted(cur))
     if len(groups) == 1:
         return [list(range(len(lengths)))]  # one forward in the caller's order (slots stay consecutive)
     return groups

@@ -151,8 +151,8 @@ class GoodputPolicy:
     def observe(self, outcome: StepOutcome) -> None:
         """(With calibrate) fold this step's measured verify and draft times into the scales,
         against the prices of the choice it ran under."""
-        s, priced = outcome.strategy, self._priced
-        if not self.calibrate or priced is None or priced[0] != outcome.batch or s.width != 1 or s.per_seq is not None:
+        s, priced = outcome.strategy, self._priced  # priced only when calibrating
+        if priced is None or priced[0] != outcome.batch:
             return
         _, v1, vk, drafts = priced
         self._fold("verify", outcome.verify_time, v1 if s.k == 0 else vk[s.k - 1])
@@ -188,6 +188,10 @@ class SeqGoodputPolicy(GoodputPolicy):
 
     name = "seqgoodput"
     _LOG_TAUS = np.log(np.geomspace(0.02, 0.98, 24))[:, None]
+
+    def __init__(self, ctx: PolicyContext, refresh: int = 32, ctx_tolerance: float = 0.05):
+        super().__init__(ctx, refresh, ctx_tolerance)
+        self.calibrate = self.observes = False  # (prices per-row lengths: not calibrated yet)
 
     def _same_batch(self, last, state: EngineState) -> bool:
         return last[4] is state.sample_ids  # per-row lengths belong to these very rows

@@ -354,15 +354,9 @@ class Trainer:
             from rlsched.executor.drafters import drafter_cache_len
 
             self._longest = max(len(p) for p in prompts)
-            capacity = r.max_batch * (self._longest + r.max_tokens)
-            drafter_len = drafter_cache_len(self._longest, r.max_tokens, r.k_max)
-            if hasattr(self.engine, "resize"):  # a pool: every instance
-                self.engine.resize(capacity, drafter_len)
-            else:
-                self.engine.cache_capacity = capacity
-                model_drafter = getattr(self.engine, "drafters", {}).get("model")
-                if model_drafter is not None:
-                    model_drafter.cache = self.drafter_model.new_cache(r.max_batch, drafter_len)
+            if hasattr(self.engine, "resize"):  # rlsched's engine or pool (vLLM's refuses what exceeds it)
+                self.engine.resize(r.max_batch * (self._longest + r.max_tokens),
+                                   drafter_cache_len(self._longest, r.max_tokens, r.k_max))
         self.generator.manual_seed(_seed(c.seed, "rollout", s))
         self.engine.rl_step = s
         t = time.perf_counter()
