@@ -41,6 +41,28 @@ def test_grid_points_are_exact_and_between_is_linear():
     assert m.draft_time_per_seq("model", np.array([0, 2, 3]), 96) == pytest.approx(m.draft_time("model", 2, 3, 96))
 
 
+def test_lookups_are_scipys_trilinear_interpolation_and_extrapolation():
+    """The hand-rolled lookup (fast enough for goodput's every batch change) gives scipy's
+    RegularGridInterpolator numbers, inside the grid and past its edges, for numbers and arrays."""
+    from scipy.interpolate import RegularGridInterpolator
+
+    verify = lambda b, q, L: 1.0 + 0.3 * b ** 1.3 * q ** 0.7 + 0.002 * L * np.sqrt(b)  # not linear
+    m = MeasuredCostModel(_records(verify, lambda b, k, L: 0.2 * k))
+    axes = [np.log2([1, 2, 4, 8]), np.arange(1.0, 5.0), np.array([32.0, 96.0])]
+    table = np.array([[[verify(b, q, L) for L in axes[2]] for q in axes[1]] for b in (1, 2, 4, 8)]) / 1e3
+    ref = RegularGridInterpolator(axes, table, bounds_error=False, fill_value=None)
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        b, L = int(rng.integers(1, 24)), float(rng.uniform(4, 200))
+        q = rng.uniform(0.5, 7.0, size=3)
+        want = np.maximum(ref(np.stack([np.full(3, np.log2(b)), q, np.full(3, L)], axis=-1)), table.min())
+        assert np.allclose(m.verify_time(b, q, b * L), want, rtol=1e-12)
+        assert m.verify_time(b, float(q[0]), b * L) == pytest.approx(want[0], rel=1e-12)
+    ctx = np.array([3 * 20.0, 3 * 150.0])  # contexts as an array too (the CostModel protocol allows it)
+    want = np.maximum(ref(np.stack([np.full(2, np.log2(3)), [2.0, 2.0], ctx / 3], axis=-1)), table.min())
+    assert np.allclose(m.verify_time(3, 2, ctx), want, rtol=1e-12)
+
+
 def test_extrapolation_never_prices_a_step_below_the_fastest_measured():
     # noise made the longer context measure faster: the slope extended far past the grid
     # would reach zero and below (goodput divided by it)

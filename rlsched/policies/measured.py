@@ -3,7 +3,10 @@
 Verify and draft times are interpolated over the profiled grid: linearly in log2(batch),
 in the number of tokens per row (q for verify, k for draft) and in the context per row;
 outside the grid the nearest edge's slope is extended, never below the fastest measured
-step. Prefill is a least-squares line in the number of prompt tokens. It implements the
+step. (The numbers of scipy's RegularGridInterpolator with fill_value=None, a test checks;
+computed here because a policy prices a few points at a time, at every batch change, and
+scipy's per-call checks took ~230 us of each lookup, 40 here.) Prefill is a least-squares
+line in the number of prompt tokens. It implements the
 `CostModel` protocol, so `goodput` and the other priced policies run on the executor with the
 executor's own costs. (A parametric fit that also extrapolates to other models and hardware
 is the analysis layer's job.)
@@ -11,18 +14,59 @@ is the analysis layer's job.)
 
 from __future__ import annotations
 
+import bisect
+import math
+
 import numpy as np
 import pandas as pd
-from scipy.interpolate import RegularGridInterpolator
 
 from rlsched.errors import UserError
 
 
-def _grid(df: pd.DataFrame, tokens_col: str, value_col: str, what: str) -> RegularGridInterpolator:
-    """Interpolator over (log2 batch, tokens per row, context per row) of the mean of `value_col`."""
+class _Grid:
+    """Step time (seconds) over (log2 batch, tokens per row, context per row): trilinear, and
+    linear past the edges from the edge cell."""
+
+    def __init__(self, axes: list[np.ndarray], values: np.ndarray):
+        self.axes, self.values = axes, values
+        self._lists = {id(a): a.tolist() for a in axes}  # bisect on a list: no numpy scalars
+        self.floor = float(values.min())
+
+    def _cell(self, axis: np.ndarray, x):
+        """Index of the cell (clipped to the edge cells) and the weight of its upper corner."""
+        if np.ndim(x) == 0:
+            points = self._lists[id(axis)]
+            i = min(max(bisect.bisect_right(points, x) - 1, 0), len(axis) - 2)
+            return i, float((x - axis[i]) / (axis[i + 1] - axis[i]))
+        i = np.clip(np.searchsorted(axis, x, side="right") - 1, 0, len(axis) - 2)
+        return i, (x - axis[i]) / (axis[i + 1] - axis[i])
+
+    def __call__(self, log_batch, tokens, per_row) -> np.ndarray:
+        """At points broadcast from the three coordinates (numbers or arrays)."""
+        if np.ndim(log_batch) == 0 and np.ndim(per_row) == 0:
+            # a policy's lookup: one batch and context, so those two axes fold to one line
+            # over the tokens axis first (the same numbers, a tenth of the numpy calls)
+            (i, u), (j, w) = self._cell(self.axes[0], log_batch), self._cell(self.axes[2], per_row)
+            v = self.values
+            line = ((1 - u) * ((1 - w) * v[i, :, j] + w * v[i, :, j + 1])
+                    + u * ((1 - w) * v[i + 1, :, j] + w * v[i + 1, :, j + 1]))
+            t, r = self._cell(self.axes[1], np.asarray(tokens, dtype=float))
+            return (1 - r) * line[t] + r * line[t + 1]
+        (i, u), (t, r), (j, w) = (self._cell(a, np.asarray(x, dtype=float))
+                                  for a, x in zip(self.axes, (log_batch, tokens, per_row)))
+        v, out = self.values, 0.0
+        for di, wi in ((0, 1 - u), (1, u)):
+            for dt, wt in ((0, 1 - r), (1, r)):
+                for dj, wj in ((0, 1 - w), (1, w)):
+                    out = out + wi * wt * wj * v[i + di, t + dt, j + dj]
+        return out
+
+
+def _grid(df: pd.DataFrame, tokens_col: str, value_col: str, what: str) -> _Grid:
+    """The median of `value_col` over (log2 batch, tokens per row, context per row)."""
     df = df.assign(lb=np.log2(df["batch"]), per_row=df["ctx_tokens"] / df["batch"])
     table = df.groupby(["lb", tokens_col, "per_row"])[value_col].median()
-    axes = [np.array(sorted(set(table.index.get_level_values(i)))) for i in range(3)]
+    axes = [np.array(sorted(set(table.index.get_level_values(i))), dtype=float) for i in range(3)]
     full = pd.MultiIndex.from_product(axes)
     if len(table) != len(full):
         raise UserError(f"profile: the {what} measurements do not fill a grid of batch x tokens x "
@@ -33,7 +77,7 @@ def _grid(df: pd.DataFrame, tokens_col: str, value_col: str, what: str) -> Regul
         if len(a) == 1:
             axes[i] = np.array([a[0], a[0] + 1.0])
             values = np.concatenate([values, values], axis=i)
-    return RegularGridInterpolator(axes, values, bounds_error=False, fill_value=None)
+    return _Grid(axes, values)
 
 
 class MeasuredCostModel:
@@ -61,13 +105,13 @@ class MeasuredCostModel:
         self.drafters = tuple(self._draft)
 
     @staticmethod
-    def _at(interp, batch, tokens, ctx_tokens):
+    def _at(grid: _Grid, batch, tokens, ctx_tokens):
         tokens = np.asarray(tokens, dtype=float)
-        b = np.broadcast_to(np.log2(max(batch, 1)), tokens.shape)
-        per_row = np.broadcast_to(np.asarray(ctx_tokens, dtype=float) / max(batch, 1), tokens.shape)
+        b = max(batch, 1)
         # no step is faster than the fastest measured one: a slope extended past the grid can
         # otherwise reach zero or below when noise made a larger context measure faster
-        out = np.maximum(interp(np.stack([b, tokens, per_row], axis=-1)), interp.values.min()).reshape(tokens.shape)
+        per_row = ctx_tokens / b if np.ndim(ctx_tokens) == 0 else np.asarray(ctx_tokens, dtype=float) / b
+        out = np.maximum(grid(math.log2(b), tokens, per_row), grid.floor)
         return out if out.ndim else float(out)  # a number for a number, as the roofline model
 
     def verify_time(self, batch: int, q, ctx_tokens: int):
