@@ -250,7 +250,7 @@ def learn(
     config: Optional[Path] = ConfigOpt,
     set_: list[str] = SetOpt,
     out: Path = typer.Option(..., "--out", "-o", help="Where to write the policy file (JSON)."),
-    kind: str = typer.Option("table", "--kind", help="table (batch x acceptance buckets -> k) or twostate "
+    kind: str = typer.Option("table", "--kind", help="table (batch x context x acceptance buckets -> k) or twostate "
                              "(ReSpec: off above a batch threshold, one k below)."),
     seeds: int = typer.Option(1, "--seeds", help="Learning seeds (every candidate is scored on each)."),
     vllm_table: Optional[Path] = typer.Option(None, "--vllm-table", help="Also write the learned draft length by "
@@ -299,7 +299,7 @@ def learn(
     summary = {"policy_file": str(out), "kind": kind, "params": pf.params, "realloc": pf.realloc.model_dump(),
                "generation_s": score, "evaluations": learner.evaluations, "seeds": learner.seeds}
     if vllm_table is not None:
-        table = to_vllm(pf, cfg.cluster.max_batch, cfg.drafters[0].acceptance.mean)
+        table = to_vllm(pf, cfg.cluster.max_batch, cfg.drafters[0].acceptance.mean, learner.ctx.typical_ctx)
         vllm_table.parent.mkdir(parents=True, exist_ok=True)
         vllm_table.write_text(json.dumps(table, indent=2))
         summary["vllm_table"] = str(vllm_table)

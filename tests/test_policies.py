@@ -84,6 +84,26 @@ def test_analytic_table_drafts_more_at_small_batch(ctx):
     assert table.choose(state(1)).k > table.choose(state(256)).k
 
 
+def test_table_with_context_buckets_drafts_once_contexts_are_long(ctx):
+    """At one large batch, verification is compute-bound while contexts are short (SD off) and
+    memory-bound once they are long (SD pays): a context axis lets a table follow that; the
+    simulator's fast-forward stops where the context reaches the next bucket."""
+    from dataclasses import replace
+
+    big = replace(ctx, max_batch=1024)
+    table = TablePolicy.analytic(big, "model", ctx_edges=[0, 512, 1024, 2048, 4096])
+    assert table.choose(state(768, ctx_per_seq=300)) == OFF
+    assert table.choose(state(768, ctx_per_seq=3000)).k >= 1
+    s = state(768, ctx_per_seq=300)
+    # 212 steps of one token per sequence bring 300 to 512: the 211 after this one are steady
+    assert table.steady_steps(s, table.choose(s), max_growth=768) == 211
+    # a file round trip keeps the axis; a table without one still loads (one context bucket)
+    assert TablePolicy(big, "model", table.batch_edges, table.accept_edges, table.params()["k"],
+                       ctx_edges=table.params()["ctx_edges"]).params() == table.params()
+    flat = TablePolicy.analytic(big, "model")
+    assert "ctx_edges" not in flat.params() and flat.steady_steps(s, flat.choose(s), 768) > 10**6
+
+
 def test_oracle_needs_the_truth(cfg):
     with pytest.raises(UserError, match="only the simulator"):
         make_draft_policy("oracle", policy_context(cfg))

@@ -24,10 +24,11 @@ def batch_grid(max_batch: int) -> list[int]:
     return edges
 
 
-def rates(ctx: PolicyContext, drafter: str, batch: int, acceptance: float) -> np.ndarray:
-    """Expected tokens/s of k = 0..k_max for a batch of typical contexts (k = 0 is off)."""
+def rates(ctx: PolicyContext, drafter: str, batch: int, acceptance: float, per_row: int | None = None) -> np.ndarray:
+    """Expected tokens/s of k = 0..k_max for a batch of `per_row` contexts (default: the
+    typical context; k = 0 is off)."""
     ks = np.arange(1, ctx.k_max + 1)
-    ctx_tokens = batch * ctx.typical_ctx
+    ctx_tokens = batch * (ctx.typical_ctx if per_row is None else per_row)
     tokens = expected_tokens(np.full(batch, acceptance), ctx.k_max)
     times = np.concatenate(([ctx.cost.verify_time(batch, 1, ctx_tokens)],
                             ctx.cost.draft_time(drafter, batch, ks, ctx_tokens) +
@@ -92,59 +93,67 @@ class TwoStatePolicy:
 
 
 class TablePolicy:
-    """A lookup table (batch-size bucket x acceptance bucket) -> draft length, as written by
-    `rlsched learn`. The acceptance bucket is that of the batch's mean estimated acceptance,
-    re-read when the batch changes or every `refresh` steps."""
+    """A lookup table (acceptance bucket x context bucket x batch-size bucket) -> draft length,
+    as written by `rlsched learn`. The acceptance bucket is that of the batch's mean estimated
+    acceptance, re-read when the batch changes or every `refresh` steps; the context bucket is
+    that of the batch's mean context per sequence (at one batch size, verification is
+    compute-bound while contexts are short and memory-bound, nearly free, once they are long).
+    A table without `ctx_edges` has one context bucket (files written before it had one)."""
 
     name = "table"
     observes = False
 
     def __init__(self, ctx: PolicyContext, drafter: str, batch_edges: list[int], accept_edges: list[float],
-                 k: list[list[int]], refresh: int = 32):
+                 k: list, refresh: int = 32, ctx_edges: list[int] | None = None):
         if drafter not in ctx.drafters:
             raise UserError(f"table policy drafts with '{drafter}', which this config lacks ({', '.join(ctx.drafters)})")
-        if max(max(row) for row in k) > ctx.k_max:
-            raise UserError(f"table policy uses k up to {max(max(row) for row in k)}, above this config's "
-                            f"speculation.k_max = {ctx.k_max}")
-        self.drafter, self.batch_edges, self.accept_edges, self.k = drafter, list(batch_edges), list(accept_edges), k
+        self.ctx_edges = [0] if ctx_edges is None else list(ctx_edges)
+        self.k = [[row] for row in k] if ctx_edges is None else k  # [acceptance][context][batch]
+        top = max(x for plane in self.k for row in plane for x in row)
+        if top > ctx.k_max:
+            raise UserError(f"table policy uses k up to {top}, above this config's speculation.k_max = {ctx.k_max}")
+        self.drafter, self.batch_edges, self.accept_edges = drafter, list(batch_edges), list(accept_edges)
         self.refresh = refresh
         self.needs_acceptance = len(accept_edges) > 2
-        self._strategies = [[OFF if kk == 0 else Strategy(drafter, kk) for kk in row] for row in k]
+        self._strategies = [[[OFF if kk == 0 else Strategy(drafter, kk) for kk in row] for row in plane]
+                            for plane in self.k]
         self._acc_row = self._row(ctx.prior(drafter))
         self._last = None  # (batch, step) of the last acceptance read
 
     @classmethod
-    def analytic(cls, ctx: PolicyContext, drafter: str, accept_edges=(0.0, 1.0)) -> "TablePolicy":
-        """Each bucket's best k by the cost model at its middle batch and acceptance."""
+    def analytic(cls, ctx: PolicyContext, drafter: str, accept_edges=(0.0, 1.0),
+                 ctx_edges: list[int] | None = None) -> "TablePolicy":
+        """Each bucket's best k by the cost model at its middle batch, acceptance and context
+        per sequence (without `ctx_edges`: the typical context)."""
         edges = batch_grid(ctx.max_batch)
+        mids = [ctx.typical_ctx] if ctx_edges is None else [
+            max(1, round((lo * hi) ** 0.5)) if lo else hi // 2
+            for lo, hi in zip(ctx_edges, [*ctx_edges[1:], 2 * ctx_edges[-1]])]
         table = []
         for lo, hi in zip(accept_edges[:-1], accept_edges[1:]):
             a = ctx.prior(drafter) if len(accept_edges) == 2 else (lo + hi) / 2
-            row = []
-            for i, b in enumerate(edges):
-                top = edges[i + 1] - 1 if i + 1 < len(edges) else ctx.max_batch
-                row.append(int(np.argmax(rates(ctx, drafter, max(1, round((b * top) ** 0.5)), a))))
-            table.append(row)
-        return cls(ctx, drafter, edges, list(accept_edges), table)
+            plane = []
+            for per_row in mids:
+                row = []
+                for i, b in enumerate(edges):
+                    top = edges[i + 1] - 1 if i + 1 < len(edges) else ctx.max_batch
+                    row.append(int(np.argmax(rates(ctx, drafter, max(1, round((b * top) ** 0.5)), a, per_row))))
+                plane.append(row)
+            table.append(plane)
+        return cls(ctx, drafter, edges, list(accept_edges), table if ctx_edges else [p[0] for p in table],
+                   ctx_edges=ctx_edges)
 
     @classmethod
     def from_file(cls, pf, ctx: PolicyContext) -> "TablePolicy":
         p = pf.params
-        return cls(ctx, pf.drafter, p["batch_edges"], p["accept_edges"], p["k"])
+        return cls(ctx, pf.drafter, p["batch_edges"], p["accept_edges"], p["k"], ctx_edges=p.get("ctx_edges"))
 
     def params(self) -> dict:
-        return {"batch_edges": self.batch_edges, "accept_edges": self.accept_edges, "k": self.k}
-
-    def with_k(self, row: int, col: int, k: int) -> "TablePolicy":
-        """A copy with one cell changed (for the simulator's search)."""
-        table = [list(r) for r in self.k]
-        table[row][col] = k
-        new = object.__new__(TablePolicy)
-        new.__dict__.update(self.__dict__)
-        new.k = table
-        new._strategies = [[OFF if kk == 0 else Strategy(self.drafter, kk) for kk in r] for r in table]
-        new._last = None
-        return new
+        if len(self.ctx_edges) == 1:
+            return {"batch_edges": self.batch_edges, "accept_edges": self.accept_edges,
+                    "k": [plane[0] for plane in self.k]}
+        return {"batch_edges": self.batch_edges, "accept_edges": self.accept_edges, "ctx_edges": self.ctx_edges,
+                "k": self.k}
 
     def _row(self, acceptance: float) -> int:
         return min(max(bisect_right(self.accept_edges, acceptance) - 1, 0), len(self.accept_edges) - 2)
@@ -157,14 +166,24 @@ class TablePolicy:
                 self._acc_row = self._row(float(state.accept_est(self.drafter).mean()))
                 self._last = (b, state.step)
         col = min(bisect_right(self.batch_edges, b) - 1, len(self.batch_edges) - 1)
-        return self._strategies[self._acc_row][max(col, 0)]
+        plane = self._strategies[self._acc_row]
+        if len(plane) == 1:
+            return plane[0][max(col, 0)]
+        return plane[bisect_right(self.ctx_edges, state.ctx_tokens / max(b, 1)) - 1][max(col, 0)]
 
     def steady_steps(self, state: EngineState, strategy: Strategy, max_growth: int) -> int:
-        if not self.needs_acceptance:
-            return NEVER_CHANGES
-        if self._last is None or state.step < self._last[1]:
-            return 0
-        return max(0, self.refresh - 1 - (state.step - self._last[1]))
+        """Steps after this one with the same answer: until the acceptance is re-read, or the
+        context per sequence reaches the next context bucket."""
+        steps = NEVER_CHANGES
+        if self.needs_acceptance:
+            if self._last is None or state.step < self._last[1]:
+                return 0
+            steps = max(0, self.refresh - 1 - (state.step - self._last[1]))
+        if len(self.ctx_edges) > 1 and max_growth > 0:
+            j = bisect_right(self.ctx_edges, state.ctx_tokens / max(state.batch, 1))
+            if j < len(self.ctx_edges):
+                steps = min(steps, max(0, int((self.ctx_edges[j] * state.batch - state.ctx_tokens) // max_growth) - 1))
+        return steps
 
     def observe(self, outcome: StepOutcome) -> None:
         pass

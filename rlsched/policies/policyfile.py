@@ -55,10 +55,22 @@ class PolicyFile(BaseModel):
             if not (isinstance(ae, list) and len(ae) >= 2 and all(_number(a) for a in ae) and ae[0] == 0
                     and ae[-1] == 1 and all(a < b for a, b in zip(ae, ae[1:]))):
                 raise ValueError("table params.accept_edges must be numbers rising strictly from 0 to 1")
-            if not (isinstance(k, list) and len(k) == len(ae) - 1
-                    and all(isinstance(r, list) and len(r) == len(be) for r in k)
-                    and all(_whole(x, 0, 32) for r in k for x in r)):
-                raise ValueError(f"table params.k must be {len(ae) - 1} rows of {len(be)} whole numbers in 0..32")
+            ce = p.get("ctx_edges")
+            if ce is None:  # one context bucket: k is acceptance x batch
+                if not (isinstance(k, list) and len(k) == len(ae) - 1
+                        and all(isinstance(r, list) and len(r) == len(be) for r in k)
+                        and all(_whole(x, 0, 32) for r in k for x in r)):
+                    raise ValueError(f"table params.k must be {len(ae) - 1} rows of {len(be)} whole numbers in 0..32")
+            else:
+                if not (isinstance(ce, list) and ce and all(_whole(c, 0) for c in ce) and ce[0] == 0
+                        and all(a < b for a, b in zip(ce, ce[1:]))):
+                    raise ValueError("table params.ctx_edges must be whole numbers rising strictly from 0")
+                if not (isinstance(k, list) and len(k) == len(ae) - 1
+                        and all(isinstance(pl, list) and len(pl) == len(ce) for pl in k)
+                        and all(isinstance(r, list) and len(r) == len(be) for pl in k for r in pl)
+                        and all(_whole(x, 0, 32) for pl in k for r in pl for x in r)):
+                    raise ValueError(f"table params.k must be {len(ae) - 1} x {len(ce)} rows of {len(be)} "
+                                     "whole numbers in 0..32 (acceptance x context x batch)")
         return self
 
 

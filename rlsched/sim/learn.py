@@ -23,6 +23,7 @@ from rlsched.sim.costmodel import cost_model_for
 from rlsched.sim.simulate import config_identity, policy_context
 
 ACCEPT_EDGES = [0.0, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
+CTX_EDGES = [0, 512, 1024, 2048, 4096]  # context per sequence, tokens
 REALLOC_THRESHOLDS = [4, 8, 16, 32, 64]
 
 # evaluate(list of (cfg, policy name, realloc name)) -> generation seconds of each run
@@ -109,25 +110,45 @@ class Learner:
         return cands[i], times[i]
 
     def learn_table(self) -> tuple[dict, float]:
-        table = TablePolicy.analytic(self.ctx, self.drafter, ACCEPT_EDGES)
+        """The analytic table, then one coordinate pass (k - 1, k + 1) over the cells of the
+        drafter's acceptance row and its two neighbours (a batch's mean acceptance strays there
+        as the batch shrinks) that the start table's rollout spends time in, from the largest
+        batch down (cells it never visits cannot change the score)."""
+        table = TablePolicy.analytic(self.ctx, self.drafter, ACCEPT_EDGES, CTX_EDGES)
         params = table.params()
         best = self.score([self._spec("table", params)])[0]
         self.log(f"table: analytic start {best:.2f} s")
-        row = table._row(self.ctx.prior(self.drafter))  # the bucket the drafter's acceptance sits in
-        for col in reversed(range(len(params["batch_edges"]))):
-            k = params["k"][row][col]
+        prior = table._row(self.ctx.prior(self.drafter))  # the bucket the drafter's acceptance sits in
+        rows = [r for r in (prior, prior - 1, prior + 1) if 0 <= r < len(ACCEPT_EDGES) - 1]  # and its neighbours
+        for row, (cc, col) in ((r, c) for r in rows for c in self._visited_cells(params)):
+            k = params["k"][row][cc][col]
             trial = [kk for kk in (k - 1, k + 1) if 0 <= kk <= self.cfg.speculation.k_max]
             cands = []
             for kk in trial:
-                p = {**params, "k": [list(r) for r in params["k"]]}
-                p["k"][row][col] = kk
+                p = {**params, "k": [[list(r) for r in plane] for plane in params["k"]]}
+                p["k"][row][cc][col] = kk
                 cands.append(p)
             times = self.score([self._spec("table", c) for c in cands])
             j = int(np.argmin(times)) if times else -1
             if j >= 0 and times[j] < best * (1 - 1e-4):
                 params, best = cands[j], times[j]
-                self.log(f"table: batch >= {params['batch_edges'][col]}: k {k} -> {trial[j]} ({best:.2f} s)")
+                self.log(f"table: acceptance >= {ACCEPT_EDGES[row]}, batch >= {params['batch_edges'][col]}, "
+                         f"context >= {CTX_EDGES[cc]}: "
+                         f"k {k} -> {trial[j]} ({best:.2f} s)")
         return params, best
+
+    def _visited_cells(self, params: dict, min_share: float = 0.005) -> list[tuple[int, int]]:
+        """(context bucket, batch bucket) cells holding at least `min_share` of the engine time
+        of the start table's rollout on the first learning seed; largest batch first."""
+        from rlsched.sim.simulate import simulate
+
+        cfg = self.cfg.model_copy(update={"seed": self.seeds[0], "record_timeline": True})
+        t = simulate(cfg, self._spec("table", params), self.realloc).timeline_frame()
+        t = t[(t["kind"] != "prefill") & (t["batch"] > 0)]
+        ctx_col = np.searchsorted(CTX_EDGES, t["ctx_tokens"] / t["batch"], side="right") - 1
+        batch_col = np.searchsorted(params["batch_edges"], t["batch"], side="right") - 1
+        share = t["step_ms"].groupby([ctx_col, batch_col]).sum() / max(t["step_ms"].sum(), 1e-12)
+        return sorted((c for c, v in share.items() if v >= min_share), key=lambda c: (-c[1], c[0]))
 
     def learn_realloc(self, kind: str, params: dict) -> ReallocSettings:
         if self.realloc == "none" or self.cfg.cluster.instances < 2:
@@ -144,9 +165,11 @@ class Learner:
         return self._policy_file(kind, params, realloc), t
 
 
-def vllm_table(pf: PolicyFile, max_batch: int, acceptance: float) -> dict:
+def vllm_table(pf: PolicyFile, max_batch: int, acceptance: float, context: int = 1024) -> dict:
     """The learned draft length by batch size in vLLM's `num_speculative_tokens_per_batch_size`
-    form: [[start_bs, end_bs, K], ...], ranges from 1 to max_batch (K = 0: speculation off)."""
+    form: [[start_bs, end_bs, K], ...], ranges from 1 to max_batch (K = 0: speculation off).
+    vLLM picks by batch size only: a table with context buckets gives those of `context`
+    tokens per sequence."""
     if pf.kind == "twostate":
         on, k = pf.params["max_batch_on"], pf.params["k"]
         ranges = ([[1, min(on, max_batch), k]] if on >= 1 else []) + ([[on + 1, max_batch, 0]] if on < max_batch else [])
@@ -154,6 +177,8 @@ def vllm_table(pf: PolicyFile, max_batch: int, acceptance: float) -> dict:
         edges, ae = pf.params["batch_edges"], pf.params["accept_edges"]
         row = min(max(int(np.searchsorted(ae, acceptance, side="right")) - 1, 0), len(ae) - 2)
         ks = pf.params["k"][row]
+        if "ctx_edges" in pf.params:
+            ks = ks[int(np.searchsorted(pf.params["ctx_edges"], context, side="right")) - 1]
         ranges = []
         for i, lo in enumerate(edges):
             hi = min(edges[i + 1] - 1 if i + 1 < len(edges) else max_batch, max_batch)
