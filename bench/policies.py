@@ -65,10 +65,12 @@ def checks_of(reports: dict) -> dict:
         gen = {(r["policy"].split(":")[0] if r["policy"].startswith("table:") else r["policy"], r["seed"]):
                r["summary"]["generation_s"] for r in lt["runs"] if r["realloc"] == "none"}
         seeds = lt["seeds"]
-        for p in ("goodput", "table"):  # per seed, as the issue asks
+        for p in ("goodput", "table"):  # per seed, and on average over the seeds
             out[f"longtail_{p}_within_3pct_of_oracle"] = all(gen[(p, s)] <= 1.03 * gen[("oracle", s)] for s in seeds)
-            out[f"longtail_{p}_5pct_faster_than_best_static"] = all(
-                v >= 1.05 for v in per_seed(lt, p, "ratio_vs_best_static"))
+            v = per_seed(lt, p, "ratio_vs_best_static")
+            out[f"longtail_{p}_5pct_faster_than_best_static_every_seed"] = all(x >= 1.05 for x in v)
+            out[f"longtail_{p}_5pct_faster_than_best_static_on_average"] = sum(v) / len(v) >= 1.05
+            out[f"longtail_{p}_vs_best_static_per_seed"] = [round(x, 3) for x in v]
         out["longtail_bandit_matches_best_static_every_seed"] = all(
             v >= 1.0 for v in per_seed(lt, "bandit", "ratio_vs_best_static"))
         b = per_seed(lt, "bandit", "ratio_vs_best_static")

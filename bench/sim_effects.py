@@ -4,8 +4,8 @@
    the speedup of static k over plain decoding by batch size: large at small batch, shrinking,
    then below 1.0 at large batch (preset sd-batch-sweep).
 2. RLHFSpec's rule: on a long-tail GRPO rollout (preset longtail-grpo: 512 prompts x 16
-   samples, 8 instances, lognormal lengths up to 8k, KV-limited batch), `goodput` against
-   `off` and every static k, on several seeds.
+   samples, 8 instances, lognormal lengths up to 8k, up to 1024 sequences per instance),
+   `goodput` against `off` and every static k, on several seeds.
 
 Usage: python bench/sim_effects.py [--seeds N] [--quick]
 """
