@@ -110,9 +110,9 @@ class Learner:
         return cands[i], times[i]
 
     def learn_table(self) -> tuple[dict, float]:
-        """The analytic table, then one coordinate pass (k - 1, k + 1) over the cells of the
-        drafter's acceptance row and its two neighbours (a batch's mean acceptance strays there
-        as the batch shrinks) that the start table's rollout spends time in, from the largest
+        """The analytic table, then one coordinate pass (k - 1, k + 1) over the drafter's
+        acceptance row and its two neighbours (a batch's mean acceptance strays there as the
+        batch shrinks): per row, the cells the table's rollout spends time in, from the largest
         batch down (cells it never visits cannot change the score)."""
         table = TablePolicy.analytic(self.ctx, self.drafter, ACCEPT_EDGES, CTX_EDGES)
         params = table.params()
@@ -120,26 +120,26 @@ class Learner:
         self.log(f"table: analytic start {best:.2f} s")
         prior = table._row(self.ctx.prior(self.drafter))  # the bucket the drafter's acceptance sits in
         rows = [r for r in (prior, prior - 1, prior + 1) if 0 <= r < len(ACCEPT_EDGES) - 1]  # and its neighbours
-        for row, (cc, col) in ((r, c) for r in rows for c in self._visited_cells(params)):
-            k = params["k"][row][cc][col]
-            trial = [kk for kk in (k - 1, k + 1) if 0 <= kk <= self.cfg.speculation.k_max]
-            cands = []
-            for kk in trial:
-                p = {**params, "k": [[list(r) for r in plane] for plane in params["k"]]}
-                p["k"][row][cc][col] = kk
-                cands.append(p)
-            times = self.score([self._spec("table", c) for c in cands])
-            j = int(np.argmin(times)) if times else -1
-            if j >= 0 and times[j] < best * (1 - 1e-4):
-                params, best = cands[j], times[j]
-                self.log(f"table: acceptance >= {ACCEPT_EDGES[row]}, batch >= {params['batch_edges'][col]}, "
-                         f"context >= {CTX_EDGES[cc]}: "
-                         f"k {k} -> {trial[j]} ({best:.2f} s)")
+        for row in rows:
+            for cc, col in self._visited_cells(params):  # under the table as refined so far
+                k = params["k"][row][cc][col]
+                trial = [kk for kk in (k - 1, k + 1) if 0 <= kk <= self.cfg.speculation.k_max]
+                cands = []
+                for kk in trial:
+                    p = {**params, "k": [[list(r) for r in plane] for plane in params["k"]]}
+                    p["k"][row][cc][col] = kk
+                    cands.append(p)
+                times = self.score([self._spec("table", c) for c in cands])
+                j = int(np.argmin(times)) if times else -1
+                if j >= 0 and times[j] < best * (1 - 1e-4):
+                    params, best = cands[j], times[j]
+                    self.log(f"table: acceptance >= {ACCEPT_EDGES[row]}, batch >= {params['batch_edges'][col]}, "
+                             f"context >= {CTX_EDGES[cc]}: k {k} -> {trial[j]} ({best:.2f} s)")
         return params, best
 
     def _visited_cells(self, params: dict, min_share: float = 0.005) -> list[tuple[int, int]]:
         """(context bucket, batch bucket) cells holding at least `min_share` of the engine time
-        of the start table's rollout on the first learning seed; largest batch first."""
+        of this table's rollout on the first learning seed; largest batch first."""
         from rlsched.sim.simulate import simulate
 
         cfg = self.cfg.model_copy(update={"seed": self.seeds[0], "record_timeline": True})
