@@ -15,7 +15,7 @@ from rlsched.policies import OFF, AcceptanceEstimator, EngineState, StepOutcome,
 from rlsched.policies.lookup import TablePolicy, TwoStatePolicy
 from rlsched.policies.policyfile import load_policy_file, save_policy_file
 from rlsched.sim.costmodel import RooflineCostModel
-from rlsched.sim.learn import Learner, vllm_table
+from rlsched.sim.learn import Learner, ctx_edges, vllm_table
 from rlsched.sim.simulate import config_identity, policy_context, simulate
 
 
@@ -119,6 +119,9 @@ def test_learn_writes_a_policy_file_that_runs(cfg, tmp_path):
     learner = Learner(cfg, [0], log=lambda *_: None)
     pf, t = learner.learn("table")
     assert learner.evaluations > 1 and t > 0
+    # context buckets sit around this workload's typical context per sequence
+    assert pf.params["ctx_edges"] == ctx_edges(learner.ctx.typical_ctx) == [
+        0, *(round(learner.ctx.typical_ctx * f) for f in (0.5, 1, 2, 4))]
     path = tmp_path / "p.json"
     save_policy_file(path, pf)
     assert load_policy_file(path, config_identity(cfg)).kind == "table"

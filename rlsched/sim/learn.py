@@ -23,7 +23,14 @@ from rlsched.sim.costmodel import cost_model_for
 from rlsched.sim.simulate import config_identity, policy_context
 
 ACCEPT_EDGES = [0.0, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
-CTX_EDGES = [0, 512, 1024, 2048, 4096]  # context per sequence, tokens
+CTX_FACTORS = (0.5, 1, 2, 4)  # context-bucket edges, in units of the workload's typical context per sequence
+
+
+def ctx_edges(typical_ctx: int) -> list[int]:
+    """Context-per-sequence bucket edges around the workload's typical context: a fixed grid
+    (512, 1024, ...) put every context of a small workload in one bucket priced far from it."""
+    return sorted({0, *(max(1, round(typical_ctx * f)) for f in CTX_FACTORS)})
+
 REALLOC_THRESHOLDS = [4, 8, 16, 32, 64]
 
 # evaluate(list of (cfg, policy name, realloc name)) -> generation seconds of each run
@@ -114,7 +121,7 @@ class Learner:
         acceptance row and its two neighbours (a batch's mean acceptance strays there as the
         batch shrinks): per row, the cells the table's rollout spends time in, from the largest
         batch down (cells it never visits cannot change the score)."""
-        table = TablePolicy.analytic(self.ctx, self.drafter, ACCEPT_EDGES, CTX_EDGES)
+        table = TablePolicy.analytic(self.ctx, self.drafter, ACCEPT_EDGES, ctx_edges(self.ctx.typical_ctx))
         params = table.params()
         best = self.score([self._spec("table", params)])[0]
         self.log(f"table: analytic start {best:.2f} s")
@@ -134,7 +141,7 @@ class Learner:
                 if j >= 0 and times[j] < best * (1 - 1e-4):
                     params, best = cands[j], times[j]
                     self.log(f"table: acceptance >= {ACCEPT_EDGES[row]}, batch >= {params['batch_edges'][col]}, "
-                             f"context >= {CTX_EDGES[cc]}: k {k} -> {trial[j]} ({best:.2f} s)")
+                             f"context >= {params['ctx_edges'][cc]}: k {k} -> {trial[j]} ({best:.2f} s)")
         return params, best
 
     def _visited_cells(self, params: dict, min_share: float = 0.005) -> list[tuple[int, int]]:
@@ -145,7 +152,7 @@ class Learner:
         cfg = self.cfg.model_copy(update={"seed": self.seeds[0], "record_timeline": True})
         t = simulate(cfg, self._spec("table", params), self.realloc).timeline_frame()
         t = t[(t["kind"] != "prefill") & (t["batch"] > 0)]
-        ctx_col = np.searchsorted(CTX_EDGES, t["ctx_tokens"] / t["batch"], side="right") - 1
+        ctx_col = np.searchsorted(params["ctx_edges"], t["ctx_tokens"] / t["batch"], side="right") - 1
         batch_col = np.searchsorted(params["batch_edges"], t["batch"], side="right") - 1
         share = t["step_ms"].groupby([ctx_col, batch_col]).sum() / max(t["step_ms"].sum(), 1e-12)
         return sorted((c for c, v in share.items() if v >= min_share), key=lambda c: (-c[1], c[0]))
