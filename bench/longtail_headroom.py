@@ -5,10 +5,11 @@ Issue 3 asks `goodput` to be at least 5% faster than the best static k there. Th
 possible where the oracle (true acceptance and costs, per step) is: this bench measures the
 oracle's and goodput's headroom over the best static k (chosen after the fact, per seed) as
 the settings that shape the long tail vary:
-- the engine's sequence limit: 256 (vLLM V0's default, the preset's) or 1024 (verl's rollout
-  default `max_num_seqs`, and vLLM V1's for offline use on >= 70 GB GPUs);
-- the KV budget: gpu_memory_utilization 0.9 (the preset's) or 0.5 (verl's rollout default,
-  which shares the GPU with training);
+- the engine's sequence limit: 256 (vLLM's default `max_num_seqs` on GPUs under 70 GB and on
+  the A100; the preset's until 2026-11-30) or 1024 (vLLM's default on the H100 and other
+  >= 70 GB GPUs, verl's rollout default, and the preset's now);
+- the KV budget: gpu_memory_utilization 0.9 (vLLM's default, the preset's) or 0.5 (verl's
+  rollout default, which shares the GPU with training);
 - the response-length cap: 8k (the preset's) or 16k (long reasoning RL).
 
 Usage: python bench/longtail_headroom.py [--seeds N] [--workers N]. Results:
