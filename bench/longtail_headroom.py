@@ -50,7 +50,7 @@ def main() -> int:
         best = {b["seed"]: b["policy"] for b in report["best_static_per_seed"]}
         row = dict(settings=dict(zip(GRID, values)),
                    oracle=agg["oracle"]["ratio_vs_best_static"], goodput=agg["goodput"]["ratio_vs_best_static"],
-                   off=agg["off"]["ratio_vs_best_static"], preemptions=agg["static:2"]["preemptions"],
+                   off=agg["off"]["ratio_vs_best_static"],
                    best_static=best, generation_s={p: a["generation_s"]["mean"] for p, a in agg.items()})
         out.append(row)
         rows.append([*values, "/".join(sorted(set(best.values()))), f"{row['off']['mean']:.3f}", f"{row['oracle']['mean']:.3f}",

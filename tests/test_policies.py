@@ -243,7 +243,8 @@ def test_learned_twostate_file_runs(cfg, tmp_path):
 
 @pytest.mark.parametrize("params", [
     {"batch_edges": [1, "x", 4]}, {"accept_edges": [0, None, 1]}, {"batch_edges": [1, 2.5]},
-    {"k": [[True] * 9] * 7},
+    {"k": [[True] * 9] * 7}, {"ctx_edges": [5, 10, 20, 40, 80]}, {"ctx_edges": [0, 512, 256, 1024, 2048]},
+    {"ctx_edges": [0, 512]},  # two context buckets, but k has five
 ])
 def test_policy_file_values_of_the_wrong_type_are_refused(cfg, tmp_path, good_file, params):
     path = _write(tmp_path, {**good_file, "params": {**good_file["params"], **params}})

@@ -6,8 +6,7 @@ outside the grid the nearest edge's slope is extended, never below the fastest m
 step. (The numbers of scipy's RegularGridInterpolator with fill_value=None, a test checks;
 computed here because a policy prices a few points at a time, at every batch change, and
 scipy's per-call checks took ~230 us of each lookup, 40 here.) Prefill is a least-squares
-line in the number of prompt tokens. It implements the
-`CostModel` protocol, so `goodput` and the other priced policies run on the executor with the
+line in the number of prompt tokens. It implements the `CostModel` protocol, so `goodput` and the other priced policies run on the executor with the
 executor's own costs. (A parametric fit that also extrapolates to other models and hardware
 is the analysis layer's job.)
 """
@@ -29,14 +28,15 @@ class _Grid:
 
     def __init__(self, axes: list[np.ndarray], values: np.ndarray):
         self.axes, self.values = axes, values
-        self._lists = {id(a): a.tolist() for a in axes}  # bisect on a list: no numpy scalars
+        self._points = [a.tolist() for a in axes]  # bisect on a list: no numpy scalars
         self.floor = float(values.min())
 
-    def _cell(self, axis: np.ndarray, x):
-        """Index of the cell (clipped to the edge cells) and the weight of its upper corner."""
+    def _cell(self, dim: int, x):
+        """Index of the cell along axis `dim` (clipped to the edge cells) and the weight of its
+        upper corner."""
+        axis = self.axes[dim]
         if np.ndim(x) == 0:
-            points = self._lists[id(axis)]
-            i = min(max(bisect.bisect_right(points, x) - 1, 0), len(axis) - 2)
+            i = min(max(bisect.bisect_right(self._points[dim], x) - 1, 0), len(axis) - 2)
             return i, float((x - axis[i]) / (axis[i + 1] - axis[i]))
         i = np.clip(np.searchsorted(axis, x, side="right") - 1, 0, len(axis) - 2)
         return i, (x - axis[i]) / (axis[i + 1] - axis[i])
@@ -46,14 +46,14 @@ class _Grid:
         if np.ndim(log_batch) == 0 and np.ndim(per_row) == 0:
             # a policy's lookup: one batch and context, so those two axes fold to one line
             # over the tokens axis first (the same numbers, a tenth of the numpy calls)
-            (i, u), (j, w) = self._cell(self.axes[0], log_batch), self._cell(self.axes[2], per_row)
+            (i, u), (j, w) = self._cell(0, log_batch), self._cell(2, per_row)
             v = self.values
             line = ((1 - u) * ((1 - w) * v[i, :, j] + w * v[i, :, j + 1])
                     + u * ((1 - w) * v[i + 1, :, j] + w * v[i + 1, :, j + 1]))
-            t, r = self._cell(self.axes[1], np.asarray(tokens, dtype=float))
+            t, r = self._cell(1, np.asarray(tokens, dtype=float))
             return (1 - r) * line[t] + r * line[t + 1]
-        (i, u), (t, r), (j, w) = (self._cell(a, np.asarray(x, dtype=float))
-                                  for a, x in zip(self.axes, (log_batch, tokens, per_row)))
+        (i, u), (t, r), (j, w) = (self._cell(dim, np.asarray(x, dtype=float))
+                                  for dim, x in enumerate((log_batch, tokens, per_row)))
         v, out = self.values, 0.0
         for di, wi in ((0, 1 - u), (1, u)):
             for dt, wt in ((0, 1 - r), (1, r)):

@@ -24,6 +24,7 @@ from rlsched.sim.simulate import config_identity, policy_context
 
 ACCEPT_EDGES = [0.0, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
 CTX_FACTORS = (0.5, 1, 2, 4)  # context-bucket edges, in units of the workload's typical context per sequence
+REALLOC_THRESHOLDS = [4, 8, 16, 32, 64]
 
 
 def ctx_edges(typical_ctx: int) -> list[int]:
@@ -31,7 +32,6 @@ def ctx_edges(typical_ctx: int) -> list[int]:
     (512, 1024, ...) put every context of a small workload in one bucket priced far from it."""
     return sorted({0, *(max(1, round(typical_ctx * f)) for f in CTX_FACTORS)})
 
-REALLOC_THRESHOLDS = [4, 8, 16, 32, 64]
 
 # evaluate(list of (cfg, policy name, realloc name)) -> generation seconds of each run
 Evaluator = Callable[[list[tuple[SimConfig, str, str]]], list[float]]
