@@ -94,21 +94,25 @@ class KVCache:
             rows, torch.arange(first, first + rows.shape[0]))
         return first if ok else None
 
-    def trim(self, slots, new_lengths) -> None:
-        """Drop the tail of rows: row slots[i] keeps its first new_lengths[i] tokens."""
+    def trim(self, slots, new_lengths, *, check: bool = True) -> None:
+        """Drop the tail of rows: row slots[i] keeps its first new_lengths[i] tokens.
+        `check=False` skips the bounds check, for callers whose lengths hold by construction
+        (a speculative step trims twice per step, and the check was a third of the trim)."""
         slots = torch.as_tensor(slots, dtype=torch.long, device=self.lengths.device)
         new = torch.as_tensor(new_lengths, dtype=torch.long, device=self.lengths.device)
-        new = new.expand(slots.shape)
-        if bool((new < 0).any()) or bool((new > self.lengths[slots]).any()):
+        if check and (bool((new < 0).any()) or bool((new.expand(slots.shape) > self.lengths[slots]).any())):
             raise ValueError("trim can only shorten rows (0 <= new length <= current length)")
         self.lengths[slots] = new
 
     def move(self, src: int, dst: int) -> None:
         """Row `src`'s cached tokens into the empty row `dst`; `src` is emptied."""
-        n = int(self.lengths[src])
+        self.copy_prefix(src, dst, int(self.lengths[src]))
+        self.lengths[src] = 0
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Row `dst` holds row `src`'s first n cached tokens (a shared prompt), and only those."""
         self.kv[:, :, dst, :, :n] = self.kv[:, :, src, :, :n]
         self.lengths[dst] = n
-        self.lengths[src] = 0
 
     def free(self, slots) -> None:
         """Empty rows so that new sequences can take them."""

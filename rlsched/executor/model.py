@@ -60,10 +60,18 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self._eps = None  # eps as a tensor on the input's device, for addcmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # the same math in one kernel: 24 vs 36 us on CPU (B = 1)
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        if x.dtype == torch.float32:
+            # mean(x^2) as |x|^2 / d from one norm kernel: 9-13 us on CPU against 15-20 for
+            # F.rms_norm, whose CPU kernel is a composite of ~8 ops (the same values to ~1e-7)
+            eps = self._eps
+            if eps is None or eps.device != x.device:
+                with torch.inference_mode(False):  # usable by training after rollouts
+                    eps = self._eps = torch.tensor(self.eps, device=x.device)
+            n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+            return x * torch.rsqrt(torch.addcmul(eps, n, n, value=1 / x.shape[-1])) * self.weight
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -84,6 +92,17 @@ class _Step:
     flat: torch.Tensor | None  # where a ragged write lands in the cache (KVCache.flat_index), shared by all layers
     cos: torch.Tensor
     sin: torch.Tensor
+    grouped: torch.Tensor | None = None  # the mask laid out for `_cached_attention`, made by the first layer
+
+    def grouped_mask(self, nkv: int, g: int) -> torch.Tensor:
+        """The mask (B, 1, q, L) repeated for every query head as (B * KV, G * q, L), the
+        layout of `_cached_attention`'s scores: one copy per forward instead of a broadcast
+        add in every layer. (Every forward of q > 1 new tokens has a mask.)"""
+        if self.grouped is None:
+            b, _, q, length = self.mask.shape
+            self.grouped = self.mask.view(b, 1, 1, q, length).expand(b, nkv, g, q, length).reshape(
+                b * nkv, g * q, length)
+        return self.grouped
 
 
 class Attention(nn.Module):
@@ -101,46 +120,47 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, layer: int, s: _Step) -> torch.Tensor:
         b, q, _ = x.shape
         qkv = F.linear(x, self.qkv.weight, self.qkv.bias)
-        xqk, xv = qkv.split([(self.nh + self.nkv) * self.hd, self.nkv * self.hd], dim=-1)
+        # split_with_sizes: Tensor.split's Python wrapper costs more than the view itself here
+        xqk, xv = qkv.split_with_sizes([(self.nh + self.nkv) * self.hd, self.nkv * self.hd], dim=-1)
         xqk = xqk.view(b, q, self.nh + self.nkv, self.hd)
         if self.q_norm is not None:
-            xq, xk = xqk.split([self.nh, self.nkv], dim=2)
+            xq, xk = xqk.split_with_sizes([self.nh, self.nkv], dim=2)
             xqk = torch.cat([self.q_norm.forward(xq), self.k_norm.forward(xk)], dim=2)
         # q and k heads rotated together: one set of rotary ops per layer (they dominate the
         # cost of a small model's step, which is op count, not FLOPs)
-        xq, xk = apply_rope(xqk.transpose(1, 2), s.cos, s.sin).split([self.nh, self.nkv], dim=1)
+        xq, xk = apply_rope(xqk.transpose(1, 2), s.cos, s.sin).split_with_sizes([self.nh, self.nkv], dim=1)
         xv = xv.view(b, q, self.nkv, self.hd).transpose(1, 2)
         if s.cache is not None:
             s.cache.write(layer, s.rows, s.positions, xk, xv, s.start, s.first, s.flat)
             xk, xv = s.cache.read(layer, s.rows, s.upto, s.start)
         if s.cache is not None and not torch.is_grad_enabled() and q > 1:
-            out = _cached_attention(xq, xk, xv, s.mask, self.nkv)
+            out = _cached_attention(xq, xk, xv, s.grouped_mask(self.nkv, self.nh // self.nkv), self.nkv)
         else:
             out = F.scaled_dot_product_attention(xq, xk, xv, attn_mask=s.mask,
                                                  enable_gqa=self.nkv != self.nh)
         return F.linear(out.transpose(1, 2).reshape(b, q, self.nh * self.hd), self.o.weight, self.o.bias)
 
 
-def _cached_attention(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, mask: torch.Tensor | None,
+def _cached_attention(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, mask: torch.Tensor,
                       nkv: int) -> torch.Tensor:
     """Attention of a few new tokens over a cache, as two batched matmuls: the query heads that
     share a KV head are stacked into one matrix, so keys and values are read once per KV head
-    and never copied. Used for several new tokens per row (verify, prefill), where the whole
-    verify forward measured as fast or faster than with SDPA's CPU kernel (q = 5: 5.21 vs 5.27
-    ms at B = 4, 16.5 vs 19.4 at B = 32, 21.4 vs 23.9 at B = 64); SDPA is faster for one new
-    token per row (attention alone at B = 1: 10 vs 58 us; B = 64: 190 vs 223 us). SDPA also
-    verifies 8-10% faster at batch 1-2, but a step cost that jumps there is one the cost
-    model's smooth forms cannot fit (held-out MAPE rose from ~4% to 5-7%), so every batch takes
-    this path. xq (B, H, q, d), xk/xv (B, KV, L, d), mask (B, 1, q, L)."""
+    and never copied, and the scale and the mask go into the first matmul (`baddbmm`). Used for
+    several new tokens per row (verify, prefill). Attention alone at q = 5 (built-in target's
+    shapes, 2 threads): 51-60 vs SDPA's 46 us at B = 1, 235-254 vs 390-430 at B = 16, 1030-1150
+    vs 1780-2130 at B = 64 (a broadcast mask add in every layer instead of `baddbmm`: 89-125,
+    325-332, 1210-1630). SDPA stays faster for one new token per row (B = 1: 10 vs 58 us;
+    B = 64: 190 vs 223 us); every batch takes this path for q > 1, since a step cost that jumps
+    between batch sizes is one the cost model's smooth forms cannot fit.
+    xq (B, H, q, d), xk/xv (B, KV, L, d), mask (B * KV, G * q, L) from `_Step.grouped_mask`.
+    Scores in the model's dtype, softmax in float32, as transformers' eager attention does."""
     b, h, q, d = xq.shape
-    g = h // nkv
-    scores = torch.matmul(xq.reshape(b, nkv, g * q, d), xk.transpose(-1, -2)) * d ** -0.5  # (B, KV, G*q, L)
-    scores = scores.float()
-    if mask is not None:
-        length = scores.shape[-1]
-        scores = (scores.view(b, nkv, g, q, length) + mask.view(b, 1, 1, q, length)).view(b, nkv, g * q, length)
-    out = torch.matmul(torch.softmax(scores, dim=-1).to(xv.dtype), xv)  # (B, KV, G*q, d)
-    return out.view(b, h, q, d)
+    g, length = h // nkv, xk.shape[2]
+    q3 = xq.reshape(b * nkv, g * q, d)
+    keys = xk.reshape(b * nkv, length, d).transpose(1, 2)
+    scores = torch.baddbmm(mask, q3, keys, alpha=d ** -0.5)
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(xv.dtype)
+    return torch.bmm(weights, xv.reshape(b * nkv, length, d)).view(b, h, q, d)
 
 
 class MLP(nn.Module):

@@ -63,6 +63,14 @@ def verify(target_probs: torch.Tensor, draft_tokens: torch.Tensor,
     or None for deterministic drafts (one-hot q); k_per_row (B,) how many drafts each row
     really has (the rest is padding, never accepted; default K). `greedy` uses exact match
     against the target's argmax and draws nothing."""
+    b, k1, _ = target_probs.shape
+    kr = _k_per_row(k_per_row, b, k1 - 1, target_probs.device)
+    return _verify(target_probs, draft_tokens, draft_probs, kr, generator, greedy)
+
+
+def _verify(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+            kr: torch.Tensor, generator: torch.Generator | None, greedy: bool) -> VerifyResult:
+    """`verify` with k per row already checked (`_k_per_row`): `step` checks it once."""
     b, k1, v = target_probs.shape
     k = k1 - 1
     dev = target_probs.device
@@ -70,7 +78,6 @@ def verify(target_probs: torch.Tensor, draft_tokens: torch.Tensor,
         raise ValueError(f"draft_tokens must have shape ({b}, {k}), got {tuple(draft_tokens.shape)}")
     if draft_probs is not None and draft_probs.shape != (b, k, v):
         raise ValueError(f"draft_probs must have shape ({b}, {k}, {v}), got {tuple(draft_probs.shape)}")
-    kr = _k_per_row(k_per_row, b, k, dev)
     drafts = draft_tokens.to(dev).long().clamp(0, v - 1)  # padding may hold anything
     pos = torch.arange(k, device=dev)
     valid = pos[None, :] < kr[:, None]
@@ -85,7 +92,7 @@ def verify(target_probs: torch.Tensor, draft_tokens: torch.Tensor,
                else draft_probs.to(dev).float().gather(-1, drafts[..., None])[..., 0])
         u = torch.rand((b, k), generator=generator, device=dev)
         ok = (u * q_x < p_x) & valid  # u < p/q without dividing; u < 1 so p >= q always accepts
-    accepted = ok.long().cumprod(-1).sum(-1)  # drafts before the first rejection
+    accepted = ok.cumprod(-1).sum(-1)  # drafts before the first rejection (int64)
 
     # The token after the accepted drafts: residual at a rejection, p itself for the bonus.
     p_at = target_probs[rows, accepted]  # (B, V)
@@ -101,11 +108,11 @@ def verify(target_probs: torch.Tensor, draft_tokens: torch.Tensor,
                 q_at = torch.zeros_like(p_at).scatter_(-1, drafts[rows, j][:, None], 1.0)
             else:
                 q_at = draft_probs.to(dev).float()[rows, j]
-            residual = (p_at - q_at).clamp_min(0.0)
-            mass = residual.sum(-1, keepdim=True)
-            # A rejection has probability 0 when p <= q nowhere differs; guard rounding anyway.
-            residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_at)
-            dist = torch.where(rejected[:, None], residual, p_at)
+            residual = (p_at - q_at).clamp_min_(0.0)
+            # `sample` draws i with probability dist_i / sum(dist), so the residual is not
+            # normalised. A residual without mass (a rejection of probability 0, up to
+            # rounding) falls back to p itself.
+            dist = torch.where(rejected[:, None] & (residual.sum(-1, keepdim=True) > 0), residual, p_at)
         last = sample(dist, generator)
 
     tokens = torch.full((b, k + 1), PAD, dtype=torch.long, device=dev)
@@ -208,8 +215,8 @@ def step(model, cache: KVCache, slots, last: torch.Tensor, sampling: SamplingPar
     start = cache.lengths[slots].clone()
     logits = model(ids, cache, slots=slots, n_new=kr + 1)
     p = sampling.probs(logits)
-    out = verify(p, drafts, draft_probs, kr, generator, greedy=sampling.greedy)
-    cache.trim(slots, start + 1 + out.accepted)
+    out = _verify(p, drafts, draft_probs, kr, generator, sampling.greedy)
+    cache.trim(slots, start + 1 + out.accepted, check=False)  # at most the k + 1 just written
     return out
 
 
