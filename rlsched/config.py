@@ -205,6 +205,9 @@ class ClusterSpec(Strict):
     assignment: Literal["round_robin", "by_prompt"] = "round_robin"
     realloc: str = "none"
     realloc_threshold: PosInt = 16  # an instance whose batch falls below this asks for work
+    # samples of one prompt share its prefill while one of them is on the instance (a prefix
+    # cache; rlsched's engine does it, `rlsched replay` sets it from the run)
+    share_prompts: bool = False
 
 
 class SpeculationSpec(Strict):

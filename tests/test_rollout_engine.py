@@ -91,6 +91,55 @@ def test_greedy_static_equals_off_and_reference(pair, kind):
     assert sd.stats["accepted"] > 0 and sd.stats["mean_accept_len"] > 1.0
 
 
+def test_model_drafter_feeds_a_prompts_samples_once(pair):
+    """Two fresh rows with the same tokens: one is fed, the other copies its KV and logits.
+    Their greedy drafts, and the drafts after a further step, equal those of each row fed on
+    its own, and both cache rows hold the same keys and values."""
+    from rlsched.executor.drafters import Seq
+
+    prompt = [5, 6, 5, 6, 5]
+    shared = make_drafter(pair, "model")
+    rows = [Seq(list(prompt), 0, 0), Seq(list(prompt), 2, 0), Seq([1, 2, 3], 1, 1)]
+    d_shared, _, _ = shared.propose(rows, 3)
+    alone = make_drafter(pair, "model")
+    d_alone = torch.cat([alone.propose([Seq(list(r.tokens), r.slot, r.prompt_id)], 3)[0] for r in rows])
+    assert torch.equal(d_shared, d_alone)
+    n = len(prompt) + 2  # the prompt and the first two drafts
+    kv = shared.cache.kv
+    assert int(shared.cache.lengths[0]) == int(shared.cache.lengths[2]) == n
+    assert torch.allclose(kv[:, :, 0, :, :n], kv[:, :, 2, :, :n], atol=1e-6)
+    for r, d in zip(rows, d_shared):  # all drafts accepted, then a bonus token
+        r.tokens += d.tolist() + [9]
+    again, _, _ = shared.propose(rows, 2)
+    ref = make_drafter(pair, "model")
+    want = torch.cat([ref.propose([Seq(list(r.tokens), r.slot, r.prompt_id)], 2)[0] for r in rows])
+    assert torch.equal(again, want)
+
+
+@pytest.mark.parametrize("kind", [None, "model"])
+def test_shared_prompt_prefill_changes_nothing_but_the_work(pair, kind, tmp_path):
+    """Samples of a prompt copy its KV from a row that holds it: one joining with it, or one
+    still running when it joins (max_batch 2: the third sample of prompt 0 joins when the
+    first finishes, while the second runs). Greedy tokens and log-probs as without sharing."""
+    prompt = list(PROMPTS[0])
+    reqs = [Request(prompt, 0, 0, 4), Request(prompt, 0, 1, 14), Request(prompt, 0, 2, 10),
+            Request(list(PROMPTS[1]), 1, 3, 6)]
+    runs = {}
+    for share in (False, True):
+        e = engine(pair, kind, "static:2" if kind else "off", max_batch=2, trace_dir=tmp_path / str(share),
+                   share_prompts=share)
+        runs[share] = e.run(reqs)
+        e.close()
+    assert [s.tokens for s in runs[True].samples] == [s.tokens for s in runs[False].samples]
+    for a, b in zip(runs[True].samples, runs[False].samples):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    prefilled = {share: read_trace(tmp_path / str(share) / "steps", "steps").query("kind == 'prefill'")
+                 for share in (False, True)}
+    assert int(prefilled[False]["batch"].sum()) == 4
+    assert int(prefilled[True]["batch"].sum()) == 2  # prompt 0 once, prompt 1 once
+    assert int(prefilled[True]["ctx_tokens"].sum()) == len(PROMPTS[0]) + len(PROMPTS[1])
+
+
 def test_traces_read_back_and_count_tokens(pair, tmp_path):
     reqs = requests(2, 12)
     e = engine(pair, "model", "static:3", trace_dir=tmp_path, rl_step=2)
@@ -101,7 +150,8 @@ def test_traces_read_back_and_count_tokens(pair, tmp_path):
     dec = steps[steps["kind"] == "decode"]
     assert int(dec["emitted"].sum()) == sum(len(s.tokens) for s in res.samples)
     assert set(steps["kind"]) == {"decode", "prefill"}
-    assert int(steps.loc[steps["kind"] == "prefill", "batch"].sum()) == len(reqs)
+    # the two samples of each prompt share one prefill
+    assert int(steps.loc[steps["kind"] == "prefill", "batch"].sum()) == len(PROMPTS)
     assert (dec["accepted"] <= dec["drafted"]).all() and (dec["batch"] <= 4).all()
     assert len(samples) == len(reqs) and sorted(samples["sample_id"]) == sorted(r.sample_id for r in reqs)
     assert (samples["response_len"] == 12).all() and (samples["rl_step"] == 2).all()

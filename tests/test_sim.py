@@ -55,6 +55,25 @@ def test_off_reproduces_plain_decoding_time_exactly():
     assert got == pytest.approx(plain, rel=1e-12)
 
 
+def test_shared_prompts_prefill_each_prompt_once():
+    """3 prompts x 4 samples, all in one batch: with cluster.share_prompts the prefill is of
+    3 prompts, not 12; nothing else changes."""
+    batch, prompt, length = 12, 100, 50
+    base = [*ONE_INSTANCE, "workload.prompts=3", "workload.samples_per_prompt=4", f"cluster.max_batch={batch}",
+            f"workload.response_len={{dist: fixed, value: {length}}}"]
+    times = {}
+    for share in (False, True):
+        cfg = load_config("default", overrides=[*base, f"cluster.share_prompts={share}"])
+        tl = simulate(cfg, "off").timeline_frame()
+        times[share] = tl
+    cost = RooflineCostModel.from_config(cfg)
+    pre = {share: tl[tl.kind == "prefill"].step_ms.sum() / 1e3 for share, tl in times.items()}
+    assert pre[False] == pytest.approx(cost.prefill_time(batch * prompt, batch * prompt ** 2), rel=1e-12)
+    assert pre[True] == pytest.approx(cost.prefill_time(3 * prompt, 3 * prompt ** 2), rel=1e-12)
+    dec = {share: tl[tl.kind == "decode"].step_ms.sum() for share, tl in times.items()}
+    assert dec[True] == pytest.approx(dec[False], rel=1e-12)
+
+
 @pytest.mark.parametrize("policy", ["off", "static:4", "goodput"])
 def test_steady_runs_equal_step_by_step(policy):
     cfg = load_config("default", overrides=["rl.steps=2", "workload.prompts=24"])

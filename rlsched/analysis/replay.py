@@ -186,7 +186,7 @@ def _simulate(rollouts, policy_spec: str, drafter, sim_cost, policy_cost, run_cf
     cfg = load_config("default", overrides=[
         f"cluster.instances={n_inst}", f"cluster.max_batch={r['max_batch']}", f"speculation.k_max={r['k_max']}",
         f"cluster.realloc={realloc_name}", f"cluster.realloc_threshold={int(r.get('realloc_threshold', 8))}",
-        "cluster.assignment=by_prompt"])
+        "cluster.assignment=by_prompt", f"cluster.share_prompts={shares_prompts(run_cfg)}"])
     names = () if drafter is None else (drafter,)
     typical = int(np.mean([ro.prompt_len.mean() for ro in rollouts]) + r["max_tokens"] / 2)
     ctx = PolicyContext(cost=policy_cost, drafters=names, k_max=r["k_max"], max_batch=r["max_batch"],
@@ -211,6 +211,13 @@ def _simulate(rollouts, policy_spec: str, drafter, sim_cost, policy_cost, run_cf
     env.process(run())
     env.run()
     return times
+
+
+def shares_prompts(run_cfg: dict) -> bool:
+    """Whether the run's engine shared a prompt's prefill among its samples: rlsched's own
+    engine from the seventh session on (`rollout.share_prompts`, absent before: no)."""
+    r = run_cfg["rollout"]
+    return bool(r.get("share_prompts", False)) and r.get("backend", "local") == "local"
 
 
 def _costs(rundir: Path, cost_file, drafter):
@@ -302,7 +309,8 @@ def sim_config_from_run(rundir, cost_file=None, steps: int = 3) -> dict:
                      "prompt_len": {"dist": "empirical", "values": prompt},
                      "response_len": {"dist": "empirical", "values": response, "max": int(r["max_tokens"])}},
         "cluster": {"instances": 1, "max_batch": int(r["max_batch"]),
-                    "kv_capacity_tokens": int(r["max_batch"]) * (max(prompt) + int(r["max_tokens"]) + 16) * 2},
+                    "kv_capacity_tokens": int(r["max_batch"]) * (max(prompt) + int(r["max_tokens"]) + 16) * 2,
+                    "share_prompts": shares_prompts(cfg)},
         "speculation": {"policy": "goodput" if drafters else "off", "k_max": int(r["k_max"])},
         "rl": {"steps": steps},
         "seed": int(cfg.get("seed", 0)),

@@ -107,7 +107,8 @@ class ModelDrafter:
     part that still agrees with the row (accepted drafts do), feeds the rest in one ragged
     forward, then k - 1 one-token forwards. A ragged forward pads every row to the longest
     feed (a fresh row's prompt), so size `max_len` for the longest context plus the longest
-    prompt (`drafter_cache_len`); rows that would not fit are fed one by one."""
+    prompt (`drafter_cache_len`); rows that would not fit are fed one by one. Fresh rows
+    with the same tokens (a prompt's samples) are fed once (`_feed`)."""
 
     name = "model"
 
@@ -154,14 +155,8 @@ class ModelDrafter:
                 c += 1
             keep.append(c)
             new.append(s.tokens[c:])
-        self.cache.trim(slots, torch.tensor(keep, device=dev))
-        q = max(len(t) for t in new)
-        if max(keep) + q <= self.cache.max_len:
-            ids = torch.tensor([t + [0] * (q - len(t)) for t in new], device=dev)
-            logits = self.model(ids, self.cache, slots=slots, n_new=[len(t) for t in new], last_only=True)
-        else:  # a ragged feed pads every row to the longest: row by row where that would overflow
-            logits = torch.cat([self.model(torch.tensor([t], device=dev), self.cache, slots=slots[i:i + 1],
-                                           last_only=True) for i, t in enumerate(new)])
+        self.cache.trim(slots, torch.tensor(keep, device=dev), check=False)  # keep[i] <= len(have): cached
+        logits = self._feed(slots, keep, new)
         toks, dists = [], []
         for i in range(k):
             p = self.sampling.probs(logits[:, 0])
@@ -174,6 +169,43 @@ class ModelDrafter:
         for r, s in enumerate(rows):
             self.cached[s.slot] = (s, s.tokens + tokens[r, :k - 1].tolist(), len(s.tokens))
         return tokens.cpu(), torch.stack(dists, 1), torch.full((b,), k, dtype=torch.long)
+
+
+    def _feed(self, slots: torch.Tensor, keep: list[int], new: list[list[int]]) -> torch.Tensor:
+        """Logits (B, 1, V) after each row takes in its new tokens. Rows that take in the same
+        tokens from an empty cache row (the samples of one prompt at their first draft) are
+        fed once: the others copy that row's KV and its logits."""
+        first: dict[tuple, int] = {}
+        fed, copies = [], []
+        for i, (c, t) in enumerate(zip(keep, new)):
+            if c == 0:
+                j = first.setdefault(tuple(t), i)
+                if j != i:
+                    copies.append((i, j))
+                    continue
+            fed.append(i)
+        if not copies:
+            return self._forward(slots, keep, new)
+        logits = self._forward(slots[fed], [keep[i] for i in fed], [new[i] for i in fed])
+        out = logits.new_empty((len(new), *logits.shape[1:]))
+        out[fed] = logits
+        for i, j in copies:
+            self.cache.copy_prefix(int(slots[j]), int(slots[i]), len(new[j]))
+            out[i] = out[j]
+        return out
+
+    def _forward(self, slots: torch.Tensor, keep: list[int], new: list[list[int]]) -> torch.Tensor:
+        dev = slots.device
+        q = max(len(t) for t in new)
+        if max(keep) + q <= self.cache.max_len:
+            ids = torch.tensor([t + [0] * (q - len(t)) for t in new], device=dev)
+            n_new = [len(t) for t in new]
+            if min(n_new) == q:  # not ragged (always at batch 1): the forward skips the per-row bookkeeping
+                n_new = None
+            return self.model(ids, self.cache, slots=slots, n_new=n_new, last_only=True)
+        # a ragged feed pads every row to the longest: row by row where that would overflow
+        return torch.cat([self.model(torch.tensor([t], device=dev), self.cache, slots=slots[i:i + 1],
+                                     last_only=True) for i, t in enumerate(new)])
 
 
 def drafter_cache_len(longest_prompt: int, max_new_tokens: int, k_max: int) -> int:

@@ -148,12 +148,14 @@ class RolloutEngine:
     or a name/policy file (built with `build_policy`, `cost` given or None); estimator: the
     shared AcceptanceEstimator (a fresh one over the drafters when None); trace_dir: where
     `steps/` and `samples/` trace parts go (none when None; `trace_tag` names this engine's
-    parts where several engines write into one folder)."""
+    parts where several engines write into one folder); share_prompts: samples of one prompt
+    share its prefill (`_plan_prefill`)."""
 
     def __init__(self, model, drafter, cache_capacity: int, max_batch: int, sampling: SamplingParams,
                  policy, estimator: AcceptanceEstimator | None = None, trace_dir: Path | None = None, *,
                  cost=None, k_max: int = 8, instance: int = 0, rl_step: int = 0,
-                 generator: torch.Generator | None = None, ngram_history: bool = True, trace_tag: str = ""):
+                 generator: torch.Generator | None = None, ngram_history: bool = True, trace_tag: str = "",
+                 share_prompts: bool = True):
         if max_batch < 1 or cache_capacity < 1:
             raise UserError(f"the engine needs max_batch >= 1 and cache_capacity >= 1 (got {max_batch}, {cache_capacity})")
         self.model, self.sampling, self.generator = model, sampling, generator
@@ -166,6 +168,7 @@ class RolloutEngine:
         self.estimator = estimator if estimator is not None else AcceptanceEstimator(names)
         self.instance, self.rl_step = instance, rl_step
         self.ngram_history = ngram_history
+        self.share_prompts = share_prompts
         self.trace_dir = None if trace_dir is None else Path(trace_dir)
         self._steps_w = self._samples_w = None
         if self.trace_dir is not None:
@@ -375,14 +378,41 @@ class RolloutEngine:
         if not joining:
             return self.cache_capacity - room
         t = time.perf_counter()
-        prompts = [r.seq.tokens for r in joining]
-        last = prefill(self.model, self._cache, [r.seq.slot for r in joining], prompts)
+        computed, copies = self._plan_prefill(joining)
+        if computed:
+            prefill(self.model, self._cache, [r.seq.slot for r in computed], [r.seq.tokens for r in computed])
+        for row, src in copies:
+            self._cache.copy_prefix(src, row.seq.slot, len(row.seq.tokens) - 1)
         ms = (time.perf_counter() - t) * 1e3
-        for row, tok in zip(joining, last.tolist()):
-            row.last = tok
+        for row in joining:
+            row.last = row.seq.tokens[-1]
             running[row.seq.slot] = row
-        self._record_step(t, "prefill", len(joining), None, 0, 0, 0, 0, 0.0, ms, ms, sum(map(len, prompts)))
+        if computed:  # the tokens computed: what a prefill's time is a function of
+            self._record_step(t, "prefill", len(computed), None, 0, 0, 0, 0, 0.0, ms, ms,
+                              sum(len(r.seq.tokens) for r in computed))
         return self.cache_capacity - room
+
+    def _plan_prefill(self, joining: list[_Row]) -> tuple[list[_Row], list[tuple[_Row, int]]]:
+        """(rows to prefill, (row, source slot) pairs whose prompt's KV is copied instead).
+
+        GRPO samples every prompt `group_size` times: with `share_prompts`, a fresh row whose
+        prompt another row of this engine already holds (running, or prefilled in this same
+        step) copies that row's prompt KV, as vLLM's prefix cache lets a group share one
+        prefill. Rows that bring generated tokens (migrated ones) are prefilled whole."""
+        if not self.share_prompts:
+            return joining, []
+        holder = {tuple(r.req.prompt): slot for slot, r in self._running.items()}
+        computed, copies = [], []
+        for row in joining:
+            key = tuple(row.req.prompt)
+            fresh = len(row.seq.tokens) == len(row.req.prompt)
+            if fresh and key in holder:
+                copies.append((row, holder[key]))
+                continue
+            computed.append(row)
+            if fresh:
+                holder.setdefault(key, row.seq.slot)
+        return computed, copies
 
     # --- one engine step ---------------------------------------------------------------------
 

@@ -65,6 +65,7 @@ class InstanceSpec:
     dtype: str = "float32"
     threads: int = 1
     ngram_max_history: int | None = None
+    share_prompts: bool = True
 
 
 class InstanceWorker:
@@ -96,7 +97,7 @@ class InstanceWorker:
         self.engine = RolloutEngine(self.model, drafter, spec.cache_capacity, spec.max_batch, spec.sampling,
                                     spec.policy, estimator, trace_dir=spec.trace_dir and Path(spec.trace_dir),
                                     k_max=spec.k_max, instance=idx, generator=self.generator,
-                                    trace_tag=f"i{idx}")
+                                    trace_tag=f"i{idx}", share_prompts=spec.share_prompts)
         # `work` runs in the actor's main thread; migrations arrive on a second one (their own
         # concurrency group) and take the engine between two steps: the step loop lets a
         # waiting command in before its next step, so a move lands within one step.

@@ -6,8 +6,8 @@ outside the grid the nearest edge's slope is extended, never below the fastest m
 step. (The numbers of scipy's RegularGridInterpolator with fill_value=None, a test checks;
 computed here because a policy prices a few points at a time, at every batch change, and
 scipy's per-call checks took ~230 us of each lookup, 40 here.) Prefill is a least-squares
-line in the number of prompt tokens. It implements the `CostModel` protocol, so `goodput` and the other priced policies run on the executor with the
-executor's own costs. (A parametric fit that also extrapolates to other models and hardware
+line in the number of prompt tokens. It implements the `CostModel` protocol, so `goodput`
+and the other priced policies run on the executor with the executor's own costs. (A parametric fit that also extrapolates to other models and hardware
 is the analysis layer's job.)
 """
 

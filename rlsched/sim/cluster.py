@@ -72,6 +72,7 @@ class GenerationStage:
                             f"needs {longest}; lower workload.*_len.max or raise the capacity (more memory or tp)")
         self.realloc = realloc
         self.realloc_threshold = cfg.cluster.realloc_threshold
+        self.share_prompts = cfg.cluster.share_prompts
         self.realloc_active = realloc.name != "none" and len(policies) > 1
         self.releases_idle = bool(getattr(realloc, "releases_idle", False))
         self.freed_at = np.full(len(policies), np.nan)  # seconds into the stage when each instance was freed

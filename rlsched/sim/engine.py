@@ -118,6 +118,8 @@ class Instance:
         ids = np.asarray(ids, dtype=np.int64)
         pre = st.prefill_g[ids]
         st.prefill_g[ids] = 0
+        if st.share_prompts:
+            pre = self._shared_prefill(ids, pre)
         st.estimator.retire(self.sid)
         self.sid = np.concatenate((self.sid, ids))
         self.ctx = np.concatenate((self.ctx, st.ctx_g[ids]))
@@ -127,6 +129,25 @@ class Instance:
         self.min_rem = int((self.tot - self.ctx).min())
         n_pre = int(pre.sum())
         return (st.cost.prefill_time(n_pre, int((pre * pre).sum())) if n_pre else 0.0), n_pre
+
+    def _shared_prefill(self, ids: np.ndarray, pre: np.ndarray) -> np.ndarray:
+        """The prefill tokens of joining sequences when samples of a prompt share one: a fresh
+        sequence (context = its prompt) whose prompt a running sequence holds, or one that
+        joins before it in this step, costs nothing (the executor copies that prompt's KV)."""
+        st = self.stage
+        prompt_of = st.rollout.prompt_of
+        fresh = (pre > 0) & (st.ctx_g[ids] == st.rollout.prompt_len[ids])
+        if not fresh.any():
+            return pre
+        held = set(prompt_of[self.sid].tolist())
+        pre = pre.copy()
+        for j in np.flatnonzero(fresh):
+            p = int(prompt_of[ids[j]])
+            if p in held:
+                pre[j] = 0
+            else:
+                held.add(p)
+        return pre
 
     def _preempt_if_full(self) -> None:
         """Out of KV tokens: push the newest sequences back to the queue front to recompute."""

@@ -31,6 +31,8 @@ class RolloutConfig(_Strict):
     instances: int = Field(1, ge=1, description="rollout instances; more than 1 runs them as Ray actors")
     realloc: str = Field("none", description="sample reallocation across instances: none, rebalance, consolidate")
     realloc_threshold: int = Field(8, ge=1, description="an instance whose load falls below this asks for work")
+    share_prompts: bool = Field(True, description="samples of one prompt share its prefill (the local engine; "
+                                "vLLM has its own prefix cache)")
 
     @field_validator("realloc")
     @classmethod
