@@ -37,9 +37,19 @@ POLICIES="$POLICIES,goodput,table:$WORK/policy.json"
 say "5/6 predicted: rlsched compare --policies $POLICIES"
 $RLSCHED compare --config "$WORK/sim.yaml" --policies "$POLICIES" --seeds 2 --workers 2 --json \
     --out "$WORK/compare" > "$WORK/predicted.json"
-say "6/6 measured: rlsched run x $(echo "$POLICIES" | tr ',' '\n' | wc -l), $STEPS RL steps each"
-for p in ${POLICIES//,/ }; do
-    name=$(echo "$p" | sed 's|table:.*|table|; s|:|-|')
-    $RLSCHED run --policy "$p" --set steps="$STEPS" --out "$WORK/run-$name" --json >/dev/null 2>&1
-done
+say "6/6 measured: rlsched run x $(echo "$POLICIES" | tr ',' '\n' | wc -l), $STEPS RL steps each, in lockstep"
+# one process, one RL step of each run in turn: a slow spell of this shared machine hits every
+# policy's run instead of the one it fell on (identical runs one after the other differed by
+# 8-12% in total here)
+$PY - "$WORK" "$POLICIES" "$STEPS" <<'PYEOF' >/dev/null 2>&1
+import re, sys
+sys.path.insert(0, "bench")
+from _common import lockstep
+from rlsched.executor.rl.config import build_run_config
+from rlsched.executor.rl.trainer import Trainer
+work, policies, steps = sys.argv[1], sys.argv[2].split(","), int(sys.argv[3])
+name = lambda p: re.sub(r"table:.*", "table", p).replace(":", "-")
+lockstep([Trainer(build_run_config({}, [f"policy={p}", f"steps={steps}"]), f"{work}/run-{name(p)}")
+          for p in policies], steps)
+PYEOF
 $PY bench/closed_loop_report.py "$WORK" "$POLICIES" "$(($(date +%s) - t0))"

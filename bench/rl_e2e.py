@@ -4,8 +4,9 @@ The default `rlsched run` (GRPO on a fixed set of 64 built-in prompts, the built
 RL steps) is run with SD off (policy off and no drafter: nothing to keep fresh) and with the
 default adaptive policy (goodput, priced by a profile taken at the run's start) over each
 drafter asked for (the built-in model drafter, distilled every 4 steps; the n-gram drafter,
-which indexes the newest rollouts of each prompt for free), on the same seeds, one after the
-other per seed, so all see the same machine state. Reported:
+which indexes the newest rollouts of each prompt for free), on the same seeds, a seed's runs
+in lockstep (one RL step of each in turn, in one process), so that all see the same machine
+state: runs one after the other here differed by 8-12% in total when identical. Reported:
 
 - seconds per RL step by stage (generation, inference, training, drafter update), summed over
   the steps and averaged over seeds, and the adaptive/off ratios per seed (end to end and
@@ -31,7 +32,7 @@ import numpy as np
 import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import RESULTS, table, write_result  # noqa: E402
+from _common import RESULTS, lockstep, table, write_result  # noqa: E402
 
 from rlsched.executor.rl.config import build_run_config  # noqa: E402
 from rlsched.executor.rl.trainer import Trainer  # noqa: E402
@@ -40,16 +41,19 @@ from rlsched.traces.reader import read_trace  # noqa: E402
 STAGES = ("generation", "inference", "training", "drafter_update")
 
 
-def one_run(label: str, seed: int, steps: int, overrides: list[str], root: Path) -> tuple[pd.DataFrame, float]:
-    policy, _, drafter = label.partition("+")
-    cfg = build_run_config({}, [f"policy={policy}", f"drafter={drafter or 'off'}", f"seed={seed}", f"steps={steps}",
-                                *overrides])
-    out = root / f"{label.replace(':', '-')}-seed{seed}"
-    t = time.perf_counter()
-    trainer = Trainer(cfg, out)
-    setup_s = time.perf_counter() - t
-    trainer.run()
-    return read_trace(out / "traces", "rl_steps").sort_values("rl_step").reset_index(drop=True), setup_s
+def seed_runs(labels: list[str], seed: int, steps: int, overrides: list[str], root: Path) -> dict:
+    """label -> (rl_steps, setup seconds) of one seed's runs, stepped in lockstep."""
+    trainers, setup = {}, {}
+    for label in labels:
+        policy, _, drafter = label.partition("+")
+        cfg = build_run_config({}, [f"policy={policy}", f"drafter={drafter or 'off'}", f"seed={seed}",
+                                    f"steps={steps}", *overrides])
+        t = time.perf_counter()
+        trainers[label] = Trainer(cfg, root / f"{label.replace(':', '-')}-seed{seed}")
+        setup[label] = time.perf_counter() - t
+    lockstep(list(trainers.values()), steps)
+    return {label: (read_trace(t.out / "traces", "rl_steps").sort_values("rl_step").reset_index(drop=True),
+                    setup[label]) for label, t in trainers.items()}
 
 
 def start_end(rewards: np.ndarray) -> tuple[float, float]:
@@ -102,9 +106,9 @@ def main() -> None:
     setup: dict[tuple[str, int], float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for seed in range(args.seeds):
-            for label in labels:
-                print(f"seed {seed}: {label} ...", flush=True)
-                runs[label, seed], setup[label, seed] = one_run(label, seed, args.steps, args.sets, Path(tmp))
+            print(f"seed {seed}: {', '.join(labels)} in lockstep ...", flush=True)
+            for label, (df, setup_s) in seed_runs(labels, seed, args.steps, args.sets, Path(tmp)).items():
+                runs[label, seed], setup[label, seed] = df, setup_s
 
     rows, per_seed = [], []
     for label in labels:

@@ -254,7 +254,7 @@ class Trainer:
             return self._make_pool(policy)
         return RolloutEngine(self.actor, drafter, r.max_batch * (self._longest + r.max_tokens), r.max_batch,
                              self.sampling, policy, estimator, trace_dir=self.out / "traces", k_max=r.k_max,
-                             generator=self.generator)
+                             generator=self.generator, share_prompts=r.share_prompts)
 
     @property
     def _realloc_priced(self) -> bool:
@@ -274,7 +274,7 @@ class Trainer:
         spec = InstanceSpec(str(self.target_dir), self.drafter_name, None if self.drafter_dir is None else str(self.drafter_dir),
                             self.sampling, policy, r.max_batch * (self._longest + r.max_tokens), r.max_batch, r.k_max,
                             drafter_cache_len(self._longest, r.max_tokens, r.k_max), str(self.out / "traces"),
-                            c.device, c.dtype, threads, 2 * r.group_size)
+                            c.device, c.dtype, threads, 2 * r.group_size, r.share_prompts)
         states = self.policy_state if isinstance(self.policy_state, list) else None
         return InstancePool(r.instances, spec, realloc=r.realloc, threshold=r.realloc_threshold, cost=self._cost,
                             seed=c.seed, target_state=self.actor.state_dict(),
@@ -533,20 +533,28 @@ class Trainer:
 
     def run(self, on_step=None) -> dict:
         """Steps start_step..steps-1; then summary.json and the plots. Returns the summary."""
-        from rlsched.traces.writer import TraceWriter
-
-        self._rl_writer = TraceWriter(self.out / "traces", "rl_steps", flush_every=64, journal=True)
-        try:
+        with self:
             for s in range(self.start_step, self.cfg.steps):
                 rec = self.step(s)
                 if on_step is not None:
                     on_step(rec)
-        finally:
-            self._rl_writer.close()
-            self.engine.close()
-        return self._finish()
+        return self.finish()
 
-    def _finish(self) -> dict:
+    def __enter__(self) -> "Trainer":
+        """Open the RL-step trace, for `step` calls made by the caller: runs stepped in lockstep
+        (`bench/fidelity.py`: an SD run and an off run alternating steps, so that this shared
+        machine's slow spells hit both). `run` does it all."""
+        from rlsched.traces.writer import TraceWriter
+
+        self._rl_writer = TraceWriter(self.out / "traces", "rl_steps", flush_every=64, journal=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._rl_writer.close()
+        self.engine.close()
+
+    def finish(self) -> dict:
+        """summary.json and the plots, from the RL-step trace. Returns the summary."""
         from rlsched.traces.reader import read_trace
         from rlsched.traces.writer import write_text_atomic
 
