@@ -152,3 +152,15 @@ def test_bad_input_is_one_line_and_exit_2(run, tmp_path):
     for cmd in ("plot", "report"):
         _one_line_error(rlsched(cmd, str(bad), cwd=tmp_path), str(part), "corrupt or truncated")
     assert not (bad / "plots").exists() and not (bad / "report.html").exists()
+
+
+def test_a_run_priced_as_an_earlier_run_takes_its_profile_and_takes_none_itself(run, tmp_path):
+    """`cost_model=<run folder>`: the earlier run's start-up profile prices the steps (a rerun
+    then decides alike); a plain goodput run would profile again and save profile.parquet."""
+    (tmp_path / "run.yaml").write_text(TINY.format(steps=1))
+    again = tmp_path / "again"
+    summary = json.loads(ok(rlsched("run", "--config", str(tmp_path / "run.yaml"), "--policy", "goodput",
+                                    "--set", f"cost_model={run}", "--out", str(again), "--json", cwd=tmp_path,
+                                    timeout=300)).stdout)
+    assert summary["steps"] == 1 and summary["policy"] == "goodput"
+    assert not (again / "profile.parquet").exists() and (run / "profile.parquet").is_file()

@@ -168,6 +168,7 @@ def test_reward_failures_are_counted_then_stop_the_run_past_the_threshold(pair, 
     (["--set", "reward=nosuchmodule:fn"], "nosuchmodule"),
     (["--policy", "bogus"], "bogus"),
     (["--set", "model=/no/such/model"], "/no/such/model"),
+    (["--policy", "goodput", "--set", "cost_model=/no/such/profile"], "cost_model: /no/such/profile is neither"),
 ])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(pair, tmp_path, args, message):
     out = tmp_path / "bad"

@@ -25,6 +25,7 @@ import pyarrow as pa
 import torch
 
 from rlsched.errors import UserError
+from rlsched.executor.gcfreeze import freeze_long_lived
 
 DEFAULT_PROMPTS = 32  # built-in task prompts when no --prompts file is given
 MARKER = "summary.json"
@@ -299,6 +300,7 @@ def run(s: Setup, out: Path, log=None) -> dict:
     else:
         engine = RolloutEngine(s.target.model, drafter, budget, a.max_batch, s.sampling, policy,
                                trace_dir=out / "traces", k_max=a.k_max, generator=gen)
+    freeze_long_lived()
     try:
         result = engine.run(requests)
     finally:

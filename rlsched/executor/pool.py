@@ -33,6 +33,7 @@ import torch
 from rlsched.distributed import import_ray
 from rlsched.errors import UserError
 from rlsched.executor.engine import Request, RolloutResult, check_requests, reserve
+from rlsched.executor.gcfreeze import freeze_long_lived
 from rlsched.executor.seeds import derive_seed as _seed
 from rlsched.policies.types import InstanceView, Migration, ReallocEvent
 
@@ -98,6 +99,7 @@ class InstanceWorker:
                                     spec.policy, estimator, trace_dir=spec.trace_dir and Path(spec.trace_dir),
                                     k_max=spec.k_max, instance=idx, generator=self.generator,
                                     trace_tag=f"i{idx}", share_prompts=spec.share_prompts)
+        freeze_long_lived()
         # `work` runs in the actor's main thread; migrations arrive on a second one (their own
         # concurrency group) and take the engine between two steps: the step loop lets a
         # waiting command in before its next step, so a move lands within one step.

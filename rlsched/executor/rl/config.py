@@ -95,7 +95,8 @@ class RunConfig(_Strict):
     data: str = Field("builtin:count,repeat@64", description="builtin[:tasks][@N] or a JSONL file")
     reward: str = Field("exact_match", description="exact_match, math, module:function or model:DIR")
     policy: str = Field("goodput", description="drafting policy name or policy file")
-    cost_model: str = Field("auto", description="auto (profile at start) or a `rlsched profile` folder")
+    cost_model: str = Field("auto", description="auto (profile at start), a `rlsched profile` folder, or an earlier "
+                            "run's folder (its start-up profile: the same pricing, so a rerun decides alike)")
     steps: int = Field(40, ge=1)
     seed: int = Field(0, ge=0)
     checkpoint_every: int = Field(5, ge=1)

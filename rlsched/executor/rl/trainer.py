@@ -48,6 +48,16 @@ def prompt_key(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
 
 
+def _priced_from(folder: Path) -> str | None:
+    """What a `cost_model` folder is: a `rlsched profile` output ("profile"), an earlier run
+    that profiled at its start ("run"), or neither (None)."""
+    if (folder / "profile.parquet").is_file():  # (a run's folder also holds traces/: its own)
+        return "run"
+    if (folder / "traces").is_dir():
+        return "profile"
+    return None
+
+
 class RewardFailures(UserError):
     """Too many samples of a step had no reward: the run stops (its checkpoint stays)."""
 
@@ -133,9 +143,9 @@ class Trainer:
                                k_max=c.rollout.k_max, max_batch=c.rollout.max_batch)
         elif not policy_needs_cost(c.policy):
             build_policy(c.policy, names, k_max=c.rollout.k_max)
-        elif c.cost_model != "auto" and not (Path(c.cost_model) / "traces").is_dir():
-            raise UserError(f"cost_model: {c.cost_model} is not a `rlsched profile` folder (no traces/); "
-                            "give one or 'auto'")
+        elif c.cost_model != "auto" and not _priced_from(Path(c.cost_model)):
+            raise UserError(f"cost_model: {c.cost_model} is neither a `rlsched profile` folder (traces/) nor "
+                            "an earlier run's folder (profile.parquet); give one or 'auto'")
         a = c.algorithm
         self.reference = copy.deepcopy(self.actor) if a.kl_coef > 0 else None
         self.actor_opt = torch.optim.AdamW(self.actor.parameters(), lr=a.lr, weight_decay=0.0)
@@ -192,7 +202,10 @@ class Trainer:
         if c.cost_model != "auto":
             from rlsched.traces.reader import read_trace
 
-            return MeasuredCostModel(read_trace(Path(c.cost_model) / "traces", "steps")), None
+            given = Path(c.cost_model)
+            if _priced_from(given) == "run":  # price steps as that run did: its repeat takes the same decisions
+                return MeasuredCostModel(pd.read_parquet(given / "profile.parquet")), None
+            return MeasuredCostModel(read_trace(given / "traces", "steps")), None
         saved = self.out / "profile.parquet"
         if saved.is_file():  # the run's own profile: a resumed run prices steps as before
             return MeasuredCostModel(pd.read_parquet(saved)), None
@@ -544,9 +557,11 @@ class Trainer:
         """Open the RL-step trace, for `step` calls made by the caller: runs stepped in lockstep
         (`bench/fidelity.py`: an SD run and an off run alternating steps, so that this shared
         machine's slow spells hit both). `run` does it all."""
+        from rlsched.executor.gcfreeze import freeze_long_lived
         from rlsched.traces.writer import TraceWriter
 
         self._rl_writer = TraceWriter(self.out / "traces", "rl_steps", flush_every=64, journal=True)
+        freeze_long_lived()
         return self
 
     def __exit__(self, *exc) -> None:
