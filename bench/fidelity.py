@@ -64,15 +64,18 @@ def main() -> None:
             predicted = sd.predicted_speedup
             both = off.steps["predicted_s"].sum() / sd.steps["predicted_s"].sum()
             floors = [noise_floor(dirs["off"], dirs[label]) for label, _ in repeats]
+            speed = {label: machine_speed(dirs[label]) for label in ("sd", "off")}
             for label, r in (("sd", sd), ("off", off)):
                 step, err = r.worst
+                q1, q3 = np.percentile(speed[label], [25, 75])
                 rows.append([seed, label, r.policy, float(r.steps["measured_s"].sum()),
-                             float(r.steps["predicted_s"].sum()), r.mape, f"{step} ({err:+.1f}%)", r.overhead_ms])
+                             float(r.steps["predicted_s"].sum()), r.mape, f"{step} ({err:+.1f}%)", r.overhead_ms,
+                             f"{q1:.2f}-{q3:.2f}"])
             out.append(dict(seed=seed, measured_speedup=float(measured), predicted_speedup=float(predicted),
                             speedup_error_pct=float((predicted / measured - 1) * 100),
                             predicted_speedup_runs=float(both), speedup_error_runs_pct=float((both / measured - 1) * 100),
                             tokens_sd=tokens(dirs["sd"]), tokens_off=tokens(dirs["off"]), noise_floor=floors,
-                            mape_sd=sd.mape, mape_off=off.mape,
+                            mape_sd=sd.mape, mape_off=off.mape, machine_speed=speed,
                             steps_sd=sd.steps.round(5).to_dict("list"), steps_off=off.steps.round(5).to_dict("list")))
             if seed == 0:
                 RESULTS.mkdir(parents=True, exist_ok=True)
@@ -80,7 +83,7 @@ def main() -> None:
 
                 save_figure(replay_figure(sd), RESULTS / f"{args.name}.png")
     t1 = table(["seed", "run", "policy", "measured gen s", "predicted gen s", "per-step MAPE %", "worst step",
-                "between-step ms"], rows)
+                "between-step ms", "machine speed p25-p75"], rows)
     t2 = table(["seed", "tokens sd / off", "measured SD speedup", "predicted: SD workload off/policy", "error %",
                 "predicted: runs replayed", "error %"],
                [[d["seed"], f"{d['tokens_sd']:,} / {d['tokens_off']:,}", d["measured_speedup"], d["predicted_speedup"],
@@ -94,13 +97,31 @@ def main() -> None:
     text = (f"{args.seeds} seeds x {args.steps} RL steps, default run; each run replayed with costs fitted from its "
             f"own step records\n\n{t1}\n\n{t2}\n\nper-step MAPE: mean {np.mean(mapes):.1f}% (max {max(mapes):.1f}%); "
             f"speedup error: mean |{np.mean([abs(d['speedup_error_pct']) for d in out]):.1f}|% (SD workload), "
-            f"|{np.mean([abs(d['speedup_error_runs_pct']) for d in out]):.1f}|% (runs replayed){floor_text}")
+            f"|{np.mean([abs(d['speedup_error_runs_pct']) for d in out]):.1f}|% (runs replayed){floor_text}\n"
+            "machine speed: per RL step, the median of measured / fitted verify time over its engine steps "
+            "(`machine_speed`); a wide p25-p75 means the machine ran in spells, which no replay predicts")
     print(text)
     write_result(args.name, dict(seeds=args.seeds, steps=args.steps, overrides=args.sets, rows=out), text)
 
 
 def tokens(rundir: Path) -> int:
     return int(read_run(rundir)[2]["response_len"].sum())
+
+
+def machine_speed(rundir: Path) -> list[float]:
+    """Per RL step, the median over its decode steps of measured / fitted verify time: how fast
+    the machine ran that step's engine steps against the run's own average (1 = as fitted).
+    Runs interleaved step by step share its swings; a steady machine keeps it near 1."""
+    from rlsched.analysis.fit import fit_path
+    from rlsched.traces.reader import read_trace
+
+    f = fit_path(rundir).ops["verify"]
+    st = read_trace(rundir / "traces", "steps")
+    dec = st[(st["kind"] == "decode") & (st["drafted"] == st["batch"] * st["k"])]
+    pred = np.asarray(f.predict_ms(dec["batch"].to_numpy(float), (dec["k"] + 1).to_numpy(float),
+                                   (dec["ctx_tokens"] / dec["batch"]).to_numpy(float)), dtype=float)
+    ratio = dec["verify_ms"].to_numpy(float) / pred
+    return dec.assign(ratio=ratio).groupby("rl_step")["ratio"].median().round(4).tolist()
 
 
 def noise_floor(first: Path, again: Path) -> dict:
