@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from rlsched.executor.drafters import ModelDrafter  # noqa: E402
 from rlsched.executor.engine import Request, RolloutEngine  # noqa: E402
 from rlsched.executor.model import ModelConfig, Transformer  # noqa: E402
-from rlsched.executor.profiler import profile  # noqa: E402
+from rlsched.executor.profiler import profile, profile_cache_len  # noqa: E402
 from rlsched.executor.sampling import SamplingParams  # noqa: E402
 
 QWEN_1_5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28, num_heads=12,
@@ -82,7 +82,7 @@ def main() -> None:
     results = {"device": torch.cuda.get_device_name(0) if dev.type == "cuda" else platform.processor(),
                "torch": torch.__version__, "dtype": str(dtype), "context": args.context, "host": platform.node(),
                "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    d = ModelDrafter(drafter, sp, max(sizes), args.context + 2 * args.k_max + 8)
+    d = ModelDrafter(drafter, sp, max(sizes), profile_cache_len((args.context,), args.k_max))
     records = profile(target, {"model": d}, batch_sizes=sizes, k_max=args.k_max, contexts=(args.context,),
                       repeats=5, sampling=sp)
     results["profile"] = records

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -114,6 +116,34 @@ def test_model_drafter_feeds_a_prompts_samples_once(pair):
     ref = make_drafter(pair, "model")
     want = torch.cat([ref.propose([Seq(list(r.tokens), r.slot, r.prompt_id)], 2)[0] for r in rows])
     assert torch.equal(again, want)
+
+
+def test_model_drafter_feeds_a_joining_prompt_apart_from_the_running_rows(pair):
+    """Two running rows feed one token each, a row that just joined its whole prompt: two
+    forwards, not all three rows padded to the prompt's length, and the same greedy drafts as
+    each row fed on its own."""
+    from rlsched.executor.drafters import Seq
+
+    d = make_drafter(pair, "model")
+    running = [Seq(list(PROMPTS[0]), 0, 0), Seq(list(PROMPTS[1]), 1, 1)]
+    d.propose(running, 2)
+    for r in running:
+        r.tokens += [7]  # a rejection: the corrected token is the one new token
+    fresh = Seq([i % 10 + 1 for i in range(40)], 2, 2)  # long enough that padding the others to it costs more than a forward
+    shapes = []
+    forward = d.model.forward
+    d.model.forward = lambda ids, *a, **kw: shapes.append(tuple(ids.shape)) or forward(ids, *a, **kw)
+    try:
+        drafts, _, _ = d.propose(running + [fresh], 3)
+    finally:
+        del d.model.forward
+    feeds, drafting = shapes[:-2], shapes[-2:]  # then k - 1 one-token forwards of all three rows
+    assert drafting == [(3, 1), (3, 1)] and len(feeds) == 2, shapes
+    # `length_groups` may pad one short row to the prompt (cheaper than a forward), not both
+    assert sum(b * q for b, q in feeds) <= 2 * len(fresh.tokens) + 1 < 3 * len(fresh.tokens), shapes
+    want = torch.cat([make_drafter(pair, "model").propose([Seq(list(r.tokens), r.slot, r.prompt_id)], 3)[0]
+                      for r in running + [fresh]])
+    assert torch.equal(drafts, want)
 
 
 @pytest.mark.parametrize("kind", [None, "model"])
@@ -286,3 +316,16 @@ def test_model_drafter_feeds_rows_apart_when_a_ragged_feed_would_overflow_its_ca
     tight_tokens, _, _ = tight.propose(a, 3)
     roomy_tokens, _, _ = roomy.propose(b, 3)
     assert tight_tokens.tolist() == roomy_tokens.tolist()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 300), st.integers(2, 4000))
+def test_profile_rows_are_ragged_around_the_context_with_its_total(batch, ctx):
+    """The profile's rows span ctx/2..3ctx/2 (rounded) and sum to batch x ctx, the
+    `ctx_tokens` its records carry."""
+    from rlsched.executor.profiler import ragged_lengths
+
+    rows = ragged_lengths(batch, ctx)
+    assert len(rows) == batch and sum(rows) == batch * ctx
+    assert min(rows) >= ctx // 2 and max(rows) <= ctx + -(-ctx // 2)
+    assert (batch == 1) == (min(rows) == max(rows) == ctx) or ctx < 2

@@ -23,6 +23,7 @@ from typing import Hashable, Protocol
 import torch
 
 from rlsched.executor.sampling import SamplingParams, sample
+from rlsched.executor.speculative import length_groups
 
 
 @dataclass
@@ -137,6 +138,14 @@ class ModelDrafter:
         if src in self.cached:
             self.cached[dst] = self.cached.pop(src)
 
+    def rewind(self, rows: list[Seq], lengths: list[int]) -> None:
+        """Row i's cache back to its sequence's first lengths[i] tokens, as if it had just
+        reached them: the profiler replays one step from the same context again and again."""
+        slots = torch.tensor([s.slot for s in rows], dtype=torch.long, device=self.cache.lengths.device)
+        self.cache.trim(slots, torch.tensor(lengths, device=slots.device))
+        for s, n in zip(rows, lengths):
+            self.cached[s.slot] = (s, s.tokens[:n], n)
+
     @torch.no_grad()
     def propose(self, rows, k):
         b = len(rows)
@@ -174,7 +183,11 @@ class ModelDrafter:
     def _feed(self, slots: torch.Tensor, keep: list[int], new: list[list[int]]) -> torch.Tensor:
         """Logits (B, 1, V) after each row takes in its new tokens. Rows that take in the same
         tokens from an empty cache row (the samples of one prompt at their first draft) are
-        fed once: the others copy that row's KV and its logits."""
+        fed once: the others copy that row's KV and its logits. Feeds of very different lengths
+        go in separate forwards (`length_groups`): a row that just joined feeds its whole prompt,
+        and padding every running row's one or two tokens to that length made such a step's
+        drafting cost a prefill of the whole batch (in real runs, drafting cost 1.3-2x what the
+        profile, which feeds one token a row, priced)."""
         first: dict[tuple, int] = {}
         fed, copies = [], []
         for i, (c, t) in enumerate(zip(keep, new)):
@@ -184,11 +197,15 @@ class ModelDrafter:
                     copies.append((i, j))
                     continue
             fed.append(i)
-        if not copies:
+        parts = [[fed[g] for g in group] for group in length_groups([len(new[i]) for i in fed])]
+        if len(parts) == 1 and not copies:
             return self._forward(slots, keep, new)
-        logits = self._forward(slots[fed], [keep[i] for i in fed], [new[i] for i in fed])
-        out = logits.new_empty((len(new), *logits.shape[1:]))
-        out[fed] = logits
+        out = None
+        for idx in parts:
+            logits = self._forward(slots[idx], [keep[i] for i in idx], [new[i] for i in idx])
+            if out is None:
+                out = logits.new_empty((len(new), *logits.shape[1:]))
+            out[idx] = logits
         for i, j in copies:
             self.cache.copy_prefix(int(slots[j]), int(slots[i]), len(new[j]))
             out[i] = out[j]
