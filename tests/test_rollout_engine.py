@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -317,15 +315,3 @@ def test_model_drafter_feeds_rows_apart_when_a_ragged_feed_would_overflow_its_ca
     roomy_tokens, _, _ = roomy.propose(b, 3)
     assert tight_tokens.tolist() == roomy_tokens.tolist()
 
-
-@settings(max_examples=200, deadline=None)
-@given(st.integers(1, 300), st.integers(2, 4000))
-def test_profile_rows_are_ragged_around_the_context_with_its_total(batch, ctx):
-    """The profile's rows span ctx/2..3ctx/2 (rounded) and sum to batch x ctx, the
-    `ctx_tokens` its records carry."""
-    from rlsched.executor.profiler import ragged_lengths
-
-    rows = ragged_lengths(batch, ctx)
-    assert len(rows) == batch and sum(rows) == batch * ctx
-    assert min(rows) >= ctx // 2 and max(rows) <= ctx + -(-ctx // 2)
-    assert (batch == 1) == (min(rows) == max(rows) == ctx) or ctx < 2

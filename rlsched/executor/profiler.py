@@ -3,11 +3,12 @@
 Each point times what the rollout engine runs: a ragged prefill of B prompts, the
 speculative `step` (target forward over k+1 tokens per row, verification, sampling) and the
 drafters' `propose` of k tokens, with the cache rolled back after each timing so the context
-stays put. As in a real rollout the rows' contexts differ (`ragged_lengths`: from half to
-one and a half times the point's context, the same total), so every forward at B > 1 takes
-its masked path, and half the rows feed the drafter two tokens (the last draft and the bonus
-token, after a full acceptance), the others one (after a rejection). A profile of uniform
-contexts and one-token feeds priced drafting at 0.4-0.7x of what it cost in real runs. Records use the STEP trace schema (kind = prefill | verify | draft; `k` = draft
+stays put. As the engine runs them, each drafter's propose and the verify are timed in turn
+(`_timed_in_turn`), and every row feeds the drafter two tokens (the last draft and the
+bonus token, as after a full acceptance): timed back to back with one-token feeds, drafting
+was priced at 0.5-0.7x of what it cost in real runs. Rows share one context length: ragged
+ones (ctx/2..3ctx/2) made B = 1 (no mask, one feed length) a different kernel path from
+B >= 2, a jump the fit's smooth forms missed (held-out MAPE 10-12% for drafting against 4-5%). Records use the STEP trace schema (kind = prefill | verify | draft; `k` = draft
 length, 0 for plain decoding; `ctx_tokens` = the batch's total context), so a profile reads
 like a trace and feeds `MeasuredCostModel` and the analysis layer's fits.
 """
@@ -48,8 +49,8 @@ def _timed(fn, repeats: int, sync=lambda: None) -> float:
 def _timed_in_turn(fns: dict, repeats: int, sync=lambda: None) -> dict:
     """`_timed` of several functions called in turn, as the engine calls them (each drafter's
     propose, then the verify): each then starts with what the one before left in the CPU's
-    caches. Timed each alone, back to back, drafting cost 0.5-0.7x of what it did alternating
-    with verification at batch 4-16 here, and real runs paid the latter."""
+    caches. Timed alone, back to back, drafting cost 0.5-0.7x of what it did alternating with
+    verification at batch 4-16 here, and real runs paid the latter."""
     for fn in fns.values():
         fn()
     times = {name: [] for name in fns}
@@ -63,20 +64,10 @@ def _timed_in_turn(fns: dict, repeats: int, sync=lambda: None) -> dict:
     return {name: float(np.min(v)) for name, v in times.items()}
 
 
-def ragged_lengths(batch: int, ctx: int) -> list[int]:
-    """Row lengths spread evenly from ctx/2 to 3 ctx/2 (symmetric, so they sum to batch x ctx):
-    a rollout's rows hold different prompts and have generated different amounts."""
-    if batch == 1:
-        return [ctx]
-    d = 2 * (batch - 1)  # row i sits at ctx x (i / (batch - 1) - 1/2) from ctx, rounded half away from 0
-    offsets = [ctx * (2 * i - (batch - 1)) for i in range(batch)]
-    return [ctx + (1 if n > 0 else -1) * ((abs(n) + d // 2) // d) for n in offsets]
-
-
 def profile_cache_len(contexts, k_max: int) -> int:
-    """Cache rows a profile needs: the longest ragged row, k_max + 1 tokens verified or fed,
-    and slack."""
-    return max(ragged_lengths(2, c)[-1] for c in contexts) + 2 * k_max + 8
+    """Cache rows a profile needs: the longest context, k_max + 1 tokens verified or fed, and
+    slack."""
+    return max(contexts) + 2 * k_max + 8
 
 
 def _record(kind: str, batch: int, k: int, ctx: int, drafter: str = "", draft_ms: float = 0.0,
@@ -131,10 +122,9 @@ def _profile_pass(model, drafters: dict, *, batch_sizes, k_max: int, contexts, r
     records = []
     points = [(b, c) for c in sorted({*contexts, *prefill_only}) for b in batch_sizes]
     for n, (b, ctx) in enumerate(points):
-        row_lens = ragged_lengths(b, ctx)
-        cache = model.new_cache(b, max(row_lens) + 2 * k_max + 8)
+        cache = model.new_cache(b, ctx + 2 * k_max + 8)
         slots = torch.arange(b)
-        prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in row_lens]
+        prompts = torch.randint(3, vocab, (b, ctx), generator=gen).tolist()
 
         def do_prefill():
             cache.free(slots)
@@ -163,8 +153,8 @@ def _profile_pass(model, drafters: dict, *, batch_sizes, k_max: int, contexts, r
             def do_draft(drafter, rows):
                 if hasattr(drafter, "rewind"):
                     drafter.rewind(rows, [len(p) for p in prompts])
-                for i, (s, p) in enumerate(zip(rows, prompts)):  # one new token (after a rejection)
-                    s.tokens = p + torch.randint(3, vocab, (1 + i % 2,), generator=gen).tolist()  # or two
+                for s, p in zip(rows, prompts):  # the last draft and the bonus token
+                    s.tokens = p + torch.randint(3, vocab, (2,), generator=gen).tolist()
                 drafter.propose(rows, k)
 
             # plain decoding runs the target alone; a speculative step drafts, then verifies
