@@ -88,14 +88,13 @@ def interleaved(fns: dict, repeats: int) -> tuple[dict, dict]:
     return best, rounds
 
 
-def paired(rounds: dict, base, name: str) -> list[float]:
-    """Per round, the time of `base` (a contender's name, or a function of the round's index
-    giving a time) over `name`'s: a speedup from runs seconds apart. This machine's speed
+def paired(rounds: dict, base: str, name: str) -> list[float]:
+    """Per round, the time of contender `base` over `name`'s: a speedup from runs seconds
+    apart. This machine's speed
     drifts by up to 2x over tens of seconds (a fixed matmul loop: 0.4-1.2x of its mean in 0.3 s
     windows), which moves fastest-of-N times taken minutes apart; a ratio within one round
     does not see the drift."""
-    t_base = (lambda i: rounds[base][i][0]) if isinstance(base, str) else base
-    return [t_base(i) / r[0] for i, r in enumerate(rounds[name])]
+    return [b[0] / r[0] for b, r in zip(rounds[base], rounds[name])]
 
 
 # --- 1. plain decoding -----------------------------------------------------------------------

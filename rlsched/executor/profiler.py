@@ -6,11 +6,12 @@ drafters' `propose` of k tokens, with the cache rolled back after each timing so
 stays put. As the engine runs them, each drafter's propose and the verify are timed in turn
 (`_timed_in_turn`), and every row feeds the drafter two tokens (the last draft and the
 bonus token, as after a full acceptance): timed back to back with one-token feeds, drafting
-was priced at 0.5-0.7x of what it cost in real runs. Rows share one context length: ragged
-ones (ctx/2..3ctx/2) made B = 1 (no mask, one feed length) a different kernel path from
-B >= 2, a jump the fit's smooth forms missed (held-out MAPE 10-12% for drafting against 4-5%). Records use the STEP trace schema (kind = prefill | verify | draft; `k` = draft
-length, 0 for plain decoding; `ctx_tokens` = the batch's total context), so a profile reads
-like a trace and feeds `MeasuredCostModel` and the analysis layer's fits.
+was priced at 0.5-0.7x of what it cost in real runs. Rows share one context length (ragged
+ones put B = 1, without a mask, on another kernel path than B >= 2: a jump in cost that the
+fit's smooth forms cannot follow). Records use the STEP trace schema (kind = prefill |
+verify | draft; `k` = draft length, 0 for plain decoding; `ctx_tokens` = the batch's total
+context), so a profile reads like a trace and feeds `MeasuredCostModel` and the analysis
+layer's fits.
 """
 
 from __future__ import annotations
@@ -35,15 +36,7 @@ def _timed(fn, repeats: int, sync=lambda: None) -> float:
     """Fastest wall-clock milliseconds of `fn()` over `repeats` runs, after one warm-up: on a
     shared machine the fastest run is the least disturbed one, and a cost model built from
     disturbed points steers a policy wrong (`sync` waits for queued GPU work)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        sync()
-        t = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - t) * 1e3)
-    return float(np.min(times))
+    return _timed_in_turn({"": fn}, repeats, sync)[""]
 
 
 def _timed_in_turn(fns: dict, repeats: int, sync=lambda: None) -> dict:

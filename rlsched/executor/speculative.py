@@ -171,6 +171,8 @@ def length_groups(lengths: list[int], waste: float = 0.25, overhead: int = 64) -
     row to the longest, so one forward over prompts of 8 to 47 tokens did 3x the work. Rows
     are taken longest first; a group closes when padding would pass `waste` of its tokens,
     unless it is still cheaper than a forward's fixed cost (`overhead` tokens' worth)."""
+    if lengths and (max(lengths) - min(lengths)) * len(lengths) <= overhead:
+        return [list(range(len(lengths)))]  # padding all to the longest costs less than a forward
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     groups, cur, total = [], [], 0
     for i in order:
