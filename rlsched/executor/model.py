@@ -229,15 +229,15 @@ class Transformer(nn.Module):
             if bool((n < int(last_only)).any()) or bool((n > q).any()):
                 raise ValueError(f"n_new must lie in [{int(last_only)}, {q}] for every row")
             n = n.to(ids.device)
-        s = self._step(b, q, ids.device, cache, slots)
-        h = self._trunk(ids, s)
+        embed = self.embed.weight  # (each Module attribute lookup costs ~3 us: once a forward)
+        s = self._step(b, q, ids.device, embed.dtype, cache, slots)
+        h = self._trunk(ids, s, embed)
         if last_only:
             h = h[:, -1:] if n is None else h[torch.arange(b, device=h.device), n - 1][:, None]
-        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(h, weight).float()
+        logits = F.linear(h, embed if self.lm_head is None else self.lm_head.weight).float()
         if cache is not None:
             if n is None and s.start is not None:
-                cache.lengths[s.start:s.start + b] += q
+                cache.lengths.narrow(0, s.start, b).add_(q)
             else:
                 cache.lengths[s.rows] = s.positions[:, 0] + (q if n is None else n.to(cache.lengths.device))
         return logits
@@ -246,26 +246,31 @@ class Transformer(nn.Module):
         """The final-norm hidden states (B, T, hidden) of whole sequences, no cache: what a
         value head or a reward model's score head reads."""
         b, q = ids.shape
-        return self._trunk(ids, self._step(b, q, ids.device, None, None))
+        embed = self.embed.weight
+        return self._trunk(ids, self._step(b, q, ids.device, embed.dtype, None, None), embed)
 
-    def _trunk(self, ids: torch.Tensor, s: _Step) -> torch.Tensor:
-        h = F.embedding(ids, self.embed.weight)
+    def _trunk(self, ids: torch.Tensor, s: _Step, embed: torch.Tensor) -> torch.Tensor:
+        h = F.embedding(ids, embed)
         for i, layer in enumerate(self.layers):
             h = layer.forward(h, i, s)
         return self.norm.forward(h)
 
-    def _step(self, b: int, q: int, device, cache: KVCache | None, slots) -> _Step:
-        dtype = self.embed.weight.dtype
+    def _step(self, b: int, q: int, device, dtype: torch.dtype, cache: KVCache | None, slots) -> _Step:
         # (no shortcut for a single row: a step cost that jumps between batch 1 and 2 is one
-        # the cost model's smooth forms cannot fit, and the policies price steps with them)
+        # the cost model's smooth forms cannot fit, and the policies price steps with them.
+        # The rows' lengths are read once, as a list: the bookkeeping below is per forward,
+        # a third of a 2-layer drafter's forward at batch 1 when done with tensor ops)
         if cache is None:
-            rows, start = None, 0
+            rows, start, lo, hi = None, 0, 0, 0
             positions = torch.arange(q, device=device).expand(b, q)
         else:
             rows = cache.rows(slots, b)
             start = 0 if slots is None else cache.consecutive(rows)
-            positions = cache.lengths[rows][:, None].to(device) + torch.arange(q, device=device)
-        upto = int(positions[:, -1].max()) + 1
+            lengths = cache.lengths.narrow(0, start, b) if start is not None else cache.lengths[rows]
+            known = lengths.tolist()
+            lo, hi = min(known), max(known)
+            positions = lengths[:, None] + torch.arange(q, device=device)  # (the cache is on ids' device)
+        upto = hi + q
         if cache is not None and upto > cache.max_len:
             raise ValueError(f"a row needs {upto} cache positions, more than the cache's max_len "
                              f"{cache.max_len}")
@@ -273,17 +278,15 @@ class Transformer(nn.Module):
         if window is not None and upto > window:
             raise ValueError(f"context of {upto} tokens exceeds the model's sliding window ({window}),"
                              " which this executor does not implement")
-        if q == 1 and (b == 1 or bool((positions[:, 0] == upto - 1).all())):
+        if q == 1 and lo == hi:
             mask = None  # one new token per row, every row as long: it sees all it reads
         else:  # additive, built once here: SDPA would convert a bool mask in every layer
             keys = torch.arange(upto, device=device)
             hidden = (keys[None, None, :] > positions[:, :, None])[:, None]
             mask = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
         first = flat = None
-        if cache is not None and start is not None:
-            p0 = positions[:, 0]
-            if b == 1 or bool((p0 == p0[0]).all()):
-                first = int(p0[0])
+        if cache is not None and start is not None and lo == hi:
+            first = lo
         if cache is not None and (start is None or first is None):
             flat = cache.flat_index(rows, positions)
         cos, sin = self.rope.forward(positions, dtype, upto, first)

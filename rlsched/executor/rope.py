@@ -89,21 +89,21 @@ class Rope(nn.Module):
         frequencies depend on the length. `longest`: max(positions) + 1 when the caller knows it;
         `first`: every row's positions are first..first+q-1 (the tables are then sliced, not
         gathered, and broadcast over the rows)."""
-        inv = self.inv_freq
         if longest is None:
             longest = int(positions.max()) + 1
         if self.scaling is not None and self.scaling.kind == "dynamic" and longest > self.max_position_embeddings:
             cos, sin = _tables(positions.float(), self._inv(longest).to(positions.device), dtype)
             return cos[:, None], sin[:, None]
         table = getattr(self, "_table", None)
-        stale = table is None or table[0].shape[0] < longest or table[0].dtype != dtype or table[0].device != inv.device
-        # a table made under inference_mode cannot enter autograd (training after rollouts)
-        if stale or (table[0].is_inference() and not torch.is_inference_mode_enabled()):
+        if table is None or table[0].shape[0] < longest or table[0].dtype != dtype or table[0].device != positions.device:
+            inv = self.inv_freq
             n = max(longest, 256, 0 if table is None else 2 * table[0].shape[0])
-            table = self._table = _tables(torch.arange(n, device=inv.device).float(), inv, dtype)
-        if first is not None:
+            with torch.inference_mode(False):  # usable by autograd too (training after rollouts)
+                cos, sin = _tables(torch.arange(n, device=inv.device).float(), inv, dtype)
+            table = self._table = (cos, sin, cos[None, None], sin[None, None])
+        if first is not None:  # views of (1, 1, n, head_dim) tables: narrow is one call, slicing three
             q = positions.shape[-1]
-            return table[0][None, None, first:first + q], table[1][None, None, first:first + q]
+            return table[2].narrow(2, first, q), table[3].narrow(2, first, q)
         return table[0][positions][:, None], table[1][positions][:, None]
 
 
