@@ -87,16 +87,18 @@ def engine_run(model, drafter, policy, reqs, max_batch, cost=None, kv_budget=Non
     return timed_run(eng, gen, reqs, seed)
 
 
-def interleaved(fns: dict, repeats: int) -> tuple[dict, dict]:
-    """The contenders taking turns in every round, so that a noisy spell on this shared machine
-    hits all of them rather than one. Returns each contender's fastest run, and every round's
-    runs (for `paired`)."""
+def interleaved(fns: dict, repeats: int, seed: int = 0) -> tuple[dict, dict]:
+    """The contenders taking turns in every round, in a shuffled order, so that a noisy spell
+    on this shared machine hits all of them rather than one, and none always runs after the
+    same other. Returns each contender's fastest run, and every round's runs (for `paired`)."""
+    order = list(fns)
+    rng = np.random.default_rng(seed)
     for fn in fns.values():  # warm-up round, untimed: first calls allocate and fault pages in
         fn()
     rounds = {name: [] for name in fns}
     for _ in range(repeats):
-        for name, fn in fns.items():
-            rounds[name].append(fn())
+        for j in rng.permutation(len(order)):
+            rounds[order[j]].append(fns[order[j]]())
     best = {name: min(runs, key=lambda r: r[0]) for name, runs in rounds.items()}
     return best, rounds
 
@@ -303,15 +305,18 @@ def drain_section(target, drafter, repeats, quick):
     # statistics carry over from an earlier rollout (other prompts), as from the RL step before.
     warm = [Request(encode(e.prompt), i, i, n) for i, (e, n) in enumerate(zip(prompts_for(64, seed=22), lengths))]
 
-    def adaptive(name):
-        est = AcceptanceEstimator(("model",))
+    def contender(name):
+        # one engine each, kept from run to run (as in the B = 1 section)
+        adaptive = name in ("goodput", "bandit")
+        est = AcceptanceEstimator(("model",)) if adaptive else None
         pol = build_policy(name, ("model",), cost if name == "goodput" else None, k_max=6, max_batch=64)
-        engine_run(target, drafter, pol, warm, 64, estimator=est)
-        return lambda: engine_run(target, drafter, pol, reqs, 64, estimator=est)
+        eng, gen = make_engine(target, drafter if name != "off" else None, pol, reqs + warm, 64, estimator=est)
+        if adaptive:
+            timed_run(eng, gen, warm)
+        return lambda: timed_run(eng, gen, reqs)
 
-    fns = {pol: (lambda pol=pol: engine_run(target, drafter if pol != "off" else None, pol, reqs, 64))
-           for pol in ["off", "static:1", "static:2", "static:3", "static:4", "static:6"]}
-    fns.update({name: adaptive(name) for name in ("goodput", "bandit")})
+    fns = {name: contender(name)
+           for name in ["off", "static:1", "static:2", "static:3", "static:4", "static:6", "goodput", "bandit"]}
     runs, rounds = interleaved(fns, repeats)
     out = [dict(policy=pol, seconds=s, tok_s=res.stats["tokens"] / s, steps=res.stats["steps"],
                 mean_accept_len=res.stats["mean_accept_len"]) for pol, (s, res) in runs.items()]

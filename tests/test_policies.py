@@ -79,6 +79,32 @@ def test_calibrated_goodput_follows_measured_step_times(ctx):
     assert plain.choose(state(1, 31)) == first
 
 
+def test_calibrated_goodput_does_not_price_drafting_by_a_catch_up_step(ctx):
+    """A step whose drafter took in a prefill's worth of tokens (a row that joined, drafting
+    back on after off steps) measures many times the priced drafting; folded, it would price
+    the drafter out for good. Such steps (catch_up > 0) leave the drafter's scale alone."""
+    from dataclasses import replace
+
+    live = make_draft_policy("goodput:1", replace(ctx, calibrate=True))
+    first = live.choose(state(1))
+    assert first.k > 0
+    draft, verify = ctx.cost.draft_time(first.drafter, 1, first.k, 1000), ctx.cost.verify_time(1, first.k + 1, 1000)
+    for step in range(1, 6):  # every step caught up: 30x the drafting price each time
+        live.observe(StepOutcome(0, step, first, 1, first.k, 0, 1, 30 * draft + verify, 30 * draft, verify,
+                                 catch_up=200))
+        assert live.choose(state(1, step + 1)) == first
+    s = first
+    live.observe(StepOutcome(0, 6, s, 1, s.k, 0, 1, 30 * draft + verify, 30 * draft, verify))  # a steady one counts
+    assert live._scale[s.drafter] > 1.5
+
+
+def test_bandit_skips_a_catch_up_step(ctx):
+    pol = make_draft_policy("bandit:0", policy_context(load_config("default"), ctx.cost))
+    s = pol.choose(state(8, 0))
+    pol.observe(StepOutcome(0, 0, s, 8, 0, 0, 8, 1.0, 0.0, 1.0, catch_up=100))
+    assert pol.choose(state(8, 1)) == s  # still untried: the catch-up step taught it nothing
+
+
 def test_analytic_table_drafts_more_at_small_batch(ctx):
     table = TablePolicy.analytic(ctx, "model")
     assert table.choose(state(1)).k > table.choose(state(256)).k

@@ -144,6 +144,25 @@ def test_model_drafter_feeds_a_joining_prompt_apart_from_the_running_rows(pair):
     assert torch.equal(drafts, want)
 
 
+def test_model_drafter_reports_its_catch_up(pair):
+    """`catch_up`: tokens a propose fed beyond two a row. A fresh row feeds its prompt; a row
+    one rejection on feeds one or two tokens; a row five tokens on (off steps) five or six."""
+    from rlsched.executor.drafters import Seq
+
+    d = make_drafter(pair, "model")
+    row = Seq(list(PROMPTS[0]), 0, 0)
+    d.propose([row], 2)
+    assert d.catch_up == len(PROMPTS[0]) - 2
+    row.tokens += [7]
+    d.propose([row], 2)
+    assert d.catch_up == 0
+    row.tokens += [3, 4, 5, 6, 7]
+    d.propose([row], 2)
+    # the five and the one before them (the row's cache kept a draft that stood in for it, unless
+    # the draft was that very token), less the two of a steady step
+    assert d.catch_up in (3, 4)
+
+
 @pytest.mark.parametrize("kind", [None, "model"])
 def test_shared_prompt_prefill_changes_nothing_but_the_work(pair, kind, tmp_path):
     """Samples of a prompt copy its KV from a row that holds it: one joining with it, or one

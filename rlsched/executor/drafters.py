@@ -120,6 +120,7 @@ class ModelDrafter:
         # slot -> (the Seq, the tokens in its cache row, how many of those are the Seq's own:
         # the rest are drafts, kept as far as they were accepted)
         self.cached: dict[int, tuple[Seq, list[int], int]] = {}
+        self.catch_up = 0  # tokens the last propose fed beyond two a row (see StepOutcome.catch_up)
 
     def reset(self) -> None:
         self.cache.free(torch.arange(self.cache.max_batch))
@@ -165,6 +166,7 @@ class ModelDrafter:
             keep.append(c)
             new.append(s.tokens[c:])
         self.cache.trim(slots, torch.tensor(keep, device=dev), check=False)  # keep[i] <= len(have): cached
+        self.catch_up = sum(max(0, len(t) - 2) for t in new)
         logits = self._feed(slots, keep, new)
         toks, dists = [], []
         for i in range(k):

@@ -469,7 +469,8 @@ class RolloutEngine:
         emitted = self._append(rows, out, dk, accepted)
         step_s = time.perf_counter() - t
         drafted, n_acc = int(dk.sum()), int(accepted.sum())
-        self._learn(state, strategy, rows, dk, accepted, drafted, n_acc, emitted, step_s, draft_s, verify_s)
+        catch_up = getattr(drafter, "catch_up", 0) if k > 0 else 0
+        self._learn(state, strategy, rows, dk, accepted, drafted, n_acc, emitted, step_s, draft_s, verify_s, catch_up)
         totals["steps"] += 1
         totals["drafted"] += drafted
         totals["accepted"] += n_acc
@@ -504,7 +505,8 @@ class RolloutEngine:
             emitted += len(toks)
         return emitted
 
-    def _learn(self, state, strategy, rows, dk, accepted, drafted, n_acc, emitted, step_s, draft_s, verify_s):
+    def _learn(self, state, strategy, rows, dk, accepted, drafted, n_acc, emitted, step_s, draft_s, verify_s,
+               catch_up=0):
         """Feed the estimator (chain steps that drafted) and the policy's observe."""
         if not strategy.is_off and drafted > 0 and getattr(self.policy, "needs_acceptance", True):
             self.estimator.update(strategy.drafter, state.sample_ids, accepted.numpy().astype(np.int64),
@@ -512,7 +514,7 @@ class RolloutEngine:
         if getattr(self.policy, "observes", True):
             self.policy.observe(StepOutcome(self.instance, state.step, strategy, len(rows), drafted, n_acc, emitted,
                                             step_s, draft_s, verify_s, state.sample_ids,
-                                            accepted.numpy().astype(np.int64)))
+                                            accepted.numpy().astype(np.int64), catch_up))
 
     # --- leaving ---------------------------------------------------------------------------
 

@@ -50,6 +50,9 @@ class BanditPolicy:
     def observe(self, outcome: StepOutcome) -> None:
         if self._pending is None or outcome.step_time <= 0:
             return
+        if outcome.catch_up > 0:  # the drafter caught up (see StepOutcome): not this arm's usual rate
+            self._pending = None
+            return
         bucket, arm = self._pending
         stats = self._stats[bucket]
         stats[0, arm] += 1

@@ -156,7 +156,10 @@ class GoodputPolicy:
             return
         _, v1, vk, drafts = priced
         self._fold("verify", outcome.verify_time, v1 if s.k == 0 else vk[s.k - 1])
-        if s.k > 0 and s.drafter in drafts:
+        # a step whose drafter caught up (a joining row's prompt, the tokens of off steps) is a
+        # prefill, not the drafting priced: folded, one such step after off steps priced the
+        # drafter 1.5x and more for good, and off was never left again
+        if s.k > 0 and s.drafter in drafts and outcome.catch_up == 0:
             self._fold(s.drafter, outcome.draft_time, drafts[s.drafter][s.k - 1])
 
     def _fold(self, key: str, measured: float, priced: float) -> None:

@@ -103,6 +103,8 @@ class StepOutcome:
     verify_time: float
     sample_ids: np.ndarray | None = None
     accepted_per_seq: np.ndarray | None = None
+    catch_up: int = 0  # tokens the drafter took in beyond a steady step's 1-2 a row (a row that
+    # just joined, or drafting back on after off steps): its draft_time then holds a prefill
 
 
 @runtime_checkable
