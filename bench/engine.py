@@ -371,7 +371,7 @@ def main() -> None:
         ("plain", lambda: plain_section(pair, target, (1, 16, 64), args.tokens, repeats, args.threads)),
         ("memory", lambda: memory_section(target, args.tokens)),
         ("sd_b1", lambda: sd_b1_section(pair, target, drafter, 4 if args.quick else 8, 1 if args.quick else 9)),
-        ("drain", lambda: drain_section(target, drafter, 1 if args.quick else 9, args.quick)),
+        ("drain", lambda: drain_section(target, drafter, 1 if args.quick else 15, args.quick)),
     ]:
         if name not in wanted:
             continue
