@@ -144,6 +144,27 @@ def test_model_drafter_feeds_a_joining_prompt_apart_from_the_running_rows(pair):
     assert torch.equal(drafts, want)
 
 
+@pytest.mark.parametrize("probe_every", [None, 16])
+def test_a_policy_kept_off_by_its_acceptance_prior_probes_and_learns(pair, probe_every):
+    """A table that drafts only above 0.7 estimated acceptance, an estimator whose prior is 0.6
+    and a drafter that accepts nearly everything (the target plus noise, greedy): without
+    probes the run never drafts, so it never learns better; with a probe every 16 off steps
+    the estimate rises past 0.7 and the table turns SD on."""
+    from rlsched.policies.draft import PolicyContext
+    from rlsched.policies.lookup import TablePolicy
+
+    table = TablePolicy(PolicyContext(cost=None, drafters=("model",), k_max=4), "model", [1], [0.0, 0.7, 1.0],
+                        [[0], [3]])
+    drafter = ModelDrafter(pair[1], GREEDY, max_batch=1, max_len=256)
+    e = RolloutEngine(pair[0], drafter, 1000, 1, GREEDY, table, AcceptanceEstimator(("model",)),
+                      probe_every=probe_every)
+    res = e.run([Request(list(PROMPTS[0]), 0, 0, 120)])
+    if probe_every is None:
+        assert res.stats["drafted"] == 0 and e.probes == 0
+    else:
+        assert e.probes >= 1 and res.stats["drafted"] > 2 * e.probes  # drafting went on beyond the probes
+
+
 def test_model_drafter_reports_its_catch_up(pair):
     """`catch_up`: tokens a propose fed beyond two a row. A fresh row feeds its prompt; a row
     one rejection on feeds one or two tokens; a row five tokens on (off steps) five or six."""
