@@ -153,7 +153,8 @@ class RolloutEngine:
     shared AcceptanceEstimator (a fresh one over the drafters when None); trace_dir: where
     `steps/` and `samples/` trace parts go (none when None; `trace_tag` names this engine's
     parts where several engines write into one folder); share_prompts: samples of one prompt
-    share its prefill (`_plan_prefill`)."""
+    share its prefill (`_plan_prefill`); probe_every: off steps in a row after which a policy
+    that prices acceptance gets one probing step (`_probed`; None: never)."""
 
     def __init__(self, model, drafter, cache_capacity: int, max_batch: int, sampling: SamplingParams,
                  policy, estimator: AcceptanceEstimator | None = None, trace_dir: Path | None = None, *,
