@@ -163,6 +163,7 @@ def test_reward_failures_are_counted_then_stop_the_run_past_the_threshold(pair, 
 
 @pytest.mark.parametrize("args, message", [
     (["--set", "rollout.group_size=0"], "rollout.group_size"),
+    (["--set", "rollout.probe_every=0"], "rollout.probe_every"),
     (["--set", "algoritm.lr=1"], "unknown field 'algoritm'"),
     (["--set", "data=missing.jsonl"], "missing.jsonl"),
     (["--set", "reward=nosuchmodule:fn"], "nosuchmodule"),

@@ -32,7 +32,7 @@ import torch
 
 from rlsched.distributed import import_ray
 from rlsched.errors import UserError
-from rlsched.executor.engine import Request, RolloutResult, check_requests, reserve
+from rlsched.executor.engine import PROBE_EVERY, Request, RolloutResult, check_requests, reserve
 from rlsched.executor.gcfreeze import freeze_long_lived
 from rlsched.executor.seeds import derive_seed as _seed
 from rlsched.policies.types import InstanceView, Migration, ReallocEvent
@@ -67,6 +67,7 @@ class InstanceSpec:
     threads: int = 1
     ngram_max_history: int | None = None
     share_prompts: bool = True
+    probe_every: int | None = PROBE_EVERY
 
 
 class InstanceWorker:
@@ -98,7 +99,8 @@ class InstanceWorker:
         self.engine = RolloutEngine(self.model, drafter, spec.cache_capacity, spec.max_batch, spec.sampling,
                                     spec.policy, estimator, trace_dir=spec.trace_dir and Path(spec.trace_dir),
                                     k_max=spec.k_max, instance=idx, generator=self.generator,
-                                    trace_tag=f"i{idx}", share_prompts=spec.share_prompts)
+                                    trace_tag=f"i{idx}", share_prompts=spec.share_prompts,
+                                    probe_every=spec.probe_every)
         freeze_long_lived()
         # `work` runs in the actor's main thread; migrations arrive on a second one (their own
         # concurrency group) and take the engine between two steps: the step loop lets a

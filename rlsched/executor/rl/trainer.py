@@ -267,7 +267,7 @@ class Trainer:
             return self._make_pool(policy)
         return RolloutEngine(self.actor, drafter, r.max_batch * (self._longest + r.max_tokens), r.max_batch,
                              self.sampling, policy, estimator, trace_dir=self.out / "traces", k_max=r.k_max,
-                             generator=self.generator, share_prompts=r.share_prompts)
+                             generator=self.generator, share_prompts=r.share_prompts, probe_every=r.probe_every)
 
     @property
     def _realloc_priced(self) -> bool:
@@ -287,7 +287,7 @@ class Trainer:
         spec = InstanceSpec(str(self.target_dir), self.drafter_name, None if self.drafter_dir is None else str(self.drafter_dir),
                             self.sampling, policy, r.max_batch * (self._longest + r.max_tokens), r.max_batch, r.k_max,
                             drafter_cache_len(self._longest, r.max_tokens, r.k_max), str(self.out / "traces"),
-                            c.device, c.dtype, threads, 2 * r.group_size, r.share_prompts)
+                            c.device, c.dtype, threads, 2 * r.group_size, r.share_prompts, r.probe_every)
         states = self.policy_state if isinstance(self.policy_state, list) else None
         return InstancePool(r.instances, spec, realloc=r.realloc, threshold=r.realloc_threshold, cost=self._cost,
                             seed=c.seed, target_state=self.actor.state_dict(),
