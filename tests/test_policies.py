@@ -257,6 +257,38 @@ def test_cached_choices_do_not_leak_into_the_next_rollout():
     assert (second.k >= 4).mean() < 0.05  # acceptance is 0.07 now: long drafts would be a stale choice
 
 
+def _longest_off_run(ks) -> int:
+    longest = run = 0
+    for k in ks:
+        run = run + 1 if k == 0 else 0
+        longest = max(longest, run)
+    return longest
+
+
+@pytest.mark.parametrize("probe_every", [None, 16])
+def test_the_simulator_probes_as_the_executor_does(probe_every):
+    """Acceptance falls to 0.07 in the second RL step and goodput turns SD off. With
+    speculation.probe_every the simulator drafts once after that many off steps in a row (k = 2,
+    `policies/probe.py`, the executor's rule), runs of steps priced at once stopping short of
+    each probe (the same steps as one at a time); without it, never."""
+    over = ["cluster.instances=1", "workload.prompts=1", "workload.samples_per_prompt=1", "rl.steps=2",
+            "workload.response_len={dist: fixed, value: 3000}", "drafters.0.acceptance.mean=0.93",
+            "drafters.0.acceptance.prompt_concentration=null", "drafters.0.acceptance.sample_concentration=null",
+            "rl.acceptance_drift_per_step=0.86", "rl.acceptance_floor=0.0",
+            f"speculation.probe_every={'null' if probe_every is None else probe_every}"]
+    runs = {}
+    for max_run in (1, 10_000):
+        tl = simulate(load_config("default", overrides=over + [f"max_steady_run={max_run}"]), "goodput").timeline_frame()
+        second = tl[(tl.rl_step == 1) & (tl.kind == "decode")].sort_values("step")
+        runs[max_run] = second.k.tolist()  # one row a step, runs priced at once included
+    ks = runs[1]
+    if probe_every is None:
+        assert _longest_off_run(ks) > 500
+    else:
+        assert _longest_off_run(ks) == probe_every and ks.count(2) > 20
+    assert runs[10_000] == ks
+
+
 def test_learned_twostate_file_runs(cfg, tmp_path):
     learner = Learner(cfg, [0], evaluate=lambda jobs: [1.0] * len(jobs), log=lambda *_: None)
     pf, _ = learner.learn("twostate")

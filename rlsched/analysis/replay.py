@@ -186,7 +186,8 @@ def _simulate(rollouts, policy_spec: str, drafter, sim_cost, policy_cost, run_cf
     cfg = load_config("default", overrides=[
         f"cluster.instances={n_inst}", f"cluster.max_batch={r['max_batch']}", f"speculation.k_max={r['k_max']}",
         f"cluster.realloc={realloc_name}", f"cluster.realloc_threshold={int(r.get('realloc_threshold', 8))}",
-        "cluster.assignment=by_prompt", f"cluster.share_prompts={shares_prompts(run_cfg)}"])
+        "cluster.assignment=by_prompt", f"cluster.share_prompts={shares_prompts(run_cfg)}",
+        f"speculation.probe_every={probes_every(run_cfg) or 'null'}"])
     names = () if drafter is None else (drafter,)
     typical = int(np.mean([ro.prompt_len.mean() for ro in rollouts]) + r["max_tokens"] / 2)
     ctx = PolicyContext(cost=policy_cost, drafters=names, k_max=r["k_max"], max_batch=r["max_batch"],
@@ -211,6 +212,13 @@ def _simulate(rollouts, policy_spec: str, drafter, sim_cost, policy_cost, run_cf
     env.process(run())
     env.run()
     return times
+
+
+def probes_every(run_cfg: dict) -> int | None:
+    """How often the run's engine probed (`policies/probe.py`): `rollout.probe_every` of the
+    local engine from the ninth session on (absent before: never)."""
+    r = run_cfg["rollout"]
+    return r.get("probe_every") if r.get("backend", "local") == "local" else None
 
 
 def shares_prompts(run_cfg: dict) -> bool:
@@ -311,7 +319,8 @@ def sim_config_from_run(rundir, cost_file=None, steps: int = 3) -> dict:
         "cluster": {"instances": 1, "max_batch": int(r["max_batch"]),
                     "kv_capacity_tokens": int(r["max_batch"]) * (max(prompt) + int(r["max_tokens"]) + 16) * 2,
                     "share_prompts": shares_prompts(cfg)},
-        "speculation": {"policy": "goodput" if drafters else "off", "k_max": int(r["k_max"])},
+        "speculation": {"policy": "goodput" if drafters else "off", "k_max": int(r["k_max"]),
+                        "probe_every": probes_every(cfg)},
         "rl": {"steps": steps},
         "seed": int(cfg.get("seed", 0)),
     }

@@ -7,7 +7,7 @@ join (one ragged prefill) while batch slots and KV room allow. Each step:
 1. builds the `EngineState` a policy sees (the same fields the simulator fills),
 2. asks `policy.choose(state)` for a Strategy (off, or a drafter and k, or per-row lengths);
    a policy that prices acceptance and has kept SD off for `probe_every` steps gets one
-   probing step instead (`_probed`),
+   probing step instead (`policies/probe.py`),
 3. caps each row's draft length by what the row may still emit, drafts, and runs ONE target
    forward (`step`; `decode_step` when nothing is drafted),
 4. feeds the shared AcceptanceEstimator and `policy.observe` (measured wall-clock times),
@@ -38,12 +38,11 @@ from rlsched.executor.sampling import SamplingParams
 from rlsched.executor.speculative import decode_step, prefill, step
 from rlsched.policies.acceptance import AcceptanceEstimator
 from rlsched.policies.draft import PolicyContext, make_draft_policy
+from rlsched.policies.probe import PROBE_EVERY, Prober
 from rlsched.policies.types import EngineState, StepOutcome, Strategy
 from rlsched.traces.writer import TraceWriter
 
 NEEDS_COST = ("goodput", "seqgoodput", "oracle")  # policy names priced by a cost model
-PROBE_EVERY = 64  # off steps in a row after which a policy that prices acceptance drafts once
-PROBE_K = 2
 
 
 @dataclass
@@ -153,8 +152,9 @@ class RolloutEngine:
     shared AcceptanceEstimator (a fresh one over the drafters when None); trace_dir: where
     `steps/` and `samples/` trace parts go (none when None; `trace_tag` names this engine's
     parts where several engines write into one folder); share_prompts: samples of one prompt
-    share its prefill (`_plan_prefill`); probe_every: off steps in a row after which a policy
-    that prices acceptance gets one probing step (`_probed`; None: never)."""
+    share its prefill (`_plan_prefill`); probe_every: off steps in a row (within a rollout)
+    after which a policy that prices acceptance gets one probing step (`policies/probe.py`;
+    None: never)."""
 
     def __init__(self, model, drafter, cache_capacity: int, max_batch: int, sampling: SamplingParams,
                  policy, estimator: AcceptanceEstimator | None = None, trace_dir: Path | None = None, *,
@@ -181,7 +181,12 @@ class RolloutEngine:
             self._samples_w = TraceWriter(self.trace_dir, "samples", flush_every=256, journal=True, tag=trace_tag)
         self._cache = None
         self.step_index = 0
-        self.probe_every, self._off_run, self.probes = probe_every, 0, 0
+        self._prober = Prober(self.policy, names, probe_every)
+
+    @property
+    def probes(self) -> int:
+        """Probing steps run so far (`policies/probe.py`)."""
+        return self._prober.probes
 
     @staticmethod
     def _as_list(drafter) -> list:
@@ -213,6 +218,7 @@ class RolloutEngine:
         """Start a rollout of len(prompt_of) samples (dense indices 0..n-1, sample i of prompt
         prompt_of[i]); this instance may get any of them (`submit`, `import_rows`)."""
         self.estimator.begin_rollout(len(prompt_of), prompt_of)
+        self._prober.reset()
         self._ensure_cache(longest_reserve)
         for d in self.drafters.values():
             if hasattr(d, "reset"):
@@ -434,24 +440,6 @@ class RolloutEngine:
         return EngineState(self.instance, self.step_index, time.perf_counter() - self._t0, self._ids, ctx,
                            ctx_tokens, waiting, self.cache_capacity - ctx_tokens, self.estimator)
 
-    def _probed(self, strategy: Strategy) -> Strategy:
-        """A policy that prices acceptance learns it only from steps that draft, so one whose
-        estimate says SD does not pay never learns otherwise: a learned table kept SD off for a
-        whole run (the estimator's prior 0.6, below the table's 0.7 bucket) whose drafter
-        accepted 0.92 of its drafts in the pilot. After `probe_every` off steps in a row, one
-        step drafts PROBE_K tokens a row (drafters in turn); the estimate then follows."""
-        if (not strategy.is_off or not self.drafters or self.probe_every is None
-                or not getattr(self.policy, "needs_acceptance", True)):
-            self._off_run = 0
-            return strategy
-        self._off_run += 1
-        if self._off_run <= self.probe_every:
-            return strategy
-        self._off_run = 0
-        names = list(self.drafters)
-        self.probes += 1
-        return Strategy(names[self.probes % len(names)], PROBE_K)
-
     def _row_lengths(self, strategy: Strategy, rows: list[_Row]) -> np.ndarray:
         """Each row's draft length: the strategy's k (or per_seq), at most remaining - 1 (a step
         emits accepted + 1 tokens, so more drafts could never be kept) and at most k_max (the
@@ -468,7 +456,7 @@ class RolloutEngine:
     def _decode(self, running: dict[int, _Row], totals: dict, waiting: int) -> None:
         """One step over the running rows: choose, draft, verify, learn, record."""
         state = self._state(running, waiting)
-        strategy = self._probed(self.policy.choose(state))
+        strategy = self._prober(self.policy.choose(state))
         rows = list(running.values())
         slots = torch.tensor([r.seq.slot for r in rows], dtype=torch.long)
         last = torch.tensor([r.last for r in rows], dtype=torch.long)

@@ -32,9 +32,10 @@ import torch
 
 from rlsched.distributed import import_ray
 from rlsched.errors import UserError
-from rlsched.executor.engine import PROBE_EVERY, Request, RolloutResult, check_requests, reserve
+from rlsched.executor.engine import Request, RolloutResult, check_requests, reserve
 from rlsched.executor.gcfreeze import freeze_long_lived
 from rlsched.executor.seeds import derive_seed as _seed
+from rlsched.policies.probe import PROBE_EVERY
 from rlsched.policies.types import InstanceView, Migration, ReallocEvent
 
 STEPS_PER_CALL = 4  # engine steps per `work` call: how often the driver sees the instances

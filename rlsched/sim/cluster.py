@@ -63,6 +63,7 @@ class GenerationStage:
         self.migration_log: list[tuple] = []
         self.max_batch = cfg.cluster.max_batch
         self.max_run = cfg.max_steady_run
+        self.probe_every = cfg.speculation.probe_every
         self.kv_capacity = capacity
         self.kv_watermark = capacity // 100
         self.tp = cfg.cluster.tp

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from rlsched.policies.probe import Prober
 from rlsched.policies.types import EngineState, StepOutcome
 from rlsched.sim.timeline import KIND_DECODE, KIND_PREFILL
 
@@ -30,6 +31,7 @@ class Instance:
 
     def __init__(self, idx: int, stage: "GenerationStage", policy, rng: np.random.Generator):
         self.idx, self.stage, self.policy, self.rng = idx, stage, policy, rng
+        self.prober = Prober(policy, tuple(stage.drafter_idx), stage.probe_every)
         self.env = stage.env
         n_drafters = stage.ninv.shape[1]
         self.sid = _EMPTY_I
@@ -261,11 +263,15 @@ class Instance:
             ctx_sum, sid = self.ctx_sum, self.sid
             state = EngineState(self.idx, self.steps, env.now - st.t0, sid, self.ctx, ctx_sum,
                                 len(self.waiting), st.kv_capacity - ctx_sum, est)
-            strat = policy.choose(state)
+            strat = self.prober(policy.choose(state))
             t0 = env.now
-            if steady is not None and not block_blocked:
+            if steady is not None and not block_blocked and not self.prober.probed:
                 n = self._steady_run_length(state, strat, steady)
+                if strat.is_off:
+                    n = min(n, 1 + self.prober.off_steps_left())  # stop short of the next probe
                 if n >= 2:
+                    if strat.is_off:
+                        self.prober.skip(n - 1)
                     yield from self._steady_run(strat, n, learn_acceptance, record)
                     continue
             if strat.drafter is None:
