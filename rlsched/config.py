@@ -213,7 +213,7 @@ class ClusterSpec(Strict):
 class SpeculationSpec(Strict):
     policy: str = "goodput"
     k_max: Annotated[int, Field(ge=1, le=32)] = 8
-    # off steps in a row (within a rollout) after which a policy that prices acceptance drafts
+    # off steps in a row (across rollouts) after which a policy that prices acceptance drafts
     # once (`policies/probe.py`); None: never. The executor probes by default (every 64):
     # `replay` sets what the run did.
     probe_every: Annotated[int, Field(ge=1)] | None = None

@@ -165,6 +165,23 @@ def test_a_policy_kept_off_by_its_acceptance_prior_probes_and_learns(pair, probe
         assert e.probes >= 1 and res.stats["drafted"] > 2 * e.probes  # drafting went on beyond the probes
 
 
+def test_the_probe_count_runs_on_across_rollouts(pair):
+    """RL rollouts are often shorter than probe_every steps: a count that restarted with each
+    rollout would never probe. Two 20-token rollouts, a probe after 30 off steps: none in the
+    first, one in the second."""
+    from rlsched.policies.draft import PolicyContext
+    from rlsched.policies.lookup import TablePolicy
+
+    table = TablePolicy(PolicyContext(cost=None, drafters=("model",), k_max=4), "model", [1], [0.0, 0.99, 1.0],
+                        [[0], [3]])
+    drafter = ModelDrafter(pair[1], GREEDY, max_batch=1, max_len=256)
+    e = RolloutEngine(pair[0], drafter, 1000, 1, GREEDY, table, AcceptanceEstimator(("model",)), probe_every=30)
+    e.run([Request(list(PROMPTS[0]), 0, 0, 20)])
+    assert e.probes == 0
+    res = e.run([Request(list(PROMPTS[1]), 0, 0, 20)])
+    assert e.probes == 1 and res.stats["drafted"] >= 1
+
+
 def test_model_drafter_reports_its_catch_up(pair):
     """`catch_up`: tokens a propose fed beyond two a row. A fresh row feeds its prompt; a row
     one rejection on feeds one or two tokens; a row five tokens on (off steps) five or six."""

@@ -38,7 +38,7 @@ from rlsched.executor.sampling import SamplingParams
 from rlsched.executor.speculative import decode_step, prefill, step
 from rlsched.policies.acceptance import AcceptanceEstimator
 from rlsched.policies.draft import PolicyContext, make_draft_policy
-from rlsched.policies.probe import PROBE_EVERY, Prober
+from rlsched.policies.probe import PROBE_EVERY, prober_for
 from rlsched.policies.types import EngineState, StepOutcome, Strategy
 from rlsched.traces.writer import TraceWriter
 
@@ -152,7 +152,7 @@ class RolloutEngine:
     shared AcceptanceEstimator (a fresh one over the drafters when None); trace_dir: where
     `steps/` and `samples/` trace parts go (none when None; `trace_tag` names this engine's
     parts where several engines write into one folder); share_prompts: samples of one prompt
-    share its prefill (`_plan_prefill`); probe_every: off steps in a row (within a rollout)
+    share its prefill (`_plan_prefill`); probe_every: off steps in a row (across rollouts)
     after which a policy that prices acceptance gets one probing step (`policies/probe.py`;
     None: never)."""
 
@@ -181,7 +181,7 @@ class RolloutEngine:
             self._samples_w = TraceWriter(self.trace_dir, "samples", flush_every=256, journal=True, tag=trace_tag)
         self._cache = None
         self.step_index = 0
-        self._prober = Prober(self.policy, names, probe_every)
+        self._prober = prober_for(self.policy, names, probe_every)
 
     @property
     def probes(self) -> int:
@@ -218,7 +218,6 @@ class RolloutEngine:
         """Start a rollout of len(prompt_of) samples (dense indices 0..n-1, sample i of prompt
         prompt_of[i]); this instance may get any of them (`submit`, `import_rows`)."""
         self.estimator.begin_rollout(len(prompt_of), prompt_of)
-        self._prober.reset()
         self._ensure_cache(longest_reserve)
         for d in self.drafters.values():
             if hasattr(d, "reset"):

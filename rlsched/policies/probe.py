@@ -4,10 +4,13 @@
 estimate says drafting does not pay; from then on no step drafts, so the estimate never
 moves, even once the drafter has become good (a refreshed drafter in RL, or a prior set too
 low: a learned table sat off for a whole executor run whose drafter accepted 0.92, because the
-estimator's prior of 0.6 fell in its all-off cells). After `every` off steps in a row within a
-rollout, one step drafts PROBE_K tokens a row (the drafters in turn). Policies that never read
-an acceptance estimate (off, static k, bandit, twostate) are left alone. The executor's engine
-and the simulator's instance use the same rule, so a replay probes where the run did.
+estimator's prior of 0.6 fell in its all-off cells). After `every` off steps in a row, one step
+drafts PROBE_K tokens a row (the drafters in turn). The count runs on across rollouts: an RL
+step's rollout is often shorter than `every` steps (48 tokens in the default run), and a count
+that restarted with each never probed. Policies that never read an acceptance estimate (off,
+static k, bandit, twostate) are left alone. The executor's engine and the simulator's
+instances use the same rule (one Prober per policy object, `prober_for`), so a replay probes
+where the run did.
 """
 
 from __future__ import annotations
@@ -51,6 +54,17 @@ class Prober:
         if self.active:
             self.off_run += n
 
-    def reset(self) -> None:
-        """A new rollout: the count starts again."""
-        self.off_run = 0
+
+
+def prober_for(policy, drafters, every: int | None) -> Prober:
+    """The policy's Prober, made on first use and kept on the policy: a policy outlives the
+    simulator's per-rollout instances (and the executor's engine holds one policy), so the
+    count runs on from one rollout to the next."""
+    prober = getattr(policy, "_prober", None)
+    if prober is None or prober.every != every or prober.drafters != list(drafters):
+        prober = Prober(policy, drafters, every)
+        try:
+            policy._prober = prober
+        except AttributeError:  # a policy with __slots__: a prober per caller
+            pass
+    return prober

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from rlsched.policies.probe import Prober
+from rlsched.policies.probe import prober_for
 from rlsched.policies.types import EngineState, StepOutcome
 from rlsched.sim.timeline import KIND_DECODE, KIND_PREFILL
 
@@ -31,7 +31,7 @@ class Instance:
 
     def __init__(self, idx: int, stage: "GenerationStage", policy, rng: np.random.Generator):
         self.idx, self.stage, self.policy, self.rng = idx, stage, policy, rng
-        self.prober = Prober(policy, tuple(stage.drafter_idx), stage.probe_every)
+        self.prober = prober_for(policy, tuple(stage.drafter_idx), stage.probe_every)
         self.env = stage.env
         n_drafters = stage.ninv.shape[1]
         self.sid = _EMPTY_I
