@@ -31,9 +31,12 @@ class Prober:
         self.probed = False  # the last call returned a probe
 
     def __call__(self, strategy: Strategy) -> Strategy:
-        """The strategy this step runs: the policy's, or a probe in its place."""
+        """The strategy this step runs: the policy's, or a probe in its place. (Once a step in
+        the simulator's loop: inactive, it returns at once.)"""
+        if not self.active:
+            return strategy
         self.probed = False
-        if not self.active or not strategy.is_off:
+        if not strategy.is_off:
             self.off_run = 0
             return strategy
         self.off_run += 1
@@ -55,16 +58,11 @@ class Prober:
             self.off_run += n
 
 
-
 def prober_for(policy, drafters, every: int | None) -> Prober:
     """The policy's Prober, made on first use and kept on the policy: a policy outlives the
     simulator's per-rollout instances (and the executor's engine holds one policy), so the
     count runs on from one rollout to the next."""
     prober = getattr(policy, "_prober", None)
     if prober is None or prober.every != every or prober.drafters != list(drafters):
-        prober = Prober(policy, drafters, every)
-        try:
-            policy._prober = prober
-        except AttributeError:  # a policy with __slots__: a prober per caller
-            pass
+        prober = policy._prober = Prober(policy, drafters, every)
     return prober
