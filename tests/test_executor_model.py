@@ -93,12 +93,14 @@ def test_prefill_equals_transformers(models, name):
 
 
 @pytest.mark.parametrize("name,max_tokens", [("llama", -1), ("qwen2-tied", -1), ("qwen3", -1), ("llama", 100)])
-def test_wide_ragged_batch_equals_transformers(models, name, max_tokens):
+def test_wide_ragged_batch_equals_transformers(models, name, max_tokens, monkeypatch):
     """12 rows of very different lengths in scattered slots of a 16-row cache: `prefill` splits
     them into length groups (and, with max_tokens = 100, each group into forwards of at most
-    100 padded tokens); a 3-token step at batch > 2 takes the batched-matmul attention
-    with a ragged mask, a 1-token step SDPA with one; then rows move to other slots (as the
-    engine compacts) and a last step reads them there."""
+    100 padded tokens); a 3-token step takes the batched-matmul attention with a ragged mask,
+    a 1-token step SDPA with one and the next the batched matmuls (which a 1-token step takes
+    from `BMM_MIN_BATCH` rows); then rows move to other slots (as the engine compacts) and a
+    last step reads them there."""
+    from rlsched.executor import model as model_module
     from rlsched.executor.speculative import length_groups, prefill
 
     folder, hf = models[name]
@@ -113,7 +115,8 @@ def test_wide_ragged_batch_equals_transformers(models, name, max_tokens):
     with torch.no_grad():
         last = prefill(model, cache, slots, seqs, max_tokens)
         assert last.tolist() == [s[-1] for s in seqs]
-        for q in (3, 1):
+        for q, bmm_min_batch in ((3, 32), (1, 32), (1, 2)):
+            monkeypatch.setattr(model_module, "BMM_MIN_BATCH", bmm_min_batch)
             new = [[s[-1]] + rand(q - 1) for s in seqs]
             out = model(torch.tensor(new), cache, slots=slots)
             for r, t in enumerate(new):
