@@ -90,15 +90,16 @@ def engine_run(model, drafter, policy, reqs, max_batch, cost=None, kv_budget=Non
 def interleaved(fns: dict, repeats: int, seed: int = 0) -> tuple[dict, dict]:
     """The contenders taking turns in every round, in a shuffled order, so that a noisy spell
     on this shared machine hits all of them rather than one, and none always runs after the
-    same other. Returns each contender's fastest run, and every round's runs (for `paired`)."""
+    same other. fns[name](r) runs round r, which seeds its sampling with r (`seeded`).
+    Returns each contender's fastest run, and every round's runs (for `paired`)."""
     order = list(fns)
     rng = np.random.default_rng(seed)
     for fn in fns.values():  # warm-up round, untimed: first calls allocate and fault pages in
-        fn()
+        fn(repeats)
     rounds = {name: [] for name in fns}
-    for _ in range(repeats):
+    for r in range(repeats):
         for j in rng.permutation(len(order)):
-            rounds[order[j]].append(fns[order[j]]())
+            rounds[order[j]].append(fns[order[j]](r))
     best = {name: min(runs, key=lambda r: r[0]) for name, runs in rounds.items()}
     return best, rounds
 
@@ -107,22 +108,32 @@ def interleaved_per_item(fns: dict, n_items: int, repeats: int, seed: int = 0) -
     """`interleaved` at a finer grain: every contender runs item i (a prompt) in a shuffled
     order before any runs item i + 1, so the runs compared are a fraction of a second apart,
     not seconds (a round of the B = 1 section is ~15 s, over which this machine's speed moves
-    by tens of %). fns[name](i) -> (seconds, tokens, stat); a round's entry is (seconds and
-    tokens summed over the items, the stat's mean)."""
+    by tens of %). fns[name](i, seed) -> (seconds, tokens, stat), the seed `seeded(round,
+    item)`; a round's entry is (seconds and tokens summed over the items, the stat's mean)."""
     order = list(fns)
     rng = np.random.default_rng(seed)
     for fn in fns.values():  # warm-up, untimed
-        fn(0)
+        fn(0, seeded(repeats, 0, n_items))
     rounds = {name: [] for name in fns}
-    for _ in range(repeats):
+    for r in range(repeats):
         runs = {name: [] for name in fns}
         for i in range(n_items):
             for j in rng.permutation(len(order)):
-                runs[order[j]].append(fns[order[j]](i))
+                runs[order[j]].append(fns[order[j]](i, seeded(r, i, n_items)))
         for name, rs in runs.items():
             rounds[name].append((sum(r[0] for r in rs), sum(r[1] for r in rs), float(np.mean([r[2] for r in rs]))))
     best = {name: min(runs, key=lambda r: r[0]) for name, runs in rounds.items()}
     return best, rounds
+
+
+def seeded(round_: int, item: int = 0, n_items: int = 1) -> int:
+    """The sampling seed of a round's item, the same for every contender. A seed per round,
+    not one for all: lossless SD samples the same distribution as plain decoding, but each
+    contender consumes the random stream differently and so draws its own samples; with one
+    seed each static k drew the same samples every round, and at the drain's tail (one row
+    left) static:2 drew a row its drafter accepted 100% of and static:4 one it accepted 33%
+    of, round after round: the best static k was then the luckiest of five fixed draws."""
+    return round_ * n_items + item
 
 
 def paired(rounds: dict, base: str, name: str) -> list[float]:
@@ -132,6 +143,21 @@ def paired(rounds: dict, base: str, name: str) -> list[float]:
     windows), which moves fastest-of-N times taken minutes apart; a ratio within one round
     does not see the drift."""
     return [b[0] / r[0] for b, r in zip(rounds[base], rounds[name])]
+
+
+def long_answers(budgets: list[int], seed: int) -> list:
+    """For each token budget a task example whose answer (then EOS) fills it: the answer is at
+    least budget - 1 characters (one token each). The task's longest answers are about 120."""
+    pool = sorted(make_examples(30_000, seed), key=lambda e: len(e.answer))
+    sizes = [len(e.answer) for e in pool]
+    out = []
+    for b in budgets:
+        i = int(np.searchsorted(sizes, b - 1))
+        if i == len(pool):
+            raise RuntimeError(f"no example with an answer of {b - 1} characters")
+        out.append(pool.pop(i))
+        sizes.pop(i)
+    return out
 
 
 # --- 1. plain decoding -----------------------------------------------------------------------
@@ -175,8 +201,8 @@ def plain_section(pair, target, batches, tokens, repeats, threads):
         exs = prompts_for(b, seed=100 + b)
         prompts = [encode(e.prompt) for e in exs]
         reqs = [Request(p, i, i, tokens) for i, p in enumerate(prompts)]
-        runs, rounds = interleaved({"ours": lambda: engine_run(target, None, "off", reqs, b),
-                                    "hf": lambda: hf_generate(hf, prompts, tokens)}, repeats)
+        runs, rounds = interleaved({"ours": lambda r: engine_run(target, None, "off", reqs, b, seed=r),
+                                    "hf": lambda r: hf_generate(hf, prompts, tokens)}, repeats)
         ours_s, res = runs["ours"]
         ours = res.stats["tokens"] / ours_s
         hf_s, hf_tokens = runs["hf"]
@@ -241,8 +267,8 @@ def sd_b1_section(pair, target, drafter, n_prompts, repeats):
         # 1.33x plain with fresh engines, 1.60x with kept ones, in consecutive runs)
         eng, gen = make_engine(target, drafter if use_drafter else None, policy, [r[0] for r in reqs], 1)
 
-        def once(i):
-            s, res = timed_run(eng, gen, reqs[i], seed=i)
+        def once(i, seed):
+            s, res = timed_run(eng, gen, reqs[i], seed=seed)
             return s, res.stats["tokens"], res.stats["mean_accept_len"]
         return once
 
@@ -250,7 +276,8 @@ def sd_b1_section(pair, target, drafter, n_prompts, repeats):
     hf_d = transformers.AutoModelForCausalLM.from_pretrained(pair.drafter, dtype=torch.float32).eval()
 
     def hf_on(assistant, k):
-        def once(i):
+        def once(i, seed):
+            torch.manual_seed(seed)  # transformers samples from torch's global generator
             s, n = hf_generate(hf, [encode(exs[i].prompt)], len(exs[i].answer) + 1, assistant, k)
             return s, n, 1.0 if assistant is None else float("nan")
         return once
@@ -289,12 +316,14 @@ def sd_b1_section(pair, target, drafter, n_prompts, repeats):
 
 def drain_section(target, drafter, repeats, quick):
     """64 requests at once; token budgets drawn long-tailed (lognormal, median 24, clipped to
-    4..160) and generated in full (no EOS stop), so every policy does the same work while the
-    batch drains from 64 to 1."""
-    exs = prompts_for(64, seed=21)
+    4..120) and generated in full (no EOS stop), so every policy does the same work while the
+    batch drains from 64 to 1. Each budget goes to a prompt whose answer is at least that long
+    (`long_answers`), so every token is one the task would generate, as in an RL rollout: with
+    any prompt, rows ran past their EOS into text neither model was trained on, where the
+    drafter's acceptance fell to 0.5-0.7 (the tail of the drain ran on such rows)."""
     rng = np.random.default_rng(21)
-    lengths = [int(x) for x in np.clip(np.round(24 * np.exp(0.9 * rng.standard_normal(64))), 4, 160)]
-    reqs = [Request(encode(e.prompt), i, i, n) for i, (e, n) in enumerate(zip(exs, lengths))]
+    lengths = [int(x) for x in np.clip(np.round(24 * np.exp(0.9 * rng.standard_normal(64))), 4, 120)]
+    reqs = [Request(encode(e.prompt), i, i, n) for i, (e, n) in enumerate(zip(long_answers(lengths, 21), lengths))]
     d = ModelDrafter(drafter, SAMPLING, 64, 400)
     per_row = int(np.mean([len(r.prompt) for r in reqs]) + np.mean(lengths) / 2)
     records = profile(target, {"model": d}, batch_sizes=(1, 2, 4, 8, 16, 32, 64), k_max=6,
@@ -303,7 +332,7 @@ def drain_section(target, drafter, repeats, quick):
     cost = MeasuredCostModel(pd.DataFrame(records))
     # The adaptive policies run as they would in RL: their acceptance estimator and learned
     # statistics carry over from an earlier rollout (other prompts), as from the RL step before.
-    warm = [Request(encode(e.prompt), i, i, n) for i, (e, n) in enumerate(zip(prompts_for(64, seed=22), lengths))]
+    warm = [Request(encode(e.prompt), i, i, n) for i, (e, n) in enumerate(zip(long_answers(lengths, 22), lengths))]
 
     def contender(name):
         # one engine each, kept from run to run (as in the B = 1 section)
@@ -313,19 +342,24 @@ def drain_section(target, drafter, repeats, quick):
         eng, gen = make_engine(target, drafter if name != "off" else None, pol, reqs + warm, 64, estimator=est)
         if adaptive:
             timed_run(eng, gen, warm)
-        return lambda: timed_run(eng, gen, reqs)
+        return lambda r: timed_run(eng, gen, reqs, seed=seeded(r))
 
     fns = {name: contender(name)
            for name in ["off", "static:1", "static:2", "static:3", "static:4", "static:6", "goodput", "bandit"]}
     runs, rounds = interleaved(fns, repeats)
-    out = [dict(policy=pol, seconds=s, tok_s=res.stats["tokens"] / s, steps=res.stats["steps"],
-                mean_accept_len=res.stats["mean_accept_len"]) for pol, (s, res) in runs.items()]
-    off = out[0]["seconds"]
+    # every round samples with its own seed (`seeded`), the same for all contenders: a
+    # contender's total over the rounds averages its draws; the fastest round is a lucky one
+    out = [dict(policy=pol, seconds=s, tok_s=res.stats["tokens"] / s,
+                total_s=float(sum(r[0] for r in rounds[pol])),
+                steps=float(np.mean([r[1].stats["steps"] for r in rounds[pol]])),
+                mean_accept_len=float(np.mean([r[1].stats["mean_accept_len"] for r in rounds[pol]])))
+           for pol, (s, res) in runs.items()]
+    off = out[0]["total_s"]
     statics = [r["policy"] for r in out if r["policy"].startswith("static")]
-    best_static = min((r for r in out if r["policy"] in statics), key=lambda r: r["seconds"])
+    best_static = min((r for r in out if r["policy"] in statics), key=lambda r: r["total_s"])
     for r in out:
-        r["speedup_vs_off"] = off / r["seconds"]
-        r["vs_best_static"] = best_static["seconds"] / r["seconds"]
+        r["speedup_vs_off"] = off / r["total_s"]
+        r["vs_best_static"] = best_static["total_s"] / r["total_s"]
         r["vs_off_rounds"] = paired(rounds, "off", r["policy"])
         r["vs_off_median"] = float(np.median(r["vs_off_rounds"]))
     # the best static k by its median over rounds, then every policy against it round by round
@@ -334,15 +368,16 @@ def drain_section(target, drafter, repeats, quick):
     for r in out:
         r["vs_best_static_rounds"] = paired(rounds, best_paired, r["policy"])
         r["vs_best_static_median"] = float(np.median(r["vs_best_static_rounds"]))
-    rows = [[r["policy"], f"{r['seconds']:.2f}", f"{r['tok_s']:,.0f}", f"{r['speedup_vs_off']:.2f}x",
-             f"{r['vs_best_static']:.3f}x", f"{r['vs_off_median']:.2f}x",
-             f"{r['vs_best_static_median']:.3f}x", r["steps"], f"{r['mean_accept_len']:.2f}"] for r in out]
-    text = table(["drain 64->1 policy", "seconds", "tok/s", "vs off", "vs best static", "vs off (median of rounds)",
+    rows = [[r["policy"], f"{r['seconds']:.2f}", f"{r['total_s']:.2f}", f"{r['speedup_vs_off']:.3f}x",
+             f"{r['vs_best_static']:.3f}x", f"{r['vs_off_median']:.3f}x",
+             f"{r['vs_best_static_median']:.3f}x", f"{r['steps']:.0f}", f"{r['mean_accept_len']:.2f}"] for r in out]
+    text = table(["drain 64->1 policy", "fastest s", "all rounds s", "vs off (all rounds)",
+                  f"vs {best_static['policy']} (all rounds)", "vs off (median of rounds)",
                   f"vs {best_paired} (median of rounds)", "steps", "mean acc len"], rows)
     lens = np.array(lengths)
     text = (f"64 requests, response lengths median {np.median(lens):.0f}, p90 {np.percentile(lens, 90):.0f}, "
-            f"max {lens.max()} tokens; best static {best_static['policy']} by fastest runs, {best_paired} by the "
-            f"median of rounds ({repeats} rounds)\n" + text)
+            f"max {lens.max()} tokens; {repeats} rounds, each sampled with its own seed; best static "
+            f"{best_static['policy']} by the time of all rounds, {best_paired} by the median of rounds\n" + text)
     return dict(rows=out, best_static=best_static["policy"], best_static_paired=best_paired, lengths=lengths), text
 
 
