@@ -14,7 +14,13 @@ The noise floor: seed 0's off run runs twice (`--repeat`, in the same lockstep);
 same seed its workload is identical token for token, so the per-step MAPE between the two
 measured series is what this machine alone does to a step's time.
 
-Run: python bench/fidelity.py [--seeds 2] [--steps 40] [--work DIR] [--repeat 1]. Results: bench/results/fidelity.{json,txt,png}.
+Threads: on this 2-vCPU machine a run with torch's two threads waits at every op for the
+slower thread, and a neighbour's burst stalls the pair; with one thread (`--set threads=1
+--name fidelity_t1`) the machine's speed per RL step held within 0.94-1.06 (p25-p75) against
+0.81-1.18, and the replays' per-step MAPE halved (two A/B pairs, both orders, one hour).
+
+Run: python bench/fidelity.py [--seeds 2] [--steps 40] [--work DIR] [--repeat 1] [--set KEY=VALUE]
+[--name NAME]. Results: bench/results/NAME.{json,txt,png} (default fidelity).
 """
 
 from __future__ import annotations
@@ -94,7 +100,8 @@ def main() -> None:
         f"\nnoise floor: seed 0's off run twice, same workload ({f['same_workload']:.0%} of samples the same "
         f"length): the two measured series differ by {f['mape_pct']:.1f}% per step (MAPE), "
         f"{f['total_diff_pct']:+.1f}% in total" for f in floors)
-    text = (f"{args.seeds} seeds x {args.steps} RL steps, default run; each run replayed with costs fitted from its "
+    runs = "default run" + (f" with {', '.join(args.sets)}" if args.sets else "")
+    text = (f"{args.seeds} seeds x {args.steps} RL steps, {runs}; each run replayed with costs fitted from its "
             f"own step records\n\n{t1}\n\n{t2}\n\nper-step MAPE: mean {np.mean(mapes):.1f}% (max {max(mapes):.1f}%); "
             f"speedup error: mean |{np.mean([abs(d['speedup_error_pct']) for d in out]):.1f}|% (SD workload), "
             f"|{np.mean([abs(d['speedup_error_runs_pct']) for d in out]):.1f}|% (runs replayed){floor_text}\n"

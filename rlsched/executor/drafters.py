@@ -181,7 +181,6 @@ class ModelDrafter:
             self.cached[s.slot] = (s, s.tokens + tokens[r, :k - 1].tolist(), len(s.tokens))
         return tokens.cpu(), torch.stack(dists, 1), torch.full((b,), k, dtype=torch.long)
 
-
     def _feed(self, slots: torch.Tensor, keep: list[int], new: list[list[int]]) -> torch.Tensor:
         """Logits (B, 1, V) after each row takes in its new tokens. Rows that take in the same
         tokens from an empty cache row (the samples of one prompt at their first draft) are
