@@ -117,3 +117,19 @@ def test_mixed_versions_missing_columns_and_truncation_name_the_file(runs, tmp_p
         assert proc.returncode == 2, proc.stderr
         assert message in proc.stderr and part.name in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "c.json").exists()
+
+
+def test_a_run_without_plain_steps_at_its_batch_sizes_gets_a_note():
+    """A run's own fit prices SD off by extrapolation when it never decoded plainly at the
+    batch sizes it drafted at: the replay says its counterfactual is a guess."""
+    import pandas as pd
+
+    from rlsched.analysis.replay import _plain_steps_uncovered
+
+    def steps(rows):
+        return pd.DataFrame(rows, columns=["kind", "batch", "k"])
+
+    assert _plain_steps_uncovered(steps([("decode", 8, 2), ("decode", 6, 2), ("decode", 1, 0)]))
+    assert _plain_steps_uncovered(steps([("prefill", 8, 0), ("decode", 8, 3)]))
+    assert not _plain_steps_uncovered(steps([("decode", 8, 2), ("decode", 8, 0), ("decode", 2, 0)]))
+    assert not _plain_steps_uncovered(steps([("decode", 8, 0), ("decode", 1, 0)]))  # no SD at all

@@ -271,7 +271,19 @@ def replay_run(rundir, cost_file=None, policy: str | None = None) -> ReplayResul
         notes.append(f"replayed with policy {spec}; the run used {cfg['policy']}")
     if spec.startswith("bandit"):
         notes.append("bandit learns from measured step times: its simulated choices differ from the run's")
+    if cost_file is None and drafter is not None and _plain_steps_uncovered(steps):
+        notes.append("the run decoded without drafts only at small batches (or never): its own fit prices SD off "
+                     "by extrapolation, so the predicted speedup over off is a guess; pass --cost with a profile's fit")
     return ReplayResult(df, spec, drafter, overhead * 1e3, what, notes)
+
+
+def _plain_steps_uncovered(steps: pd.DataFrame) -> bool:
+    """Whether a run's plain decode steps (k = 0) miss the batch sizes it drafted at: a fit of
+    its records then prices a plain step by extrapolating verification to one token a row (a
+    static:3 run's own fit predicted SD at 0.49x of off, against 1.0x measured)."""
+    dec = steps[steps["kind"] == "decode"]
+    plain, drafted = dec[dec["k"] == 0], dec[dec["k"] > 0]
+    return not drafted.empty and (plain.empty or plain["batch"].max() < drafted["batch"].max() / 2)
 
 
 def replay_figure(result: ReplayResult):
