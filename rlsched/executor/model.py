@@ -105,7 +105,7 @@ class _Step:
         return self.grouped
 
 
-BMM_MIN_BATCH = 32  # one new token per row: two batched matmuls from this many ragged rows, SDPA below
+BMM_MIN_BATCH = 32  # one new token per row on CPU: two batched matmuls from this many ragged rows, SDPA below
 
 
 class Attention(nn.Module):
@@ -136,7 +136,7 @@ class Attention(nn.Module):
         if s.cache is not None:
             s.cache.write(layer, s.rows, s.positions, xk, xv, s.start, s.first, s.flat)
             xk, xv = s.cache.read(layer, s.rows, s.upto, s.start)
-        bmm = q > 1 or (s.mask is not None and b >= BMM_MIN_BATCH)
+        bmm = q > 1 or (s.mask is not None and b >= BMM_MIN_BATCH and x.is_cpu)  # (measured on CPU only)
         if s.cache is not None and not torch.is_grad_enabled() and bmm:
             out = _cached_attention(xq, xk, xv, s.grouped_mask(self.nkv, self.nh // self.nkv), self.nkv)
         else:
