@@ -38,6 +38,7 @@ def main() -> None:
             prof, cost = Path(tmp) / f"profile-{i}", Path(tmp) / f"cost-{i}.json"
             t = time.perf_counter()
             alt = args.alt.split() if args.alt and i % 2 else []
+            label = " ".join(alt)
             subprocess.run([*RLSCHED, "profile", "--out", str(prof), *args.profile_args, *alt], check=True,
                            capture_output=True)
             seconds = time.perf_counter() - t
@@ -45,10 +46,10 @@ def main() -> None:
                                             capture_output=True, text=True).stdout)
             ops = fit["ops"]
             row = {k: ops[k]["mape_heldout"] * 100 for k in ops}
-            rows.append([i, " ".join(alt) or "-", f"{seconds:.0f}", *(f"{row[k]:.1f}" for k in sorted(row)),
+            rows.append([i, label or "-", f"{seconds:.0f}", *(f"{row[k]:.1f}" for k in sorted(row)),
                          *(ops[k]["used"] for k in sorted(ops))])
-            out.append(dict(run=i, alt=" ".join(alt), profile_s=seconds, heldout_mape_pct=row, used={k: ops[k]["used"] for k in ops},
-                            heldout=ops["verify"].get("heldout")))
+            out.append(dict(run=i, alt=label, profile_s=seconds, heldout_mape_pct=row,
+                            used={k: ops[k]["used"] for k in ops}, heldout=ops["verify"].get("heldout")))
             print(f"run {i}: {row}", flush=True)
     keys = sorted(out[0]["heldout_mape_pct"])
     text = ("`rlsched profile` defaults" + (f" + {' '.join(args.profile_args)}" if args.profile_args else "")
