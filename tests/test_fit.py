@@ -17,8 +17,8 @@ from rlsched.errors import UserError
 from rlsched.traces.writer import TraceWriter
 from support import ok, rlsched, snapshot
 
-V = dict(t0=2.0, s=0.8, a=0.05, m=3.0, p=3.0, r=0.05, c=3e-4)
-D = dict(e=0.3, d=1e-4, t0=0.4, a=0.02, m=1.0, p=2.0, c=1e-4)
+V = dict(t0=2.0, s=0.8, u=0.3, a=0.05, m=3.0, p=3.0, r=0.05, c=3e-4)
+D = dict(e=0.3, d=1e-4, t0=0.4, a=0.02, m=1.0, p=2.0, c=1e-4, s=0.1)
 P = dict(t0=5.0, a=0.04, c=3e-4, g=0.06, n_c=3000.0, h=500.0)
 BATCHES, CONTEXTS, K_MAX = (1, 2, 4, 8, 16, 32, 64), (64, 192), 6
 
@@ -75,11 +75,11 @@ def test_mape_and_r_squared_by_hand():
 def test_fit_recovers_known_parameters(synthetic):
     v, d, p = synthetic.ops["verify"], synthetic.ops["draft:model"], synthetic.ops["prefill"]
     assert [f.used for f in (v, d, p)] == ["parametric"] * 3 and not synthetic.notes
-    for name in ("t0", "s", "a", "m", "r", "c"):
+    for name in ("t0", "s", "u", "a", "m", "r", "c"):
         assert v.params[name] == pytest.approx(V[name], rel=0.1), name
     for name in ("t0", "a", "c", "g", "n_c"):
         assert p.params[name] == pytest.approx(P[name], rel=0.1), name
-    for name in ("e", "d", "c"):  # t0 and m trade off inside a forward's floor: check the floor below
+    for name in ("e", "d", "c", "s"):  # t0 and m trade off inside a forward's floor: check the floor below
         assert d.params[name] == pytest.approx(D[name], rel=0.15), name
     b = np.array([1.0, 64.0])
     np.testing.assert_allclose(d.predict_ms(b, 3.0, 128.0), draft_ms(D, b, 3, 128), rtol=0.03)

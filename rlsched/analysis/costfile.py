@@ -6,8 +6,10 @@ the forms and the file, in seconds through the `CostModel` protocol.
 
 The forms (one per operation, roofline-shaped; every parameter >= 0):
 
-  verify(B, q, L)   = t0 + s*[q > 1] + smax(a*B*q, m; p) + r*B + c*B*q*(L + (q - 1)/2)
-  draft(B, k, L)    = e + d*B*L + k * (t0 + smax(a*B, m; p) + c*B*L)   (k drafter forwards)
+  verify(B, q, L)   = t0 + s*[q > 1] + u*[q = 1, B > 1] + smax(a*B*q, m; p) + r*B
+                      + c*B*q*(L + (q - 1)/2)
+  draft(B, k, L)    = e + d*B*L + k * (t0 + smax(a*B, m; p) + c*B*L) + s*(k - 1)*[B > 1]
+                      (k drafter forwards)
   prefill(n, S)     = t0 + a*n + c*S/2 + g*h*softplus((n - n_c)/h)
 
 B = rows, q = tokens verified per row (k + 1), k = draft length, L = context per row,
@@ -15,7 +17,10 @@ n = prompt tokens, S = sum of squared prompt lengths. smax(x, m; p) = (x^(1+p) +
 is the roofline's max(compute, memory) made smooth: small work is bound by reading the
 weights (m), large work by compute (a per token); p sets how sharp the bend is (p -> 0 adds
 them, as a launch-overhead-bound CPU does). `s` is the speculative path's extra work over
-plain decoding (verification, resampling); `r` a per-row cost (sampling, bookkeeping); `c`
+plain decoding (verification, resampling); `u` plain decoding's over rows of different
+lengths, as the engine's are from two rows on (a mask, another attention kernel); in
+drafting `s` is that same extra work of each one-token forward after the first (whose feed
+of two tokens is masked at any batch size); `r` a per-row cost (sampling, bookkeeping); `c`
 attention over the context; `e` and `d` drafting's cost besides its forwards (a fixed part,
 and one that grows with the context the drafter's cache holds). Prefill is compute (a per
 token, c per token pair of attention) over a floor t0; its softplus is the memory hierarchy:
@@ -41,11 +46,11 @@ KIND = "rlsched-costmodel"
 VERSION = 1
 
 PARAMS = {
-    "verify": ("t0", "s", "a", "m", "p", "r", "c"),
-    "draft": ("e", "d", "t0", "a", "m", "p", "c"),
+    "verify": ("t0", "s", "u", "a", "m", "p", "r", "c"),
+    "draft": ("e", "d", "t0", "a", "m", "p", "c", "s"),
     "prefill": ("t0", "a", "c", "g", "n_c", "h"),
 }
-FORMS = {op: f"roofline-{op}-v1" for op in PARAMS}
+FORMS = {"verify": "roofline-verify-v2", "draft": "roofline-draft-v2", "prefill": "roofline-prefill-v1"}
 TOKENS = {"verify": "q", "draft": "k", "prefill": "one"}  # the grid's second axis
 
 
@@ -62,13 +67,14 @@ def softplus(x):
 
 def verify_ms(p: dict, B, q, L):
     B, q, L = (np.asarray(v, dtype=float) for v in (B, q, L))
-    return (p["t0"] + p["s"] * (q > 1) + smax(p["a"] * B * q, p["m"], p["p"]) + p["r"] * B
+    return (p["t0"] + p["s"] * (q > 1) + p["u"] * ((q == 1) & (B > 1)) + smax(p["a"] * B * q, p["m"], p["p"]) + p["r"] * B
             + p["c"] * B * q * (L + (q - 1) / 2))
 
 
 def draft_ms(p: dict, B, k, L):
     B, k, L = (np.asarray(v, dtype=float) for v in (B, k, L))
-    return p["e"] + p["d"] * B * L + k * (p["t0"] + smax(p["a"] * B, p["m"], p["p"]) + p["c"] * B * L)
+    return (p["e"] + p["d"] * B * L + k * (p["t0"] + smax(p["a"] * B, p["m"], p["p"]) + p["c"] * B * L)
+            + p["s"] * np.maximum(k - 1, 0) * (B > 1))
 
 
 def prefill_ms(p: dict, n, S):

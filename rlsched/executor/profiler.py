@@ -1,17 +1,21 @@
 """Measured step costs of a model (and its drafters) over batch size x draft length x context.
 
-Each point times what the rollout engine runs: a ragged prefill of B prompts, the
+Each point times what the rollout engine runs: a prefill of B prompts, the
 speculative `step` (target forward over k+1 tokens per row, verification, sampling) and the
 drafters' `propose` of k tokens, with the cache rolled back after each timing so the context
 stays put. As the engine runs them, each drafter's propose and the verify are timed in turn
 (`_timed_in_turn`), and every row feeds the drafter two tokens (the last draft and the
 bonus token, as after a full acceptance): timed back to back with one-token feeds, drafting
-was priced at 0.5-0.7x of what it cost in real runs. Rows share one context length (ragged
-ones put B = 1, without a mask, on another kernel path than B >= 2: a jump in cost that the
-fit's smooth forms cannot follow). Records use the STEP trace schema (kind = prefill |
-verify | draft; `k` = draft length, 0 for plain decoding; `ctx_tokens` = the batch's total
-context), so a profile reads like a trace and feeds `MeasuredCostModel` and the analysis
-layer's fits.
+was priced at 0.5-0.7x of what it cost in real runs. From two rows on, the rows' contexts
+differ (spread over half to one and a half times the point's context, `ragged_lengths`), as
+the engine's rows do: rows of different lengths take the masked attention path, 6-13% dearer
+a step (plain decoding at B = 64: 13%), and a profile of equal rows priced plain decoding at
+large batch sizes low against speculation, so that `goodput` kept SD off there where it paid
+(the fit's forms carry the jump from one row to two: `analysis/costfile.py`). Prefill is
+timed on prompts of one length (its form counts tokens and token pairs). Records use the
+STEP trace schema (kind = prefill | verify | draft; `k` = draft length, 0 for plain
+decoding; `ctx_tokens` = the batch's total context), so a profile reads like a trace and
+feeds `MeasuredCostModel` and the analysis layer's fits.
 """
 
 from __future__ import annotations
@@ -58,9 +62,18 @@ def _timed_in_turn(fns: dict, repeats: int, sync=lambda: None) -> dict:
 
 
 def profile_cache_len(contexts, k_max: int) -> int:
-    """Cache rows a profile needs: the longest context, k_max + 1 tokens verified or fed, and
-    slack."""
-    return max(contexts) + 2 * k_max + 8
+    """Cache rows a profile needs: the longest row's context (`ragged_lengths`), k_max + 1
+    tokens verified or fed, and slack."""
+    return max(contexts) * 3 // 2 + 2 * k_max + 8
+
+
+def ragged_lengths(b: int, ctx: int) -> list[int]:
+    """Contexts of b rows averaging ctx, spread evenly over ctx/2..3ctx/2 (one row: ctx)."""
+    if b == 1:
+        return [ctx]
+    lens = [round(ctx / 2 + ctx * i / (b - 1)) for i in range(b)]
+    lens[-1] += b * ctx - sum(lens)
+    return lens
 
 
 def _record(kind: str, batch: int, k: int, ctx: int, drafter: str = "", draft_ms: float = 0.0,
@@ -117,20 +130,22 @@ def _profile_pass(model, drafters: dict, *, batch_sizes, k_max: int, contexts, r
     records = []
     points = [(b, c) for c in sorted({*contexts, *prefill_only}) for b in batch_sizes]
     for n, (b, ctx) in enumerate(points):
-        cache = model.new_cache(b, ctx + 2 * k_max + 8)
+        cache = model.new_cache(b, profile_cache_len([ctx], k_max))
         slots = torch.arange(b)
-        prompts = torch.randint(3, vocab, (b, ctx), generator=gen).tolist()
+        equal = torch.randint(3, vocab, (b, ctx), generator=gen).tolist()
 
         def do_prefill():
             cache.free(slots)
-            return prefill(model, cache, slots, prompts)
+            return prefill(model, cache, slots, equal)
 
         records.append(_record("prefill", b, 0, b * ctx, step_ms=_timed(do_prefill, max(1, repeats // 2), sync)))
         if ctx not in contexts:
             if progress is not None:
                 progress(n + 1, len(points), b, ctx)
             continue
-        last = do_prefill()
+        prompts = [torch.randint(3, vocab, (length,), generator=gen).tolist() for length in ragged_lengths(b, ctx)]
+        cache.free(slots)
+        last = prefill(model, cache, slots, prompts)
         lengths = cache.lengths[slots].clone()
         seqs = {name: [Seq(list(p), i, i) for i, p in enumerate(prompts)] for name in drafters}
         for name, drafter in drafters.items():
