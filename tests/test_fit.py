@@ -178,6 +178,7 @@ def test_speculative_steps_timed_as_a_whole_are_refused_with_the_reason(tmp_path
     ("negative-param", "'ops.draft.model.params.c'"),
     ("bad-grid", "'ops.verify.grid'"),
     ("unknown-form", "'ops.prefill.form'"),
+    ("form-v1", "'roofline-verify-v1', this rlsched knows 'roofline-verify-v2'"),  # before ragged rows
 ])
 def test_bad_cost_files_name_the_file_and_the_fault(tmp_path, synthetic, case, expect):
     data, path = synthetic.to_json(), tmp_path / "cm.json"
@@ -201,6 +202,9 @@ def test_bad_cost_files_name_the_file_and_the_fault(tmp_path, synthetic, case, e
         write(data)
     elif case == "unknown-form":
         data["ops"]["prefill"]["form"] = "roofline-prefill-v9"
+        write(data)
+    elif case == "form-v1":
+        data["ops"]["verify"]["form"] = "roofline-verify-v1"
         write(data)
     with pytest.raises(UserError) as e:
         read_cost_file(path)

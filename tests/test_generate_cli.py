@@ -77,6 +77,19 @@ def test_profile_then_goodput_on_the_measured_costs(pair, tmp_path):
     assert summary["policy"] == "twostate" and summary["samples"] == 64
 
 
+@pytest.mark.parametrize("b, ctx", [(1, 64), (2, 64), (7, 33), (64, 192)])
+def test_profiled_rows_differ_in_length_as_the_engines_do(b, ctx):
+    from rlsched.executor.profiler import profile_cache_len, ragged_lengths
+
+    lens = ragged_lengths(b, ctx)
+    assert len(lens) == b and sum(lens) == b * ctx  # the record's ctx_tokens stays b * ctx
+    assert max(lens) + 2 * 6 < profile_cache_len([ctx], 6)
+    if b == 1:
+        assert lens == [ctx]
+    else:
+        assert min(lens) == round(ctx / 2) and abs(max(lens) - 1.5 * ctx) <= 1 and len(set(lens)) > 1
+
+
 def test_generate_with_ngram_and_auto_profile(pair, tmp_path):
     out = tmp_path / "gen"
     summary = json.loads(ok(rlsched("generate", "--drafter", "ngram", "--policy", "goodput", *FAST, "--max-batch",

@@ -67,8 +67,8 @@ def softplus(x):
 
 def verify_ms(p: dict, B, q, L):
     B, q, L = (np.asarray(v, dtype=float) for v in (B, q, L))
-    return (p["t0"] + p["s"] * (q > 1) + p["u"] * ((q == 1) & (B > 1)) + smax(p["a"] * B * q, p["m"], p["p"]) + p["r"] * B
-            + p["c"] * B * q * (L + (q - 1) / 2))
+    return (p["t0"] + p["s"] * (q > 1) + p["u"] * ((q == 1) & (B > 1)) + smax(p["a"] * B * q, p["m"], p["p"])
+            + p["r"] * B + p["c"] * B * q * (L + (q - 1) / 2))
 
 
 def draft_ms(p: dict, B, k, L):
