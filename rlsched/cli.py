@@ -407,7 +407,9 @@ def profile(
                                       "folder, builtin, or ngram (repeatable; 'off' for none)."),
     batch_sizes: str = typer.Option("1,2,4,8,16,32,64", "--batch-sizes", help="Comma-separated batch sizes."),
     k_max: int = typer.Option(6, "--k-max", help="Draft lengths 0..k_max."),
-    contexts: str = typer.Option("64,192", "--contexts", help="Comma-separated context lengths per row (prefill is also timed midway between them)."),
+    contexts: str = typer.Option("64,192", "--contexts", help="Comma-separated context lengths per row: their mean "
+                                 "(from two rows on the rows' contexts spread over 1/2-3/2 of it, as the engine's rows "
+                                 "differ); prefill is timed on equal prompts, also midway between them."),
     repeats: int = typer.Option(12, "--repeats", help="Timed runs per point (the fastest is kept: the least disturbed on a shared machine)."),
     passes: int = typer.Option(6, "--passes", help="Sweep the grid this many times, --repeats spread over "
                                "them (repeats a minute apart escape a lasting disturbance; at most --repeats)."),
