@@ -11,9 +11,10 @@ Sections (all on the built-in pair: an 8-layer target and a 2-layer drafter dist
    generation as a peer row; the contenders take turns on each prompt (`interleaved_per_item`);
    speedups both from each contender's fastest round and as the median over rounds of a
    ratio within the round (`paired`: this machine's speed drifts);
-4. a batch that drains from 64 to 1 (long-tail lengths): off, static k, goodput (measured
-   cost model from a profile taken here) and bandit, the adaptive two after one earlier
-   rollout (their estimates carry over, as between RL steps).
+4. a batch that drains from 64 to 1 (long-tail lengths): off, static k, goodput (priced by
+   a profile taken here: by its grid, as `rlsched run` does, and by `rlsched fit`'s forms
+   fitted to it) and bandit, the adaptive ones after one earlier rollout (their estimates
+   carry over, as between RL steps).
 
 Run: python bench/engine.py [--threads 2] [--quick] [--sections sd_b1,drain]. Results: bench/results/engine.{json,txt}.
 """
@@ -36,6 +37,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import table, write_result  # noqa: E402
 
+from rlsched.analysis.costfile import FittedCostModel  # noqa: E402
+from rlsched.analysis.fit import fit_records  # noqa: E402
 from rlsched.errors import UserError  # noqa: E402
 from rlsched.executor.builtin import builtin_pair, encode  # noqa: E402
 from rlsched.executor.drafters import ModelDrafter, drafter_cache_len  # noqa: E402
@@ -329,23 +332,27 @@ def drain_section(target, drafter, repeats, quick):
     records = profile(target, {"model": d}, batch_sizes=(1, 2, 4, 8, 16, 32, 64), k_max=6,
                       contexts=(max(8, per_row // 2), per_row * 2), repeats=3 if quick else 6,
                       passes=1 if quick else 3, sampling=SAMPLING)
-    cost = MeasuredCostModel(pd.DataFrame(records))
+    costs = {"grid": MeasuredCostModel(pd.DataFrame(records)),  # what `rlsched run` prices with
+             "fit": FittedCostModel(fit_records(pd.DataFrame(records)).to_json())}  # `rlsched fit`'s forms
     # The adaptive policies run as they would in RL: their acceptance estimator and learned
     # statistics carry over from an earlier rollout (other prompts), as from the RL step before.
     warm = [Request(encode(e.prompt), i, i, n) for i, (e, n) in enumerate(zip(long_answers(lengths, 22), lengths))]
 
     def contender(name):
         # one engine each, kept from run to run (as in the B = 1 section)
-        adaptive = name in ("goodput", "bandit")
+        spec, _, priced_by = name.partition(" ")
+        adaptive = spec in ("goodput", "bandit")
         est = AcceptanceEstimator(("model",)) if adaptive else None
-        pol = build_policy(name, ("model",), cost if name == "goodput" else None, k_max=6, max_batch=64)
+        cost = costs["fit" if priced_by == "(fit)" else "grid"] if spec == "goodput" else None
+        pol = build_policy(spec, ("model",), cost, k_max=6, max_batch=64)
         eng, gen = make_engine(target, drafter if name != "off" else None, pol, reqs + warm, 64, estimator=est)
         if adaptive:
             timed_run(eng, gen, warm)
         return lambda r: timed_run(eng, gen, reqs, seed=seeded(r))
 
     fns = {name: contender(name)
-           for name in ["off", "static:1", "static:2", "static:3", "static:4", "static:6", "goodput", "bandit"]}
+           for name in ["off", "static:1", "static:2", "static:3", "static:4", "static:6", "goodput", "goodput (fit)",
+                        "bandit"]}
     runs, rounds = interleaved(fns, repeats)
     # every round samples with its own seed (`seeded`), the same for all contenders: a
     # contender's total over the rounds averages its draws; the fastest round is a lucky one
