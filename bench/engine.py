@@ -332,19 +332,19 @@ def drain_section(target, drafter, repeats, quick):
     records = profile(target, {"model": d}, batch_sizes=(1, 2, 4, 8, 16, 32, 64), k_max=6,
                       contexts=(max(8, per_row // 2), per_row * 2), repeats=3 if quick else 6,
                       passes=1 if quick else 3, sampling=SAMPLING)
-    costs = {"grid": MeasuredCostModel(pd.DataFrame(records)),  # what `rlsched run` prices with
-             "fit": FittedCostModel(fit_records(pd.DataFrame(records)).to_json())}  # `rlsched fit`'s forms
+    df = pd.DataFrame(records)
+    priced = {"goodput": MeasuredCostModel(df),  # the profile's grid, as `rlsched run` prices
+              "goodput (fit)": FittedCostModel(fit_records(df).to_json())}  # `rlsched fit`'s forms
     # The adaptive policies run as they would in RL: their acceptance estimator and learned
     # statistics carry over from an earlier rollout (other prompts), as from the RL step before.
     warm = [Request(encode(e.prompt), i, i, n) for i, (e, n) in enumerate(zip(long_answers(lengths, 22), lengths))]
 
     def contender(name):
         # one engine each, kept from run to run (as in the B = 1 section)
-        spec, _, priced_by = name.partition(" ")
+        spec = name.split(" ")[0]
         adaptive = spec in ("goodput", "bandit")
         est = AcceptanceEstimator(("model",)) if adaptive else None
-        cost = costs["fit" if priced_by == "(fit)" else "grid"] if spec == "goodput" else None
-        pol = build_policy(spec, ("model",), cost, k_max=6, max_batch=64)
+        pol = build_policy(spec, ("model",), priced.get(name), k_max=6, max_batch=64)
         eng, gen = make_engine(target, drafter if name != "off" else None, pol, reqs + warm, 64, estimator=est)
         if adaptive:
             timed_run(eng, gen, warm)
