@@ -103,3 +103,45 @@ def test_a_broken_profile_is_refused():
         MeasuredCostModel(df.drop(columns=["ctx_tokens"]))
     with pytest.raises(UserError, match="no draft measurements for drafter 'ngram'"):
         MeasuredCostModel(df).draft_time("ngram", 1, 2, 10)
+
+
+def test_noise_that_prices_more_tokens_cheaper_is_smoothed_out():
+    """A profile where noise made q = 3 measure below q = 2 (as on this shared machine at more
+    than half of a profile's points): the price never falls as the tokens a row grow, and the
+    pooled cells take the mean of the measurements they pool."""
+    noisy = {1: 1.0, 2: 2.0, 3: 1.6, 4: 3.0}
+    m = MeasuredCostModel(_records(lambda b, q, L: noisy[q] * b, lambda b, k, L: 0.2 * k))
+    prices = m.verify_time(4, np.arange(1, 5), 4 * 32) * 1e3
+    assert np.all(np.diff(prices) >= 0)
+    assert prices == pytest.approx([4.0, 7.2, 7.2, 12.0])  # q = 2, 3 pooled: (8 + 6.4) / 2
+    assert m.verify_time(4, 1, 4 * 96) == pytest.approx(4.0 / 1e3)  # monotone cells untouched
+
+
+def test_calibrated_goodput_charges_a_plain_step_for_the_drafter_feed_it_defers():
+    """Off is 5% faster than k = 1 at batch 8 by the prices; once a catch-up step has shown that
+    feeding the drafter costs 0.2 ms a token, a plain step's 8 tokens carry 1.6 ms of deferred
+    feeding and drafting wins. Without calibration (the simulator) nothing is learned."""
+    from dataclasses import replace
+
+    from rlsched.policies.acceptance import AcceptanceEstimator
+    from rlsched.policies.draft import PolicyContext, make_draft_policy
+    from rlsched.policies.types import EngineState, StepOutcome
+
+    verify = lambda b, q, L: 1.0 + (0.05 if b == 1 else 1.0) * b * q  # SD pays at batch 1 only
+    m = MeasuredCostModel(_records(verify, lambda b, k, L: 0.05 * k))
+    ctx = PolicyContext(cost=m, drafters=("model",), k_max=3, acceptance_prior={"model": 0.8})
+    live = make_draft_policy("goodput:1", replace(ctx, calibrate=True))
+    est = AcceptanceEstimator(("model",), prior_mean=0.8, prior_strength=1e6)
+    est.begin_rollout(8, np.arange(8))
+
+    def state(b, step):
+        return EngineState(0, step, 0.0, np.arange(b), np.full(b, 32), 32 * b, 0, 10_000, est)
+
+    assert live.choose(state(8, 0)).is_off
+    s = live.choose(state(1, 1))
+    assert s.k >= 1
+    draft, v = m.draft_time("model", 1, s.k, 32), m.verify_time(1, s.k + 1, 32)
+    live.observe(StepOutcome(0, 1, s, 1, s.k, 0, 1, draft + 0.02 + v, draft + 0.02, v, catch_up=100))
+    assert live._feed["model"] == pytest.approx(0.2e-3)
+    assert live.choose(state(8, 2)).k >= 1
+    assert make_draft_policy("goodput:1", ctx).choose(state(8, 3)).is_off
