@@ -133,3 +133,36 @@ def test_a_run_without_plain_steps_at_its_batch_sizes_gets_a_note():
     assert _plain_steps_uncovered(steps([("prefill", 8, 0), ("decode", 8, 3)]))
     assert not _plain_steps_uncovered(steps([("decode", 8, 2), ("decode", 8, 0), ("decode", 2, 0)]))
     assert not _plain_steps_uncovered(steps([("decode", 8, 0), ("decode", 1, 0)]))  # no SD at all
+
+
+def test_a_run_that_profiled_at_its_start_borrows_its_plain_steps(runs, tmp_path):
+    """A run that drafted at every batch size has no plain step to fit SD off from; with a
+    start-of-run profile (`profile.parquet`) in its folder, the profile's plain steps at 2+
+    rows join the fit: a plain step is priced near what plain steps measured, and the note
+    says where the prices came from instead of calling the counterfactual a guess."""
+    import math
+    import shutil
+
+    from rlsched.analysis.replay import _costs, _plain_steps_uncovered
+
+    root, out = runs
+    sd = tmp_path / "sd"
+    shutil.copytree(out["sd"], sd)
+    steps = read_trace(sd / "traces", "steps")
+    assert _plain_steps_uncovered(steps)
+    # a start-of-run profile as `rlsched run` saves it (a short grid: these are tiny runs)
+    ok(rlsched("profile", "--batch-sizes", "1,2,4,8", "--k-max", "3", "--contexts", "24", "--repeats", "3",
+               "--passes", "1", "--out", str(tmp_path / "prof"), cwd=root, timeout=300))
+    profile = read_trace(tmp_path / "prof" / "traces", "steps")
+    profile.to_parquet(sd / "profile.parquet")
+    plain = profile[(profile.kind == "verify") & (profile.k == 0) & (profile.batch >= 2)]
+    cost, what, _, _ = _costs(sd, None, "model", steps)
+    assert what["borrowed_plain_steps"] == len(plain) == 3
+    # the fit now prices a plain step where the run never took one as the profile measured it
+    # (mean log error; one profile record can be a spike on this shared machine)
+    err = [abs(math.log(cost.verify_time(int(b), 1, float(ctx)) * 1e3 / ms))
+           for b, ctx, ms in plain[["batch", "ctx_tokens", "verify_ms"]].itertuples(index=False)]
+    assert sum(err) / len(err) < 0.25, err
+    s = json.loads(ok(rlsched("replay", str(sd), "--json", cwd=root)).stdout)
+    assert s["cost"]["borrowed_plain_steps"] == len(plain)
+    assert any("start-of-run profile" in n for n in s["notes"]) and not any("a guess" in n for n in s["notes"])

@@ -91,14 +91,15 @@ class _AsRun:
         return self._f("prefill") * self._cost.prefill_time(n_tokens, sum_sq_tokens) + self.seconds
 
 
-def mean_calibration(fit) -> dict[str, float]:
-    """Per fitted op: measured total over predicted total on its own records. The forms are
+def mean_calibration(fit, tables: dict | None = None) -> dict[str, float]:
+    """Per fitted op: measured total over predicted total on its own records (or on
+    `tables[op]`, the run's own where the fit also took others). The forms are
     fitted to log times (robust to the spikes of a shared machine), which predicts a step's
     typical time; a stage's time is the sum of its steps, whose mean the spikes raise. This
     factor (a smearing correction) puts the sum back."""
     out = {}
     for key, f in fit.ops.items():
-        d = f.data
+        d = f.data if tables is None else tables.get(key, f.data)
         if f.used != "parametric" or d.empty:
             continue
         pred = np.asarray(f.predict_ms(d["batch"], d["tokens"], d["per_row"]), dtype=float)
@@ -228,23 +229,39 @@ def shares_prompts(run_cfg: dict) -> bool:
     return bool(r.get("share_prompts", False)) and r.get("backend", "local") == "local"
 
 
-def _costs(rundir: Path, cost_file, drafter):
+def _costs(rundir: Path, cost_file, drafter, steps: pd.DataFrame | None = None):
     """(the cost model, what it is, the policy's cost model, calibration factors: those of a
-    fit of the run's own records, none for a given file)."""
+    fit of the run's own records, none for a given file).
+
+    A run that drafted at every batch size it reached has no plain step to fit plain decoding
+    from there (the form's u, the jump from one row to rows of different lengths, is then
+    unknown and priced zero: a goodput run's own fit put its off counterfactual 18-24% under
+    the off run's measured time). When the run profiled at its start (`profile.parquet`), its
+    plain steps at two rows or more join the fit; the calibration factors stay those of the
+    run's own records."""
     from rlsched.analysis.costfile import FittedCostModel, load_cost_model
-    from rlsched.analysis.fit import fit_path
+    from rlsched.analysis.fit import fit_records, op_tables, read_records
     from rlsched.policies.measured import MeasuredCostModel
 
     factors = {}
+    profile = rundir / "profile.parquet"
+    borrowed = 0
     if cost_file is not None:
         cost = load_cost_model(cost_file, drafters=() if drafter is None else (drafter,))
         what = {"source": str(cost_file)}
     else:
-        fit = fit_path(rundir)
+        df, source = read_records(rundir)
+        own, _ = op_tables(df)
+        if drafter is not None and steps is not None and profile.is_file() and _plain_steps_uncovered(steps):
+            prof = pd.read_parquet(profile)
+            plain = prof[(prof["kind"] == "verify") & (prof["k"] == 0) & (prof["batch"] >= 2)]
+            df, borrowed = pd.concat([df, plain], ignore_index=True), len(plain)
+        fit = fit_records(df, source)
         cost = FittedCostModel(fit.to_json(), path=rundir)
-        factors = mean_calibration(fit)
+        factors = mean_calibration(fit, own)
         what = {"source": f"fitted from {rundir}/traces", "calibration": factors, **fit.summary()}
-    profile = rundir / "profile.parquet"
+        if borrowed:
+            what["borrowed_plain_steps"] = borrowed
     policy_cost = MeasuredCostModel(pd.read_parquet(profile)) if profile.is_file() else cost
     return cost, what, policy_cost, factors
 
@@ -255,7 +272,7 @@ def replay_run(rundir, cost_file=None, policy: str | None = None) -> ReplayResul
     cfg, rl, samples, steps = read_run(rundir)
     drafter = _drafter_name(cfg)
     spec = policy or str(cfg["policy"])
-    cost, what, policy_cost, factors = _costs(rundir, cost_file, drafter)
+    cost, what, policy_cost, factors = _costs(rundir, cost_file, drafter, steps)
     overhead = step_overhead_s(steps)
     sim_cost = _AsRun(cost, overhead, factors)
     rl = rl.sort_values("rl_step")
@@ -271,7 +288,10 @@ def replay_run(rundir, cost_file=None, policy: str | None = None) -> ReplayResul
         notes.append(f"replayed with policy {spec}; the run used {cfg['policy']}")
     if spec.startswith("bandit"):
         notes.append("bandit learns from measured step times: its simulated choices differ from the run's")
-    if cost_file is None and drafter is not None and _plain_steps_uncovered(steps):
+    if what.get("borrowed_plain_steps"):
+        notes.append(f"the run decoded without drafts only at small batches (or never): plain steps are priced "
+                     f"with its start-of-run profile's {what['borrowed_plain_steps']} plain steps at 2+ rows")
+    elif cost_file is None and drafter is not None and _plain_steps_uncovered(steps):
         notes.append("the run decoded without drafts only at small batches (or never): its own fit prices SD off "
                      "by extrapolation, so the predicted speedup over off is a guess; pass --cost with a profile's fit")
     return ReplayResult(df, spec, drafter, overhead * 1e3, what, notes)
