@@ -27,7 +27,7 @@ checkpoint_every: 1
 data: builtin:count,repeat
 rollout: {{prompts_per_step: 4, group_size: 4, max_tokens: 16, max_batch: 16, k_max: 3}}
 algorithm: {{minibatches: 1}}
-drafter_update: {{every: 2, steps: 2, batch: 8}}
+drafter_update: {{every: 2, steps: 2, batch: 8, schedule: every}}
 """
 
 
@@ -164,6 +164,7 @@ def test_reward_failures_are_counted_then_stop_the_run_past_the_threshold(pair, 
 @pytest.mark.parametrize("args, message", [
     (["--set", "rollout.group_size=0"], "rollout.group_size"),
     (["--set", "rollout.probe_every=0"], "rollout.probe_every"),
+    (["--set", "drafter_update.schedule=sometimes"], "drafter_update.schedule"),
     (["--set", "algoritm.lr=1"], "unknown field 'algoritm'"),
     (["--set", "data=missing.jsonl"], "missing.jsonl"),
     (["--set", "reward=nosuchmodule:fn"], "nosuchmodule"),

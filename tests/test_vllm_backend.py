@@ -237,7 +237,7 @@ checkpoint_every: 1
 data: builtin:count,repeat
 rollout: {{prompts_per_step: 4, group_size: 4, max_tokens: 16, max_batch: 16, k_max: 3, backend: vllm}}
 algorithm: {{minibatches: 1, lr: 0.003}}
-drafter_update: {{every: 1, steps: 2, batch: 8}}
+drafter_update: {{every: 1, steps: 2, batch: 8, schedule: every}}
 """
 
 

@@ -226,7 +226,8 @@ class RolloutEngine:
         self._running: dict[int, _Row] = {}  # cache slot -> row
         self._ids = np.zeros(0, dtype=np.int64)
         self.step_index = 0  # steps count per rollout, as in the simulator
-        self._totals = dict(steps=0, drafted=0, accepted=0, sd_emitted=0, sd_rows=0, kv_peak_tokens=0, max_running=0)
+        self._totals = dict(steps=0, drafted=0, accepted=0, rejected=0, sd_emitted=0, sd_rows=0, kv_peak_tokens=0,
+                            max_running=0)
         self._t0 = time.perf_counter()
 
     def submit(self, items: list[tuple[int, Request]]) -> None:
@@ -488,6 +489,7 @@ class RolloutEngine:
         if k > 0:
             totals["sd_emitted"] += emitted
             totals["sd_rows"] += len(rows)
+            totals["rejected"] += int((accepted < dk).sum())  # chains that stopped short (the estimator's trials)
         self._record_step(t, "decode", len(rows), strategy.drafter, strategy.k, strategy.width, drafted, n_acc,
                           draft_s * 1e3, verify_s * 1e3, step_s * 1e3, state.ctx_tokens, emitted)
         self.step_index += 1
@@ -585,7 +587,8 @@ class RolloutEngine:
         tokens = sum(len(s.tokens) for s in results)
         return dict(samples=len(results), tokens=tokens, seconds=seconds,
                     tokens_per_s=tokens / seconds if seconds > 0 else 0.0, steps=totals["steps"],
-                    drafted=totals["drafted"], accepted=totals["accepted"],
+                    drafted=totals["drafted"], accepted=totals["accepted"], rejected=totals["rejected"],
+                    sd_rows=totals["sd_rows"],
                     mean_accept_len=totals["sd_emitted"] / totals["sd_rows"] if totals["sd_rows"] else 1.0,
                     kv_peak_tokens=totals["kv_peak_tokens"], max_running=totals["max_running"])
 

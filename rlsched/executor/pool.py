@@ -560,11 +560,11 @@ class InstancePool:
 
     def _summary(self, seconds: float) -> dict:
         t = {k: sum(tt.get(k, 0) for tt in self.totals.values())
-             for k in ("steps", "drafted", "accepted", "sd_emitted", "sd_rows")}
+             for k in ("steps", "drafted", "accepted", "rejected", "sd_emitted", "sd_rows")}
         tokens = sum(len(s.tokens) for s in self.results)
         return dict(samples=len(self.results), tokens=tokens, seconds=seconds,
                     tokens_per_s=tokens / seconds if seconds > 0 else 0.0, steps=t["steps"],
-                    drafted=t["drafted"], accepted=t["accepted"],
+                    drafted=t["drafted"], accepted=t["accepted"], rejected=t["rejected"], sd_rows=t["sd_rows"],
                     mean_accept_len=t["sd_emitted"] / t["sd_rows"] if t["sd_rows"] else 1.0,
                     kv_peak_tokens=max((tt.get("kv_peak_tokens", 0) for tt in self.totals.values()), default=0),
                     max_running=max((tt.get("max_running", 0) for tt in self.totals.values()), default=0),

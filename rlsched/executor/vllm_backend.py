@@ -463,6 +463,7 @@ class VllmRolloutEngine:
                      # engine steps from the metrics; drafts from the requests' own (exact, the same sums)
                      steps=int(interval.get("engine_steps", max((x.steps for x in results), default=0))),
                      drafted=sum(x.drafted for x in results), accepted=sum(x.accepted for x in results),
+                     rejected=sum(e[2] for e in extra), sd_rows=int(verify_total),
                      mean_accept_len=1 + sum(x.accepted for x in results) / verify_total if verify_total else 1.0,
                      kv_peak_tokens=self._kv_peak(requests, results),
                      max_running=min(len(requests), self.max_batch))

@@ -74,10 +74,15 @@ class AlgorithmConfig(_Strict):
 
 
 class DrafterUpdateConfig(_Strict):
-    """Keeping the model drafter fresh: distil it from the actor every `every` steps on the
-    responses of the last `buffer_steps` rollouts (ReSpec)."""
+    """Keeping the model drafter fresh: distil it from the actor on the responses of the last
+    `buffer_steps` rollouts (ReSpec), every `every` steps or when staleness has cost what an
+    update costs (`schedule`, see policies/drafter_schedule.py)."""
 
-    every: int = Field(4, ge=0, description="RL steps between updates; 0 = never (the drafter goes stale)")
+    every: int = Field(4, ge=0, description="RL steps between updates (with schedule pays: before the first "
+                       "one); 0 = never (the drafter goes stale)")
+    schedule: Literal["every", "pays"] = Field(
+        "pays", description="every: update each `every` steps; pays: once the generation time the drafter's "
+        "staleness has cost adds up to the last update's measured cost (ski rental)")
     weighting: Literal["reward", "plain"] = "reward"
     steps: int = Field(8, ge=1)
     batch: int = Field(32, ge=1)

@@ -6,15 +6,18 @@ One RL step (the stages the simulator models, each timed):
    speculative decoding; the engine's log-probs are the old policy's);
 2. inference: rewards, the reference model's log-probs (KL penalty), the critic's values (PPO);
 3. training: GRPO or PPO-clip update(s) of the actor (and the critic);
-4. drafter update: every I steps the model drafter is distilled from the actor on the replay
-   buffer; the n-gram drafter indexes the newest rollouts of each prompt by itself.
+4. drafter update: the model drafter is distilled from the actor on the replay buffer every
+   I steps, or (schedule `pays`) once its staleness has cost the generation stage what an
+   update costs; the n-gram drafter indexes the newest rollouts of each prompt by itself.
 
 Every step appends one `rl_steps` record (stage times, tokens, acceptance, rewards) to
 `traces/`, next to the engine's step and sample records, and writes its samples to
 `rollouts/step-NNNNNN.parquet`. Every `checkpoint_every` steps the whole state goes to
 `checkpoint.pt` atomically (actor, drafter, critic, optimizers, the policy and its acceptance
 estimates, the replay buffer, the n-gram history, the step). Randomness is a pure function of
-(seed, step), so resuming from a checkpoint gives the numbers an uninterrupted run gives; on
+(seed, step), so resuming from a checkpoint gives the numbers an uninterrupted run gives
+(except where choices read wall-clock times: `bandit`, a calibrating `goodput`, the `pays`
+schedule of drafter updates); on
 resume, records of steps past the checkpoint are dropped from the traces first.
 """
 
@@ -38,6 +41,7 @@ import yaml
 from rlsched.errors import UserError
 from rlsched.executor.rl.config import RunConfig
 from rlsched.executor.seeds import derive_seed as _seed
+from rlsched.policies.drafter_schedule import DrafterSchedule
 
 CHECKPOINT = "checkpoint.pt"
 SUMMARY = "summary.json"
@@ -71,6 +75,7 @@ class Trainer:
         self._load()
         self.start_step = 0
         self.buffer = self._new_buffer()
+        self.schedule = DrafterSchedule(cfg.drafter_update.schedule, cfg.drafter_update.every)
         if resume and (self.out / CHECKPOINT).is_file():
             from rlsched.executor.rl.checkpoint import load_checkpoint
 
@@ -322,7 +327,7 @@ class Trainer:
             policy=(e.policy_state() if hasattr(e, "policy_state")  # a pool: per instance
                     else (getattr(e, "policy", None), getattr(e, "estimator", None))),
             ngram=getattr(getattr(e, "drafters", {}).get("ngram"), "history", None),
-            buffer=self.buffer.state(),
+            buffer=self.buffer.state(), drafter_schedule=self.schedule.state(),
             rng=dict(torch=torch.get_rng_state(), generator=self.generator.get_state()),
         )
 
@@ -339,6 +344,7 @@ class Trainer:
         if self.drafter_model is not None:
             self.drafter_model.load_state_dict(s["drafter"])
             self.drafter_opt.load_state_dict(s["drafter_opt"])
+        self.schedule.load(s.get("drafter_schedule"))
         self.policy_state = s["policy"]
         self.ngram_state = s["ngram"]
         self.buffer.load(s["buffer"])
@@ -406,10 +412,15 @@ class Trainer:
 
         self.buffer.add([ReplaySample(list(q.prompt) + x.tokens, len(q.prompt), float(rw))
                          for q, x, rw in zip(requests, result.samples, rb.rewards)])
+        st = result.stats
+        self.schedule.observe(generation_s, st.get("drafted", 0), st.get("accepted", 0), st.get("rejected"),
+                              st.get("sd_rows", 0))
         t = time.perf_counter()
         distill_stats = self._update_drafter(s)
         self.engine.sync_weights(self.actor, self.drafter_model)  # the next rollout samples the new policy
         drafter_update_s = time.perf_counter() - t
+        if distill_stats is not None:
+            self.schedule.updated(drafter_update_s)
 
         record = self._record(s, result, rb, requests, generation_s, inference_s, training_s,
                               drafter_update_s, time.perf_counter() - t_start, train_stats, distill_stats)
@@ -495,7 +506,7 @@ class Trainer:
         from rlsched.executor.rl.distill import distill
 
         d = self.cfg.drafter_update
-        if self.drafter_model is None or d.every == 0 or (s + 1) % d.every != 0:
+        if self.drafter_model is None or not self.schedule.due(s):
             return None
         gen = torch.Generator().manual_seed(_seed(self.cfg.seed, "distill", s))
         return distill(self.actor, self.drafter_model, self.drafter_opt, self.buffer, steps=d.steps, batch=d.batch,
