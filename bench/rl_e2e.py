@@ -3,7 +3,8 @@
 The default `rlsched run` (GRPO on a fixed set of 64 built-in prompts, the built-in pair, 40
 RL steps) is run with SD off (policy off and no drafter: nothing to keep fresh) and with the
 default adaptive policy (goodput, priced by a profile taken at the run's start) over each
-drafter asked for (the built-in model drafter, distilled every 4 steps; the n-gram drafter,
+drafter asked for (the built-in model drafter, distilled when its staleness has cost what an
+update costs (`pays`, the default) and, as `builtin/every`, every 4 steps; the n-gram drafter,
 which indexes the newest rollouts of each prompt for free), on the same seeds, a seed's runs
 in lockstep (one RL step of each in turn, in one process), so that all see the same machine
 state: runs one after the other here differed by 8-12% in total when identical. Reported:
@@ -17,7 +18,7 @@ state: runs one after the other here differed by 8-12% in total when identical. 
 - a figure (bench/results/rl_e2e.png): reward per step for every run, and the stage split.
 
 Run: python bench/rl_e2e.py [--seeds 3] [--steps 40]. Results: bench/results/rl_e2e.{json,txt,png}.
-About 3 minutes per seed on 2 cores.
+About 4 minutes per seed on 2 cores.
 """
 
 from __future__ import annotations
@@ -46,8 +47,10 @@ def seed_runs(labels: list[str], seed: int, steps: int, overrides: list[str], ro
     trainers, setup = {}, {}
     for label in labels:
         policy, _, drafter = label.partition("+")
+        drafter, _, schedule = drafter.partition("/")  # builtin/every: drafter updates on the fixed interval
+        extra = [f"drafter_update.schedule={schedule}"] if schedule else []
         cfg = build_run_config({}, [f"policy={policy}", f"drafter={drafter or 'off'}", f"seed={seed}",
-                                    f"steps={steps}", *overrides])
+                                    f"steps={steps}", *overrides, *extra])
         t = time.perf_counter()
         trainers[label] = Trainer(cfg, root / f"{label.replace(':', '-')}-seed{seed}")
         setup[label] = time.perf_counter() - t
@@ -96,7 +99,8 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--policy", default="goodput", help="the adaptive policy (default: goodput)")
-    ap.add_argument("--drafters", default="builtin,ngram", help="drafters of the adaptive runs, comma-separated")
+    ap.add_argument("--drafters", default="builtin,builtin/every,ngram",
+                    help="drafters of the adaptive runs, comma-separated; DRAFTER/SCHEDULE sets drafter_update.schedule")
     ap.add_argument("--set", dest="sets", action="append", default=[], help="config override (repeatable)")
     ap.add_argument("--name", default="rl_e2e", help="results file name under bench/results/")
     args = ap.parse_args()

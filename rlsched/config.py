@@ -226,6 +226,10 @@ class RLSpec(Strict):
     acceptance_drift_per_step: NonNeg = 0.0  # mean acceptance lost per RL step without update
     acceptance_floor: Fraction = 0.05
     drafter_update_interval: Annotated[int, Field(ge=0)] = 0  # 0: never update the drafter
+    # every: each drafter_update_interval steps; pays: the first after the interval, then once the
+    # generation time staleness has cost adds up to the last update's exposed cost (ski rental,
+    # policies/drafter_schedule.py, as `rlsched run` does)
+    drafter_update_schedule: Literal["every", "pays"] = "every"
     drafter_recovery: Fraction = 1.0  # fraction of lost acceptance an update wins back
     overlap_drafter_update: bool = True
     distill_fraction: OpenFraction = 1.0  # share of the last rollout's tokens distilled on

@@ -134,3 +134,27 @@ def test_goodput_beats_every_static_k_and_off_on_a_long_tail():
     good = simulate(cfg, "goodput").summary()["generation_s"]
     for pol in ["off", "static:1", "static:2", "static:4", "static:6"]:
         assert good < simulate(cfg, pol).summary()["generation_s"], pol
+
+
+def test_pays_schedule_updates_as_often_as_staleness_costs():
+    """`rl.drafter_update_schedule=pays` (the rule `rlsched run` uses): the first update on the
+    interval; then, with no drift, a fresh drafter has nothing to win back and no update follows
+    for a while, where `every` keeps updating; with fast drift it updates again, and the
+    acceptance it restores shows in the next step."""
+    base = ["workload.prompts=8", "rl.steps=10", "rl.drafter_update_interval=2", "rl.overlap_drafter_update=false"]
+
+    def updates(drift, schedule):
+        cfg = load_config("default", overrides=[*base, f"rl.acceptance_drift_per_step={drift}",
+                                                 f"rl.drafter_update_schedule={schedule}"])
+        steps = simulate(cfg).steps_frame()
+        return steps.index[steps.drafter_update_s > 0].tolist(), steps
+
+    every, _ = updates(0.0, "every")
+    assert every == [1, 3, 5, 7, 9]
+    calm, _ = updates(0.0, "pays")
+    assert calm[0] == 1 and len(calm) < len(every)
+    fast, steps = updates(0.1, "pays")
+    assert fast[0] == 1 and len(fast) > len(calm)
+    m = steps["accept_mean_model"].round(6).tolist()
+    after = fast[1] + 1
+    assert m[after] > m[fast[1]]  # the second update restored what drift took

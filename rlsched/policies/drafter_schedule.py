@@ -3,8 +3,9 @@
 An update costs time now (distillation, measured); a stale drafter costs time at every
 rollout after it (fewer tokens per speculative step as the actor moves away). `pays` is the
 ski-rental rule: keep paying the rent (the staleness) until it adds up to the price of buying
-(the last update's measured cost), then update - never more than twice the best schedule's
-cost, whatever the drift. `every` updates on a fixed interval, as ReSpec does.
+(the last update's measured cost), then update: with the rent known, never more than twice
+what the best choice in hindsight pays between two updates, whatever the drift (here the rent
+is estimated). `every` updates on a fixed interval, as ReSpec does.
 
 The rent of an RL step is its generation time times the share a fresh drafter would have
 saved: 1 - E(a, k) / E(a_ref, k), where E(a, k) = 1 + a + ... + a^k is the tokens a chain of

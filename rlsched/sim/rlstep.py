@@ -11,6 +11,7 @@ import simpy
 
 from rlsched.config import SimConfig, eagle_head
 from rlsched.policies.acceptance import AcceptanceEstimator
+from rlsched.policies.drafter_schedule import DrafterSchedule
 from rlsched.sim.cluster import GenerationStage
 from rlsched.sim.timeline import Timeline
 from rlsched.sim.workload import AcceptanceDrift, sample_rollout
@@ -87,6 +88,8 @@ def rl_run(env: simpy.Environment, cfg: SimConfig, cost, make_policies, realloc,
     policies = make_policies()
     costs = StageCosts(cfg)
     pending = None  # an overlapped drafter update still running
+    interval = cfg.rl.drafter_update_interval
+    schedule = DrafterSchedule(cfg.rl.drafter_update_schedule, interval)
     for step in range(cfg.rl.steps):
         means.update(drift.means())
         rollout = sample_rollout(cfg.workload, cfg.drafters, means, workload_rng)
@@ -101,17 +104,18 @@ def rl_run(env: simpy.Environment, cfg: SimConfig, cost, make_policies, realloc,
         t_inf = costs.inference(tokens)
         yield env.timeout(t_inf)
         exposed = 0.0
+        schedule.observe(t_gen, *(int(x) for x in stage.chains))
         if pending is not None:  # the previous overlapped update must land before the weights change
             t0 = env.now
             yield pending
             exposed += env.now - t0
             drift.drafter_updated()
+            schedule.updated(env.now - t0)  # what it cost the critical path
             pending = None
         t_train = costs.training(tokens)
         yield env.timeout(t_train)
         drift.step()
-        interval = cfg.rl.drafter_update_interval
-        if interval and (step + 1) % interval == 0 and costs.drafter_params:
+        if costs.drafter_params and schedule.due(step):
             t_upd = costs.drafter_update(tokens)
             if cfg.rl.overlap_drafter_update and step + 1 < cfg.rl.steps:
                 pending = env.timeout(t_upd)  # runs beside the next rollout; its drafter is used after
@@ -119,6 +123,7 @@ def rl_run(env: simpy.Environment, cfg: SimConfig, cost, make_policies, realloc,
                 yield env.timeout(t_upd)
                 exposed += t_upd
                 drift.drafter_updated()
+                schedule.updated(t_upd)
         records.append(StepRecord(step, t_gen, t_inf, t_train, exposed, env.now - t_start,
                                   int(rollout.prompt_len.sum()), int(rollout.response_len.sum()), dict(means), stage))
         if progress is not None:
