@@ -63,13 +63,14 @@ class _Grid:
         return out
 
 
-def _grid(df: pd.DataFrame, tokens_col: str, value_col: str, what: str) -> _Grid:
-    """The median of `value_col` over (log2 batch, tokens per row, context per row), made
-    non-decreasing in the tokens per row (isotonic regression along that axis at each batch
-    size and context): a step that computes more tokens a row is not faster, and a profile taken
-    on a shared machine says otherwise at more than half of its (batch, context) points (8
-    of 14 in two profiles here; k = 3 priced below k = 2), where `goodput`, taking the best of k_max prices, picks the cell that noise
-    made cheap and drafts deeper than pays."""
+def _grid(df: pd.DataFrame, tokens_col: str, value_col: str, what: str, monotone: bool = False) -> _Grid:
+    """The median of `value_col` over (log2 batch, tokens per row, context per row); with
+    `monotone`, made non-decreasing in the tokens per row (isotonic regression along that axis
+    at each batch size and context). A step that computes more tokens a row is not faster, but
+    a profile taken on a shared machine says otherwise at more than half of its (batch, context)
+    points (8 of 14 in two profiles here; k = 3 priced below k = 2), and `goodput`, taking the
+    best of k_max prices, picks the cell that noise made cheap and drafts deeper than pays. (The
+    fit's interpolation fallback reads the grid back as measured.)"""
     df = df.assign(lb=np.log2(df["batch"]), per_row=df["ctx_tokens"] / df["batch"])
     table = df.groupby(["lb", tokens_col, "per_row"])[value_col].median()
     axes = [np.array(sorted(set(table.index.get_level_values(i))), dtype=float) for i in range(3)]
@@ -78,9 +79,10 @@ def _grid(df: pd.DataFrame, tokens_col: str, value_col: str, what: str) -> _Grid
         raise UserError(f"profile: the {what} measurements do not fill a grid of batch x tokens x "
                         f"context ({len(table)} of {len(full)} points); re-run `rlsched profile`")
     values = table.reindex(full).to_numpy().reshape([len(a) for a in axes]) / 1e3
-    for i in range(values.shape[0]):
-        for j in range(values.shape[2]):
-            values[i, :, j] = isotonic_regression(values[i, :, j]).x
+    if monotone:
+        for i in range(values.shape[0]):
+            for j in range(values.shape[2]):
+                values[i, :, j] = isotonic_regression(values[i, :, j]).x
     # A single point on an axis cannot be interpolated: repeat it one unit on.
     for i, a in enumerate(axes):
         if len(a) == 1:
@@ -100,11 +102,11 @@ class MeasuredCostModel:
         verify = records[records["kind"] == "verify"].assign(q=lambda d: d["k"] + 1)
         if verify.empty:
             raise UserError("profile: no verify measurements; re-run `rlsched profile`")
-        self._verify = _grid(verify, "q", "verify_ms", "verify")
+        self._verify = _grid(verify, "q", "verify_ms", "verify", monotone=True)
         self._draft = {}
         drafts = records[records["kind"] == "draft"]
         for name, d in drafts.groupby("drafter"):
-            self._draft[str(name)] = _grid(d, "k", "draft_ms", f"draft ({name})")
+            self._draft[str(name)] = _grid(d, "k", "draft_ms", f"draft ({name})", monotone=True)
         prefill = records[records["kind"] == "prefill"]
         if len(prefill) >= 2:
             slope, icept = np.polyfit(prefill["ctx_tokens"], prefill["step_ms"] / 1e3, 1)
