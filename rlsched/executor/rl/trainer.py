@@ -417,10 +417,10 @@ class Trainer:
                               st.get("sd_rows", 0))
         t = time.perf_counter()
         distill_stats = self._update_drafter(s)
+        if distill_stats is not None:
+            self.schedule.updated(time.perf_counter() - t)  # the distillation's own cost
         self.engine.sync_weights(self.actor, self.drafter_model)  # the next rollout samples the new policy
         drafter_update_s = time.perf_counter() - t
-        if distill_stats is not None:
-            self.schedule.updated(drafter_update_s)
 
         record = self._record(s, result, rb, requests, generation_s, inference_s, training_s,
                               drafter_update_s, time.perf_counter() - t_start, train_stats, distill_stats)
