@@ -43,7 +43,11 @@ def test_pays_updates_once_staleness_has_cost_the_last_update():
     s.observe(2.0, **rollout(0.6))
     assert s.due(26)
     s.updated(0.5)
-    assert s.rent_s == 0.0 and s.ref is None and s.cost_s == 0.5 and not s.due(27)
+    assert s.rent_s == 0.0 and s.cost_s == 0.5 and not s.due(27)
+    s.observe(2.0, **rollout(0.8))  # fresh again: no rent against the old reference, and the new one
+    assert s.rent_s == 0.0 and s.ref == pytest.approx(0.8, abs=0.01)
+    s.observe(2.0, **rollout(0.6))
+    assert s.rent_s == pytest.approx(rent, rel=0.02)
 
 
 def test_noise_around_the_reference_cancels_and_empty_rollouts_add_nothing():

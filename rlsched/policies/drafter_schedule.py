@@ -10,8 +10,8 @@ is estimated). `every` updates on a fixed interval, as ReSpec does.
 The rent of an RL step is its generation time times the share a fresh drafter would have
 saved: 1 - E(a, k) / E(a_ref, k), where E(a, k) = 1 + a + ... + a^k is the tokens a chain of
 k drafts yields at per-token acceptance a (the step's, from its accepted and rejected chain
-trials), a_ref the acceptance of the first rollout after the last update and k the step's
-mean draft length. Steps that drafted nothing tell nothing and add nothing.
+trials), a_ref the acceptance of the first rollout after the last update (which itself pays
+against the reference before it) and k the step's mean draft length. Steps that drafted nothing tell nothing and add nothing.
 
 No torch: the simulator may use it too.
 """
@@ -39,6 +39,7 @@ class DrafterSchedule:
         self.cost_s: float | None = None  # the last update's measured seconds
         self.rent_s = 0.0  # generation time staleness has cost since the last update (estimated)
         self.ref: float | None = None  # acceptance of the first rollout after the last update
+        self._rebase = False  # the next rollout becomes the reference (an update came before it)
 
     def observe(self, generation_s: float, drafted: int, accepted: int, rejected: int | None,
                 sd_rows: int) -> None:
@@ -49,12 +50,12 @@ class DrafterSchedule:
             return
         trials = accepted + rejected if rejected is not None else drafted
         a = accepted / trials if trials > 0 else 0.0
-        if self.ref is None:
-            self.ref = a
-            return
-        k = drafted / sd_rows
-        saved = 1.0 - chain_tokens(a, k) / chain_tokens(self.ref, k)
-        self.rent_s = max(0.0, self.rent_s + generation_s * saved)  # signed: noise around a_ref cancels
+        if self.ref is not None:
+            k = drafted / sd_rows
+            saved = 1.0 - chain_tokens(a, k) / chain_tokens(self.ref, k)
+            self.rent_s = max(0.0, self.rent_s + generation_s * saved)  # signed: noise around a_ref cancels
+        if self.ref is None or self._rebase:
+            self.ref, self._rebase = a, False
 
     def due(self, step: int) -> bool:
         """Whether to update at the end of RL step `step` (0-based)."""
@@ -65,14 +66,18 @@ class DrafterSchedule:
         return self.rent_s >= self.cost_s
 
     def updated(self, seconds: float) -> None:
-        self.cost_s, self.rent_s, self.ref = max(seconds, 1e-9), 0.0, None
+        """An update took `seconds` (on the critical path). The next rollout pays rent against
+        the last reference, then becomes the reference: an update hidden beside a rollout costs
+        nothing, and a rollout with no rent would put a step between two such updates."""
+        self.cost_s, self.rent_s, self._rebase = max(seconds, 1e-9), 0.0, True
 
     def state(self) -> dict:
-        return dict(cost_s=self.cost_s, rent_s=self.rent_s, ref=self.ref)
+        return dict(cost_s=self.cost_s, rent_s=self.rent_s, ref=self.ref, rebase=self._rebase)
 
     def load(self, state: dict | None) -> None:
         if state:
             self.cost_s, self.rent_s, self.ref = state["cost_s"], float(state["rent_s"]), state["ref"]
+            self._rebase = bool(state.get("rebase", False))
 
     def __repr__(self) -> str:
         cost = "?" if self.cost_s is None else f"{self.cost_s:.2f}"
