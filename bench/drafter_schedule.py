@@ -49,7 +49,8 @@ def main() -> int:
                 data.append(dict(preset=preset, interval=base.drafter_update_interval, drift=drift, overlap=overlap,
                                  every=every, pays=pays, pays_vs_every=every["total_s"] / pays["total_s"]))
                 rows.append([preset, base.drafter_update_interval, f"{drift:.3f}", "yes" if overlap else "no",
-                             f"{every['total_s']:.0f}", f"{pays['total_s']:.0f}", f"{every['total_s'] / pays['total_s']:.3f}x",
+                             f"{every['total_s']:.0f}", f"{pays['total_s']:.0f}",
+                             f"{every['total_s'] / pays['total_s']:.3f}x",
                              f"{every['exposed_update_s']:.0f} / {pays['exposed_update_s']:.0f}",
                              f"{every['accept_mean']:.3f} / {pays['accept_mean']:.3f}"])
     text = table(["preset", "every", "drift/step", "overlap", "every RL s", "pays RL s", "pays speedup",

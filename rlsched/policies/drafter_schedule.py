@@ -11,7 +11,8 @@ The rent of an RL step is its generation time times the share a fresh drafter wo
 saved: 1 - E(a, k) / E(a_ref, k), where E(a, k) = 1 + a + ... + a^k is the tokens a chain of
 k drafts yields at per-token acceptance a (the step's, from its accepted and rejected chain
 trials), a_ref the acceptance of the first rollout after the last update (which itself pays
-against the reference before it) and k the step's mean draft length. Steps that drafted nothing tell nothing and add nothing.
+against the reference before it) and k the step's mean draft length. Steps that drafted
+nothing tell nothing and add nothing.
 
 No torch: the simulator may use it too.
 """
