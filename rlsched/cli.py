@@ -598,14 +598,16 @@ def report(
 
 RUN_HELP = (
     "RL training (GRPO or PPO) whose rollouts use the engine's adaptive speculative decoding, with a drafter "
-    "kept fresh by distillation from the actor.\n\n"
+    "kept fresh by distillation from the actor: by default once its staleness has cost the rollouts what an update "
+    "costs (drafter_update.schedule=pays; 'every' updates each drafter_update.every steps).\n\n"
     "With no arguments: a fixed set of 64 built-in task prompts (count, repeat; exact-match reward) with the built-in tiny "
     "pair on CPU, 40 RL steps (a few minutes). --config takes a YAML/TOML file of RunConfig fields "
     "(rlsched/executor/rl/config.py); --set path.to.field=value overrides one (repeatable).\n\n"
     "Writes to --out: traces/ (engine steps, samples, one rl_steps record per RL step: stage times, tokens, "
     "acceptance, rewards), rollouts/ (every sample's text and reward), checkpoint.pt (every "
     "checkpoint_every steps, atomically), plots/learning_curve.png and summary.json. A killed run continues "
-    "with --resume (same --out) exactly where its last checkpoint stood.\n\n"
+    "with --resume (same --out) from its last checkpoint (the same numbers unless choices read wall-clock "
+    "times: bandit, goodput's calibration, the pays schedule).\n\n"
     "Example: rlsched run --policy static:3 --set steps=20 --set algorithm.name=ppo --out runs/run/ppo"
 )
 
