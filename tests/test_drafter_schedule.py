@@ -23,6 +23,7 @@ def test_every_updates_on_its_interval_and_never_at_zero():
     s = DrafterSchedule("every", 3)
     assert [st for st in range(10) if s.due(st)] == [2, 5, 8]
     assert not any(DrafterSchedule("pays", 0).due(st) for st in range(10))
+    assert [st for st in range(9) if DrafterSchedule("every", 3, steps=9).due(st)] == [2, 5]  # not after the last
 
 
 def test_pays_updates_once_staleness_has_cost_the_last_update():

@@ -33,10 +33,11 @@ def chain_tokens(a: float, k: float) -> float:
 class DrafterSchedule:
     """Decides after each RL step whether the drafter is distilled at its end."""
 
-    def __init__(self, mode: str, every: int):
+    def __init__(self, mode: str, every: int, steps: int | None = None):
+        """`steps`: the run's RL steps, when known: no update after the last, which no rollout uses."""
         if mode not in SCHEDULES:
             raise ValueError(f"unknown drafter update schedule '{mode}'; choose from {', '.join(SCHEDULES)}")
-        self.mode, self.every = mode, every
+        self.mode, self.every, self.steps = mode, every, steps
         self.cost_s: float | None = None  # the last update's measured seconds
         self.rent_s = 0.0  # generation time staleness has cost since the last update (estimated)
         self.ref: float | None = None  # acceptance of the first rollout after the last update
@@ -60,7 +61,7 @@ class DrafterSchedule:
 
     def due(self, step: int) -> bool:
         """Whether to update at the end of RL step `step` (0-based)."""
-        if self.every <= 0:
+        if self.every <= 0 or (self.steps is not None and step + 1 >= self.steps):
             return False
         if self.mode == "every" or self.cost_s is None:  # `pays` learns an update's cost from the first
             return (step + 1) % self.every == 0

@@ -89,7 +89,7 @@ def rl_run(env: simpy.Environment, cfg: SimConfig, cost, make_policies, realloc,
     costs = StageCosts(cfg)
     pending = None  # an overlapped drafter update still running
     interval = cfg.rl.drafter_update_interval
-    schedule = DrafterSchedule(cfg.rl.drafter_update_schedule, interval)
+    schedule = DrafterSchedule(cfg.rl.drafter_update_schedule, interval, cfg.rl.steps)
     for step in range(cfg.rl.steps):
         means.update(drift.means())
         rollout = sample_rollout(cfg.workload, cfg.drafters, means, workload_rng)

@@ -75,7 +75,7 @@ class Trainer:
         self._load()
         self.start_step = 0
         self.buffer = self._new_buffer()
-        self.schedule = DrafterSchedule(cfg.drafter_update.schedule, cfg.drafter_update.every)
+        self.schedule = DrafterSchedule(cfg.drafter_update.schedule, cfg.drafter_update.every, cfg.steps)
         if resume and (self.out / CHECKPOINT).is_file():
             from rlsched.executor.rl.checkpoint import load_checkpoint
 
