@@ -68,10 +68,10 @@ class DrafterSchedule:
         return self.rent_s >= self.cost_s
 
     def updated(self, seconds: float) -> None:
-        """An update took `seconds` (on the critical path). The next rollout pays rent against
-        the last reference, then becomes the reference: an update hidden beside a rollout costs
-        nothing, and a rollout with no rent would put a step between two such updates."""
-        self.cost_s, self.rent_s, self._rebase = max(seconds, 1e-9), 0.0, True
+        """An update took `seconds` (on the critical path: an update hidden beside a rollout
+        costs nothing, and then the next is due at once). The next rollout pays rent against
+        the last reference, then becomes the reference."""
+        self.cost_s, self.rent_s, self._rebase = max(seconds, 0.0), 0.0, True
 
     def state(self) -> dict:
         return dict(cost_s=self.cost_s, rent_s=self.rent_s, ref=self.ref, rebase=self._rebase)
