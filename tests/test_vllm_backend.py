@@ -254,7 +254,8 @@ def test_run_end_to_end_on_vllm_weights_synced_every_step(pair, tmp_path):
     summary = json.loads(proc.stdout)  # stdout holds only the JSON (vLLM logs to stderr)
     assert summary["steps"] == 3
     rl = read_trace(out / "traces", "rl_steps").sort_values("rl_step")
-    assert list(rl.rl_step) == [0, 1, 2] and (rl.grad_norm > 0).all()
+    # a step whose groups all scored alike has zero advantages and no gradient (step 0 here)
+    assert list(rl.rl_step) == [0, 1, 2] and (rl.grad_norm > 0).sum() >= 2, rl[["reward_mean", "grad_norm"]]
     # vLLM's batch-size table: plain while more than 8 rows run, 2 drafts per step below
     assert rl.drafted.sum() > 0 and 0 < rl.accepted.sum() < rl.drafted.sum()
     # one minibatch: the update's first forward is the actor that vLLM sampled from, so the
@@ -266,7 +267,10 @@ def test_run_end_to_end_on_vllm_weights_synced_every_step(pair, tmp_path):
     steps = read_trace(out / "traces", "steps")
     assert sorted(set(steps.rl_step)) == [0, 1, 2] and set(steps.source) == {"vllm"}
     samples = read_trace(out / "traces", "samples")
-    assert len(samples) == 3 * 16 and samples.acceptance_model.between(0, 1).all()
+    # acceptance where the rollout drafted (NaN for a rollout that never did: twostate drafts
+    # only while 8 rows or fewer run)
+    drafted = samples[samples.rl_step.isin(rl.rl_step[rl.drafted > 0])]
+    assert len(samples) == 3 * 16 and len(drafted) and drafted.acceptance_model.between(0, 1).all()
     assert samples.accepted.sum() == rl.accepted.sum() and (samples.rejected <= samples.drafted).all()
 
 
