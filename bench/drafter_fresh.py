@@ -3,7 +3,7 @@
 The default run (GRPO, built-in pair) with a fixed draft length (static:K, so acceptance is
 comparable from step to step), three ways:
 - stale: the drafter is never updated (drafter_update.every = 0);
-- plain: distilled from the actor every I steps, KL(p_actor || q_drafter) unweighted;
+- plain: distilled from the actor every I steps (schedule every), KL(p_actor || q_drafter) unweighted;
 - reward: the same, each sample weighted by its normalised, clipped reward (ReSpec).
 Reported per variant: acceptance rate (accepted / drafted) and accepted length per SD step
 over the first and last fifth of the steps, the drafter-update time, and a figure of both
@@ -36,7 +36,8 @@ VARIANTS = {"stale": ["drafter_update.every=0"],
 
 def run(variant: str, args, root: Path) -> pd.DataFrame:
     cfg = build_run_config({}, [f"policy=static:{args.k}", f"steps={args.steps}", f"seed={args.seed}",
-                                f"drafter_update.every={args.every}", *VARIANTS[variant], *args.sets])
+                                f"drafter_update.every={args.every}", "drafter_update.schedule=every",
+                                *VARIANTS[variant], *args.sets])
     out = root / variant
     Trainer(cfg, out).run()
     return read_trace(out / "traces", "rl_steps").sort_values("rl_step").reset_index(drop=True)
