@@ -241,6 +241,11 @@ def test_traces_read_back_and_count_tokens(pair, tmp_path):
     assert len(samples) == len(reqs) and sorted(samples["sample_id"]) == sorted(r.sample_id for r in reqs)
     assert (samples["response_len"] == 12).all() and (samples["rl_step"] == 2).all()
     assert "acceptance_model" in samples.columns
+    # the rollout's chain trials (what the drafter-update schedule reads) are the samples' summed
+    st = res.stats
+    assert (st["drafted"], st["accepted"], st["rejected"]) == tuple(int(samples[c].sum()) for c in
+                                                                     ("drafted", "accepted", "rejected"))
+    assert st["sd_rows"] == int((dec["k"] > 0).mul(dec["batch"]).sum()) and 0 < st["rejected"] <= st["sd_rows"]
     assert not list((tmp_path / "steps").glob("part-*.jsonl"))  # closed: every journal became a part
 
 
