@@ -251,8 +251,9 @@ def _costs(rundir: Path, cost_file, drafter, steps: pd.DataFrame | None = None):
         what = {"source": str(cost_file)}
     else:
         df, source = read_records(rundir)
-        own, _ = op_tables(df)
+        own = None  # the run's own op tables, where the fit also takes the profile's
         if drafter is not None and steps is not None and profile.is_file() and _plain_steps_uncovered(steps):
+            own, _ = op_tables(df)
             prof = pd.read_parquet(profile)
             plain = prof[(prof["kind"] == "verify") & (prof["k"] == 0) & (prof["batch"] >= 2)]
             df, borrowed = pd.concat([df, plain], ignore_index=True), len(plain)

@@ -478,7 +478,7 @@ class RolloutEngine:
             out = step(self.model, self._cache, slots, last, self.sampling, d, dq, dk, self.generator)
         accepted = out.accepted.cpu()  # waits for the device: the clock below then sees the verify
         verify_s = time.perf_counter() - t - draft_s
-        emitted = self._append(rows, out, dk, accepted)
+        emitted, rejected = self._append(rows, out, dk, accepted)
         step_s = time.perf_counter() - t
         drafted, n_acc = int(dk.sum()), int(accepted.sum())
         catch_up = getattr(drafter, "catch_up", 0) if k > 0 else 0
@@ -489,16 +489,17 @@ class RolloutEngine:
         if k > 0:
             totals["sd_emitted"] += emitted
             totals["sd_rows"] += len(rows)
-            totals["rejected"] += int((accepted < dk).sum())  # chains that stopped short (the estimator's trials)
+            totals["rejected"] += rejected  # chains that stopped short (the estimator's trials)
         self._record_step(t, "decode", len(rows), strategy.drafter, strategy.k, strategy.width, drafted, n_acc,
                           draft_s * 1e3, verify_s * 1e3, step_s * 1e3, state.ctx_tokens, emitted)
         self.step_index += 1
 
-    def _append(self, rows: list[_Row], out, dk: torch.Tensor, accepted: torch.Tensor) -> int:
-        """Give each row its new tokens (cut at its budget and at eos); returns tokens emitted."""
+    def _append(self, rows: list[_Row], out, dk: torch.Tensor, accepted: torch.Tensor) -> tuple[int, int]:
+        """Give each row its new tokens (cut at its budget and at eos) and its chain trial; returns
+        the tokens emitted and the rows whose chain stopped short (a rejection)."""
         all_tokens, all_lps = out.tokens.cpu().tolist(), out.logprobs.cpu().tolist()  # one conversion
         n_acc, n_draft = accepted.tolist(), dk.tolist()
-        emitted = 0
+        emitted = rejected = 0
         for r, row_toks, row_lps, a, d in zip(rows, all_tokens, all_lps, n_acc, n_draft):
             new = row_toks[:a + 1]
             toks, lps = new[:r.remaining], row_lps[:a + 1][:r.remaining]
@@ -514,9 +515,10 @@ class RolloutEngine:
             r.drafted += d
             r.accepted += a
             r.rejected += a < d
+            rejected += a < d
             r.done = r.done or r.remaining <= 0
             emitted += len(toks)
-        return emitted
+        return emitted, rejected
 
     def _learn(self, state, strategy, rows, dk, accepted, drafted, n_acc, emitted, step_s, draft_s, verify_s,
                catch_up=0):

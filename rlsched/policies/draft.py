@@ -173,15 +173,17 @@ class GoodputPolicy:
             else:  # what the feed cost beyond the drafting priced, a token
                 extra = outcome.draft_time - self._scale.get(s.drafter, 1.0) * drafts[s.drafter][s.k - 1]
                 if extra > 0:
-                    old = self._feed.get(s.drafter)
-                    new = extra / outcome.catch_up
-                    self._feed[s.drafter] = new if old is None else math.exp(
-                        self._DECAY * math.log(old) + (1 - self._DECAY) * math.log(new))
+                    self._feed[s.drafter] = self._log_mean(self._feed.get(s.drafter), extra / outcome.catch_up)
 
     def _fold(self, key: str, measured: float, priced: float) -> None:
         if measured > 0 and priced > 0:
-            old = math.log(self._scale.get(key, 1.0))
-            self._scale[key] = math.exp(self._DECAY * old + (1 - self._DECAY) * math.log(measured / priced))
+            self._scale[key] = self._log_mean(self._scale.get(key, 1.0), measured / priced)
+
+    def _log_mean(self, old: float | None, new: float) -> float:
+        """A running geometric mean: `old` weighted _DECAY against one `new` value (None: none yet)."""
+        if old is None:
+            return new
+        return math.exp(self._DECAY * math.log(old) + (1 - self._DECAY) * math.log(new))
 
     def _acceptance(self, state: EngineState, drafter: str) -> np.ndarray:
         return state.accept_est(drafter)

@@ -19,8 +19,6 @@ No torch: the simulator may use it too.
 
 from __future__ import annotations
 
-import math
-
 SCHEDULES = ("every", "pays")
 
 
@@ -80,8 +78,3 @@ class DrafterSchedule:
         if state:
             self.cost_s, self.rent_s, self.ref = state["cost_s"], float(state["rent_s"]), state["ref"]
             self._rebase = bool(state.get("rebase", False))
-
-    def __repr__(self) -> str:
-        cost = "?" if self.cost_s is None else f"{self.cost_s:.2f}"
-        ref = "?" if self.ref is None or math.isnan(self.ref) else f"{self.ref:.3f}"
-        return f"DrafterSchedule({self.mode}, rent {self.rent_s:.2f}s of {cost}s, a_ref {ref})"

@@ -78,7 +78,9 @@ class GenerationStage:
         self.releases_idle = bool(getattr(realloc, "releases_idle", False))
         self.freed_at = np.full(len(policies), np.nan)  # seconds into the stage when each instance was freed
         self.makespan = 0.0
-        self.chains = np.zeros(4, dtype=np.int64)  # drafted, accepted, rejected (chains cut short), row-steps drafting
+        # drafted, accepted, rejected (chains cut short), row-steps drafting: what the `pays`
+        # drafter-update schedule reads; not counted (None) for the fixed interval
+        self.chains = np.zeros(4, dtype=np.int64) if cfg.rl.drafter_update_schedule == "pays" else None
         self.done = env.event()
         self.n_done = 0
         self._in_motion: set[int] = set()  # requested to move, not yet arrived

@@ -203,7 +203,8 @@ class Instance:
                 t_draft = cost.draft_time_per_seq(strat.drafter, strat.per_seq, ctx_at)
             t_verify = cost.verify_time(b, strat.tokens_per_seq, ctx_at)
             advance = acc.sum(axis=0) + n
-            st.chains += (n * round(b * strat.drafted_per_seq), acc.sum(), (acc < ks).sum(), n * b)
+            if st.chains is not None:
+                st.chains += (n * round(b * strat.drafted_per_seq), acc.sum(), (acc < ks).sum(), n * b)
         dt = t_draft + t_verify
         total = float(dt.sum())
         yield env.timeout(total)
@@ -290,7 +291,8 @@ class Instance:
                     t_draft, drafted = float(cost.draft_time_per_seq(strat.drafter, ks, ctx_sum)), int(add(ks))
                 t_verify = cost.verify_time(b, strat.tokens_per_seq, ctx_sum)
                 acc = self._draw_accepted(d, ks, w, 1)[0]
-                st.chains += (drafted, acc.sum(), (acc < ks).sum(), b)
+                if st.chains is not None:
+                    st.chains += (drafted, acc.sum(), (acc < ks).sum(), b)
                 yield env.timeout(t_draft + t_verify)
                 if learn_acceptance and w == 1:  # tree outcomes are per level, not per token
                     est.update(strat.drafter, sid, acc, ks)

@@ -104,7 +104,8 @@ def rl_run(env: simpy.Environment, cfg: SimConfig, cost, make_policies, realloc,
         t_inf = costs.inference(tokens)
         yield env.timeout(t_inf)
         exposed = 0.0
-        schedule.observe(t_gen, *(int(x) for x in stage.chains))
+        if stage.chains is not None:
+            schedule.observe(t_gen, *(int(x) for x in stage.chains))
         if pending is not None:  # the previous overlapped update must land before the weights change
             t0 = env.now
             yield pending
