@@ -367,6 +367,9 @@ def generate(
                                   "(the distributed extra), each with --max-batch rows."),
     realloc: str = typer.Option("none", "--realloc", help="Sample reallocation across instances: none, rebalance, "
                                 "consolidate."),
+    compile_: bool = typer.Option(False, "--compile", help="Run batch-1 steps (decode, verify, the drafter's "
+                                  "drafts) through torch.compile'd graphs: about 1.5x plain decoding at batch 1 "
+                                  "on CPU here; compiling takes a minute or two the first time (then cached)."),
     out: Path = typer.Option(Path("runs/generate/latest"), "--out", "-o", help="Output folder."),
     as_json: bool = JsonOpt,
 ):
@@ -378,7 +381,8 @@ def generate(
     args = GenerateArgs(model=model, drafter=drafter, policy=policy, prompts=prompts, n=n, max_tokens=max_tokens,
                         temperature=temperature, top_p=top_p, top_k=top_k, k_max=k_max, max_batch=max_batch,
                         kv_budget=kv_budget, cost_model=cost_model, ignore_eos=ignore_eos, device=device,
-                        dtype=dtype, seed=seed, threads=threads, instances=instances, realloc=realloc)
+                        dtype=dtype, seed=seed, threads=threads, instances=instances, realloc=realloc,
+                        compile=compile_)
     log = lambda msg: err_console.print(msg, highlight=False)  # noqa: E731
     setup = prepare(args, out, log)
     with err_console.status(f"generating {len(setup.prompts)} prompts x {n} samples ({policy})"):

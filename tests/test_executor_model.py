@@ -345,3 +345,32 @@ def test_zz_report_max_differences():
     """Printed with `pytest -s`: the worst logit difference per model over the tests above."""
     for name, diff in sorted(MAX_DIFF.items()):
         print(f"max |logit difference| {name}: {diff:.2e}")
+
+
+@pytest.mark.parametrize("name", ["qwen2-tied", "qwen3"])
+def test_compiled_decode_equals_transformers(models, name):
+    """The compiled batch-1 forwards (`compile_decode`): a 1-token step, a 2-token step of
+    which one token is kept (as after a rejected draft), a step on the last token only, in
+    cache row 1 of 2; each equals transformers, every one went through a compiled graph, and
+    a prefill longer than the graphs ran eager."""
+    folder, hf = models[name]
+    model = load_model(folder).model
+    model.compile_decode(max_new=2)
+    graph, calls = model.compiled._graph, []
+    model.compiled._graph = lambda *a: calls.append(a[0].shape) or graph(*a)
+    g = torch.Generator().manual_seed(3)
+    seq = torch.randint(0, VOCAB, (6,), generator=g).tolist()
+    cache = model.new_cache(2, 16)
+    slots = torch.tensor([1])
+    with torch.inference_mode():
+        out = model(torch.tensor([seq]), cache, slots=slots)
+        assert calls == []  # 6 new tokens: eager
+        _check(name, out[0], _ref(hf, seq))
+        for new, keep, last_only in (([5], 1, False), ([7, 8], 1, False), ([9], 1, True)):
+            out = model(torch.tensor([new]), cache, slots=slots, n_new=[keep], last_only=last_only)
+            seq = seq + new
+            want = _ref(hf, seq)[-len(new):]
+            _check(name, out[0], want[keep - 1:keep] if last_only else want)
+            seq = seq[:len(seq) - len(new) + keep]
+            assert cache.lengths.tolist() == [0, len(seq)]
+    assert [tuple(s) for s in calls] == [(1, 1), (1, 2), (1, 1)]

@@ -53,6 +53,7 @@ class GenerateArgs:
     threads: int | None = None
     instances: int = 1  # more than 1: a Ray pool (rlsched.executor.pool)
     realloc: str = "none"  # the pool's ReallocPolicy
+    compile: bool = False  # batch-1 forwards through compiled graphs (executor/compiled.py)
 
 
 @dataclass
@@ -172,6 +173,8 @@ def _check_numbers(a: GenerateArgs) -> None:
     from rlsched.policies.realloc import make_realloc_policy
 
     make_realloc_policy(a.realloc)  # an unknown name: one line, before anything is loaded
+    if a.compile and a.instances > 1:
+        raise UserError("--compile runs in this process: use it with --instances 1")
     if a.instances > 1:
         from rlsched.executor.pool import require_ray
 
@@ -214,6 +217,12 @@ def prepare(a: GenerateArgs, out: Path | None, log=None) -> Setup:
         check_drafter_vocab(target, drafter_model, target_dir, drafter_dir)
         name = "model"
     prompts = load_prompts(a.prompts, target.tokenizer)
+    if a.compile:  # after every check: compiling takes a while
+        if log:
+            log("compiling the batch-1 forwards (once per machine; inductor keeps them on disk)")
+        target.model.compile_decode(a.k_max + 1)  # decode, and verify of up to k_max drafts
+        if drafter_model is not None:
+            drafter_model.model.compile_decode(2)  # a drafter's feed: the last draft and the bonus
     if not policy_needs_cost(a.policy):  # a priced policy is checked once its cost model exists (in run)
         build_policy(a.policy, _drafter_names(name), k_max=a.k_max)
     if out is not None:

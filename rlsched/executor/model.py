@@ -211,6 +211,15 @@ class Transformer(nn.Module):
         # so loading with assign=True cannot untie them).
         self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         self.rope = Rope(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings)
+        self.compiled = None  # a CompiledForward once `compile_decode` was called
+
+    def compile_decode(self, max_new: int = 8) -> None:
+        """Run cached forwards of one row and up to `max_new` new tokens (decode, verify of up
+        to max_new - 1 drafts) through compiled graphs (`executor/compiled.py`), compiled now;
+        everything else stays eager."""
+        from rlsched.executor.compiled import CompiledForward
+
+        self.compiled = CompiledForward(self, max_new)
 
     def new_cache(self, max_batch: int, max_len: int) -> KVCache:
         """A cache on this model's device, in its dtype."""
@@ -236,6 +245,10 @@ class Transformer(nn.Module):
             if bool((n < int(last_only)).any()) or bool((n > q).any()):
                 raise ValueError(f"n_new must lie in [{int(last_only)}, {q}] for every row")
             n = n.to(ids.device)
+        if self.compiled is not None and cache is not None:
+            logits = self.compiled(ids, cache, slots, n, last_only)
+            if logits is not None:
+                return logits
         embed = self.embed.weight  # (each Module attribute lookup costs ~3 us: once a forward)
         s = self._step(b, q, ids.device, embed.dtype, cache, slots)
         h = self._trunk(ids, s, embed)

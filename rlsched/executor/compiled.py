@@ -1,0 +1,168 @@
+"""Compiled forwards for small batches (`torch.compile`, inductor), opt-in.
+
+A step of a small model at batch 1 is op dispatch, not arithmetic: the built-in drafter's
+one-token forward is ~40 kernels of microseconds each. Compiled, its pointwise ops fuse into
+a few C++ loops and the wrapper calls the rest from C++ (`cpp_wrapper`): 230 against 390-490 us
+a forward here (median of 400 interleaved calls), so a speculative step's k - 1 drafter
+forwards cost ~40% less. The eager `Transformer.forward` stays the reference and the
+fallback; this is the same arithmetic written for a graph with static shapes:
+
+- attention reads each row's whole cache row with a mask (keys at or before the query's
+  position), not a slice `:upto` whose length changes every step and would recompile;
+- the new keys and values are written with `index_put_` on views of the row (`_row_views`),
+  which inductor does in place (with `index_copy_` through a view of a layer of the whole
+  cache, or `scatter_` on a row's slice of it, it copied the cache back: 13 and 5 ms a
+  forward at 64 cache rows);
+- positions, rotary tables and the last kept token come in as tensors.
+
+It applies to a batch of one row and at most `max_new` new tokens (a decode step, a verify of
+k <= max_new - 1 drafts, a drafter's feed), without autograd; any other forward (larger
+batches, longer prefills, training) runs eager. Graphs have static shapes but for the
+cache's size, one per number of new tokens, all compiled when the model is (3-20 s each here;
+inductor keeps them on disk, so a second process loads them in about a second). Batch 1 only:
+that is where dispatch dominates a step on a CPU (measured); from a few rows the arithmetic
+does, and a graph per batch size would multiply the compile time. Numbers:
+`bench/engine.py --sections sd_b1` (the compiled rows).
+"""
+
+from __future__ import annotations
+
+import itertools
+import types
+
+import torch
+import torch.nn.functional as F
+
+from rlsched.executor.kvcache import KVCache
+from rlsched.executor.rope import apply_rope
+
+_copies = itertools.count()
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as HF computes it: normalised in float32, scaled in the input dtype."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
+def _own_code(fn):
+    """A copy of `fn` with a code object of its own. Dynamo keeps a function's graphs on its
+    code object and checks their guards in turn on every call: with a target's and a
+    drafter's graphs on one, a drafter forward first failed the target's guards (a compiled
+    drafter forward 445-530 us in the engine's pattern against 238 alone)."""
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_copies)}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
+def _row_views(cache: KVCache, row: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Views (1, heads, max_len, head_dim) of one cache row, a key and a value view a layer,
+    made once a cache and row. Their strides do not depend on the cache's number of rows (a
+    view across layers had, and dynamo made a graph per cache size); their length is dynamic
+    (one graph for every cache length)."""
+    views = cache.__dict__.setdefault("_row_views", {})
+    if row not in views:
+        keys = [k[row:row + 1] for k in cache.keys]
+        values = [v[row:row + 1] for v in cache.values]
+        for t in keys + values:
+            torch._dynamo.maybe_mark_dynamic(t, 2)
+        views[row] = keys, values
+    return views[row]
+
+
+class CompiledForward:
+    """`model`'s cached forward of one row and 1..`max_new` new tokens, one compiled graph
+    for each number of tokens, all compiled here (so that no run stops mid-way to compile).
+    Call it as the model's forward is called; it returns None where it does not apply (the
+    caller then runs eager)."""
+
+    def __init__(self, model, max_new: int = 8):
+        import torch._dynamo.config as dynamo_config
+        import torch._inductor.config as inductor_config
+
+        # the generated wrapper in C++, not Python: 285 against 370 us a drafter forward
+        inductor_config.cpp_wrapper = True
+        # a graph per number of new tokens, per model (the default limit is 8 a function)
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 4 * max_new)
+        self.model, self.max_new = model, max_new
+        c = model.config
+        self._dynamic_rope = c.rope_scaling is not None and c.rope_scaling.kind == "dynamic"
+        self._graph = torch.compile(_own_code(CompiledForward._trunk).__get__(self), dynamic=False)
+        self._warm_up()
+
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """Compile every graph now, with inputs made as the engine makes them (under inference
+        mode: dynamo guards on how a tensor was made, and a graph made outside it would be
+        made again inside)."""
+        cache = self.model.new_cache(1, 2 * self.max_new + 1)
+        for q in range(1, self.max_new + 1):
+            cache.free([0])
+            self(torch.zeros((1, q), dtype=torch.long, device=cache.lengths.device), cache, None, None, False)
+
+    def __call__(self, ids: torch.Tensor, cache: KVCache, slots, n: torch.Tensor | None,
+                 last_only: bool) -> torch.Tensor | None:
+        b, q = ids.shape
+        if b != 1 or q > self.max_new or torch.is_grad_enabled():
+            return None
+        start = 0 if slots is None else int(slots[0])
+        length = int(cache.lengths[start])
+        window = self.model.config.sliding_window
+        if length + q > cache.max_len or (window is not None and length + q > window):
+            return None  # the eager forward raises the error
+        c = self.model.config
+        if self._dynamic_rope and cache.max_len > c.max_position_embeddings:
+            return None  # frequencies that depend on the length: eager
+        cos, sin = self._tables(cache.max_len, self.model.embed.weight.dtype, ids.device)
+        keys, values = _row_views(cache, start)
+        logits = self._graph(ids, cache.lengths[start:start + 1].clone(), keys, values, cos, sin)
+        kept = q if n is None else int(n[0])
+        cache.lengths[start] += kept
+        return logits[:, kept - 1:kept] if last_only else logits
+
+    def _tables(self, length: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rope's cos/sin tables, grown to cover every position of the cache."""
+        rope = self.model.rope
+        table = getattr(rope, "_table", None)
+        if table is None or table[0].shape[0] < length or table[0].dtype != dtype or table[0].device != device:
+            rope.forward(torch.zeros((1, 1), dtype=torch.long, device=device), dtype, length)
+            table = rope._table
+        return table[0], table[1]
+
+    def _trunk(self, ids, pos, keys, values, cos_t, sin_t):
+        """Logits for ids (1, q) at positions pos + 0..q-1 of a cache row: keys and values are
+        views of it, one a layer, written in place."""
+        m = self.model
+        c = m.config
+        nh, nkv, hd, eps = c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
+        b, q = ids.shape
+        embed = m.embed.weight
+        p = pos[:, None] + torch.arange(q, device=ids.device)  # (B, q)
+        cos, sin = cos_t[p][:, None], sin_t[p][:, None]  # (B, 1, q, d)
+        seen = torch.arange(keys[0].shape[2], device=ids.device)
+        mask = torch.zeros((), dtype=embed.dtype, device=ids.device).masked_fill(
+            seen[None, None, :] > p[:, :, None], float("-inf"))[:, None]  # (B, 1, q, L)
+        # where the new keys/values go: (row, head, position), broadcast to (B, KV, q)
+        at = (torch.arange(b, device=ids.device)[:, None, None], torch.arange(nkv, device=ids.device)[None, :, None],
+              p[:, None, :])
+        h = F.embedding(ids, embed)
+        for i, blk in enumerate(m.layers):
+            a = blk.attn
+            x = _rms(h, blk.attn_norm.weight, eps)
+            xqk, xv = F.linear(x, a.qkv.weight, a.qkv.bias).split_with_sizes(
+                [(nh + nkv) * hd, nkv * hd], dim=-1)
+            xqk = xqk.view(b, q, nh + nkv, hd)
+            if a.q_norm is not None:
+                xq, xk = xqk.split_with_sizes([nh, nkv], dim=2)
+                xqk = torch.cat([_rms(xq, a.q_norm.weight, eps), _rms(xk, a.k_norm.weight, eps)], dim=2)
+            xq, xk = apply_rope(xqk.transpose(1, 2), cos, sin).split_with_sizes([nh, nkv], dim=1)
+            xv = xv.view(b, q, nkv, hd).transpose(1, 2)
+            keys[i].index_put_(at, xk)
+            values[i].index_put_(at, xv)
+            out = F.scaled_dot_product_attention(xq, keys[i], values[i],
+                                                 attn_mask=mask, enable_gqa=nkv != nh)
+            h = h + F.linear(out.transpose(1, 2).reshape(b, q, nh * hd), a.o.weight, a.o.bias)
+            x = _rms(h, blk.mlp_norm.weight, eps)
+            gate, up = F.linear(x, blk.mlp.gate_up.weight, blk.mlp.gate_up.bias).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, blk.mlp.down.weight, blk.mlp.down.bias)
+        h = _rms(h, m.norm.weight, eps)
+        return F.linear(h, embed if m.lm_head is None else m.lm_head.weight).float()
