@@ -8,7 +8,9 @@ Sections (all on the built-in pair: an 8-layer target and a 2-layer drafter dist
 2. memory: peak RSS, and a KV budget a quarter of what the batch needs: requests wait, the
    reserved KV never exceeds the budget; a request larger than the budget is refused clearly;
 3. speculative decoding at B = 1: static k = 1..6 against plain, transformers assisted
-   generation as a peer row; the contenders take turns on each prompt (`interleaved_per_item`);
+   generation as a peer row, and the same with the batch-1 forwards compiled (static k = 2..6
+   against compiled plain, the eager plain beside them); the contenders take turns on each
+   prompt (`interleaved_per_item`);
    speedups both from each contender's fastest round and as the median over rounds of a
    ratio within the round (`paired`: this machine's speed drifts);
 4. a batch that drains from 64 to 1 (long-tail lengths): off, static k, goodput (priced by
@@ -264,11 +266,11 @@ def sd_b1_section(pair, target, drafter, n_prompts, repeats):
 
     reqs = [[Request(encode(e.prompt), 0, 0, len(e.answer) + 1)] for e in exs]
 
-    def engine_on(policy, use_drafter):
+    def engine_on(policy, use_drafter, models=(target, drafter)):
         # one engine per contender, kept from prompt to prompt as a rollout worker keeps it (a
         # fresh engine per prompt also timed its cache allocation and page faults: static:6
         # 1.33x plain with fresh engines, 1.60x with kept ones, in consecutive runs)
-        eng, gen = make_engine(target, drafter if use_drafter else None, policy, [r[0] for r in reqs], 1)
+        eng, gen = make_engine(models[0], models[1] if use_drafter else None, policy, [r[0] for r in reqs], 1)
 
         def once(i, seed):
             s, res = timed_run(eng, gen, reqs[i], seed=seed)
@@ -285,34 +287,53 @@ def sd_b1_section(pair, target, drafter, n_prompts, repeats):
             return s, n, 1.0 if assistant is None else float("nan")
         return once
 
-    # Two rotations, each with plain decoding as its anchor: rlsched's contenders, then the
-    # transformers peers. A peer's run (~1.4 s a prompt, 20x ours) between two of ours left
-    # them colder caches, the two-model SD more than plain (static:6 1.56x with the peers in
-    # the rotation vs 1.71x without, the same hour).
+    # The same pair with its batch-1 forwards compiled (`rlsched generate --compile`), as copies
+    # of the models: compiled against compiled, with the eager plain decoding in the rotation.
+    compiled = (load_model(pair.target).model, load_model(pair.drafter).model)
+    t0 = time.perf_counter()
+    compiled[0].compile_decode(7)  # decode and verify of up to k = 6 drafts
+    compiled[1].compile_decode(2)  # the drafter's feed
+    compile_s = time.perf_counter() - t0
+
+    # Three rotations, each with plain decoding as its anchor: rlsched's contenders, the
+    # transformers peers, the compiled engine. A peer's run (~1.4 s a prompt, 20x ours)
+    # between two of ours left them colder caches, the two-model SD more than plain (static:6
+    # 1.56x with the peers in the rotation vs 1.71x without, the same hour).
     ours = {"off": engine_on("off", False)}
     ours.update({f"static:{k}": engine_on(f"static:{k}", True) for k in range(1, 7)})
     peers = {"off": ours["off"], "HF generate (plain)": hf_on(None, 0), "HF assisted (k=4)": hf_on(hf_d, 4)}
+    comp = {"off": engine_on("off", False, compiled), "eager off": ours["off"]}
+    comp.update({f"static:{k}": engine_on(f"static:{k}", True, compiled) for k in range(2, 7)})
     out = []
-    for fns in (ours, peers):
+    for label, fns in (("", ours), ("", peers), (" (compiled)", comp)):
         runs, rounds = interleaved_per_item(fns, len(exs), repeats)
         plain = runs["off"][1] / runs["off"][0]
         for name, (s, tok, acc) in runs.items():
             if fns is peers and name == "off":
                 continue
             per_round = paired(rounds, "off", name)  # same tokens every run: time ratio = tok/s ratio
-            out.append(dict(policy=name, tok_s=tok / s, speedup=tok / s / plain, speedup_rounds=per_round,
+            out.append(dict(policy=name + ("" if name == "eager off" else label), tok_s=tok / s,
+                            speedup=tok / s / plain, speedup_rounds=per_round, compiled=fns is comp,
                             speedup_median=float(np.median(per_round)), mean_accept_len=acc))
-    best = max((r for r in out if r["policy"].startswith("static")), key=lambda r: r["speedup_median"])
+
+    def best_of(compiled_):
+        return max((r for r in out if r["policy"].startswith("static") and r["compiled"] == compiled_),
+                   key=lambda r: r["speedup_median"])
+    best, best_c = best_of(False), best_of(True)
+    plain_c = next(r for r in out if r["policy"] == "eager off")
     rows = [[r["policy"], f"{r['tok_s']:,.0f}", f"{r['speedup']:.2f}x", f"{r['speedup_median']:.2f}x",
              f"{min(r['speedup_rounds']):.2f}-{max(r['speedup_rounds']):.2f}", f"{r['mean_accept_len']:.2f}"]
             for r in out]
     text = table(["B=1 policy", "tok/s (fastest round)", "vs off (fastest rounds)", "vs off (median of rounds)",
                   "range over rounds", "mean accepted len"], rows)
     text = (f"{len(exs)} prompts one at a time, {repeats} rounds, the contenders in turn on each prompt (the HF "
-            f"rows in a rotation of their own with off); best static {best['policy']} by the median of rounds\n"
-            + text)
+            f"rows in a rotation of their own with off, the compiled engine's in a third, against its own off, "
+            f"with the eager off beside it); best static {best['policy']} by the median of rounds, compiled "
+            f"{best_c['policy']}; compiling took {compile_s:.0f} s\n" + text)
     return dict(rows=out, best_static=best["policy"], best_static_speedup=best["speedup"],
-                best_static_speedup_median=best["speedup_median"], rounds=repeats), text
+                best_static_speedup_median=best["speedup_median"], rounds=repeats,
+                best_static_compiled=best_c["policy"], best_static_compiled_speedup_median=best_c["speedup_median"],
+                compiled_plain_over_eager_median=1 / plain_c["speedup_median"], compile_s=compile_s), text
 
 
 # --- 4. a draining batch -------------------------------------------------------------------------
