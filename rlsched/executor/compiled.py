@@ -1,4 +1,4 @@
-"""Compiled forwards for small batches (`torch.compile`, inductor), opt-in.
+"""Compiled forwards at batch 1 (`torch.compile`, inductor), opt-in.
 
 A step of a small model at batch 1 is op dispatch, not arithmetic: the built-in drafter's
 one-token forward is ~40 kernels of microseconds each. Compiled, its pointwise ops fuse into
@@ -13,13 +13,14 @@ fallback; this is the same arithmetic written for a graph with static shapes:
   which inductor does in place (with `index_copy_` through a view of a layer of the whole
   cache, or `scatter_` on a row's slice of it, it copied the cache back: 13 and 5 ms a
   forward at 64 cache rows);
-- positions, rotary tables and the last kept token come in as tensors.
+- positions and the rotary tables come in as tensors; the last kept token's logits are
+  sliced outside (one graph serves decode, verify and a drafter's feed).
 
 It applies to a batch of one row and at most `max_new` new tokens (a decode step, a verify of
 k <= max_new - 1 drafts, a drafter's feed), without autograd; any other forward (larger
 batches, longer prefills, training) runs eager. Graphs have static shapes but for the
-cache's size, one per number of new tokens, all compiled when the model is (3-20 s each here;
-inductor keeps them on disk, so a second process loads them in about a second). Batch 1 only:
+cache's length, one per number of new tokens, all compiled when the model is (10-20 s each
+here; inductor keeps them on disk, and a second process makes them in about 3 s each). Batch 1 only:
 that is where dispatch dominates a step on a CPU (measured); from a few rows the arithmetic
 does, and a graph per batch size would multiply the compile time. Numbers:
 `bench/engine.py --sections sd_b1` (the compiled rows).
