@@ -92,9 +92,10 @@ class CompiledForward:
 
     @torch.inference_mode()
     def _warm_up(self) -> None:
-        """Compile every graph now, with inputs made as the engine makes them (under inference
-        mode: dynamo guards on how a tensor was made, and a graph made outside it would be
-        made again inside)."""
+        """Compile every graph now, with inputs made as the engine, the profiler and the model
+        drafter make them: caches of inference tensors, forwards in inference mode. Dynamo
+        guards on how a tensor was made, so a forward from outside inference mode (or on a
+        cache made outside it) compiles graphs of its own on first use."""
         cache = self.model.new_cache(1, 2 * self.max_new + 1)
         for q in range(1, self.max_new + 1):
             cache.free([0])

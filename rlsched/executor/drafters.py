@@ -116,22 +116,33 @@ class ModelDrafter:
     def __init__(self, model, sampling: SamplingParams, max_batch: int, max_len: int,
                  generator: torch.Generator | None = None):
         self.model, self.sampling, self.generator = model, sampling, generator
-        self.cache = model.new_cache(max_batch, max_len)
+        self.new_cache(max_batch, max_len)
         # slot -> (the Seq, the tokens in its cache row, how many of those are the Seq's own:
         # the rest are drafts, kept as far as they were accepted)
         self.cached: dict[int, tuple[Seq, list[int], int]] = {}
         self.catch_up = 0  # tokens the last propose fed beyond two a row (see StepOutcome.catch_up)
 
+    @torch.inference_mode()
+    def new_cache(self, max_batch: int, max_len: int) -> None:
+        """A fresh cache, of inference tensors (as the engine's own): views of them cost less
+        to make than of normal tensors in inference mode (a drafter forward reads and writes
+        the cache through several a layer), and a compiled model (`compiled.py`) was compiled
+        for them. So the drafter's methods all run in inference mode."""
+        self.cache = self.model.new_cache(max_batch, max_len)
+
+    @torch.inference_mode()
     def reset(self) -> None:
         self.cache.free(torch.arange(self.cache.max_batch))
         self.cached.clear()
 
+    @torch.inference_mode()
     def release(self, rows: list[Seq]) -> None:
         slots = [s.slot for s in rows]
         self.cache.free(slots)
         for s in slots:
             self.cached.pop(s, None)
 
+    @torch.inference_mode()
     def move(self, src: int, dst: int) -> None:
         """The row in slot `src` now lives in the empty slot `dst` (the engine compacts)."""
         self.cache.move(src, dst)
@@ -139,6 +150,7 @@ class ModelDrafter:
         if src in self.cached:
             self.cached[dst] = self.cached.pop(src)
 
+    @torch.inference_mode()
     def rewind(self, rows: list[Seq], lengths: list[int]) -> None:
         """Row i's cache back to its sequence's first lengths[i] tokens, as if it had just
         reached them: the profiler replays one step from the same context again and again."""
@@ -147,7 +159,7 @@ class ModelDrafter:
         for s, n in zip(rows, lengths):
             self.cached[s.slot] = (s, s.tokens[:n], n)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def propose(self, rows, k):
         b = len(rows)
         dev = self.cache.lengths.device

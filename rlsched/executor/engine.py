@@ -259,7 +259,7 @@ class RolloutEngine:
         self.cache_capacity = cache_capacity
         d = self.drafters.get("model")
         if d is not None:
-            d.cache = d.model.new_cache(self.max_batch, drafter_max_len)
+            d.new_cache(self.max_batch, drafter_max_len)
 
     def _compact(self) -> None:
         """Running rows in cache slots 0..n-1, in slot order, so that every layer reads the

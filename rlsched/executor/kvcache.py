@@ -22,12 +22,9 @@ class KVCache:
         if max_batch < 1 or max_len < 1:
             raise ValueError(f"KV cache needs max_batch >= 1 and max_len >= 1 (got {max_batch}, {max_len})")
         self.max_batch, self.max_len = max_batch, max_len
-        # never inference tensors, wherever the cache is made: a compiled forward
-        # (`compiled.py`) is guarded on that, and the engine's caches are made in and out of it
-        with torch.inference_mode(False):
-            self.kv = torch.zeros(num_layers, 2, max_batch, num_kv_heads, max_len, head_dim,
-                                  device=device, dtype=dtype)
-            self.lengths = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.kv = torch.zeros(num_layers, 2, max_batch, num_kv_heads, max_len, head_dim,
+                              device=device, dtype=dtype)
+        self.lengths = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.on_cpu = self.lengths.device.type == "cpu"
         # per-layer views, indexed once here rather than twice per access in every forward
         self.keys = [self.kv[layer, 0] for layer in range(num_layers)]

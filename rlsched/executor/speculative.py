@@ -228,7 +228,7 @@ def decode_step(model, cache: KVCache, slots, last: torch.Tensor, sampling: Samp
     return step(model, cache, slots, last, sampling, generator=generator)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def generate(model, prompts: list[list[int]], max_new: int, sampling: SamplingParams, *,
              drafter=None, k: int = 0, k_per_row=None, prompt_ids=None,
              generator: torch.Generator | None = None) -> tuple[list[list[int]], list[list[float]], dict]:
