@@ -6,7 +6,9 @@ A random-init target of a real size (the Qwen2.5-1.5B configuration) and a small
    row, verification, sampling) at a fixed context, and its ratio to a plain decode step;
    this is the curve that says where speculation stops paying (ReSpec's gap 1);
 2. plain decoding tokens/s of the rollout engine at B = 1, 16, 64, 256;
-3. speculative steps: the drafter's cost per drafted token against the target's decode.
+3. speculative steps: the drafter's cost per drafted token against the target's decode;
+4. plain decoding at B = 1 with the one-token forward compiled (`compile_decode`) against
+   eager (never run on a GPU when written: a failure is recorded in the results, not raised).
 
 Random weights make acceptance meaningless, so (3) reports costs, not end-to-end SD speed;
 the break-even acceptance for each B and k follows from (1) and (3). Writes
@@ -60,6 +62,41 @@ def table(headers, rows) -> str:
     return "\n".join(out)
 
 
+def plain_run(model, b: int, args, dev, sp) -> tuple[int, float]:
+    """Tokens and seconds of plain decoding at batch b with the rollout engine (after a warm-up)."""
+    reqs = [Request(list(range(100, 100 + args.context)), i, i, args.tokens) for i in range(b)]
+    eng = RolloutEngine(model, None, b * (args.context + args.tokens), b, sp, "off", k_max=args.k_max,
+                        generator=torch.Generator(device=dev).manual_seed(0))
+    eng.run(reqs[: min(b, 4)])  # warm-up
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    res = eng.run(reqs)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    return res.stats["tokens"], time.perf_counter() - t
+
+
+def compiled_b1(target, args, dev, sp, eager: dict, results: dict) -> str:
+    """4. plain decoding at B = 1 with the one-token forward compiled (`compile_decode`,
+    inductor; measured on CPU only before this script): its tokens/s against the eager
+    engine's. Never measured on a GPU when written, so a failure is recorded, not raised
+    (the sections above keep their results)."""
+    try:
+        t = time.perf_counter()
+        target.compile_decode(1)
+        compile_s = time.perf_counter() - t
+        tokens, s = plain_run(target, 1, args, dev, sp)
+        target.compiled = None
+    except Exception as e:  # noqa: BLE001 - the record says what failed
+        results["compiled_b1"] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+        return f"compiled batch-1 decoding failed: {results['compiled_b1']['error'][:300]}"
+    r = dict(tokens=tokens, seconds=s, tok_s=tokens / s, compile_s=compile_s, vs_eager=tokens / s / eager["tok_s"])
+    results["compiled_b1"] = r
+    return (f"plain decoding at B = 1, one-token forward compiled (compile_decode; {compile_s:.0f} s to compile): "
+            f"{r['tok_s']:,.0f} tok/s, {r['vs_eager']:.2f}x the eager engine")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch-sizes", default="1,4,16,64,128,256")
@@ -96,22 +133,17 @@ def main() -> None:
     text += ["draft ms (0.5B-shaped drafter) by batch x k", table(["B"] + [f"k={k}" for k in ks[1:]], rows)]
     plain = []
     for b in [s for s in sizes if s <= 256]:
-        reqs = [Request(list(range(100, 100 + args.context)), i, i, args.tokens) for i in range(b)]
-        eng = RolloutEngine(target, None, b * (args.context + args.tokens), b, sp, "off", k_max=args.k_max,
-                            generator=torch.Generator(device=dev).manual_seed(0))
-        eng.run(reqs[: min(b, 4)])  # warm-up
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        res = eng.run(reqs)
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        s = time.perf_counter() - t
-        plain.append(dict(batch=b, tokens=res.stats["tokens"], seconds=s, tok_s=res.stats["tokens"] / s))
+        tokens, s = plain_run(target, b, args, dev, sp)
+        plain.append(dict(batch=b, tokens=tokens, seconds=s, tok_s=tokens / s))
     results["plain"] = plain
     text += ["plain decoding with the rollout engine (prefill included)",
              table(["B", "tokens", "seconds", "tok/s"], [[p["batch"], p["tokens"], p["seconds"], f"{p['tok_s']:,.0f}"]
                                                         for p in plain])]
+    eager_b1 = next((p for p in plain if p["batch"] == 1), None)
+    if eager_b1 is None:
+        tokens, s = plain_run(target, 1, args, dev, sp)
+        eager_b1 = dict(batch=1, tokens=tokens, seconds=s, tok_s=tokens / s)
+    text.append(compiled_b1(target, args, dev, sp, eager_b1, results))
     results["seconds"] = time.perf_counter() - t0
     out = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
     out.mkdir(parents=True, exist_ok=True)
