@@ -420,6 +420,8 @@ def profile(
     device: str = typer.Option("cpu", "--device", help="cpu or cuda[:N]."),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
     threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's)."),
+    compile_: bool = typer.Option(False, "--compile", help="Time the batch-1 points with compiled forwards, "
+                                  "as `generate --compile` runs them."),
     out: Path = typer.Option(Path("runs/profile/latest"), "--out", "-o", help="Output folder."),
 ):
     """Measure verify, draft and prefill step times over batch size x draft length x context.
@@ -432,7 +434,7 @@ def profile(
 
     run_profile(model=model, drafters=drafter, batch_sizes=_int_list(batch_sizes, "--batch-sizes"), k_max=k_max,
                 contexts=_int_list(contexts, "--contexts"), repeats=repeats, passes=passes, device=device, dtype=dtype,
-                threads=threads, out=out, console=err_console, table_console=out_console)
+                threads=threads, out=out, console=err_console, table_console=out_console, compile=compile_)
 
 
 FIT_HELP = (

@@ -194,7 +194,7 @@ def policy_profile(model, drafter, *, policy: str, max_batch: int, k_max: int, t
 
 def run_profile(*, model: str, drafters: list[str], batch_sizes: list[int], k_max: int, contexts: list[int],
                 repeats: int, device: str, dtype: str, threads: int | None, out: Path, console,
-                table_console, passes: int = 1) -> Path:
+                table_console, passes: int = 1, compile: bool = False) -> Path:
     """`rlsched profile`: load, check, measure, write `out/traces/steps/` and `out/profile.json`."""
     import pandas as pd
     from rich.table import Table
@@ -227,6 +227,12 @@ def run_profile(*, model: str, drafters: list[str], batch_sizes: list[int], k_ma
         check_drafter_vocab(target, d, target_dir, folder)
         name = "model" if "model" not in timed else f"model:{folder.name}"
         timed[name] = ModelDrafter(d.model, sampling, max(batch_sizes), max_len)
+    if compile:  # after every check: compiling takes a while
+        log("compiling the batch-1 forwards (once per machine; inductor keeps them on disk)")
+        target.model.compile_decode(k_max + 1)
+        for d in timed.values():
+            if isinstance(d, ModelDrafter):
+                d.model.compile_decode(2)
     prepare_out(out, "profile.json", "profile")
     with console.status("profiling") as status:
         records = profile(target.model, timed, batch_sizes=batch_sizes, k_max=k_max, contexts=contexts,
@@ -241,7 +247,7 @@ def run_profile(*, model: str, drafters: list[str], batch_sizes: list[int], k_ma
         write_text_atomic(tmp / "profile.json", json.dumps({
             "model": str(target_dir), "drafters": list(timed), "batch_sizes": batch_sizes, "k_max": k_max,
             "contexts": contexts, "prefill_contexts": sorted({*contexts, *prefill_midpoints(contexts)}),
-            "repeats": repeats, "passes": passes, "device": device, "dtype": dtype,
+            "repeats": repeats, "passes": passes, "device": device, "dtype": dtype, "compiled": compile,
             "threads": torch.get_num_threads(), "machine": platform.node(),
             "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=2) + "\n")
     verify = df[df.kind == "verify"].pivot_table(index="batch", columns="k", values="verify_ms", aggfunc="mean")
