@@ -360,9 +360,9 @@ def test_compiled_decode_equals_transformers(models, name):
     model.compiled._graph = lambda *a: calls.append(a[0].shape) or graph(*a)
     g = torch.Generator().manual_seed(3)
     seq = torch.randint(0, VOCAB, (6,), generator=g).tolist()
-    cache = model.new_cache(2, 16)
     slots = torch.tensor([1])
-    with torch.inference_mode():
+    with torch.inference_mode():  # as the engine runs (the graphs were compiled for it)
+        cache = model.new_cache(2, 16)
         out = model(torch.tensor([seq]), cache, slots=slots)
         assert calls == []  # 6 new tokens: eager
         _check(name, out[0], _ref(hf, seq))
