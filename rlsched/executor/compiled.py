@@ -87,6 +87,7 @@ class CompiledForward:
         self.model, self.max_new = model, max_new
         c = model.config
         self._dynamic_rope = c.rope_scaling is not None and c.rope_scaling.kind == "dynamic"
+        self._marked = None  # the rope table last marked dynamic
         self._graph = torch.compile(_own_code(CompiledForward._trunk).__get__(self), dynamic=False)
         self._warm_up()
 
@@ -122,12 +123,18 @@ class CompiledForward:
         return logits[:, kept - 1:kept] if last_only else logits
 
     def _tables(self, length: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rope's cos/sin tables, grown to cover every position of the cache."""
+        """The rope's cos/sin tables, grown to cover every position of the cache; their length
+        is dynamic in the graphs (a longer cache regrows them, which would otherwise compile
+        every graph again mid-run)."""
         rope = self.model.rope
         table = getattr(rope, "_table", None)
         if table is None or table[0].shape[0] < length or table[0].dtype != dtype or table[0].device != device:
             rope.forward(torch.zeros((1, 1), dtype=torch.long, device=device), dtype, length)
             table = rope._table
+        if table[0] is not self._marked:
+            for t in table[:2]:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+            self._marked = table[0]
         return table[0], table[1]
 
     def _trunk(self, ids, pos, keys, values, cos_t, sin_t):
