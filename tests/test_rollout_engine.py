@@ -91,27 +91,29 @@ def test_greedy_static_equals_off_and_reference(pair, kind):
     assert sd.stats["accepted"] > 0 and sd.stats["mean_accept_len"] > 1.0
 
 
-def test_compiled_batch_one_engine_equals_eager_greedy(pair):
-    """With the target's and the drafter's batch-1 forwards compiled (`compile_decode`), a
-    batch-1 engine's greedy SD gives the eager plain decoding's tokens, and the compiled
-    graphs ran (decode, verify, the drafter's drafts and feeds)."""
+def test_compiled_engine_equals_eager_greedy(pair):
+    """With the target's and the drafter's forwards of up to two rows compiled
+    (`compile_decode`), a two-row engine's greedy SD gives the eager plain decoding's tokens,
+    and the compiled graphs ran at two rows and at one (decode, verify, the drafter's drafts
+    and feeds)."""
     import copy
 
-    reqs = requests(1, 16)
-    want, _, _ = generate(pair[0], [r.prompt for r in reqs], 16, GREEDY)
+    reqs = [Request(r.prompt, r.prompt_id, r.sample_id, 16 + 8 * (i == 5)) for i, r in enumerate(requests(1, 16))]
+    want = [generate(pair[0], [r.prompt], r.max_new_tokens, GREEDY)[0][0] for r in reqs]  # the last runs alone
     target, drafter = copy.deepcopy(pair[0]), copy.deepcopy(pair[1])
-    target.compile_decode(3)  # static:2 verifies 3 tokens a row
-    drafter.compile_decode(2)
-    calls = {"target": 0, "drafter": 0}
+    target.compile_decode(3, max_batch=2)  # static:2 verifies 3 tokens a row
+    drafter.compile_decode(2, max_batch=2)
+    rows = {"target": [], "drafter": []}
     for name, m in (("target", target), ("drafter", drafter)):
         graph = m.compiled._graph
-        m.compiled._graph = lambda *a, g=graph, n=name: calls.__setitem__(n, calls[n] + 1) or g(*a)
-    e = RolloutEngine(target, ModelDrafter(drafter, GREEDY, max_batch=1, max_len=64), 1000, 1, GREEDY,
+        m.compiled._graph = lambda *a, g=graph, n=name: rows[n].append(a[0].shape[0]) or g(*a)
+    e = RolloutEngine(target, ModelDrafter(drafter, GREEDY, max_batch=2, max_len=64), 1000, 2, GREEDY,
                       build_policy("static:2", ("model",)), AcceptanceEstimator(("model",)))
     sd = e.run(reqs)
     assert [s.tokens for s in sd.samples] == want
     assert sd.stats["accepted"] > 0
-    assert calls["target"] >= sd.stats["steps"] - len(reqs) and calls["drafter"] > 0
+    assert len(rows["target"]) >= sd.stats["steps"] - len(reqs)
+    assert {1, 2} <= set(rows["target"]) and {1, 2} <= set(rows["drafter"])
 
 
 def test_model_drafter_feeds_a_prompts_samples_once(pair):

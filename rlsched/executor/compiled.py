@@ -1,4 +1,4 @@
-"""Compiled forwards at batch 1 (`torch.compile`, inductor), opt-in.
+"""Compiled forwards for small batches (`torch.compile`, inductor), opt-in.
 
 A step of a small model at batch 1 is op dispatch, not arithmetic: the built-in drafter's
 one-token forward is ~40 kernels of microseconds each. Compiled, its pointwise ops fuse into
@@ -16,14 +16,16 @@ fallback; this is the same arithmetic written for a graph with static shapes:
 - positions and the rotary tables come in as tensors; the last kept token's logits are
   sliced outside (one graph serves decode, verify and a drafter's feed).
 
-It applies to a batch of one row and at most `max_new` new tokens (a decode step, a verify of
-k <= max_new - 1 drafts, a drafter's feed), without autograd; any other forward (larger
-batches, longer prefills, training) runs eager. Graphs have static shapes but for the
-cache's length, one per number of new tokens, all compiled when the model is (10-20 s each
-here; inductor keeps them on disk, and a second process makes them in about 3 s each). Batch 1 only:
-that is where dispatch dominates a step on a CPU (measured); from a few rows the arithmetic
-does, and a graph per batch size would multiply the compile time. Numbers:
-`bench/engine.py --sections sd_b1` (the compiled rows).
+It applies to up to `max_batch` consecutive cache rows (the engine keeps its rows so) and at
+most `max_new` new tokens a row (a decode step, a verify of k <= max_new - 1 drafts, a
+drafter's feed; rows may keep different numbers of them), without autograd; any other
+forward (more rows, longer prefills, training) runs eager. Graphs have static shapes but for
+the cache's length and (from two rows on) the number of rows: one per number of new tokens at
+one row and one from two rows on, all compiled when the model is (10-20 s each here; inductor
+keeps them on disk, and a second process makes them in about 3 s each). Where it pays, on
+this CPU: a one-token forward of the built-in target 1.3-1.4x faster at one row, 1.4-1.7x at
+two to four, 1.2-1.4x at eight (the graph alone, medians of 300 interleaved calls). Numbers
+in the engine: `bench/engine.py --sections sd_b1` (the compiled rows).
 """
 
 from __future__ import annotations
@@ -55,36 +57,41 @@ def _own_code(fn):
     return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
 
-def _row_views(cache: KVCache, row: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Views (1, heads, max_len, head_dim) of one cache row, a key and a value view a layer,
-    made once a cache and row. Their strides do not depend on the cache's number of rows (a
-    view across layers had, and dynamo made a graph per cache size); their length is dynamic
-    (one graph for every cache length)."""
+def _row_views(cache: KVCache, start: int, b: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Views (b, heads, max_len, head_dim) of cache rows start..start+b-1, a key and a value
+    view a layer, made once a cache and row range. Their strides do not depend on the cache's
+    number of rows (a view across layers had, and dynamo made a graph per cache size); their
+    length is dynamic (one graph for every cache length), and so is their number of rows
+    from two on."""
     views = cache.__dict__.setdefault("_row_views", {})
-    if row not in views:
-        keys = [k[row:row + 1] for k in cache.keys]
-        values = [v[row:row + 1] for v in cache.values]
+    if (start, b) not in views:
+        keys = [k[start:start + b] for k in cache.keys]
+        values = [v[start:start + b] for v in cache.values]
         for t in keys + values:
             torch._dynamo.maybe_mark_dynamic(t, 2)
-        views[row] = keys, values
-    return views[row]
+            if b > 1:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+        views[(start, b)] = keys, values
+    return views[(start, b)]
 
 
 class CompiledForward:
-    """`model`'s cached forward of one row and 1..`max_new` new tokens, one compiled graph
-    for each number of tokens, all compiled here (so that no run stops mid-way to compile).
-    Call it as the model's forward is called; it returns None where it does not apply (the
-    caller then runs eager)."""
+    """`model`'s cached forward of 1..`max_batch` consecutive cache rows and 1..`max_new` new
+    tokens, one compiled graph for each number of tokens at one row and one (dynamic in the
+    rows) from two rows on, all compiled here (so that no run stops mid-way to compile). Call
+    it as the model's forward is called; it returns None where it does not apply (the caller
+    then runs eager)."""
 
-    def __init__(self, model, max_new: int = 8):
+    def __init__(self, model, max_new: int = 8, max_batch: int = 1):
         import torch._dynamo.config as dynamo_config
         import torch._inductor.config as inductor_config
 
         # the generated wrapper in C++, not Python: 285 against 370 us a drafter forward
         inductor_config.cpp_wrapper = True
-        # a graph per number of new tokens, per model (the default limit is 8 a function)
+        # a graph per number of new tokens and rows (1, or more), per model (the default limit
+        # is 8 a function)
         dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 4 * max_new)
-        self.model, self.max_new = model, max_new
+        self.model, self.max_new, self.max_batch = model, max_new, max_batch
         c = model.config
         self._dynamic_rope = c.rope_scaling is not None and c.rope_scaling.kind == "dynamic"
         self._marked = None  # the rope table last marked dynamic
@@ -97,30 +104,48 @@ class CompiledForward:
         drafter make them: caches of inference tensors, forwards in inference mode. Dynamo
         guards on how a tensor was made, so a forward from outside inference mode (or on a
         cache made outside it) compiles graphs of its own on first use."""
-        cache = self.model.new_cache(1, 2 * self.max_new + 1)
-        for q in range(1, self.max_new + 1):
-            cache.free([0])
-            self(torch.zeros((1, q), dtype=torch.long, device=cache.lengths.device), cache, None, None, False)
+        rows = (1, 2) if self.max_batch > 1 else (1,)
+        cache = self.model.new_cache(max(rows), 2 * self.max_new + 1)
+        dev = cache.lengths.device
+        for b in rows:
+            for q in range(1, self.max_new + 1):
+                cache.free(torch.arange(b))
+                self(torch.zeros((b, q), dtype=torch.long, device=dev), cache, None, None, False)
 
     def __call__(self, ids: torch.Tensor, cache: KVCache, slots, n: torch.Tensor | None,
                  last_only: bool) -> torch.Tensor | None:
         b, q = ids.shape
-        if b != 1 or q > self.max_new or torch.is_grad_enabled():
+        if b > self.max_batch or q > self.max_new or torch.is_grad_enabled():
             return None
-        start = 0 if slots is None else int(slots[0])
-        length = int(cache.lengths[start])
+        if b == 1:
+            start = 0 if slots is None else int(slots[0])
+            longest = int(cache.lengths[start])
+        else:
+            start = 0 if slots is None else cache.consecutive(cache.rows(slots, b))
+            if start is None:
+                return None  # scattered rows: eager (the engine keeps its rows consecutive)
+            longest = max(cache.lengths[start:start + b].tolist())
         window = self.model.config.sliding_window
-        if length + q > cache.max_len or (window is not None and length + q > window):
+        if longest + q > cache.max_len or (window is not None and longest + q > window):
             return None  # the eager forward raises the error
         c = self.model.config
         if self._dynamic_rope and cache.max_len > c.max_position_embeddings:
             return None  # frequencies that depend on the length: eager
         cos, sin = self._tables(cache.max_len, self.model.embed.weight.dtype, ids.device)
-        keys, values = _row_views(cache, start)
-        logits = self._graph(ids, cache.lengths[start:start + 1].clone(), keys, values, cos, sin)
-        kept = q if n is None else int(n[0])
-        cache.lengths[start] += kept
-        return logits[:, kept - 1:kept] if last_only else logits
+        keys, values = _row_views(cache, start, b)
+        lengths = cache.lengths[start:start + b]
+        pos = lengths.clone()
+        if b > 1:  # one graph for every number of rows from two on
+            torch._dynamo.maybe_mark_dynamic(ids, 0)
+            torch._dynamo.maybe_mark_dynamic(pos, 0)
+        logits = self._graph(ids, pos, keys, values, cos, sin)
+        if n is None:
+            lengths.add_(q)
+            return logits[:, -1:] if last_only else logits
+        lengths.add_(n)
+        if not last_only:
+            return logits
+        return logits[torch.arange(b, device=logits.device), n - 1][:, None]
 
     def _tables(self, length: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
         """The rope's cos/sin tables, grown to cover every position of the cache; their length
@@ -138,8 +163,8 @@ class CompiledForward:
         return table[0], table[1]
 
     def _trunk(self, ids, pos, keys, values, cos_t, sin_t):
-        """Logits for ids (1, q) at positions pos + 0..q-1 of a cache row: keys and values are
-        views of it, one a layer, written in place."""
+        """Logits for ids (B, q) at positions pos[b] + 0..q-1 of B cache rows: keys and values
+        are views of them, one a layer, written in place."""
         m = self.model
         c = m.config
         nh, nkv, hd, eps = c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps

@@ -213,13 +213,13 @@ class Transformer(nn.Module):
         self.rope = Rope(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings)
         self.compiled = None  # a CompiledForward once `compile_decode` was called
 
-    def compile_decode(self, max_new: int = 8) -> None:
-        """Run cached forwards of one row and up to `max_new` new tokens (decode, verify of up
-        to max_new - 1 drafts) through compiled graphs (`executor/compiled.py`), compiled now;
-        everything else stays eager."""
+    def compile_decode(self, max_new: int = 8, max_batch: int = 1) -> None:
+        """Run cached forwards of up to `max_batch` rows and `max_new` new tokens a row (decode,
+        verify of up to max_new - 1 drafts) through compiled graphs (`executor/compiled.py`),
+        compiled now; everything else stays eager."""
         from rlsched.executor.compiled import CompiledForward
 
-        self.compiled = CompiledForward(self, max_new)
+        self.compiled = CompiledForward(self, max_new, max_batch)
 
     def new_cache(self, max_batch: int, max_len: int) -> KVCache:
         """A cache on this model's device, in its dtype."""
