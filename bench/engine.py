@@ -16,7 +16,8 @@ Sections (all on the built-in pair: an 8-layer target and a 2-layer drafter dist
 4. a batch that drains from 64 to 1 (long-tail lengths): off, static k, goodput (priced by
    a profile taken here: by its grid, as `rlsched run` does, and by `rlsched fit`'s forms
    fitted to it) and bandit, the adaptive ones after one earlier rollout (their estimates
-   carry over, as between RL steps).
+   carry over, as between RL steps); and off and static:3 with the forwards of up to 8 rows
+   compiled (`--compile`).
 
 Run: python bench/engine.py [--threads 2] [--quick] [--sections sd_b1,drain]. Results: bench/results/engine.{json,txt}.
 """
@@ -24,6 +25,7 @@ Run: python bench/engine.py [--threads 2] [--quick] [--sections sd_b1,drain]. Re
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import resource
 import subprocess
@@ -360,20 +362,27 @@ def drain_section(target, drafter, repeats, quick):
     # statistics carry over from an earlier rollout (other prompts), as from the RL step before.
     warm = [Request(encode(e.prompt), i, i, n) for i, (e, n) in enumerate(zip(long_answers(lengths, 22), lengths))]
 
+    # The same pair with its forwards of up to 8 rows compiled (`rlsched generate --compile`),
+    # as copies: SD off and static:3 beside the eager ones.
+    compiled = (copy.deepcopy(target), copy.deepcopy(drafter))
+    compiled[0].compile_decode(7, 8)
+    compiled[1].compile_decode(2, 8)
+
     def contender(name):
         # one engine each, kept from run to run (as in the B = 1 section)
         spec = name.split(" ")[0]
         adaptive = spec in ("goodput", "bandit")
         est = AcceptanceEstimator(("model",)) if adaptive else None
         pol = build_policy(spec, ("model",), priced.get(name), k_max=6, max_batch=64)
-        eng, gen = make_engine(target, drafter if name != "off" else None, pol, reqs + warm, 64, estimator=est)
+        t, dm = compiled if name.endswith("(compiled)") else (target, drafter)
+        eng, gen = make_engine(t, dm if spec != "off" else None, pol, reqs + warm, 64, estimator=est)
         if adaptive:
             timed_run(eng, gen, warm)
         return lambda r: timed_run(eng, gen, reqs, seed=seeded(r))
 
     fns = {name: contender(name)
            for name in ["off", "static:1", "static:2", "static:3", "static:4", "static:6", "goodput", "goodput (fit)",
-                        "bandit"]}
+                        "bandit", "off (compiled)", "static:3 (compiled)"]}
     runs, rounds = interleaved(fns, repeats)
     # every round samples with its own seed (`seeded`), the same for all contenders: a
     # contender's total over the rounds averages its draws; the fastest round is a lucky one
@@ -383,7 +392,7 @@ def drain_section(target, drafter, repeats, quick):
                 mean_accept_len=float(np.mean([r[1].stats["mean_accept_len"] for r in rounds[pol]])))
            for pol, (s, res) in runs.items()]
     off = out[0]["total_s"]
-    statics = [r["policy"] for r in out if r["policy"].startswith("static")]
+    statics = [r["policy"] for r in out if r["policy"].startswith("static") and "compiled" not in r["policy"]]
     best_static = min((r for r in out if r["policy"] in statics), key=lambda r: r["total_s"])
     for r in out:
         r["speedup_vs_off"] = off / r["total_s"]
