@@ -291,7 +291,7 @@ def sd_b1_section(pair, target, drafter, n_prompts, repeats):
 
     # The same pair with its batch-1 forwards compiled (`rlsched generate --compile`), as copies
     # of the models: compiled against compiled, with the eager plain decoding in the rotation.
-    compiled = (load_model(pair.target).model, load_model(pair.drafter).model)
+    compiled = (copy.deepcopy(target), copy.deepcopy(drafter))
     t0 = time.perf_counter()
     compiled[0].compile_decode(7)  # decode and verify of up to k = 6 drafts
     compiled[1].compile_decode(2)  # the drafter's feed

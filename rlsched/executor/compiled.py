@@ -25,7 +25,7 @@ one row and one from two rows on, all compiled when the model is (10-20 s each h
 keeps them on disk, and a second process makes them in about 3 s each). Where it pays, on
 this CPU: a one-token forward of the built-in target 1.3-1.4x faster at one row, 1.4-1.7x at
 two to four, 1.2-1.4x at eight (the graph alone, medians of 300 interleaved calls). Numbers
-in the engine: `bench/engine.py --sections sd_b1` (the compiled rows).
+in the engine: `bench/engine.py --sections sd_b1,drain` (the compiled rows).
 """
 
 from __future__ import annotations
@@ -37,15 +37,23 @@ import torch
 import torch.nn.functional as F
 
 from rlsched.executor.kvcache import KVCache
+from rlsched.executor.model import rms_norm
 from rlsched.executor.rope import apply_rope
 
 _copies = itertools.count()
+COMPILED_ROWS = 8  # `--compile`: batches of up to this many rows run compiled (1.2-1.7x a forward here)
 
 
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm as HF computes it: normalised in float32, scaled in the input dtype."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+def compile_for_engine(target, drafters, k_max: int, max_batch: int, log=None) -> None:
+    """What `generate --compile` and `profile --compile` run: the target's forwards for decode
+    and verify of up to k_max drafts, each model drafter's for its drafts and two-token feed,
+    for up to COMPILED_ROWS rows (or max_batch, if fewer)."""
+    rows = min(COMPILED_ROWS, max_batch)
+    if log:
+        log(f"compiling the forwards of up to {rows} rows (minutes the first time; inductor keeps them on disk)")
+    target.compile_decode(k_max + 1, rows)
+    for d in drafters:
+        d.compile_decode(2, rows)
 
 
 def _own_code(fn):
@@ -125,10 +133,9 @@ class CompiledForward:
             if start is None:
                 return None  # scattered rows: eager (the engine keeps its rows consecutive)
             longest = max(cache.lengths[start:start + b].tolist())
-        window = self.model.config.sliding_window
-        if longest + q > cache.max_len or (window is not None and longest + q > window):
-            return None  # the eager forward raises the error
         c = self.model.config
+        if longest + q > cache.max_len or (c.sliding_window is not None and longest + q > c.sliding_window):
+            return None  # the eager forward raises the error
         if self._dynamic_rope and cache.max_len > c.max_position_embeddings:
             return None  # frequencies that depend on the length: eager
         cos, sin = self._tables(cache.max_len, self.model.embed.weight.dtype, ids.device)
@@ -181,13 +188,13 @@ class CompiledForward:
         h = F.embedding(ids, embed)
         for i, blk in enumerate(m.layers):
             a = blk.attn
-            x = _rms(h, blk.attn_norm.weight, eps)
+            x = rms_norm(h, blk.attn_norm.weight, eps)
             xqk, xv = F.linear(x, a.qkv.weight, a.qkv.bias).split_with_sizes(
                 [(nh + nkv) * hd, nkv * hd], dim=-1)
             xqk = xqk.view(b, q, nh + nkv, hd)
             if a.q_norm is not None:
                 xq, xk = xqk.split_with_sizes([nh, nkv], dim=2)
-                xqk = torch.cat([_rms(xq, a.q_norm.weight, eps), _rms(xk, a.k_norm.weight, eps)], dim=2)
+                xqk = torch.cat([rms_norm(xq, a.q_norm.weight, eps), rms_norm(xk, a.k_norm.weight, eps)], dim=2)
             xq, xk = apply_rope(xqk.transpose(1, 2), cos, sin).split_with_sizes([nh, nkv], dim=1)
             xv = xv.view(b, q, nkv, hd).transpose(1, 2)
             keys[i].index_put_(at, xk)
@@ -195,8 +202,8 @@ class CompiledForward:
             out = F.scaled_dot_product_attention(xq, keys[i], values[i],
                                                  attn_mask=mask, enable_gqa=nkv != nh)
             h = h + F.linear(out.transpose(1, 2).reshape(b, q, nh * hd), a.o.weight, a.o.bias)
-            x = _rms(h, blk.mlp_norm.weight, eps)
+            x = rms_norm(h, blk.mlp_norm.weight, eps)
             gate, up = F.linear(x, blk.mlp.gate_up.weight, blk.mlp.gate_up.bias).chunk(2, dim=-1)
             h = h + F.linear(F.silu(gate) * up, blk.mlp.down.weight, blk.mlp.down.bias)
-        h = _rms(h, m.norm.weight, eps)
+        h = rms_norm(h, m.norm.weight, eps)
         return F.linear(h, embed if m.lm_head is None else m.lm_head.weight).float()

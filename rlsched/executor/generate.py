@@ -31,9 +31,6 @@ DEFAULT_PROMPTS = 32  # built-in task prompts when no --prompts file is given
 MARKER = "summary.json"
 
 
-COMPILED_ROWS = 8  # --compile: batches up to this many rows run compiled (1.2-1.7x a forward here)
-
-
 @dataclass
 class GenerateArgs:
     model: str = "builtin"
@@ -56,7 +53,7 @@ class GenerateArgs:
     threads: int | None = None
     instances: int = 1  # more than 1: a Ray pool (rlsched.executor.pool)
     realloc: str = "none"  # the pool's ReallocPolicy
-    compile: bool = False  # forwards of up to COMPILED_ROWS rows through compiled graphs (executor/compiled.py)
+    compile: bool = False  # small-batch forwards through compiled graphs (executor/compiled.py)
 
 
 @dataclass
@@ -221,12 +218,10 @@ def prepare(a: GenerateArgs, out: Path | None, log=None) -> Setup:
         name = "model"
     prompts = load_prompts(a.prompts, target.tokenizer)
     if a.compile:  # after every check: compiling takes a while
-        if log:
-            log("compiling the forwards of up to 8 rows (minutes the first time; inductor keeps them on disk)")
-        rows = min(COMPILED_ROWS, a.max_batch)
-        target.model.compile_decode(a.k_max + 1, rows)  # decode, and verify of up to k_max drafts
-        if drafter_model is not None:
-            drafter_model.model.compile_decode(2, rows)  # a drafter's feed: the last draft and the bonus
+        from rlsched.executor.compiled import compile_for_engine
+
+        compile_for_engine(target.model, [] if drafter_model is None else [drafter_model.model], a.k_max,
+                           a.max_batch, log)
     if not policy_needs_cost(a.policy):  # a priced policy is checked once its cost model exists (in run)
         build_policy(a.policy, _drafter_names(name), k_max=a.k_max)
     if out is not None:

@@ -72,10 +72,14 @@ class RMSNorm(nn.Module):
                     eps = self._eps = torch.tensor(self.eps, device=x.device)
             n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
             return x * torch.rsqrt(torch.addcmul(eps, n, n, value=1 / x.shape[-1])) * self.weight
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as HF computes it: normalised in float32, scaled in the input dtype (what
+    RMSNorm does outside float32, and the compiled forwards everywhere: inductor fuses it)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
 
 @dataclass

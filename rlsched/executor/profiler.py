@@ -228,14 +228,10 @@ def run_profile(*, model: str, drafters: list[str], batch_sizes: list[int], k_ma
         name = "model" if "model" not in timed else f"model:{folder.name}"
         timed[name] = ModelDrafter(d.model, sampling, max(batch_sizes), max_len)
     if compile:  # after every check: compiling takes a while
-        log("compiling the forwards of up to 8 rows (minutes the first time; inductor keeps them on disk)")
-        from rlsched.executor.generate import COMPILED_ROWS
+        from rlsched.executor.compiled import compile_for_engine
 
-        rows = min(COMPILED_ROWS, max(batch_sizes))
-        target.model.compile_decode(k_max + 1, rows)
-        for d in timed.values():
-            if isinstance(d, ModelDrafter):
-                d.model.compile_decode(2, rows)
+        compile_for_engine(target.model, [d.model for d in timed.values() if isinstance(d, ModelDrafter)], k_max,
+                           max(batch_sizes), log)
     prepare_out(out, "profile.json", "profile")
     with console.status("profiling") as status:
         records = profile(target.model, timed, batch_sizes=batch_sizes, k_max=k_max, contexts=contexts,
