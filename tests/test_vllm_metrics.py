@@ -7,7 +7,7 @@ recorded once with
         --out tests/data/vllm_metrics.json --prom tests/data/vllm_metrics.prom \
         --batches 1,4,16 --ks 0,2 --max-tokens 16 --ignore-eos --threads 1 --only-imported
 
-($T = the built-in tiny pair: an 8-layer target, a 2-layer drafter as vLLM's draft_model; greedy;
+($T = the built-in tiny pair: a 16-layer target, a 2-layer drafter as vLLM's draft_model; greedy;
 built-in task prompts, seed 0): LLM.get_metrics() as JSON and the same snapshots as Prometheus
 text. The numbers checked below were worked out by hand from the snapshots' counters. These
 tests need no vLLM; the one that runs vLLM itself is marked `vllm` (and slow).
