@@ -25,8 +25,10 @@ $(ALL_STAMP): pyproject.toml | $(BIN)/python
 demo: $(SIM_STAMP)
 	$(BIN)/rlsched simulate
 
+# Two workers, each taking whole test files (a file's module fixtures are built once): half
+# the tests wait on subprocesses and imports, not on the cores.
 test: $(ALL_STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadfile
 
 # The vLLM rollout backend's tests (pytest -m vllm) in .venv-vllm: vLLM's CPU build
 # (bench/peers/setup_vllm.sh, idempotent) plus rlsched installed editable. Everything vLLM
