@@ -13,7 +13,7 @@ whatever its width (kernel launches, not FLOPs), so the 16-layer target costs ab
 eight times the 2-layer drafter, as a 7B target costs several times a 0.5B drafter on a GPU.
 (An 8-layer target, four times the drafter, was the first recipe: with a verify of 7 tokens
 at 1.5-1.65x a one-token forward on this CPU, speculative decoding at batch 1 peaked at
-1.23-1.36x plain decoding; with 16 layers the best static k measured 2.27x.) Both are
+1.23-1.36x plain decoding; with 16 layers the best static k measured 2.03-2.27x.) Both are
 Llama-architecture HF folders with a character tokenizer.
 
 Cache: `$RLSCHED_CACHE` or `~/.cache/rlsched`, folder `builtin-<recipe hash>`; concurrent
