@@ -256,8 +256,9 @@ def test_run_end_to_end_on_vllm_weights_synced_every_step(pair, tmp_path):
     rl = read_trace(out / "traces", "rl_steps").sort_values("rl_step")
     # a step whose groups all scored alike has zero advantages and no gradient (step 0 here)
     assert list(rl.rl_step) == [0, 1, 2] and (rl.grad_norm > 0).sum() >= 2, rl[["reward_mean", "grad_norm"]]
-    # vLLM's batch-size table: plain while more than 8 rows run, 2 drafts per step below
-    assert rl.drafted.sum() > 0 and 0 < rl.accepted.sum() < rl.drafted.sum()
+    # vLLM's batch-size table: plain while more than 8 rows run, 2 drafts per step below (a
+    # handful of steps: with the 16-layer pair's drafter all 12 drafts of a run were accepted)
+    assert rl.drafted.sum() > 0 and 0 < rl.accepted.sum() <= rl.drafted.sum()
     # one minibatch: the update's first forward is the actor that vLLM sampled from, so the
     # old log-probs (vLLM's) match it at every step only if each update reached vLLM
     assert (rl.approx_kl_old.abs() < 1e-4).all() and (rl.clip_frac == 0).all(), rl[["approx_kl_old", "clip_frac"]]
