@@ -64,6 +64,11 @@ class Recipe:
     seed: int = 0
     version: int = 1
 
+    def __post_init__(self):
+        if dict(self.target)["num_layers"] != self.stages[-1][0]:
+            raise ValueError(f"Recipe: the target has {dict(self.target)['num_layers']} layers but the last "
+                             f"stacking stage trains {self.stages[-1][0]}; make them equal")
+
     def key(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:10]
 
