@@ -41,7 +41,11 @@ def test_replay_reports_predicted_against_measured_per_step(runs):
     s = json.loads(proc.stdout)
     assert s["rl_steps"] == 3 and s["policy"] == "static:2" and s["drafter"] == "model"
     assert s["predicted_generation_s"] > 0 and s["measured_generation_s"] > 0
-    assert 0 <= s["mape_pct"] < 100 and s["worst_step"] in (0, 1, 2)
+    # the MAPE is the mean of the 3 steps' |errors|, the worst step the largest of them (how
+    # large is this machine's doing: a neighbour's burst during one step of a 3-step run made
+    # it 126% once; bench/fidelity.py measures it)
+    worst = abs(s["worst_error_pct"])
+    assert s["worst_step"] in (0, 1, 2) and worst / 3 - 1e-9 <= s["mape_pct"] <= worst + 1e-9
     # SD at k = 2 on 8 rows: the simulator prices the drafts and the longer verify
     assert s["predicted_off_s"] != pytest.approx(s["predicted_generation_s"])
     assert s["measured_sd_speedup"] > 0 and "speedup_error_pct" in s
