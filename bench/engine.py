@@ -401,8 +401,7 @@ def drain_section(target, drafter, repeats, quick):
 
     fns = {name: contender(name)
            for name in ["off", "static:1", "static:2", "static:3", "static:4", "static:5", "static:6", "goodput",
-                        "goodput (fit)",
-                        "bandit", "off (compiled)", "static:3 (compiled)"]}
+                        "goodput (fit)", "bandit", "off (compiled)", "static:3 (compiled)"]}
     runs, rounds = interleaved(fns, repeats)
     # every round samples with its own seed (`seeded`), the same for all contenders: a
     # contender's total over the rounds averages its draws; the fastest round is a lucky one
