@@ -20,6 +20,7 @@ from support import ok, rlsched, snapshot
 V = dict(t0=2.0, s=0.8, u=0.3, a=0.05, m=3.0, p=3.0, r=0.05, c=3e-4)
 D = dict(e=0.3, d=1e-4, t0=0.4, a=0.02, m=1.0, p=2.0, c=1e-4, s=0.1)
 P = dict(t0=5.0, a=0.04, c=3e-4, g=0.06, n_c=3000.0, h=500.0)
+F = dict(t0=1.0, a=0.01, c=1e-4, g=0.02, n_c=3000.0, h=500.0)  # the drafter's feed (prefill's form)
 BATCHES, CONTEXTS, K_MAX = (1, 2, 4, 8, 16, 32, 64), (64, 192), 6
 
 
@@ -38,6 +39,7 @@ def profile_records(verify=None, noise=0.01, seed=1) -> pd.DataFrame:
     for L in CONTEXTS:
         for b in BATCHES:
             rows.append(_rec("prefill", b, 0, L, step_ms=float(prefill_ms(P, b * L, b * L * L)) * jitter()))
+            rows.append(_rec("feed", b, 0, L, drafter="model", step_ms=float(prefill_ms(F, b * L, b * L * L)) * jitter()))
             for k in range(K_MAX + 1):
                 rows.append(_rec("verify", b, k, L, verify_ms=verify(b, k + 1, L) * jitter()))
                 if k:
@@ -73,21 +75,23 @@ def test_mape_and_r_squared_by_hand():
 
 
 def test_fit_recovers_known_parameters(synthetic):
-    v, d, p = synthetic.ops["verify"], synthetic.ops["draft:model"], synthetic.ops["prefill"]
-    assert [f.used for f in (v, d, p)] == ["parametric"] * 3 and not synthetic.notes
+    v, d, p, f = (synthetic.ops[k] for k in ("verify", "draft:model", "prefill", "feed:model"))
+    assert [x.used for x in (v, d, p, f)] == ["parametric"] * 4 and not synthetic.notes
     for name in ("t0", "s", "u", "a", "m", "r", "c"):
         assert v.params[name] == pytest.approx(V[name], rel=0.1), name
     for name in ("t0", "a", "c", "g", "n_c"):
         assert p.params[name] == pytest.approx(P[name], rel=0.1), name
+    for name in ("t0", "a", "c"):
+        assert f.params[name] == pytest.approx(F[name], rel=0.1), name
     for name in ("e", "d", "c", "s"):  # t0 and m trade off inside a forward's floor: check the floor below
         assert d.params[name] == pytest.approx(D[name], rel=0.15), name
     b = np.array([1.0, 64.0])
     np.testing.assert_allclose(d.predict_ms(b, 3.0, 128.0), draft_ms(D, b, 3, 128), rtol=0.03)
     # 1% noise: the held-out batch sizes (2, 8, 32) are predicted within a few percent
-    for f in (v, d, p):
-        q = f.quality
+    for op in (v, d, p, f):
+        q = op.quality
         assert q["heldout"] == "batch sizes 2, 8, 32" and q["mape_heldout"] < 0.025 and q["r2"] > 0.999
-        assert q["points"] == len(f.data) and q["heldout_points"] == 3 * len(f.data) // 7
+        assert q["points"] == len(op.data) and q["heldout_points"] == 3 * len(op.data) // 7
 
 
 def test_fallback_to_interpolation_where_the_form_misfits(zigzag):
@@ -118,6 +122,16 @@ def test_file_round_trips_into_a_cost_model_equal_to_the_fit(synthetic, zigzag, 
         # prefill of b prompts of L tokens each
         assert cm.prefill_time(b * L, b * L * L) == pytest.approx(float(p.predict_ms(b, 1, L)) / 1e3, rel=1e-12)
     assert cm.prefill_time(0) == 0.0
+    f = synthetic.ops["feed:model"]  # the drafter's catch-up: prefill's form, its own parameters
+    for b, L in ((1, 50), (48, 300)):
+        assert cm.drafter_prefill_time("model", b * L, b * L * L) == pytest.approx(float(f.predict_ms(b, 1, L)) / 1e3,
+                                                                                  rel=1e-12)
+    assert cm.drafter_prefill_time("model", 0) == 0.0
+    # a file from before drafters' feeds were profiled prices the catch-up at zero
+    old = synthetic.to_json()
+    del old["ops"]["feed"]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert load_cost_model(tmp_path / "old.json").drafter_prefill_time("model", 1000, 10 ** 5) == 0.0
     ctx = np.array([100, 400, 900])  # the simulator prices a run of steps at once: the context as an array
     np.testing.assert_allclose(cm.verify_time(4, 3, ctx), v.predict_ms(4, 3, ctx / 4) / 1e3, rtol=1e-12)
     np.testing.assert_allclose(cm.draft_time("model", 4, 2, ctx), d.predict_ms(4, 2, ctx / 4) / 1e3, rtol=1e-12)
@@ -261,7 +275,7 @@ def test_fit_a_synthetic_profile_then_simulate_on_it(tmp_path):
     write_steps(tmp_path / "prof", profile_records())
     proc = ok(rlsched("fit", "prof", "--out", "out/cm.json", "--plot", "fit.png", "--json", cwd=tmp_path))
     summary = json.loads(proc.stdout)
-    assert summary["out"] == "out/cm.json" and set(summary["ops"]) == {"verify", "prefill", "draft:model"}
+    assert summary["out"] == "out/cm.json" and set(summary["ops"]) == {"verify", "prefill", "draft:model", "feed:model"}
     assert all(o["used"] == "parametric" and o["mape_heldout"] < 0.025 for o in summary["ops"].values())
     assert "MAPE held-out" in proc.stderr and "verify" in proc.stderr  # the table goes to stderr under --json
     assert (tmp_path / "fit.png").read_bytes()[:4] == b"\x89PNG"
@@ -296,12 +310,14 @@ def _simulate_on(tmp_path, cm_path):
     assert "step costs: fitted" in proc.stderr
     assert fitted["generation_s"] != roof["generation_s"]
     cm = load_cost_model(cm_path, drafters=["model"])
-    tl = pd.read_parquet(tmp_path / "sim1" / "timeline.parquet")
-    dec = tl[tl.kind == "decode"]
+    tl = pd.read_parquet(tmp_path / "sim1" / "timeline.parquet").sort_values(["rl_step", "instance", "step"])
+    joined = (tl.kind.shift(1) == "prefill") & (tl.instance.shift(1) == tl.instance)  # the drafter catches up
+    dec, caught_up = tl[tl.kind == "decode"], joined[tl.kind == "decode"].to_numpy()
     np.testing.assert_allclose(dec.verify_ms / 1e3, [cm.verify_time(b, 3, c) for b, c in zip(dec.batch, dec.ctx_tokens)],
                                rtol=1e-9)
-    np.testing.assert_allclose(dec.draft_ms / 1e3, [cm.draft_time("model", b, 2, c)
-                                                    for b, c in zip(dec.batch, dec.ctx_tokens)], rtol=1e-9)
+    draft = np.array([cm.draft_time("model", b, 2, c) for b, c in zip(dec.batch, dec.ctx_tokens)])
+    assert caught_up.any() and (dec.draft_ms.to_numpy()[caught_up] / 1e3 > draft[caught_up]).all()
+    np.testing.assert_allclose(dec.draft_ms.to_numpy()[~caught_up] / 1e3, draft[~caught_up], rtol=1e-9)
     assert fitted["generation_s"] == pytest.approx(tl.step_ms.sum() / 1e3, rel=1e-9)
     meta = json.loads((tmp_path / "sim1" / "meta.json").read_text())
     assert meta["cost_model"]["kind"] == "fitted" and meta["cost_model"]["file"] == str(cm_path.resolve())
@@ -316,9 +332,10 @@ def test_fit_a_real_profile_end_to_end(tmp_path):
     ok(rlsched("profile", "--batch-sizes", "1,4,16", "--k-max", "3", "--contexts", "32,96", "--repeats", "2",
                "--threads", "1", "--out", "prof", cwd=tmp_path, timeout=300))
     proc = ok(rlsched("fit", "prof", "--out", "cm.json", "--plot", "fit.pdf", cwd=tmp_path))
-    for text in ("verify", "prefill", "draft:model", "MAPE held-out", "batch sizes 4"):
+    for text in ("verify", "prefill", "draft:model", "feed:model", "MAPE held-out", "batch sizes 4"):
         assert text in proc.stdout
     data = json.loads((tmp_path / "cm.json").read_text())
+    assert set(data["ops"]["feed"]) == {"model"}
     assert data["kind"] == "rlsched-costmodel" and data["source"]["kind"] == "profile"
     assert data["ops"]["verify"]["quality"]["points"] == 3 * 4 * 2
     assert data["ops"]["prefill"]["params"]["g"] == 0.0  # 6 points: the cache-spill term stays off

@@ -65,7 +65,9 @@ def test_profile_then_goodput_on_the_measured_costs(pair, tmp_path):
                       "--drafter", "builtin", "--drafter", "ngram", "--out", str(prof), cwd=tmp_path))
     assert "verify ms" in proc.stdout
     rec = read_trace(prof / "traces", "steps")
-    assert set(rec.kind) == {"prefill", "verify", "draft"} and set(rec.drafter) >= {"model", "ngram"}
+    assert set(rec.kind) == {"prefill", "feed", "verify", "draft"} and set(rec.drafter) >= {"model", "ngram"}
+    assert set(rec[rec.kind == "feed"].drafter) == {"model"}  # a model drafter's catch-up; n-gram has none
+    assert len(rec[rec.kind == "feed"]) == len(rec[rec.kind == "prefill"]) and (rec.step_ms[rec.kind == "feed"] > 0).all()
     assert len(rec[rec.kind == "verify"]) == 2 * 3 and (rec.verify_ms[rec.kind == "verify"] > 0).all()
     out = tmp_path / "gen"
     summary = json.loads(ok(rlsched("generate", "--policy", "goodput", "--cost-model", str(prof), *FAST, "--out",

@@ -21,7 +21,7 @@ def test_gpu_engine_script_smoke_runs_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads((tmp_path / "gpu_engine.json").read_text())
     kinds = {r["kind"] for r in result["profile"]}
-    assert kinds == {"prefill", "verify", "draft"}
+    assert kinds == {"prefill", "feed", "verify", "draft"}
     assert [p["batch"] for p in result["plain"]] == [1, 4] and all(p["tok_s"] > 0 for p in result["plain"])
     assert "verify ms by batch" in (tmp_path / "gpu_engine.txt").read_text()
     assert result["compiled_b1"].get("tok_s", 0) > 0, result["compiled_b1"]  # on the CPU it must work

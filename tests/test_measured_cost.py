@@ -37,6 +37,12 @@ def test_grid_points_are_exact_and_between_is_linear():
     d = m.draft_time("model", 8, ks, 8 * 96)
     assert d[0] == 0.0 and np.allclose(d[1:], [draft(8, k, 96) / 1e3 for k in ks[1:]])
     assert m.prefill_time(1000) == pytest.approx((2.0 + 0.01 * 1000) / 1e3)
+    assert m.drafter_prefill_time("model", 1000) == 0.0  # no feed timed: no catch-up priced
+    feed = pd.DataFrame([dict(kind="feed", batch=b, k=0, ctx_tokens=b * 32, drafter="model", draft_ms=0.0,
+                              verify_ms=0.0, step_ms=0.5 + 0.002 * b * 32) for b in (1, 2, 4, 8)])
+    fed = MeasuredCostModel(pd.concat([_records(verify, draft), feed], ignore_index=True))
+    assert fed.drafter_prefill_time("model", 1000) == pytest.approx((0.5 + 0.002 * 1000) / 1e3)
+    assert fed.drafter_prefill_time("model", 0) == 0.0 and fed.prefill_time(1000) == m.prefill_time(1000)
     # the executor drafts the longest row's length for every drafting row
     assert m.draft_time_per_seq("model", np.array([0, 2, 3]), 96) == pytest.approx(m.draft_time("model", 2, 3, 96))
 

@@ -42,7 +42,55 @@ def test_makespan_is_the_sum_of_the_cost_models_step_times():
     cost = RooflineCostModel.from_config(cfg)
     dec = tl[tl.kind == "decode"]
     want = [cost.verify_time(b, 4, c) + cost.draft_time("model", b, 3, c) for b, c in zip(dec.batch, dec.ctx_tokens)]
+    want[0] += cost.drafter_prefill_time("model", 8 * 100, 8 * 100 ** 2)  # the drafter takes the prompts in
     np.testing.assert_allclose(dec.step_ms / 1e3, want, rtol=1e-9)
+
+
+def _catch_up_s(cfg, policy):
+    """(timeline, each decode step's time beyond its verify and drafting: the drafter's catch-up)."""
+    tl = simulate(cfg, policy).timeline_frame().sort_values("step").reset_index(drop=True)
+    cost = RooflineCostModel.from_config(cfg)
+    plain = [cost.verify_time(b, k + 1, c) + (cost.draft_time("model", b, k, c) if k else 0.0)
+             for b, k, c in zip(tl.batch, tl.k, tl.ctx_tokens)]
+    return tl, cost, tl.step_ms.to_numpy() / 1e3 - np.array(plain)
+
+
+def test_a_drafter_pays_to_take_in_rows_that_join():
+    """8 prompts through 4 rows: the first drafting step after each admission feeds the
+    drafter the joining rows' prompts (100 tokens each), no other step does."""
+    tl, cost, extra = _catch_up_s(one_instance(4, 40, 0.7, ["workload.prompts=8"]), "static:3")
+    after_prefill = (tl.kind.shift(1) == "prefill").to_numpy() & (tl.kind == "decode").to_numpy()
+    n_pre = tl.ctx_tokens.shift(1).to_numpy()
+    dec = (tl.kind == "decode").to_numpy()
+    want = np.where(after_prefill, [cost.drafter_prefill_time("model", int(n), int(n) * 100) if a else 0.0
+                                    for a, n in zip(after_prefill, np.nan_to_num(n_pre))], 0.0)
+    assert after_prefill.sum() >= 2
+    np.testing.assert_allclose(extra[dec], want[dec], rtol=1e-9, atol=1e-12)
+
+
+def test_fresh_samples_of_a_prompt_are_fed_to_the_drafter_once():
+    cfg = load_config("default", overrides=[*ONE_INSTANCE, "workload.prompts=2", "workload.samples_per_prompt=4",
+                                             "cluster.max_batch=8", "workload.response_len={dist: fixed, value: 30}"])
+    tl, cost, extra = _catch_up_s(cfg, "static:3")
+    first = int(np.flatnonzero((tl.kind == "decode").to_numpy())[0])
+    assert extra[first] == pytest.approx(cost.drafter_prefill_time("model", 2 * 100, 2 * 100 ** 2), rel=1e-9)
+
+
+def test_drafting_after_off_steps_first_feeds_the_drafter_what_it_missed():
+    """twostate:4:3 decodes 8 rows without drafts until 4 remain: the first drafting step feeds
+    the drafter every remaining row's whole context (prompt and the off steps' tokens); later
+    steps feed nothing more (steady feeds are in draft_time)."""
+    cfg = one_instance(8, 60, 0.7, ["workload.response_len={dist: empirical, values: [20, 30, 40, 50, 60, 70, 80, 90]}"])
+    tl, cost, extra = _catch_up_s(cfg, "twostate:4:3")
+    dec = tl[tl.kind == "decode"]
+    sd = dec[dec.k > 0]
+    assert len(dec[dec.k == 0]) > 0 and len(sd) > 1
+    first = sd.index[0]
+    b, c = int(tl.batch[first]), int(tl.ctx_tokens[first])
+    # all rows started together and decoded one token a step: equal contexts
+    assert extra[first] == pytest.approx(cost.drafter_prefill_time("model", c, c * c // b), rel=1e-9)
+    np.testing.assert_allclose(extra[sd.index[1:]], 0.0, atol=1e-12)
+    np.testing.assert_allclose(extra[dec[dec.k == 0].index], 0.0, atol=1e-12)
 
 
 def test_off_reproduces_plain_decoding_time_exactly():

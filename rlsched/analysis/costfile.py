@@ -11,6 +11,8 @@ The forms (one per operation, roofline-shaped; every parameter >= 0):
   draft(B, k, L)    = e + d*B*L + k * (t0 + smax(a*B, m; p) + c*B*L) + s*(k - 1)*[B > 1]
                       (k drafter forwards)
   prefill(n, S)     = t0 + a*n + c*S/2 + g*h*softplus((n - n_c)/h)
+  feed(n, S)        = prefill's form, of a drafter: the tokens it takes in beyond a steady
+                      step's one or two a row (a joining row's prompt, the tokens of off steps)
 
 B = rows, q = tokens verified per row (k + 1), k = draft length, L = context per row,
 n = prompt tokens, S = sum of squared prompt lengths. smax(x, m; p) = (x^(1+p) + m^(1+p))^(1/(1+p))
@@ -26,7 +28,8 @@ and one that grows with the context the drafter's cache holds). Prefill is compu
 token, c per token pair of attention) over a floor t0; its softplus is the memory hierarchy:
 beyond about n_c tokens in flight the activations leave the cache and each further token
 costs `g` more. Where a form misfits, an op keeps the measured grid instead and is priced by
-interpolation over it, exactly as `MeasuredCostModel` does.
+interpolation over it, exactly as `MeasuredCostModel` does. `feed` is optional (files
+from before it price a drafter's catch-up at zero).
 """
 
 from __future__ import annotations
@@ -50,8 +53,11 @@ PARAMS = {
     "draft": ("e", "d", "t0", "a", "m", "p", "c", "s"),
     "prefill": ("t0", "a", "c", "g", "n_c", "h"),
 }
-FORMS = {"verify": "roofline-verify-v2", "draft": "roofline-draft-v2", "prefill": "roofline-prefill-v1"}
-TOKENS = {"verify": "q", "draft": "k", "prefill": "one"}  # the grid's second axis
+PARAMS["feed"] = PARAMS["prefill"]
+FORMS = {"verify": "roofline-verify-v2", "draft": "roofline-draft-v2", "prefill": "roofline-prefill-v1",
+         "feed": "roofline-prefill-v1"}
+TOKENS = {"verify": "q", "draft": "k", "prefill": "one", "feed": "one"}  # the grid's second axis
+PER_DRAFTER = ("draft", "feed")  # ops fitted once per drafter: ops.<op>.<drafter> in the file
 
 
 def smax(x, m, p):
@@ -85,7 +91,7 @@ def prefill_ms(p: dict, n, S):
 
 def op_ms(op: str, p: dict, batch, tokens, ctx_per_row):
     """The form of `op` on grid coordinates (batch, tokens per row, context per row); for
-    prefill tokens is unused and the prompts are `batch` rows of `ctx_per_row` tokens."""
+    prefill and feed tokens is unused and the prompts are `batch` rows of `ctx_per_row` tokens."""
     if op == "verify":
         return verify_ms(p, batch, tokens, ctx_per_row)
     if op == "draft":
@@ -126,8 +132,9 @@ class FittedCostModel(MeasuredCostModel):
         ops = self.data["ops"]
         yield "verify", ops["verify"]
         yield "prefill", ops["prefill"]
-        for name, entry in ops["draft"].items():
-            yield f"draft:{name}", entry
+        for op in PER_DRAFTER:
+            for name, entry in ops.get(op, {}).items():
+                yield f"{op}:{name}", entry
 
     def _eval(self, key: str, batch, tokens, ctx_tokens):
         """Seconds at (rows, tokens per row, the rows' total context); arrays broadcast."""
@@ -159,6 +166,15 @@ class FittedCostModel(MeasuredCostModel):
         sq = float(n_tokens) ** 2 if sum_sq_tokens is None else float(max(sum_sq_tokens, 1))
         rows = max(float(n_tokens) ** 2 / sq, 1.0)
         return float(self._eval("prefill", rows, 1, n_tokens))
+
+    def drafter_prefill_time(self, drafter: str, n_tokens: int, sum_sq_tokens: int | None = None) -> float:
+        """The drafter's catch-up (prefill_time's arguments): its fitted feed, or zero where the
+        file has none (fitted from run traces, or before profiles timed it)."""
+        key = f"feed:{drafter}"
+        if n_tokens <= 0 or key not in self._ops:
+            return 0.0
+        sq = float(n_tokens) ** 2 if sum_sq_tokens is None else float(max(sum_sq_tokens, 1))
+        return float(self._eval(key, max(float(n_tokens) ** 2 / sq, 1.0), 1, n_tokens))
 
     def kv_transfer_time(self, ctx_tokens: int, n_seqs: int) -> float:
         return self.base.kv_transfer_time(ctx_tokens, n_seqs) if self.base is not None else 0.0
@@ -231,12 +247,14 @@ def read_cost_file(path) -> dict:
     for op in ("verify", "prefill", "draft"):
         if op not in ops:
             raise _bad(path, f"lacks field 'ops.{op}'")
-    if not isinstance(ops["draft"], dict):
-        raise _bad(path, "has no valid 'ops.draft' (an object of drafter name -> fit expected)")
+    for op in PER_DRAFTER:
+        if not isinstance(ops.get(op, {}), dict):
+            raise _bad(path, f"has no valid 'ops.{op}' (an object of drafter name -> fit expected)")
     _check_entry(path, "verify", "verify", ops["verify"])
     _check_entry(path, "prefill", "prefill", ops["prefill"])
-    for name, entry in ops["draft"].items():
-        _check_entry(path, f"draft.{name}", "draft", entry)
+    for op in PER_DRAFTER:
+        for name, entry in ops.get(op, {}).items():
+            _check_entry(path, f"{op}.{name}", op, entry)
     data["_sha256"] = hashlib.sha256(raw).hexdigest()
     return data
 

@@ -208,6 +208,7 @@ def fit_result_for(d: FolderData, cost: dict | None = None, cost_path: Path | No
     """A FitResult for fit_plot.fit_figure: the fit of the folder's profile, or (with a
     cost-model file's data) that file's forms over the folder's measured step times, their
     R^2 and MAPE on those points (no held-out check: the file was fitted elsewhere)."""
+    from rlsched.analysis.costfile import PER_DRAFTER
     from rlsched.analysis.fit import OpFit, FitResult, fit_records, mape, op_tables, r_squared
 
     records = d.profile if d.profile is not None else d.steps
@@ -217,7 +218,7 @@ def fit_result_for(d: FolderData, cost: dict | None = None, cost_path: Path | No
         return fit_records(records, {"path": str(d.profile_path), "kind": "profile"})
     tables, notes = op_tables(records)
     entries = {"verify": cost["ops"]["verify"], "prefill": cost["ops"]["prefill"],
-               **{f"draft:{k}": v for k, v in cost["ops"]["draft"].items()}}
+               **{f"{op}:{k}": v for op in PER_DRAFTER for k, v in cost["ops"].get(op, {}).items()}}
     ops = {}
     for key, entry in entries.items():
         t = tables.get(key)

@@ -1,10 +1,10 @@
 """`rlsched fit`: fit the cost model's forms to measured step times, check them on held-out
 points, and write the versioned cost-model file (`analysis/costfile.py`).
 
-Records come from a `rlsched profile` folder (kind verify | draft | prefill, one record per
-grid point) or a run folder (`generate`, `run`: kind decode | prefill, one record per engine
-step), anything holding `traces/steps/`. Each operation (verify, prefill, drafting per drafter)
-is fitted with scipy's least_squares on log residuals (relative error, which is what MAPE
+Records come from a `rlsched profile` folder (kind verify | draft | prefill | feed, one record
+per grid point) or a run folder (`generate`, `run`: kind decode | prefill, one record per engine
+step), anything holding `traces/steps/`. Each operation (verify, prefill, and per drafter its
+drafting and its feed, the catch-up a profile times) is fitted with scipy's least_squares on log residuals (relative error, which is what MAPE
 counts) with a soft-L1 loss (a point disturbed by another process on a shared machine weighs
 little), from a linear least-squares start plus a few perturbed ones.
 
@@ -28,7 +28,7 @@ import pandas as pd
 from scipy.optimize import least_squares, nnls
 
 from rlsched import __version__
-from rlsched.analysis.costfile import FORMS, KIND, PARAMS, VERSION, grid_interpolator, op_ms
+from rlsched.analysis.costfile import FORMS, KIND, PARAMS, PER_DRAFTER, VERSION, grid_interpolator, op_ms
 from rlsched.errors import UserError
 from rlsched.policies.measured import MeasuredCostModel
 from rlsched.traces.reader import read_trace
@@ -36,12 +36,13 @@ from rlsched.traces.reader import read_trace
 DEFAULT_MAX_MAPE = 0.05
 # terms dropped when an op has fewer than two points per parameter: prefill's cache spill
 FROZEN = {"prefill": {"g": 0.0, "n_c": 1.0, "h": 1.0}}
+FROZEN["feed"] = FROZEN["prefill"]
 _STARTS = 6
 
 
 @dataclass
 class OpFit:
-    """One operation's fit: `key` is verify, prefill or draft:<drafter>."""
+    """One operation's fit: `key` is verify, prefill, draft:<drafter> or feed:<drafter>."""
 
     key: str
     params: dict
@@ -74,9 +75,11 @@ class FitResult:
     notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
-        draft = {k.partition(":")[2]: f.entry() for k, f in self.ops.items() if f.op == "draft"}
+        per = {op: {k.partition(":")[2]: f.entry() for k, f in self.ops.items() if f.op == op} for op in PER_DRAFTER}
+        if not per["feed"]:
+            del per["feed"]  # (optional in the file)
         return {"kind": KIND, "version": VERSION,
-                "ops": {"verify": self.ops["verify"].entry(), "prefill": self.ops["prefill"].entry(), "draft": draft},
+                "ops": {"verify": self.ops["verify"].entry(), "prefill": self.ops["prefill"].entry(), **per},
                 "max_mape": self.max_mape, "source": self.source, "notes": self.notes,
                 "created": {"rlsched": __version__, "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}}
 
@@ -150,6 +153,8 @@ def op_tables(df: pd.DataFrame) -> tuple[dict[str, pd.DataFrame], list[str]]:
             add(f"draft:{name}", d, d["k"], d["draft_ms"])
     p = df[df["kind"] == "prefill"]
     add("prefill", p, np.ones(len(p)), p["step_ms"])
+    for name, d in df[df["kind"] == "feed"].groupby("drafter"):
+        add(f"feed:{name}", d, np.ones(len(d)), d["step_ms"])
     tables = {}
     for key, ds in parts.items():
         t = pd.concat(ds, ignore_index=True)
@@ -310,7 +315,7 @@ def fit_records(df: pd.DataFrame, source: dict | None = None, max_mape: float = 
                 seed: int = 0) -> FitResult:
     tables, notes = op_tables(df)
     ops = {}
-    for key in ["verify", "prefill"] + sorted(k for k in tables if k.startswith("draft:")):
+    for key in ["verify", "prefill"] + sorted(k for k in tables if k.partition(":")[0] in PER_DRAFTER):
         ops[key] = fit_op(key, tables[key], max_mape, seed)
         if ops[key].note:
             notes.append(ops[key].note)

@@ -10,7 +10,7 @@ import numpy as np
 from rlsched.analysis.plots import save_figure
 
 MARKERS = "os^Dv<>"
-TOKEN_LABEL = {"verify": "q", "draft": "k", "prefill": ""}
+TOKEN_LABEL = {"verify": "q", "draft": "k", "prefill": "", "feed": ""}
 
 
 def _levels(values: np.ndarray, most: int) -> np.ndarray:

@@ -90,6 +90,10 @@ class _AsRun:
     def prefill_time(self, n_tokens, sum_sq_tokens=None):
         return self._f("prefill") * self._cost.prefill_time(n_tokens, sum_sq_tokens) + self.seconds
 
+    def drafter_prefill_time(self, drafter, n_tokens, sum_sq_tokens=None):
+        """(Inside a drafting step: calibrated as the drafter's drafting is.)"""
+        return self._f(f"draft:{drafter}") * self._cost.drafter_prefill_time(drafter, n_tokens, sum_sq_tokens)
+
 
 def mean_calibration(fit, tables: dict | None = None) -> dict[str, float]:
     """Per fitted op: measured total over predicted total on its own records (or on

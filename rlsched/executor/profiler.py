@@ -12,8 +12,10 @@ the engine's rows do: rows of different lengths take the masked attention path, 
 a step (plain decoding at B = 64: 13%), and a profile of equal rows priced plain decoding at
 large batch sizes low against speculation, so that `goodput` kept SD off there where it paid
 (the fit's forms carry the jump from one row to two: `analysis/costfile.py`). Prefill is
-timed on prompts of one length (its form counts tokens and token pairs). Records use the
-STEP trace schema (kind = prefill | verify | draft; `k` = draft length, 0 for plain
+timed on prompts of one length (its form counts tokens and token pairs), and so is each model
+drafter's feed of them (kind = feed): what a drafter pays, inside its next propose, to take
+in a row that joined, or the tokens of steps decoded without it. Records use the
+STEP trace schema (kind = prefill | feed | verify | draft; `k` = draft length, 0 for plain
 decoding; `ctx_tokens` = the batch's total context), so a profile reads like a trace and
 feeds `MeasuredCostModel` and the analysis layer's fits.
 """
@@ -115,9 +117,10 @@ def prefill_midpoints(contexts) -> tuple[int, ...]:
 @torch.inference_mode()
 def _profile_pass(model, drafters: dict, *, batch_sizes, k_max: int, contexts, repeats: int,
                   sampling: SamplingParams | None, seed: int, progress, prefill_only=()) -> list[dict]:
-    """Step-time records for every (batch, context) point: one prefill, verify for
+    """Step-time records for every (batch, context) point: one prefill (and each model
+    drafter's feed of the same prompts: its catch-up on rows that join), verify for
     k = 0..k_max, and each drafter's propose for k = 1..k_max; at `prefill_only` contexts the
-    prefill alone. `drafters`: name -> drafter (its cache, if any, must hold max(batch_sizes)
+    prefills alone. `drafters`: name -> drafter (its cache, if any, must hold max(batch_sizes)
     rows of `profile_cache_len(contexts, k_max)`). Under inference mode, as the engine
     runs: under `no_grad` (every op tracking views and versions) a plain B = 1 step was priced
     at 1.43 ms against the engine's 1.24 (1.19 here now), a bias that shrinks with the batch."""
@@ -139,6 +142,16 @@ def _profile_pass(model, drafters: dict, *, batch_sizes, k_max: int, contexts, r
             return prefill(model, cache, slots, equal)
 
         records.append(_record("prefill", b, 0, b * ctx, step_ms=_timed(do_prefill, max(1, repeats // 2), sync)))
+        for name, drafter in drafters.items():
+            if hasattr(drafter, "reset"):  # a model drafter: its catch-up on fresh rows
+                fresh = [Seq(list(p), i, i) for i, p in enumerate(equal)]
+
+                def do_feed(drafter=drafter, fresh=fresh):
+                    drafter.reset()
+                    drafter.propose(fresh, 1)
+
+                records.append(_record("feed", b, 0, b * ctx, drafter=name,
+                                       step_ms=_timed(do_feed, max(1, repeats // 2), sync)))
         if ctx not in contexts:
             if progress is not None:
                 progress(n + 1, len(points), b, ctx)

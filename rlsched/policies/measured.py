@@ -91,8 +91,16 @@ def _grid(df: pd.DataFrame, tokens_col: str, value_col: str, what: str, monotone
     return _Grid(axes, values)
 
 
+def _line(records: pd.DataFrame) -> tuple[float, float]:
+    """(intercept s, slope s a token) of step time against tokens (prefill, a drafter's feed)."""
+    if len(records) < 2:
+        return 0.0, 0.0
+    slope, icept = np.polyfit(records["ctx_tokens"], records["step_ms"] / 1e3, 1)
+    return max(icept, 0.0), max(slope, 0.0)
+
+
 class MeasuredCostModel:
-    """CostModel from profile records (the STEP trace schema; kinds verify, draft, prefill)."""
+    """CostModel from profile records (the STEP trace schema; kinds verify, draft, prefill, feed)."""
 
     def __init__(self, records: pd.DataFrame):
         need = {"kind", "batch", "k", "ctx_tokens", "drafter", "verify_ms", "draft_ms", "step_ms"}
@@ -107,12 +115,8 @@ class MeasuredCostModel:
         drafts = records[records["kind"] == "draft"]
         for name, d in drafts.groupby("drafter"):
             self._draft[str(name)] = _grid(d, "k", "draft_ms", f"draft ({name})", monotone=True)
-        prefill = records[records["kind"] == "prefill"]
-        if len(prefill) >= 2:
-            slope, icept = np.polyfit(prefill["ctx_tokens"], prefill["step_ms"] / 1e3, 1)
-            self._prefill = (max(icept, 0.0), max(slope, 0.0))
-        else:
-            self._prefill = (0.0, 0.0)
+        self._prefill = _line(records[records["kind"] == "prefill"])
+        self._feed = {str(name): _line(d) for name, d in records[records["kind"] == "feed"].groupby("drafter")}
         self.drafters = tuple(self._draft)
 
     @staticmethod
@@ -149,6 +153,12 @@ class MeasuredCostModel:
     def prefill_time(self, n_tokens: int, sum_sq_tokens: int | None = None) -> float:
         icept, slope = self._prefill
         return icept + slope * n_tokens
+
+    def drafter_prefill_time(self, drafter: str, n_tokens: int, sum_sq_tokens: int | None = None) -> float:
+        """The drafter's catch-up, linear in its tokens as prefill is; zero where the profile
+        did not time that drafter's feed."""
+        icept, slope = self._feed.get(drafter, (0.0, 0.0))
+        return icept + slope * n_tokens if n_tokens > 0 else 0.0
 
     def kv_transfer_time(self, ctx_tokens: int, n_seqs: int) -> float:
         return 0.0  # one engine: nothing moves

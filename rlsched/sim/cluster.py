@@ -51,6 +51,7 @@ class GenerationStage:
         self.ctx_g = rollout.prompt_len.astype(np.int64).copy()
         self.tot_g = self.ctx_g + rollout.response_len.astype(np.int64)
         self.prefill_g = self.ctx_g.copy()
+        self.seen_g = np.zeros((n, len(rollout.drafters)), dtype=np.int64)  # what each drafter has taken in
         with np.errstate(divide="ignore"):
             self.ninv = -1.0 / np.log(np.clip(rollout.acceptance, 0.0, 1.0 - 1e-12))
         self.drafter_idx = {name: j for j, name in enumerate(rollout.drafters)}
@@ -199,6 +200,7 @@ class GenerationStage:
                 if len(re):
                     c = self.ctx_g[re]
                     self.prefill_g[re] = c
+                    self.seen_g[re] = 0
                     self._send(src.idx, m.dst, re, "reprefill", self.cost.prefill_time(int(c.sum()), int((c * c).sum())),
                                travel=False)
                 if len(kv):

@@ -116,6 +116,18 @@ class RooflineCostModel:
         memory = f.m_weights + f.m_kv * n_tokens
         return max(compute, memory) + f.ar_fixed + f.ar_tok * n_tokens + self._step_oh
 
+    def drafter_prefill_time(self, drafter: str, n_tokens: int, sum_sq_tokens: int | None = None) -> float:
+        """A model drafter's catch-up: one forward over the tokens it has not seen (a joining
+        row's prompt, the tokens of off steps), as prefill_time prices the target's; host
+        drafters (n-gram, suffix) index tokens as they come, at no step's expense."""
+        kind, fwd = self._drafters[drafter]
+        if fwd is None or n_tokens <= 0:
+            return 0.0
+        sq = n_tokens * n_tokens if sum_sq_tokens is None else sum_sq_tokens
+        compute = fwd.c_tok * n_tokens + 0.5 * fwd.c_attn * sq
+        memory = fwd.m_weights + fwd.m_kv * n_tokens
+        return max(compute, memory) + fwd.ar_fixed + fwd.ar_tok * n_tokens + self._fwd_oh
+
     def kv_transfer_time(self, ctx_tokens: int, n_seqs: int) -> float:
         """Shipping the KV caches (target and model drafter) of sequences to another instance."""
         if n_seqs <= 0:

@@ -7,6 +7,13 @@ sampled accepted drafts + 1, capped by what it has left.
 
 Accepted drafts of a chain with per-token acceptance a: the count of successes before the
 first failure, floor(E / -log a) with E ~ Exp(1), capped at k.
+
+A model drafter keeps its own cache of each row, which the executor brings up to date inside
+its next propose: a row that joined is fed its whole context, and after steps decoded without
+that drafter every row is fed the tokens since. `seen` holds, per row and drafter, how much
+of the row the drafter has taken in; a drafting step pays `drafter_prefill_time` for the rest
+(the steady feed of one or two tokens a row is in `draft_time`). While a drafter drafts every
+step its rows are current and nothing is tracked (`current`).
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ class Instance:
         self.ctx = _EMPTY_I
         self.tot = _EMPTY_I  # context length at which each row is finished
         self.ninv = np.zeros((0, n_drafters))
+        self.seen = np.zeros((0, n_drafters), dtype=np.int64)  # context each drafter has taken in
+        self.current = np.zeros(n_drafters, dtype=bool)  # drafter d drafted the last step: seen = ctx
         self.ctx_sum = 0
         self.min_rem = 0
         self.waiting: deque[int] = deque()
@@ -94,9 +103,41 @@ class Instance:
         ids = self.sid[gone]
         st.estimator.retire(self.sid)
         st.ctx_g[ids] = self.ctx[gone]
+        self._settle_seen()
+        st.seen_g[ids] = self.seen[gone]
         self.ctx_sum -= int(self.ctx[gone].sum())
         self.sid, self.ctx, self.tot, self.ninv = self.sid[keep], self.ctx[keep], self.tot[keep], self.ninv[keep]
+        self.seen = self.seen[keep]
         return ids
+
+    # ------------------------------------------------------------------ drafter caches
+    def _settle_seen(self, keep_current: int = -1) -> None:
+        """Write out `seen` of the drafters marked current (but `keep_current`): their rows
+        are about to change without them (a step without them, rows joining or leaving)."""
+        if self.current.any():
+            for d in np.flatnonzero(self.current):
+                if d != keep_current:
+                    self.seen[:, d] = self.ctx
+                    self.current[d] = False
+
+    def _catch_up(self, d: int) -> float:
+        """Seconds drafter d spends taking in what it has not seen of the rows, before it
+        drafts; the rows are then current for it. Fresh rows of one prompt are fed once (the
+        executor's drafter copies that row's cache)."""
+        self._settle_seen(keep_current=d)
+        if self.current[d]:
+            return 0.0
+        self.current[d] = True
+        st = self.stage
+        seen = self.seen[:, d]
+        feed = self.ctx - seen
+        if not feed.any():
+            return 0.0
+        fresh = np.flatnonzero((seen == 0) & (self.ctx == st.rollout.prompt_len[self.sid]))
+        if len(fresh) > 1:
+            _, first = np.unique(st.rollout.prompt_of[self.sid[fresh]], return_index=True)
+            feed[np.delete(fresh, first)] = 0
+        return float(st.cost.drafter_prefill_time(st.rollout.drafters[d], int(feed.sum()), int((feed * feed).sum())))
 
     # ------------------------------------------------------------------ admission
     def _admit(self):
@@ -123,6 +164,8 @@ class Instance:
         if st.share_prompts:
             pre = self._shared_prefill(ids, pre)
         st.estimator.retire(self.sid)
+        self._settle_seen()
+        self.seen = np.concatenate((self.seen, st.seen_g[ids]))
         self.sid = np.concatenate((self.sid, ids))
         self.ctx = np.concatenate((self.ctx, st.ctx_g[ids]))
         self.tot = np.concatenate((self.tot, st.tot_g[ids]))
@@ -163,6 +206,7 @@ class Instance:
         keep[-n:] = False
         ids = self.take_rows(keep)
         st.prefill_g[ids] = st.ctx_g[ids]
+        st.seen_g[ids] = 0  # (the drafters' rows are freed too)
         st.preemptions[ids] += 1
         self.receive(ids.tolist(), front=True)
 
@@ -185,6 +229,7 @@ class Instance:
         st, cost, env, b = self.stage, self.stage.cost, self.env, self.batch
         t0 = env.now
         if strat.drafter is None:
+            self._settle_seen()
             emitted = np.full(n, b, dtype=np.int64)
             ctx_at = self.ctx_sum + b * np.arange(n)
             t_draft = np.zeros(n)
@@ -201,6 +246,8 @@ class Instance:
                 t_draft = cost.draft_time(strat.drafter, b, strat.k, ctx_at, strat.width)
             else:
                 t_draft = cost.draft_time_per_seq(strat.drafter, strat.per_seq, ctx_at)
+            t_draft = np.array(t_draft, dtype=float)  # (a copy: the catch-up goes on the first step)
+            t_draft[0] += self._catch_up(d)
             t_verify = cost.verify_time(b, strat.tokens_per_seq, ctx_at)
             advance = acc.sum(axis=0) + n
             if st.chains is not None:
@@ -277,6 +324,7 @@ class Instance:
                     yield from self._steady_run(strat, n, learn_acceptance, record)
                     continue
             if strat.drafter is None:
+                self._settle_seen()
                 t_draft = 0.0
                 t_verify = cost.verify_time(b, 1, ctx_sum)
                 yield env.timeout(t_verify)
@@ -289,6 +337,8 @@ class Instance:
                     t_draft, drafted, ks = cost.draft_time(strat.drafter, b, k, ctx_sum, w), b * k * w, k
                 else:
                     t_draft, drafted = float(cost.draft_time_per_seq(strat.drafter, ks, ctx_sum)), int(add(ks))
+                if not self.current[d]:
+                    t_draft += self._catch_up(d)
                 t_verify = cost.verify_time(b, strat.tokens_per_seq, ctx_sum)
                 acc = self._draw_accepted(d, ks, w, 1)[0]
                 if st.chains is not None:
