@@ -13,7 +13,7 @@ its next propose: a row that joined is fed its whole context, and after steps de
 that drafter every row is fed the tokens since. `seen` holds, per row and drafter, how much
 of the row the drafter has taken in; a drafting step pays `drafter_prefill_time` for the rest
 (the steady feed of one or two tokens a row is in `draft_time`). While a drafter drafts every
-step its rows are current and nothing is tracked (`current`).
+step its rows are current and nothing is tracked (`current`; one drafter at a time).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class Instance:
         self.tot = _EMPTY_I  # context length at which each row is finished
         self.ninv = np.zeros((0, n_drafters))
         self.seen = np.zeros((0, n_drafters), dtype=np.int64)  # context each drafter has taken in
-        self.current = np.zeros(n_drafters, dtype=bool)  # drafter d drafted the last step: seen = ctx
+        self.current = -1  # the drafter that drafted the last step (its `seen` is ctx), or -1
         self.ctx_sum = 0
         self.min_rem = 0
         self.waiting: deque[int] = deque()
@@ -111,23 +111,21 @@ class Instance:
         return ids
 
     # ------------------------------------------------------------------ drafter caches
-    def _settle_seen(self, keep_current: int = -1) -> None:
-        """Write out `seen` of the drafters marked current (but `keep_current`): their rows
-        are about to change without them (a step without them, rows joining or leaving)."""
-        if self.current.any():
-            for d in np.flatnonzero(self.current):
-                if d != keep_current:
-                    self.seen[:, d] = self.ctx
-                    self.current[d] = False
+    def _settle_seen(self) -> None:
+        """Write out the current drafter's `seen`: the rows are about to change without it (a
+        step without it, rows joining or leaving). A Python int test: this runs every step."""
+        if self.current >= 0:
+            self.seen[:, self.current] = self.ctx
+            self.current = -1
 
     def _catch_up(self, d: int) -> float:
         """Seconds drafter d spends taking in what it has not seen of the rows, before it
         drafts; the rows are then current for it. Fresh rows of one prompt are fed once (the
         executor's drafter copies that row's cache)."""
-        self._settle_seen(keep_current=d)
-        if self.current[d]:
+        if self.current == d:
             return 0.0
-        self.current[d] = True
+        self._settle_seen()
+        self.current = d
         st = self.stage
         seen = self.seen[:, d]
         feed = self.ctx - seen
@@ -337,7 +335,7 @@ class Instance:
                     t_draft, drafted, ks = cost.draft_time(strat.drafter, b, k, ctx_sum, w), b * k * w, k
                 else:
                     t_draft, drafted = float(cost.draft_time_per_seq(strat.drafter, ks, ctx_sum)), int(add(ks))
-                if not self.current[d]:
+                if self.current != d:
                     t_draft += self._catch_up(d)
                 t_verify = cost.verify_time(b, strat.tokens_per_seq, ctx_sum)
                 acc = self._draw_accepted(d, ks, w, 1)[0]
