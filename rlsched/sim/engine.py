@@ -244,7 +244,9 @@ class Instance:
                 t_draft = cost.draft_time(strat.drafter, b, strat.k, ctx_at, strat.width)
             else:
                 t_draft = cost.draft_time_per_seq(strat.drafter, strat.per_seq, ctx_at)
-            t_draft = np.array(t_draft, dtype=float)  # (a copy: the catch-up goes on the first step)
+            # one price a step, a copy (the catch-up goes on the first; a host drafter's price
+            # of per-row lengths comes back as one number for every step)
+            t_draft = np.broadcast_to(np.asarray(t_draft, dtype=float), (n,)).copy()
             t_draft[0] += self._catch_up(d)
             t_verify = cost.verify_time(b, strat.tokens_per_seq, ctx_at)
             advance = acc.sum(axis=0) + n
