@@ -126,7 +126,8 @@ def test_noise_that_prices_more_tokens_cheaper_is_smoothed_out():
 def test_calibrated_goodput_charges_a_plain_step_for_the_drafter_feed_it_defers():
     """Off is 5% faster than k = 1 at batch 8 by the prices; once a catch-up step has shown that
     feeding the drafter costs 0.2 ms a token, a plain step's 8 tokens carry 1.6 ms of deferred
-    feeding and drafting wins. Without calibration (the simulator) nothing is learned."""
+    feeding and drafting wins. Without calibration (the simulator) nothing is learned, and the
+    price is the cost model's: none without feed records, the profile's with them."""
     from dataclasses import replace
 
     from rlsched.policies.acceptance import AcceptanceEstimator
@@ -151,3 +152,7 @@ def test_calibrated_goodput_charges_a_plain_step_for_the_drafter_feed_it_defers(
     assert live._feed["model"] == pytest.approx(0.2e-3)
     assert live.choose(state(8, 2)).k >= 1
     assert make_draft_policy("goodput:1", ctx).choose(state(8, 3)).is_off
+    feed = pd.DataFrame([dict(kind="feed", batch=b, k=0, ctx_tokens=b * 32, drafter="model", draft_ms=0.0,
+                              verify_ms=0.0, step_ms=0.5 + 0.2 * b * 32) for b in (1, 2, 4, 8)])
+    fed = MeasuredCostModel(pd.concat([_records(verify, lambda b, k, L: 0.05 * k), feed], ignore_index=True))
+    assert make_draft_policy("goodput:1", replace(ctx, cost=fed)).choose(state(8, 4)).k >= 1

@@ -103,11 +103,12 @@ class GoodputPolicy:
     shared machine, or one that misses per-step overheads, can misprice drafting against
     verification by 1.5x. The choices then depend on measured times, as bandit's do.
 
-    Calibrating, it also learns what feeding the drafter costs a token (`_feed`, from steps
-    whose drafter caught up) and charges a plain step for the drafter work it defers: the
-    tokens a plain step emits must be fed to a model drafter before it drafts again. Unpriced,
-    that catch-up made a drain's plain steps at 39-64 rows look 1-3% cheaper than drafting
-    while their deferred feeds cost 5% of the drain.
+    A plain step is charged for the drafter work it defers: the tokens it emits must be fed to
+    a model drafter before it drafts again. Unpriced, that catch-up made a drain's plain steps
+    at 39-64 rows look 1-3% cheaper than drafting while their deferred feeds cost 5% of the
+    drain. The price of a token is the cost model's (`drafter_prefill_time`: a profile's feed,
+    the roofline's drafter forward) until, calibrating, steps whose drafter caught up have
+    measured it (`_feed`).
     """
 
     name = "goodput"
@@ -142,7 +143,7 @@ class GoodputPolicy:
         sv = self._scale.get("verify", 1.0)
         v = self.cost.verify_time(b, np.arange(1, self.k_max + 2), ctx)
         v1, vk = float(v[0]), v[1:]
-        deferred = b * min((self._feed.get(d, 0.0) for d in self.drafters), default=0.0)
+        deferred = b * min((self._feed_price(d, b) for d in self.drafters), default=0.0)
         best, best_rate = OFF, b / (sv * v1 + deferred)
         drafts = {}
         for d in self.drafters:
@@ -155,6 +156,14 @@ class GoodputPolicy:
         if self.calibrate:
             self._priced = (b, v1, vk, drafts)
         return best
+
+    def _feed_price(self, drafter: str, b: int) -> float:
+        """Seconds to feed `drafter` one more token on each of b rows, a token: as measured, or
+        the cost model's marginal price (two tokens a row against one)."""
+        if drafter in self._feed:
+            return self._feed[drafter]
+        price = self.cost.drafter_prefill_time
+        return max(0.0, (price(drafter, 2 * b, 4 * b) - price(drafter, b, b)) / b)
 
     def observe(self, outcome: StepOutcome) -> None:
         """(With calibrate) fold this step's measured verify and draft times into the scales,

@@ -118,24 +118,25 @@ class Instance:
             self.seen[:, self.current] = self.ctx
             self.current = -1
 
-    def _catch_up(self, d: int) -> float:
-        """Seconds drafter d spends taking in what it has not seen of the rows, before it
-        drafts; the rows are then current for it. Fresh rows of one prompt are fed once (the
-        executor's drafter copies that row's cache)."""
+    def _catch_up(self, d: int) -> tuple[float, int]:
+        """(Seconds, tokens) drafter d spends taking in what it has not seen of the rows,
+        before it drafts; the rows are then current for it. Fresh rows of one prompt are fed
+        once (the executor's drafter copies that row's cache)."""
         if self.current == d:
-            return 0.0
+            return 0.0, 0
         self._settle_seen()
         self.current = d
         st = self.stage
         seen = self.seen[:, d]
         feed = self.ctx - seen
         if not feed.any():
-            return 0.0
+            return 0.0, 0
         fresh = np.flatnonzero((seen == 0) & (self.ctx == st.rollout.prompt_len[self.sid]))
         if len(fresh) > 1:
             _, first = np.unique(st.rollout.prompt_of[self.sid[fresh]], return_index=True)
             feed[np.delete(fresh, first)] = 0
-        return float(st.cost.drafter_prefill_time(st.rollout.drafters[d], int(feed.sum()), int((feed * feed).sum())))
+        n = int(feed.sum())
+        return float(st.cost.drafter_prefill_time(st.rollout.drafters[d], n, int((feed * feed).sum()))), n
 
     # ------------------------------------------------------------------ admission
     def _admit(self):
@@ -247,7 +248,7 @@ class Instance:
             # one price a step, a copy (the catch-up goes on the first; a host drafter's price
             # of per-row lengths comes back as one number for every step)
             t_draft = np.broadcast_to(np.asarray(t_draft, dtype=float), (n,)).copy()
-            t_draft[0] += self._catch_up(d)
+            t_draft[0] += self._catch_up(d)[0]
             t_verify = cost.verify_time(b, strat.tokens_per_seq, ctx_at)
             advance = acc.sum(axis=0) + n
             if st.chains is not None:
@@ -323,6 +324,7 @@ class Instance:
                         self.prober.skip(n - 1)
                     yield from self._steady_run(strat, n, learn_acceptance, record)
                     continue
+            caught = 0
             if strat.drafter is None:
                 self._settle_seen()
                 t_draft = 0.0
@@ -338,7 +340,8 @@ class Instance:
                 else:
                     t_draft, drafted = float(cost.draft_time_per_seq(strat.drafter, ks, ctx_sum)), int(add(ks))
                 if self.current != d:
-                    t_draft += self._catch_up(d)
+                    t_feed, caught = self._catch_up(d)
+                    t_draft += t_feed
                 t_verify = cost.verify_time(b, strat.tokens_per_seq, ctx_sum)
                 acc = self._draw_accepted(d, ks, w, 1)[0]
                 if st.chains is not None:
@@ -368,7 +371,7 @@ class Instance:
             n_acc = emitted - b if acc is not None else 0
             if observes:
                 policy.observe(StepOutcome(self.idx, self.steps, strat, b, drafted, n_acc, emitted, dt, t_draft,
-                                           t_verify, sid, acc))
+                                           t_verify, sid, acc, caught))
             if record:
                 record((rl_step, self.idx, self.steps, t0 - st.t0, KIND_DECODE, b,
                         -1 if acc is None else d, strat.k, strat.width, drafted, n_acc, emitted,
