@@ -105,6 +105,22 @@ def test_bandit_skips_a_catch_up_step(ctx):
     assert pol.choose(state(8, 1)) == s  # still untried: the catch-up step taught it nothing
 
 
+def test_bandit_charges_off_steps_the_drafter_feed_they_defer(ctx):
+    """Off emits 8 tokens in 1.0 s, k = 1 16 tokens in 1.9 s: off's 8 tok/s loses to 8.4. A
+    k = 1 step that caught up on 100 tokens took 2.9 s: 1.0 s beyond its rate, 10 ms a token;
+    an off step is then charged 80 ms for its 8 tokens' deferred feed."""
+    pol = make_draft_policy("bandit:0", policy_context(load_config("default"), ctx.cost))
+    off, k1 = OFF, Strategy("model", 1)
+    for step, (s, t, catch) in enumerate([(off, 1.0, 0), (k1, 1.9, 0), (k1, 2.9, 100), (off, 1.0, 0)]):
+        pol.choose(state(8, step))  # (the arm it picks is replaced: the test plays these)
+        pol._pending = (state(8).batch.bit_length(), pol.arms.index(s))
+        pol.observe(StepOutcome(0, step, s, 8, 0, 0, 16 if s == k1 else 8, t, 0.0, t, catch_up=catch))
+    assert pol._feed == pytest.approx(1.0 / 100)
+    stats = pol._stats[4]
+    assert stats[0, 0] == 2 and stats[0, pol.arms.index(k1)] == 1  # the catch-up step was not counted
+    assert stats[1, 0] == pytest.approx((8 / 1.0 + 8 / 1.08) / 2)
+
+
 def test_analytic_table_drafts_more_at_small_batch(ctx):
     table = TablePolicy.analytic(ctx, "model")
     assert table.choose(state(1)).k > table.choose(state(256)).k
