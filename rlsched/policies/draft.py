@@ -158,8 +158,8 @@ class GoodputPolicy:
         return best
 
     def _feed_price(self, drafter: str, b: int) -> float:
-        """Seconds to feed `drafter` one more token on each of b rows, a token: as measured, or
-        the cost model's marginal price (two tokens a row against one)."""
+        """Seconds a token for feeding `drafter` what a plain step of b rows defers: as measured,
+        or the cost model's marginal price (b rows fed two tokens each against one)."""
         if drafter in self._feed:
             return self._feed[drafter]
         price = self.cost.drafter_prefill_time
