@@ -428,7 +428,8 @@ def profile(
     """Measure verify, draft and prefill step times over batch size x draft length x context.
 
     Writes traces/steps/ in the step-trace format (kind = verify | draft | prefill, and feed: a
-    model drafter taking in fresh prompts, its catch-up on rows that join) and profile.json; `rlsched generate --cost-model FOLDER` and the cost-model fit read it.
+    model drafter taking in fresh prompts, its catch-up on rows that join) and profile.json;
+    `rlsched generate --cost-model FOLDER` and the cost-model fit read it.
     """
     _need_executor("profile")
     from rlsched.executor.profiler import run_profile
@@ -441,8 +442,9 @@ def profile(
 FIT_HELP = (
     "Fit the cost model to measured step times and write a cost-model file for --cost.\n\n"
     "PROFILE_OR_RUNDIR is a `rlsched profile` folder or a run folder (`generate`, `run`): anything holding "
-    "traces/steps/. Verify, prefill and each drafter's draft time (and a model drafter's feed, where profiled) "
-    "are fitted as functions of batch size, tokens per row and context per row (roofline-shaped forms, rlsched/analysis/costfile.py) with scipy. Quality is "
+    "traces/steps/. Verify, prefill and each drafter's draft time (and a model drafter's feed, where "
+    "profiled) are fitted as functions of batch size, tokens per row and context per row (roofline-shaped "
+    "forms, rlsched/analysis/costfile.py) with scipy. Quality is "
     "R^2 and MAPE; held-out MAPE comes from a fit without every other batch size (or without a random 25% of a "
     "run's steps). An op whose held-out MAPE is above --max-mape, where interpolation over the measured grid "
     "does better, is priced by that interpolation instead (the table and the file say so).\n\n"

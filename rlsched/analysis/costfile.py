@@ -52,8 +52,8 @@ PARAMS = {
     "verify": ("t0", "s", "u", "a", "m", "p", "r", "c"),
     "draft": ("e", "d", "t0", "a", "m", "p", "c", "s"),
     "prefill": ("t0", "a", "c", "g", "n_c", "h"),
+    "feed": ("t0", "a", "c", "g", "n_c", "h"),  # prefill's form, of a drafter
 }
-PARAMS["feed"] = PARAMS["prefill"]
 FORMS = {"verify": "roofline-verify-v2", "draft": "roofline-draft-v2", "prefill": "roofline-prefill-v1",
          "feed": "roofline-prefill-v1"}
 TOKENS = {"verify": "q", "draft": "k", "prefill": "one", "feed": "one"}  # the grid's second axis
@@ -161,17 +161,19 @@ class FittedCostModel(MeasuredCostModel):
     def prefill_time(self, n_tokens: int, sum_sq_tokens: int | None = None) -> float:
         """Prompts totalling n_tokens whose squared lengths sum to sum_sq_tokens (default: one
         prompt): as many rows of equal length (n^2 / S rows of S / n tokens)."""
-        if n_tokens <= 0:
-            return 0.0
-        sq = float(n_tokens) ** 2 if sum_sq_tokens is None else float(max(sum_sq_tokens, 1))
-        rows = max(float(n_tokens) ** 2 / sq, 1.0)
-        return float(self._eval("prefill", rows, 1, n_tokens))
+        return self._prompts("prefill", n_tokens, sum_sq_tokens)
 
     def drafter_prefill_time(self, drafter: str, n_tokens: int, sum_sq_tokens: int | None = None) -> float:
         """The drafter's catch-up (prefill_time's arguments): its fitted feed, or zero where the
         file has none (fitted from run traces, or before profiles timed it)."""
         key = f"feed:{drafter}"
-        if n_tokens <= 0 or key not in self._ops:
+        return self._prompts(key, n_tokens, sum_sq_tokens) if key in self._ops else 0.0
+
+    def _prompts(self, key: str, n_tokens: int, sum_sq_tokens: int | None) -> float:
+        """Op `key` (prefill's form) over prompts totalling n_tokens whose squared lengths sum
+        to sum_sq_tokens (default: one prompt): as many rows of equal length (n^2 / S rows of
+        S / n tokens)."""
+        if n_tokens <= 0:
             return 0.0
         sq = float(n_tokens) ** 2 if sum_sq_tokens is None else float(max(sum_sq_tokens, 1))
         return float(self._eval(key, max(float(n_tokens) ** 2 / sq, 1.0), 1, n_tokens))

@@ -4,8 +4,8 @@ points, and write the versioned cost-model file (`analysis/costfile.py`).
 Records come from a `rlsched profile` folder (kind verify | draft | prefill | feed, one record
 per grid point) or a run folder (`generate`, `run`: kind decode | prefill, one record per engine
 step), anything holding `traces/steps/`. Each operation (verify, prefill, and per drafter its
-drafting and its feed, the catch-up a profile times) is fitted with scipy's least_squares on log residuals (relative error, which is what MAPE
-counts) with a soft-L1 loss (a point disturbed by another process on a shared machine weighs
+drafting and its feed, the catch-up a profile times) is fitted with scipy's least_squares on
+log residuals (relative error, which is what MAPE counts) with a soft-L1 loss (a point disturbed by another process on a shared machine weighs
 little), from a linear least-squares start plus a few perturbed ones.
 
 Held-out check: on a full grid of at least three batch sizes the fit is repeated without every

@@ -6,7 +6,7 @@ import itertools
 
 import numpy as np
 
-from rlsched.policies.draft import PolicyContext
+from rlsched.policies.draft import PolicyContext, log_mean
 from rlsched.policies.types import OFF, EngineState, StepOutcome, Strategy
 
 ARM_KS = (1, 2, 3, 4, 6, 8)
@@ -38,7 +38,7 @@ class BanditPolicy:
         member = next(ctx.shared.setdefault("bandit_members", itertools.count()))
         self._rng = np.random.default_rng([ctx.seed, member])
         self._pending: tuple[int, int] | None = None
-        self._feed = 0.0  # seconds to feed the drafter one token, as catch-up steps measured it
+        self._feed: float | None = None  # seconds to feed the drafter a token, as catch-up steps measured it
 
     def choose(self, state: EngineState) -> Strategy:
         bucket = state.batch.bit_length()
@@ -65,10 +65,10 @@ class BanditPolicy:
             if stats[1, arm] > 0:
                 extra = outcome.step_time - outcome.emitted / stats[1, arm]
                 if extra > 0:
-                    self._feed = 0.8 * self._feed + 0.2 * extra / outcome.catch_up if self._feed else extra / outcome.catch_up
+                    self._feed = log_mean(self._feed, extra / outcome.catch_up)
             return
         step_time = outcome.step_time
-        if self.arms[arm].is_off:
+        if self.arms[arm].is_off and self._feed:
             step_time += outcome.emitted * self._feed  # the feed it defers
         stats[0, arm] += 1
         stats[1, arm] += (outcome.emitted / step_time - stats[1, arm]) / stats[0, arm]

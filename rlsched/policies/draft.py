@@ -89,6 +89,13 @@ class StaticPolicy:
         pass
 
 
+def log_mean(old: float | None, new: float, decay: float = 0.8) -> float:
+    """A running geometric mean: `old` weighted `decay` against one `new` value (None: none yet)."""
+    if old is None:
+        return new
+    return math.exp(decay * math.log(old) + (1 - decay) * math.log(new))
+
+
 class GoodputPolicy:
     """RLHFSpec's rule: the (drafter, k) in {off} + drafters x 1..k_max that maximises
     expected tokens / (draft + verify time), from the cost model and each running sequence's
@@ -182,17 +189,11 @@ class GoodputPolicy:
             else:  # what the feed cost beyond the drafting priced, a token
                 extra = outcome.draft_time - self._scale.get(s.drafter, 1.0) * drafts[s.drafter][s.k - 1]
                 if extra > 0:
-                    self._feed[s.drafter] = self._log_mean(self._feed.get(s.drafter), extra / outcome.catch_up)
+                    self._feed[s.drafter] = log_mean(self._feed.get(s.drafter), extra / outcome.catch_up, self._DECAY)
 
     def _fold(self, key: str, measured: float, priced: float) -> None:
         if measured > 0 and priced > 0:
-            self._scale[key] = self._log_mean(self._scale.get(key, 1.0), measured / priced)
-
-    def _log_mean(self, old: float | None, new: float) -> float:
-        """A running geometric mean: `old` weighted _DECAY against one `new` value (None: none yet)."""
-        if old is None:
-            return new
-        return math.exp(self._DECAY * math.log(old) + (1 - self._DECAY) * math.log(new))
+            self._scale[key] = log_mean(self._scale.get(key, 1.0), measured / priced, self._DECAY)
 
     def _acceptance(self, state: EngineState, drafter: str) -> np.ndarray:
         return state.accept_est(drafter)

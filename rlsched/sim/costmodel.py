@@ -41,6 +41,14 @@ class _Forward:
         core = np.maximum(compute, memory) if isinstance(compute, np.ndarray) else max(compute, memory)
         return core + self.ar_fixed + self.ar_tok * tokens
 
+    def prefill(self, n_tokens: int, sum_sq_tokens: int | None) -> float:
+        """Seconds for one forward over prompts totalling n_tokens (attention quadratic in
+        each length: sum_sq_tokens, the sum of squared lengths; default one sequence)."""
+        sq = n_tokens * n_tokens if sum_sq_tokens is None else sum_sq_tokens
+        compute = self.c_tok * n_tokens + 0.5 * self.c_attn * sq
+        memory = self.m_weights + self.m_kv * n_tokens
+        return max(compute, memory) + self.ar_fixed + self.ar_tok * n_tokens
+
 
 class RooflineCostModel:
     """CostModel for a target model, its drafters and one hardware type, on TP groups of `tp`."""
@@ -110,11 +118,7 @@ class RooflineCostModel:
         (sum_sq_tokens = sum of squared lengths; defaults to one sequence)."""
         if n_tokens <= 0:
             return 0.0
-        f = self._target
-        sq = n_tokens * n_tokens if sum_sq_tokens is None else sum_sq_tokens
-        compute = f.c_tok * n_tokens + 0.5 * f.c_attn * sq
-        memory = f.m_weights + f.m_kv * n_tokens
-        return max(compute, memory) + f.ar_fixed + f.ar_tok * n_tokens + self._step_oh
+        return self._target.prefill(n_tokens, sum_sq_tokens) + self._step_oh
 
     def drafter_prefill_time(self, drafter: str, n_tokens: int, sum_sq_tokens: int | None = None) -> float:
         """A model drafter's catch-up: one forward over the tokens it has not seen (a joining
@@ -123,10 +127,7 @@ class RooflineCostModel:
         kind, fwd = self._drafters[drafter]
         if fwd is None or n_tokens <= 0:
             return 0.0
-        sq = n_tokens * n_tokens if sum_sq_tokens is None else sum_sq_tokens
-        compute = fwd.c_tok * n_tokens + 0.5 * fwd.c_attn * sq
-        memory = fwd.m_weights + fwd.m_kv * n_tokens
-        return max(compute, memory) + fwd.ar_fixed + fwd.ar_tok * n_tokens + self._fwd_oh
+        return fwd.prefill(n_tokens, sum_sq_tokens) + self._fwd_oh
 
     def kv_transfer_time(self, ctx_tokens: int, n_seqs: int) -> float:
         """Shipping the KV caches (target and model drafter) of sequences to another instance."""
