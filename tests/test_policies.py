@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
@@ -172,6 +173,11 @@ def test_learn_writes_a_policy_file_that_runs(cfg, tmp_path):
     ranges = vllm_table(pf, cfg.cluster.max_batch, 0.7)["num_speculative_tokens_per_batch_size"]
     assert ranges[0][0] == 1 and ranges[-1][1] == cfg.cluster.max_batch
     assert all(a[1] + 1 == b[0] for a, b in zip(ranges, ranges[1:]))
+    scratch = learner._dir  # its candidate files go with it, not left in /tmp
+    assert any(scratch.iterdir())
+    del learner
+    gc.collect()
+    assert not scratch.exists()
 
 
 def _write(tmp_path, data, name="bad.json"):

@@ -71,7 +71,9 @@ class Learner:
         self.drafter = cfg.drafters[0].name
         self.realloc = cfg.cluster.realloc
         self.evaluations = 0
-        self._dir = Path(tempfile.mkdtemp(prefix="rlsched-learn-"))
+        # candidate policy files for the evaluator's workers; removed with the learner (or at exit)
+        self._tmp = tempfile.TemporaryDirectory(prefix="rlsched-learn-")
+        self._dir = Path(self._tmp.name)
         self._n = 0
 
     # ------------------------------------------------------------------ scoring
