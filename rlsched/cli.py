@@ -415,9 +415,9 @@ def profile(
     contexts: str = typer.Option("64,192", "--contexts", help="Comma-separated context lengths per row: their mean "
                                  "(from two rows on the rows' contexts spread over 1/2-3/2 of it, as the engine's rows "
                                  "differ); prefill is timed on equal prompts, also midway between them."),
-    repeats: int = typer.Option(12, "--repeats", help="Timed runs per point (the fastest is kept: the least disturbed on a shared machine)."),
+    repeats: int = typer.Option(12, "--repeats", help="Timed runs per point (their median is kept: what a run typically pays)."),
     passes: int = typer.Option(6, "--passes", help="Sweep the grid this many times, --repeats spread over "
-                               "them (repeats a minute apart escape a lasting disturbance; at most --repeats)."),
+                               "them (runs minutes apart sample the machine's spells; at most --repeats)."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda[:N]."),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
     threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's)."),
