@@ -92,6 +92,29 @@ def test_profiled_rows_differ_in_length_as_the_engines_do(b, ctx):
         assert min(lens) == round(ctx / 2) and abs(max(lens) - 1.5 * ctx) <= 1 and len(set(lens)) > 1
 
 
+def test_a_profile_point_is_priced_from_all_its_runs_over_the_passes(pair):
+    import torch
+
+    from rlsched.executor.drafters import ModelDrafter, NgramDrafter
+    from rlsched.executor.loading import load_model
+    from rlsched.executor.profiler import profile, profile_cache_len, typical_ms
+    from rlsched.executor.sampling import SamplingParams
+
+    target, drafter = load_model(pair.target).model, load_model(pair.drafter).model
+    sampling = SamplingParams(temperature=1.0)
+    drafters = {"model": ModelDrafter(drafter, sampling, 2, profile_cache_len([8], 1)), "ngram": NgramDrafter()}
+    torch.manual_seed(0)
+    records = profile(target, drafters, batch_sizes=(1, 2), k_max=1, contexts=(8,), repeats=4, passes=2,
+                      sampling=sampling, statistic=len)  # the price = how many runs it saw
+    runs = {(r["kind"], r["k"]): r for r in records}
+    # verify and draft: 2 runs a pass x 2 passes; prefill and the drafter's feed half as many
+    assert all(r["step_ms"] == 4 for r in records if r["kind"] in ("verify", "draft"))
+    assert all(r["step_ms"] == 2 for r in records if r["kind"] in ("prefill", "feed"))
+    assert runs[("verify", 1)]["verify_ms"] == 4 and runs[("draft", 1)]["draft_ms"] == 4
+    assert all("runs_ms" not in r for r in records)  # the runs are not written out
+    assert typical_ms([9.0, 1.0, 2.0]) == 2.0  # the median: what a run typically pays, not the fastest
+
+
 def test_generate_with_ngram_and_auto_profile(pair, tmp_path):
     out = tmp_path / "gen"
     summary = json.loads(ok(rlsched("generate", "--drafter", "ngram", "--policy", "goodput", *FAST, "--max-batch",

@@ -65,14 +65,11 @@ def _timed_in_turn(fns: dict, repeats: int, sync=lambda: None) -> dict:
 
 def typical_ms(times: list[float]) -> float:
     """A point's price: the median of its timed runs, not the fastest. Runs pay the typical
-    step, and on this project's 2-vCPU machines the typical step is not the fastest one scaled:
-    at batch 16 with two threads the fastest of 12 runs priced a k = 5 step at 22.3 ms and
-    plain decoding at 8.3, while engine-style steps took a median 28.9 and 8.7 (1.30x against
-    1.04x: the ops large enough to split over both threads wait for the slower one, and a
-    neighbour's burst stalls it), so `goodput` drafted 5 where 2-3 was 25% cheaper a token.
-    With one thread the same comparison was flat (1.00-1.09x over k = 0..6). The median of
-    runs taken in several passes minutes apart also keeps one disturbed run from moving a
-    point, which is why the fastest was kept before."""
+    step: engine-style steps at batch 16 (real drafts, the contexts growing, each step priced
+    at its own context; k = 0..6 interleaved, 4 profiles) took 0.95-1.04x the median price
+    and 1.21-1.34x the fastest run's, with no trend over k either way. The median of runs taken
+    in several passes minutes apart also keeps one disturbed run from moving a point, which is
+    why the fastest was kept before."""
     return float(np.median(times))
 
 
