@@ -415,7 +415,9 @@ def profile(
     contexts: str = typer.Option("64,192", "--contexts", help="Comma-separated context lengths per row: their mean "
                                  "(from two rows on the rows' contexts spread over 1/2-3/2 of it, as the engine's rows "
                                  "differ); prefill is timed on equal prompts, also midway between them."),
-    repeats: int = typer.Option(12, "--repeats", help="Timed runs per point (their median is kept: what a run typically pays)."),
+    repeats: int = typer.Option(12, "--repeats", help="Timed runs per point."),
+    statistic: str = typer.Option("median", "--statistic", help="A point's price from its runs: median (what a "
+                                  "run typically pays on a shared machine) or min (the least disturbed run)."),
     passes: int = typer.Option(6, "--passes", help="Sweep the grid this many times, --repeats spread over "
                                "them (runs minutes apart sample the machine's spells; at most --repeats)."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda[:N]."),
@@ -436,7 +438,8 @@ def profile(
 
     run_profile(model=model, drafters=drafter, batch_sizes=_int_list(batch_sizes, "--batch-sizes"), k_max=k_max,
                 contexts=_int_list(contexts, "--contexts"), repeats=repeats, passes=passes, device=device, dtype=dtype,
-                threads=threads, out=out, console=err_console, table_console=out_console, compile=compile_)
+                threads=threads, out=out, console=err_console, table_console=out_console, compile=compile_,
+                statistic=statistic)
 
 
 FIT_HELP = (

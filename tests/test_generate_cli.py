@@ -62,8 +62,9 @@ def test_generate_writes_samples_traces_and_summary(pair, tmp_path):
 def test_profile_then_goodput_on_the_measured_costs(pair, tmp_path):
     prof = tmp_path / "prof"
     proc = ok(rlsched("profile", "--batch-sizes", "1,4", "--k-max", "2", "--contexts", "16", "--repeats", "1",
-                      "--drafter", "builtin", "--drafter", "ngram", "--out", str(prof), cwd=tmp_path))
-    assert "verify ms" in proc.stdout
+                      "--drafter", "builtin", "--drafter", "ngram", "--statistic", "min", "--out", str(prof),
+                      cwd=tmp_path))
+    assert "verify ms" in proc.stdout and json.loads((prof / "profile.json").read_text())["statistic"] == "min"
     rec = read_trace(prof / "traces", "steps")
     assert set(rec.kind) == {"prefill", "feed", "verify", "draft"} and set(rec.drafter) >= {"model", "ngram"}
     assert set(rec[rec.kind == "feed"].drafter) == {"model"}  # a model drafter's catch-up; n-gram has none
@@ -188,6 +189,9 @@ def test_profile_bad_input(pair, tmp_path):
     proc = rlsched("profile", "--batch-sizes", "1,x", "--out", str(tmp_path / "p"), cwd=tmp_path)
     assert proc.returncode == 2 and "--batch-sizes must be comma-separated" in proc.stderr
     assert not (tmp_path / "p").exists()
+    proc = rlsched("profile", "--statistic", "mean", "--out", str(tmp_path / "p"), cwd=tmp_path)
+    assert proc.returncode == 2 and "--statistic must be one of median, min" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "p").exists()
 
 
 def test_a_model_folder_defaults_to_the_ngram_drafter(pair, tmp_path):

@@ -73,6 +73,9 @@ def typical_ms(times: list[float]) -> float:
     return float(np.median(times))
 
 
+STATISTICS = {"median": typical_ms, "min": lambda times: float(np.min(times))}  # `rlsched profile --statistic`
+
+
 def profile_cache_len(contexts, k_max: int) -> int:
     """Cache rows a profile needs: the longest row's context (`ragged_lengths`), k_max + 1
     tokens verified or fed, and slack."""
@@ -229,7 +232,7 @@ def policy_profile(model, drafter, *, policy: str, max_batch: int, k_max: int, t
 
 def run_profile(*, model: str, drafters: list[str], batch_sizes: list[int], k_max: int, contexts: list[int],
                 repeats: int, device: str, dtype: str, threads: int | None, out: Path, console,
-                table_console, passes: int = 1, compile: bool = False) -> Path:
+                table_console, passes: int = 1, compile: bool = False, statistic: str = "median") -> Path:
     """`rlsched profile`: load, check, measure, write `out/traces/steps/` and `out/profile.json`."""
     import pandas as pd
     from rich.table import Table
@@ -241,6 +244,8 @@ def run_profile(*, model: str, drafters: list[str], batch_sizes: list[int], k_ma
 
     if k_max < 1 or repeats < 1 or passes < 1:
         raise UserError(f"--k-max, --repeats and --passes must be >= 1 (got {k_max}, {repeats}, {passes})")
+    if statistic not in STATISTICS:
+        raise UserError(f"--statistic must be one of {', '.join(STATISTICS)} (got {statistic!r})")
     if threads is not None:
         if threads < 1:
             raise UserError(f"--threads must be >= 1 (got {threads})")
@@ -270,7 +275,7 @@ def run_profile(*, model: str, drafters: list[str], batch_sizes: list[int], k_ma
     prepare_out(out, "profile.json", "profile")
     with console.status("profiling") as status:
         records = profile(target.model, timed, batch_sizes=batch_sizes, k_max=k_max, contexts=contexts,
-                          repeats=repeats, passes=passes, sampling=sampling,
+                          repeats=repeats, passes=passes, sampling=sampling, statistic=STATISTICS[statistic],
                           progress=lambda i, n, b, c: status.update(f"profiling: point {i}/{n} (batch {b}, context {c})"))
     df = pd.DataFrame(records)
     with atomic_folder(out) as tmp:
@@ -281,7 +286,7 @@ def run_profile(*, model: str, drafters: list[str], batch_sizes: list[int], k_ma
         write_text_atomic(tmp / "profile.json", json.dumps({
             "model": str(target_dir), "drafters": list(timed), "batch_sizes": batch_sizes, "k_max": k_max,
             "contexts": contexts, "prefill_contexts": sorted({*contexts, *prefill_midpoints(contexts)}),
-            "repeats": repeats, "passes": passes, "device": device, "dtype": dtype, "compiled": compile,
+            "repeats": repeats, "passes": passes, "statistic": statistic, "device": device, "dtype": dtype, "compiled": compile,
             "threads": torch.get_num_threads(), "machine": platform.node(),
             "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=2) + "\n")
     verify = df[df.kind == "verify"].pivot_table(index="batch", columns="k", values="verify_ms", aggfunc="mean")
