@@ -5,20 +5,21 @@
 # measured ones. About 6-8 minutes on 2 cores.
 #
 #   bench/closed_loop.sh                  # results: bench/results/closed_loop.{json,txt}
-#   STEPS=20 PILOT=6 WORK=/tmp/loop bench/closed_loop.sh
+#   STEPS=20 PILOT=6 REPEATS=12 WORK=/tmp/loop NAME=closed_loop_r12 bench/closed_loop.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RLSCHED=${RLSCHED:-.venv/bin/rlsched}
 PY=${PY:-.venv/bin/python}
 STEPS=${STEPS:-12}
 STATIC=${STATIC:-"1 2 3 4"}
+REPEATS=${REPEATS:-3}  # timed runs per profile point (their median prices it)
 WORK=${WORK:-$(mktemp -d /tmp/rlsched-loop.XXXXXX)}
 mkdir -p "$WORK"
 t0=$(date +%s)
 say() { echo "[$(($(date +%s) - t0)) s] $*" >&2; }
 
 say "1/6 profile the engine (built-in pair) -> $WORK/profile"
-$RLSCHED profile --out "$WORK/profile" --batch-sizes 1,2,4,8,16,32,64 --k-max 6 --contexts 24,48 --repeats 3 >/dev/null
+$RLSCHED profile --out "$WORK/profile" --batch-sizes 1,2,4,8,16,32,64 --k-max 6 --contexts 24,48 --repeats "$REPEATS" >/dev/null
 say "2/6 fit the cost model -> $WORK/cost.json"
 $RLSCHED fit "$WORK/profile" --out "$WORK/cost.json" >/dev/null
 # The pilot spans a drafter update (every 4 steps by default): acceptance falls as the actor
@@ -57,4 +58,4 @@ name = lambda p: re.sub(r"table:.*", "table", p).replace(":", "-")
 lockstep([Trainer(build_run_config({}, [f"policy={p}", f"steps={steps}"]), f"{work}/run-{name(p)}")
           for p in policies], steps)
 PYEOF
-$PY bench/closed_loop_report.py "$WORK" "$POLICIES" "$(($(date +%s) - t0))"
+$PY bench/closed_loop_report.py "$WORK" "$POLICIES" "$(($(date +%s) - t0))" "${NAME:-closed_loop}"
