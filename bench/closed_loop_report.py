@@ -27,9 +27,9 @@ def main() -> None:
     for p in policies:
         run = work / ("run-" + ("table" if p.startswith("table:") else p.replace(":", "-"))) / "traces"
         rl = read_trace(run, "rl_steps")
-        tokens = int(read_trace(run, "samples").response_len.sum())
-        measured[p] = dict(gen=float(rl.generation_s.sum()), total=float(rl.total_s.sum()), tokens=tokens,
-                           tok_s=tokens / float(rl.generation_s.sum()), accept=float(rl.mean_accept_len.mean()))
+        gen, tokens = float(rl.generation_s.sum()), int(read_trace(run, "samples").response_len.sum())
+        measured[p] = dict(gen=gen, total=float(rl.total_s.sum()), tokens=tokens, tok_s=tokens / gen,
+                           accept=float(rl.mean_accept_len.mean()))
     static = [p for p in policies if p.startswith("static:")]
     best_pred = min(static, key=lambda p: pred[p]["generation_s"]["mean"])
     best_meas = min(static, key=lambda p: measured[p]["gen"])
@@ -50,10 +50,12 @@ def main() -> None:
     head = ["policy", "predicted x off", "measured x off (time)", "measured x off (tokens/s)",
             "predicted x best static", "measured x best static (time)", "measured gen s", "tokens", "accepted len"]
     text = (f"closed loop on CPU in {seconds} s: profile -> fit -> learn -> run ({work}); generation stage; "
-            f"best static: predicted {best_pred}, measured {best_meas} by time, {best_tput} by tokens/s\n\n" + table(head, rows))
+            f"best static: predicted {best_pred}, measured {best_meas} by time, {best_tput} by tokens/s\n\n"
+            + table(head, rows))
     print(text)
     write_result(result_name, dict(seconds=seconds, policies=policies, best_static_predicted=best_pred,
-                            best_static_measured=best_meas, best_static_measured_throughput=best_tput, rows=out), text)
+                                   best_static_measured=best_meas, best_static_measured_throughput=best_tput,
+                                   rows=out), text)
 
 
 if __name__ == "__main__":
