@@ -2,7 +2,7 @@
 # The closed loop on CPU: profile the engine, fit a cost model, learn a drafting policy in the
 # simulator on the RL run's own workload, then run RL with the learned policy against SD off
 # and static k, and print the simulator's predicted generation-stage gains beside the
-# measured ones. About 6-8 minutes on 2 cores.
+# measured ones. About 6-9 minutes on 2 cores.
 #
 #   bench/closed_loop.sh                  # results: bench/results/closed_loop.{json,txt}
 #   STEPS=20 PILOT=6 REPEATS=12 WORK=/tmp/loop NAME=closed_loop_r12 bench/closed_loop.sh
@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 RLSCHED=${RLSCHED:-.venv/bin/rlsched}
 PY=${PY:-.venv/bin/python}
-STEPS=${STEPS:-12}
+STEPS=${STEPS:-10}  # RL steps of each measured run (12 took the loop to 603 s on a slower VM)
 STATIC=${STATIC:-"1 2 3 4"}
 REPEATS=${REPEATS:-3}  # timed runs per profile point (their median prices it)
 WORK=${WORK:-$(mktemp -d /tmp/rlsched-loop.XXXXXX)}
