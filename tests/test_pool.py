@@ -89,6 +89,13 @@ def pool(pair):
     p.close()
 
 
+@pytest.fixture(scope="module")
+def ray_address(pool):
+    """The address of the Ray cluster the module's pool started: the CLI runs below join it
+    through RAY_ADDRESS (as they would a user's cluster) instead of each starting a Ray."""
+    return {"RAY_ADDRESS": pool.ray.get_runtime_context().gcs_address}
+
+
 def check_exactly_once(requests, result, expected):
     assert [s.sample_id for s in result.samples] == [r.sample_id for r in requests]
     for r, s, want in zip(requests, result.samples, expected):
@@ -182,10 +189,12 @@ def test_each_instance_writes_its_own_traces(pair, tmp_path):
     assert {f.name.split(".")[0].rsplit("-", 1)[1] for f in (tmp_path / "traces" / "steps").iterdir()} == {"i0", "i1"}
 
 
-def test_generate_with_instances_through_the_cli(tmp_path):
+def test_generate_with_instances_through_the_cli(tmp_path, ray_address):
+    """On a running cluster (RAY_ADDRESS), which refuses a CPU count from a joining driver."""
     out = tmp_path / "gen"
     proc = ok(rlsched("generate", "--instances", "2", "--realloc", "rebalance", "--policy", "static:2", "--n", "2",
-                      "--max-tokens", "24", "--out", str(out), "--json", cwd=tmp_path, timeout=300))
+                      "--max-tokens", "24", "--out", str(out), "--json", cwd=tmp_path, timeout=300,
+                      env_extra=ray_address))
     import json
 
     summary = json.loads(proc.stdout)
@@ -219,14 +228,14 @@ def test_without_ray_one_line_says_how_to_get_it(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
-def test_rl_run_on_two_instances_through_the_cli(tmp_path):
+def test_rl_run_on_two_instances_through_the_cli(tmp_path, ray_address):
     """`rlsched run --instances 2 --realloc rebalance`: the rollouts run on two Ray actors
     that get the new weights after every update; the traces hold both instances."""
     out = tmp_path / "run"
     ok(rlsched("run", "--instances", "2", "--realloc", "rebalance", "--policy", "static:2",
                "--set", "steps=2", "--set", "rollout.prompts_per_step=4", "--set", "rollout.group_size=4",
                "--set", "rollout.max_tokens=16", "--set", "checkpoint_every=1", "--out", str(out),
-               cwd=tmp_path, timeout=600))
+               cwd=tmp_path, timeout=600, env_extra=ray_address))
     rl = read_trace(out / "traces", "rl_steps")
     assert list(rl["rl_step"]) == [0, 1] and "migrated" in rl and (rl["samples"] == 16).all()
     samples = read_trace(out / "traces", "samples")

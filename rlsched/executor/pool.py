@@ -260,8 +260,11 @@ class InstancePool:
         self.ray, self.n, self.spec, self.threshold, self.seed = ray, n, spec, threshold, seed
         self.log = log or (lambda msg: None)
         if not ray.is_initialized():
-            ray.init(num_cpus=max(2, os.cpu_count() or 1), include_dashboard=False, configure_logging=False,
-                     log_to_driver=False, ignore_reinit_error=True)
+            # RAY_ADDRESS names a running cluster to join, which refuses a CPU count (its own
+            # counts stand); without it, a private local Ray with this machine's cores
+            size = {} if os.environ.get("RAY_ADDRESS") else {"num_cpus": max(2, os.cpu_count() or 1)}
+            ray.init(**size, include_dashboard=False, configure_logging=False, log_to_driver=False,
+                     ignore_reinit_error=True)
         # threads are set per instance; migrations run in their own group (see InstanceWorker)
         remote = ray.remote(num_cpus=0, max_restarts=0, concurrency_groups={MOVES: 1})(InstanceWorker)
         if spec.device.startswith("cuda"):  # one GPU per instance: Ray sets each actor's CUDA_VISIBLE_DEVICES
