@@ -194,6 +194,9 @@ BAD = [
     ("plot-suffix", ["--plot", "fig.jpg"], [], ["--plot", "fig.jpg"]),
     ("bad-config-field", ["--set", "cluster.max_batch=0"], [], ["cluster.max_batch"]),
     ("ray-missing", ["--ray", "auto"], ["ray"], ["--ray", "pip install 'rlsched[distributed]'"]),
+    # nothing listens on port 1: one line at once, not ray.init's minutes of retries
+    ("ray-unreachable", ["--ray", "127.0.0.1:1"], [], ["--ray", "127.0.0.1:1", "ray start --head"]),
+    ("ray-not-an-address", ["--ray", "my-cluster"], [], ["--ray", "host:port"]),
 ]
 
 

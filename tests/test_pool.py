@@ -215,6 +215,18 @@ def test_bad_pool_arguments(tmp_path, args, field):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("command", ["generate", "run"])
+def test_a_ray_address_with_no_cluster_is_one_line_at_once(tmp_path, command):
+    """ray.init retries an address where nothing listens for minutes; both commands check it
+    before they profile, load or write anything."""
+    proc = rlsched(command, "--instances", "2", "--out", str(tmp_path / "o"), cwd=tmp_path, timeout=60,
+                   env_extra={"RAY_ADDRESS": "127.0.0.1:1"})
+    assert proc.returncode == 2, proc.stderr
+    line = proc.stderr.strip()
+    assert len(line.splitlines()) == 1 and "RAY_ADDRESS" in line and "127.0.0.1:1" in line, line
+    assert not (tmp_path / "o").exists()
+
+
 def test_without_ray_one_line_says_how_to_get_it(tmp_path):
     import subprocess
     import sys

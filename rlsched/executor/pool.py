@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rlsched.distributed import import_ray
+from rlsched.distributed import check_cluster_address, import_ray
 from rlsched.errors import UserError
 from rlsched.executor.engine import Request, RolloutResult, check_requests, reserve
 from rlsched.executor.gcfreeze import freeze_long_lived
@@ -44,7 +44,11 @@ MOVES = "moves"  # the actors' concurrency group of migrations
 
 
 def require_ray():
-    return import_ray("more than one rollout instance (--instances)")
+    """Ray, and the cluster RAY_ADDRESS names answering (checked before anything is loaded or
+    written: ray.init would retry a dead address for minutes)."""
+    ray = import_ray("more than one rollout instance (--instances)")
+    check_cluster_address(os.environ.get("RAY_ADDRESS"), "RAY_ADDRESS (more than one rollout instance)")
+    return ray
 
 
 @dataclass

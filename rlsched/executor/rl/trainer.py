@@ -72,6 +72,10 @@ class Trainer:
     def __init__(self, cfg: RunConfig, out: Path, *, resume: bool = False, log=None):
         self.cfg, self.out, self.log = cfg, Path(out), log or (lambda msg: None)
         self._check_out(resume)
+        if cfg.rollout.instances > 1:
+            from rlsched.executor.pool import require_ray
+
+            require_ray()  # Ray installed, RAY_ADDRESS's cluster up: before profiling and writing
         self._load()
         self.start_step = 0
         self.buffer = self._new_buffer()
