@@ -16,7 +16,7 @@ from rlsched.policies import OFF, AcceptanceEstimator, EngineState, StepOutcome,
 from rlsched.policies.lookup import TablePolicy, TwoStatePolicy
 from rlsched.policies.policyfile import load_policy_file, save_policy_file
 from rlsched.sim.costmodel import RooflineCostModel
-from rlsched.sim.learn import Learner, ctx_edges, vllm_table
+from rlsched.sim.learn import ACCEPT_EDGES, MIN_GAIN, Learner, ctx_edges, vllm_table
 from rlsched.sim.simulate import config_identity, policy_context, simulate
 
 
@@ -58,6 +58,23 @@ def test_bandit_learns_the_best_arm_per_bucket(ctx):
         pol.observe(StepOutcome(0, step, s, 8, 0, 0, int(rate), 1.0, 0.0, 1.0))
     assert pol.choose(state(8, 99)) == best
     assert pol.choose(state(200, 100)) == OFF  # a new bucket starts with its first untried arm
+
+
+def test_bandit_explores_only_the_leaders_neighbours(ctx):
+    """Once every arm is tried, exploration re-tries k one step either side of the leader (or
+    off, below the least k), never k = 8 where k = 3 leads."""
+    ctx = policy_context(load_config("default"), ctx.cost)
+    pol = make_draft_policy("bandit:1", ctx)  # explore on every step the schedule allows
+    ks = {s.k: s for s in pol.arms}
+    assert [pol.arms[i].k for i in pol._neighbours[pol.arms.index(ks[3])]] == [2, 3, 4]
+    assert [pol.arms[i].k for i in pol._neighbours[pol.arms.index(ks[1])]] == [0, 1, 2]
+    chosen = []
+    for step in range(400):  # reward: k = 3 best, falling away from it
+        s = pol.choose(state(8, step))
+        pol.observe(StepOutcome(0, step, s, 8, 0, 0, int(1000 - 100 * abs(s.k - 3)), 1.0, 0.0, 1.0))
+        chosen.append(s.k)
+    explored = set(chosen[len(pol.arms):])
+    assert {2, 4} <= explored <= {2, 3, 4}  # the leader's neighbours, after the first sweep
 
 
 def test_calibrated_goodput_follows_measured_step_times(ctx):
@@ -158,13 +175,30 @@ def test_adaptive_policies_run_in_the_simulator_deterministically(cfg, policy):
     assert a == b and a["generation_s"] > 0
 
 
+@pytest.mark.parametrize("gain, kept", [(MIN_GAIN / 3, False), (MIN_GAIN * 3, True)])
+def test_learn_keeps_a_change_only_if_it_gains_enough(cfg, gain, kept):
+    """Scored by an evaluator where every change from the analytic table gains `gain`: below
+    MIN_GAIN (the learning seed's luck) the analytic table stands."""
+    start = Learner(cfg, [0], log=lambda *_: None)
+    table = TablePolicy.analytic(start.ctx, start.drafter, ACCEPT_EDGES, ctx_edges(start.ctx.typical_ctx))
+    analytic = table.params()["k"]
+
+    def evaluate(jobs):
+        ks = [load_policy_file(spec.split(":", 1)[1], config_identity(cfg)).params["k"] for _, spec, _ in jobs]
+        return [100.0 if k == analytic else 100.0 * (1 - gain) for k in ks]
+
+    learner = Learner(cfg, [0], evaluate, log=lambda *_: None)
+    params, _ = learner.learn_table()
+    assert (params["k"] != analytic) is kept
+
+
 def test_learn_writes_a_policy_file_that_runs(cfg, tmp_path):
     learner = Learner(cfg, [0], log=lambda *_: None)
     pf, t = learner.learn("table")
     assert learner.evaluations > 1 and t > 0
     # context buckets sit around this workload's typical context per sequence
     assert pf.params["ctx_edges"] == ctx_edges(learner.ctx.typical_ctx) == [
-        0, *(round(learner.ctx.typical_ctx * f) for f in (0.5, 1, 2, 4))]
+        0, *(round(learner.ctx.typical_ctx * 2 ** (i / 2)) for i in range(-2, 5))]
     path = tmp_path / "p.json"
     save_policy_file(path, pf)
     assert load_policy_file(path, config_identity(cfg)).kind == "table"
