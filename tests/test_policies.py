@@ -179,15 +179,13 @@ def test_adaptive_policies_run_in_the_simulator_deterministically(cfg, policy):
 def test_learn_keeps_a_change_only_if_it_gains_enough(cfg, gain, kept):
     """Scored by an evaluator where every change from the analytic table gains `gain`: below
     MIN_GAIN (the learning seed's luck) the analytic table stands."""
-    start = Learner(cfg, [0], log=lambda *_: None)
-    table = TablePolicy.analytic(start.ctx, start.drafter, ACCEPT_EDGES, ctx_edges(start.ctx.typical_ctx))
-    analytic = table.params()["k"]
-
     def evaluate(jobs):
         ks = [load_policy_file(spec.split(":", 1)[1], config_identity(cfg)).params["k"] for _, spec, _ in jobs]
         return [100.0 if k == analytic else 100.0 * (1 - gain) for k in ks]
 
     learner = Learner(cfg, [0], evaluate, log=lambda *_: None)
+    ctx = learner.ctx
+    analytic = TablePolicy.analytic(ctx, learner.drafter, ACCEPT_EDGES, ctx_edges(ctx.typical_ctx)).params()["k"]
     params, _ = learner.learn_table()
     assert (params["k"] != analytic) is kept
 

@@ -22,7 +22,7 @@ from typing import Callable, Iterable
 
 from rlsched import __version__
 from rlsched.config import SimConfig
-from rlsched.distributed import import_ray
+from rlsched.distributed import check_cluster_address, import_ray
 from rlsched.errors import UserError
 
 BASELINE = "off"
@@ -210,6 +210,7 @@ def _run_ray(cfg: SimConfig, jobs: list[Job], address: str, on_done) -> list[dic
     ray = import_ray("--ray")
     started = not ray.is_initialized()
     if started:
+        check_cluster_address(address, "--ray")  # a dead address: one line now, not minutes of retries
         try:
             # 'local' starts a private Ray on this machine; anything else joins an existing cluster
             ray.init(address=None if address == "local" else address, ignore_reinit_error=True, log_to_driver=False,
