@@ -19,8 +19,8 @@ from support import ok, rlsched, snapshot
 
 V = dict(t0=2.0, s=0.8, u=0.3, a=0.05, m=3.0, p=3.0, r=0.05, c=3e-4)
 D = dict(e=0.3, d=1e-4, t0=0.4, a=0.02, m=1.0, p=2.0, c=1e-4, s=0.1)
-P = dict(t0=5.0, a=0.04, c=3e-4, g=0.06, n_c=3000.0, h=500.0)
-F = dict(t0=1.0, a=0.01, c=1e-4, g=0.02, n_c=3000.0, h=500.0)  # the drafter's feed (prefill's form)
+P = dict(t0=5.0, a=0.04, c=3e-4, g=3e-4, s_c=2e5, h=5e4)  # the bend at 2e5 token pairs (B = 11 x 192 tokens)
+F = dict(t0=1.0, a=0.01, c=1e-4, g=1e-4, s_c=2e5, h=5e4)  # the drafter's feed (prefill's form)
 BATCHES, CONTEXTS, K_MAX = (1, 2, 4, 8, 16, 32, 64), (64, 192), 6
 
 
@@ -79,7 +79,7 @@ def test_fit_recovers_known_parameters(synthetic):
     assert [x.used for x in (v, d, p, f)] == ["parametric"] * 4 and not synthetic.notes
     for name in ("t0", "s", "u", "a", "m", "r", "c"):
         assert v.params[name] == pytest.approx(V[name], rel=0.1), name
-    for name in ("t0", "a", "c", "g", "n_c"):
+    for name in ("t0", "a", "c", "g", "s_c"):
         assert p.params[name] == pytest.approx(P[name], rel=0.1), name
     for name in ("t0", "a", "c"):
         assert f.params[name] == pytest.approx(F[name], rel=0.1), name

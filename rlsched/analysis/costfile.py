@@ -10,7 +10,7 @@ The forms (one per operation, roofline-shaped; every parameter >= 0):
                       + c*B*q*(L + (q - 1)/2)
   draft(B, k, L)    = e + d*B*L + k * (t0 + smax(a*B, m; p) + c*B*L) + s*(k - 1)*[B > 1]
                       (k drafter forwards)
-  prefill(n, S)     = t0 + a*n + c*S/2 + g*h*softplus((n - n_c)/h)
+  prefill(n, S)     = t0 + a*n + c*S/2 + g*h*softplus((S/2 - s_c)/h)
   feed(n, S)        = prefill's form, of a drafter: the tokens it takes in beyond a steady
                       step's one or two a row (a joining row's prompt, the tokens of off steps)
 
@@ -26,8 +26,10 @@ of two tokens is masked at any batch size); `r` a per-row cost (sampling, bookke
 attention over the context; `e` and `d` drafting's cost besides its forwards (a fixed part,
 and one that grows with the context the drafter's cache holds). Prefill is compute (a per
 token, c per token pair of attention) over a floor t0; its softplus is the memory hierarchy:
-beyond about n_c tokens in flight the activations leave the cache and each further token
-costs `g` more. Where a form misfits, an op keeps the measured grid instead and is priced by
+beyond about s_c token pairs (attention scores of B x heads x L^2 floats) the scores leave
+the cache and each further pair costs `g` more. The bend is in pairs, not tokens (v1 had it in
+tokens): here the drafter's feed cost 9-11 us a token at B = 64 x 64 tokens but 15-19 at
+B = 32 x 192 (fewer tokens, more pairs), which a bend in tokens priced 17-26% low. Where a form misfits, an op keeps the measured grid instead and is priced by
 interpolation over it, exactly as `MeasuredCostModel` does. `feed` is optional (files
 from before it price a drafter's catch-up at zero).
 """
@@ -51,11 +53,11 @@ VERSION = 1
 PARAMS = {
     "verify": ("t0", "s", "u", "a", "m", "p", "r", "c"),
     "draft": ("e", "d", "t0", "a", "m", "p", "c", "s"),
-    "prefill": ("t0", "a", "c", "g", "n_c", "h"),
-    "feed": ("t0", "a", "c", "g", "n_c", "h"),  # prefill's form, of a drafter
+    "prefill": ("t0", "a", "c", "g", "s_c", "h"),
+    "feed": ("t0", "a", "c", "g", "s_c", "h"),  # prefill's form, of a drafter
 }
-FORMS = {"verify": "roofline-verify-v2", "draft": "roofline-draft-v2", "prefill": "roofline-prefill-v1",
-         "feed": "roofline-prefill-v1"}
+FORMS = {"verify": "roofline-verify-v2", "draft": "roofline-draft-v2", "prefill": "roofline-prefill-v2",
+         "feed": "roofline-prefill-v2"}
 TOKENS = {"verify": "q", "draft": "k", "prefill": "one", "feed": "one"}  # the grid's second axis
 PER_DRAFTER = ("draft", "feed")  # ops fitted once per drafter: ops.<op>.<drafter> in the file
 
@@ -86,7 +88,7 @@ def draft_ms(p: dict, B, k, L):
 def prefill_ms(p: dict, n, S):
     n, S = np.asarray(n, dtype=float), np.asarray(S, dtype=float)
     h = max(p["h"], 1e-9)
-    return p["t0"] + p["a"] * n + p["c"] * S / 2 + p["g"] * h * softplus((n - p["n_c"]) / h)
+    return p["t0"] + p["a"] * n + p["c"] * S / 2 + p["g"] * h * softplus((S / 2 - p["s_c"]) / h)
 
 
 def op_ms(op: str, p: dict, batch, tokens, ctx_per_row):

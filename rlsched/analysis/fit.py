@@ -206,8 +206,8 @@ def _linear_start(op: str, t: pd.DataFrame) -> dict:
     if op in ("verify", "draft"):
         p.update(m=max(float(np.min(y)) * 0.2, 1e-6), p=1.0)
     else:
-        n = B * L
-        p.update(g=max(p["a"], 1e-6) * 0.5, n_c=float(np.median(n)), h=max(float(np.median(n)) / 4, 1.0))
+        pairs = B * L * L / 2  # the prompts' token pairs (S / 2)
+        p.update(g=max(p["c"], 1e-9) * 0.5, s_c=float(np.median(pairs)), h=max(float(np.median(pairs)) / 4, 1.0))
     return p
 
 
