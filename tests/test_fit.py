@@ -342,3 +342,14 @@ def test_fit_a_real_profile_end_to_end(tmp_path):
     assert all(np.isfinite(list(data["ops"]["verify"]["params"].values())))
     assert (tmp_path / "fit.pdf").read_bytes()[:4] == b"%PDF"
     _simulate_on(tmp_path, tmp_path / "cm.json")
+
+
+def test_a_sparse_prefill_is_fitted_without_its_spill_bend():
+    from rlsched.analysis.costfile import PARAMS
+
+    df = profile_records()
+    pre = df[df.kind == "prefill"]
+    sparse = pd.concat([df[df.kind != "prefill"], pre[pre.batch.isin([1, 4, 16, 64])]])  # 8 points < 2 x 6 params
+    p = fit_records(sparse).ops["prefill"].params
+    assert set(p) == set(PARAMS["prefill"]) and p["g"] == 0.0  # the bend's terms frozen, no stray names
+    assert p["a"] == pytest.approx(P["a"], rel=0.5)

@@ -35,7 +35,7 @@ from rlsched.traces.reader import read_trace
 
 DEFAULT_MAX_MAPE = 0.05
 # terms dropped when an op has fewer than two points per parameter: prefill's cache spill
-FROZEN = {"prefill": {"g": 0.0, "n_c": 1.0, "h": 1.0}}
+FROZEN = {"prefill": {"g": 0.0, "s_c": 1.0, "h": 1.0}}
 FROZEN["feed"] = FROZEN["prefill"]
 _STARTS = 6
 
