@@ -29,9 +29,10 @@ token, c per token pair of attention) over a floor t0; its softplus is the memor
 beyond about s_c token pairs (attention scores of B x heads x L^2 floats) the scores leave
 the cache and each further pair costs `g` more. The bend is in pairs, not tokens (v1 had it in
 tokens): here the drafter's feed cost 9-11 us a token at B = 64 x 64 tokens but 15-19 at
-B = 32 x 192 (fewer tokens, more pairs), which a bend in tokens priced 17-26% low. Where a form misfits, an op keeps the measured grid instead and is priced by
-interpolation over it, exactly as `MeasuredCostModel` does. `feed` is optional (files
-from before it price a drafter's catch-up at zero).
+B = 32 x 192 (fewer tokens, more pairs), which a bend in tokens priced 17-26% low. Where a
+form misfits, an op keeps the measured grid instead and is priced by interpolation over it,
+exactly as `MeasuredCostModel` does. `feed` is optional (files from before it price a
+drafter's catch-up at zero).
 """
 
 from __future__ import annotations
