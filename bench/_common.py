@@ -19,8 +19,13 @@ def machine() -> dict:
     except (OSError, StopIteration):
         cpu = platform.processor()
     try:
+        here = Path(__file__).parent
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip()
+                                cwd=here).stdout.strip()
+        # code changed since that commit (results excluded): the figures are not that commit's
+        changed = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "rlsched", "bench",
+                                  ":(exclude)bench/results"], cwd=here.parent).returncode == 1
+        commit += "+uncommitted" if commit and changed else ""
     except OSError:
         commit = ""
     return {"host": platform.node(), "cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
