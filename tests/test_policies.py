@@ -97,6 +97,35 @@ def test_calibrated_goodput_follows_measured_step_times(ctx):
     assert plain.choose(state(1, 31)) == first
 
 
+def test_goodput_prices_a_batch_once_per_context_band(ctx):
+    """goodput caches the cost model's prices by batch and context a row (to within its
+    ctx_tolerance): a drain meets the same batch sizes rollout after rollout, and the lookups
+    were most of a decision's time. Another batch size or a context beyond the band is priced
+    afresh, with the same numbers the cost model gives."""
+    from dataclasses import replace
+
+    calls = []
+
+    class Counting(type(ctx.cost)):
+        def verify_time(self, batch, q, ctx_tokens):
+            calls.append((batch, ctx_tokens))
+            return super().verify_time(batch, q, ctx_tokens)
+
+    counting = Counting.__new__(Counting)
+    counting.__dict__.update(ctx.cost.__dict__)
+    pol = make_draft_policy("goodput:1", replace(ctx, cost=counting))
+    for step in range(3):
+        pol.choose(state(8, step, ctx_per_seq=1000))
+    pol.choose(state(8, 3, ctx_per_seq=1010))  # within 5%: the same band
+    assert calls == [(8, 8000)]
+    pol.choose(state(9, 4, ctx_per_seq=1000))
+    pol.choose(state(8, 5, ctx_per_seq=1200))
+    assert calls[1:] == [(9, 9000), (8, 9600)]
+    v1, vk, drafts = pol._prices(8, 9600)
+    assert v1 == pytest.approx(ctx.cost.verify_time(8, 1, 9600))
+    assert vk == pytest.approx(ctx.cost.verify_time(8, np.arange(2, pol.k_max + 2), 9600))
+
+
 def test_calibrated_goodput_does_not_price_drafting_by_a_catch_up_step(ctx):
     """A step whose drafter took in a prefill's worth of tokens (a row that joined, drafting
     back on after off steps) measures many times the priced drafting; folded, it would price
