@@ -19,7 +19,7 @@ Sections (all on the built-in pair: a 16-layer target and a 2-layer drafter dist
    carry over, as between RL steps); and off and static:3 with the forwards of up to 8 rows
    compiled (`--compile`).
 
-Run: python bench/engine.py [--threads 2] [--quick] [--sections sd_b1,drain]. Results: bench/results/engine.{json,txt}.
+Run: python bench/engine.py [--threads 2] [--quick] [--sections sd_b1,drain] [--drain-rounds 30]. Results: bench/results/engine.{json,txt}.
 """
 
 from __future__ import annotations
@@ -169,6 +169,21 @@ def held_out_vs_best(rounds: dict, statics: list[str], name: str) -> float:
         best = min(statics, key=lambda s: sum(rounds[s][i][0] for i in pick))
         ratios.append(sum(rounds[best][i][0] for i in judge) / sum(rounds[name][i][0] for i in judge))
     return float(np.mean(ratios))
+
+
+def bootstrap_interval(rounds: dict, stat, n: int = 1000, level: float = 0.9, seed: int = 0) -> tuple[float, float]:
+    """The `level` interval of stat(rounds) over the rounds resampled with replacement, every
+    contender's runs of a drawn round kept together (they ran seconds apart): how far the
+    statistic moves with which rounds the machine happened to give. A policy whose interval
+    holds 1.0 against the best static k is at parity as far as the rounds can tell."""
+    rng = np.random.default_rng(seed)
+    m = min(len(r) for r in rounds.values())
+    draws = []
+    for _ in range(n):
+        pick = rng.integers(0, m, m)
+        draws.append(stat({name: [runs[i] for i in pick] for name, runs in rounds.items()}))
+    lo, hi = np.quantile(draws, [(1 - level) / 2, (1 + level) / 2])
+    return float(lo), float(hi)
 
 
 def long_answers(budgets: list[int], seed: int) -> list:
@@ -425,19 +440,23 @@ def drain_section(target, drafter, repeats, quick):
         r["vs_best_static_rounds"] = paired(rounds, best_paired, r["policy"])
         r["vs_best_static_median"] = float(np.median(r["vs_best_static_rounds"]))
         r["vs_best_static_held_out"] = held_out_vs_best(rounds, statics, r["policy"])
+        r["vs_best_static_held_out_90"] = bootstrap_interval(
+            rounds, lambda rs, name=r["policy"]: held_out_vs_best(rs, statics, name), n=200 if quick else 1000)
     rows = [[r["policy"], f"{r['seconds']:.2f}", f"{r['total_s']:.2f}", f"{r['speedup_vs_off']:.3f}x",
              f"{r['vs_best_static']:.3f}x", f"{r['vs_off_median']:.3f}x",
-             f"{r['vs_best_static_median']:.3f}x", f"{r['vs_best_static_held_out']:.3f}x", f"{r['steps']:.0f}",
+             f"{r['vs_best_static_median']:.3f}x", f"{r['vs_best_static_held_out']:.3f}x",
+             "{:.3f}-{:.3f}".format(*r["vs_best_static_held_out_90"]), f"{r['steps']:.0f}",
              f"{r['mean_accept_len']:.2f}"] for r in out]
     text = table(["drain 64->1 policy", "fastest s", "all rounds s", "vs off (all rounds)",
                   f"vs {best_static['policy']} (all rounds)", "vs off (median of rounds)",
-                  f"vs {best_paired} (median of rounds)", "vs best static (held out)", "steps", "mean acc len"], rows)
+                  f"vs {best_paired} (median of rounds)", "vs best static (held out)", "held out, 90% interval", "steps",
+                  "mean acc len"], rows)
     lens = np.array(lengths)
     text = (f"64 requests, response lengths median {np.median(lens):.0f}, p90 {np.percentile(lens, 90):.0f}, "
             f"max {lens.max()} tokens; {repeats} rounds, each sampled with its own seed; best static "
             f"{best_static['policy']} by the time of all rounds, {best_paired} by the median of rounds; held out: "
             f"the static k fastest over the even rounds against each policy over the odd ones, and the "
-            f"reverse, averaged\n" + text)
+            f"reverse, averaged; its 90% interval over the rounds resampled (`bootstrap_interval`)\n" + text)
     return dict(rows=out, best_static=best_static["policy"], best_static_paired=best_paired, lengths=lengths), text
 
 
@@ -449,6 +468,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--quick", action="store_true", help="fewer repeats and prompts (a smoke run)")
+    ap.add_argument("--drain-rounds", type=int, default=30, help="rounds of the drain section (default 30)")
     ap.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset of: " + ", ".join(SECTIONS))
     args = ap.parse_args()
     wanted = args.sections.split(",")
@@ -466,7 +486,7 @@ def main() -> None:
         ("plain", lambda: plain_section(pair, target, (1, 16, 64), args.tokens, repeats, args.threads)),
         ("memory", lambda: memory_section(target, args.tokens)),
         ("sd_b1", lambda: sd_b1_section(pair, target, drafter, 4 if args.quick else 8, 1 if args.quick else 9)),
-        ("drain", lambda: drain_section(target, drafter, 2 if args.quick else 30, args.quick)),
+        ("drain", lambda: drain_section(target, drafter, 2 if args.quick else args.drain_rounds, args.quick)),
     ]:
         if name not in wanted:
             continue

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("torch")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-from engine import held_out_vs_best  # noqa: E402
+from engine import bootstrap_interval, held_out_vs_best  # noqa: E402
 
 
 def _rounds(rng, names, n, noise=0.10):  # a contender's round here: ~10% (recorded drain rounds)
@@ -35,3 +35,16 @@ def test_held_out_still_sees_a_real_difference():
     rounds = _rounds(rng, statics + ["adaptive"], 30)
     rounds["adaptive"] = [(t * 1.10, None) for t, _ in rounds["adaptive"]]  # 10% slower
     assert held_out_vs_best(rounds, statics, "adaptive") == pytest.approx(1 / 1.10, abs=0.03)
+
+
+def test_the_interval_holds_parity_and_excludes_a_real_loss():
+    """Over resampled rounds: an adaptive policy as fast as the statics gets an interval that
+    holds 1.0; one 10% slower gets one below it."""
+    rng = np.random.default_rng(2)
+    statics = ["static:2", "static:4"]
+    rounds = _rounds(rng, statics + ["adaptive", "slow"], 30)
+    rounds["slow"] = [(t * 1.10, None) for t, _ in rounds["slow"]]
+    lo, hi = bootstrap_interval(rounds, lambda rs: held_out_vs_best(rs, statics, "adaptive"), n=300)
+    assert lo < 1.0 < hi and hi - lo < 0.15
+    lo, hi = bootstrap_interval(rounds, lambda rs: held_out_vs_best(rs, statics, "slow"), n=300)
+    assert hi < 1.0
