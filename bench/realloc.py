@@ -47,10 +47,12 @@ def workload(tokenizer, prompts: int, group: int, seed: int, median: int, sigma:
     return out
 
 
-def simulate(samples: pd.DataFrame, steps: pd.DataFrame, work: Path, args, link) -> dict[str, float]:
+def simulate(samples: pd.DataFrame, steps: pd.DataFrame, work: Path, args, link, share_prompts: bool) -> dict[str, float]:
     """Predicted generation-stage seconds of this rollout on two instances, per realloc policy:
     `rlsched replay`'s simulation (costs fitted from the traces' own steps, calibrated, plus
-    the per-step overhead), with the KV link the pool measured."""
+    the per-step overhead), with the KV link the pool measured and the pool's prefill sharing
+    (a prompt's 16 samples prefilled once; unsaid, the simulator prefilled each of them and
+    priced `none` 12% long)."""
     from rlsched.analysis.replay import _AsRun, _costs, _rollout, _simulate, step_overhead_s
 
     cost, _, policy_cost, factors = _costs(work, None, "model")
@@ -60,7 +62,7 @@ def simulate(samples: pd.DataFrame, steps: pd.DataFrame, work: Path, args, link)
     out = {}
     for name in ("none", "rebalance"):
         run_cfg = {"rollout": dict(max_batch=args.max_batch, k_max=args.k, max_tokens=args.cap, instances=2,
-                                   realloc=name, realloc_threshold=args.threshold)}
+                                   realloc=name, realloc_threshold=args.threshold, share_prompts=share_prompts)}
         out[name] = _simulate([rollout], f"static:{args.k}", "model", sim_cost, policy_cost, run_cfg, args.seed)[0]
     return out
 
@@ -122,7 +124,8 @@ def main() -> None:
         steps, samples = read_trace(work / "traces", "steps"), read_trace(work / "traces", "samples")
         none_steps = [s["rl_step"] for s in stats["none"]]
         first = samples[samples["rl_step"] == none_steps[0]]
-        predicted = simulate(first, steps[steps["rl_step"].isin(none_steps)], work, args, pool.cost)
+        predicted = simulate(first, steps[steps["rl_step"].isin(none_steps)], work, args, pool.cost,
+                             spec.share_prompts)
 
     med = {k: float(np.median(v)) for k, v in measured.items()}
     best = {k: float(np.min(v)) for k, v in measured.items()}
