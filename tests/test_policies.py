@@ -124,6 +124,10 @@ def test_goodput_prices_a_batch_once_per_context_band(ctx):
     v1, vk, drafts = pol._prices(8, 9600)
     assert v1 == pytest.approx(ctx.cost.verify_time(8, 1, 9600))
     assert vk == pytest.approx(ctx.cost.verify_time(8, np.arange(2, pol.k_max + 2), 9600))
+    # the policies of one cluster (one context) share the prices: another instance's policy
+    # prices nothing afresh
+    make_draft_policy("goodput:1", replace(ctx, cost=counting)).choose(state(8, 6, ctx_per_seq=1000))
+    assert len(calls) == 3
 
 
 def test_calibrated_goodput_does_not_price_drafting_by_a_catch_up_step(ctx):
