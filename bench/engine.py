@@ -19,7 +19,8 @@ Sections (all on the built-in pair: a 16-layer target and a 2-layer drafter dist
    carry over, as between RL steps); and off and static:3 with the forwards of up to 8 rows
    compiled (`--compile`).
 
-Run: python bench/engine.py [--threads 2] [--quick] [--sections sd_b1,drain] [--drain-rounds 30]. Results: bench/results/engine.{json,txt}.
+Run: python bench/engine.py [--threads 2] [--quick] [--sections sd_b1,drain] [--drain-rounds 30].
+Results: bench/results/engine.{json,txt}.
 """
 
 from __future__ import annotations
@@ -176,14 +177,15 @@ def bootstrap_interval(rounds: dict, stat, n: int = 1000, level: float = 0.9, se
     contender's runs of a drawn round kept together (they ran seconds apart): how far the
     statistic moves with which rounds the machine happened to give. A policy whose interval
     holds 1.0 against the best static k is at parity as far as the rounds can tell."""
-    rng = np.random.default_rng(seed)
+    from scipy.stats import bootstrap
+
     m = min(len(r) for r in rounds.values())
-    draws = []
-    for _ in range(n):
-        pick = rng.integers(0, m, m)
-        draws.append(stat({name: [runs[i] for i in pick] for name, runs in rounds.items()}))
-    lo, hi = np.quantile(draws, [(1 - level) / 2, (1 + level) / 2])
-    return float(lo), float(hi)
+    def resampled(pick):
+        return stat({name: [runs[i] for i in pick] for name, runs in rounds.items()})
+
+    res = bootstrap((np.arange(m),), resampled, vectorized=False, n_resamples=n, confidence_level=level,
+                    method="percentile", random_state=seed)
+    return float(res.confidence_interval.low), float(res.confidence_interval.high)
 
 
 def long_answers(budgets: list[int], seed: int) -> list:
@@ -449,8 +451,8 @@ def drain_section(target, drafter, repeats, quick):
              f"{r['mean_accept_len']:.2f}"] for r in out]
     text = table(["drain 64->1 policy", "fastest s", "all rounds s", "vs off (all rounds)",
                   f"vs {best_static['policy']} (all rounds)", "vs off (median of rounds)",
-                  f"vs {best_paired} (median of rounds)", "vs best static (held out)", "held out, 90% interval", "steps",
-                  "mean acc len"], rows)
+                  f"vs {best_paired} (median of rounds)", "vs best static (held out)", "held out, 90% interval",
+                  "steps", "mean acc len"], rows)
     lens = np.array(lengths)
     text = (f"64 requests, response lengths median {np.median(lens):.0f}, p90 {np.percentile(lens, 90):.0f}, "
             f"max {lens.max()} tokens; {repeats} rounds, each sampled with its own seed; best static "

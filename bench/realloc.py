@@ -47,11 +47,12 @@ def workload(tokenizer, prompts: int, group: int, seed: int, median: int, sigma:
     return out
 
 
-def simulate(samples: pd.DataFrame, steps: pd.DataFrame, work: Path, args, link, share_prompts: bool) -> dict[str, float]:
+def simulate(samples: pd.DataFrame, steps: pd.DataFrame, work: Path, args, link,
+             share_prompts: bool) -> dict[str, float]:
     """Predicted generation-stage seconds of this rollout on two instances, per realloc policy:
     `rlsched replay`'s simulation (costs fitted from the traces' own steps, calibrated, plus
     the per-step overhead), with the KV link the pool measured and the pool's prefill sharing
-    (a prompt's 16 samples prefilled once; unsaid, the simulator prefilled each of them and
+    (a prompt's samples prefilled once; unsaid, the simulator prefilled each of them and
     priced `none` 12% long)."""
     from rlsched.analysis.replay import _AsRun, _costs, _rollout, _simulate, step_overhead_s
 

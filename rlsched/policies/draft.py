@@ -131,12 +131,9 @@ class GoodputPolicy:
         self.calibrate = self.observes = ctx.calibrate
         # (batch, context bucket) -> the cost model's prices, shared by the cluster's policies
         # on the same cost model (one each of 1024 instances held 160 MiB more at peak); the
-        # entry holds the cost model, so its id cannot be reused by another while it is there
+        # entry keeps the cost model alive, so no other can take its id while the entry exists
         key = ("goodput_prices", id(ctx.cost), ctx.drafters, ctx.k_max, ctx_tolerance)
-        entry = ctx.shared.get(key)
-        if entry is None or entry[0] is not ctx.cost:
-            entry = ctx.shared[key] = (ctx.cost, {})
-        self._price_cache: dict = entry[1]
+        self._price_cache: dict = ctx.shared.setdefault(key, (ctx.cost, {}))[1]
         self._scale: dict[str, float] = {}  # "verify" or a drafter -> measured / priced time
         self._feed: dict[str, float] = {}  # drafter -> seconds to feed it one token (catch-up)
         self._priced = None  # (batch, verify at q = 1, verify at q = 2.., {drafter: draft at k = 1..})
