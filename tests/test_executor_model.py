@@ -374,3 +374,40 @@ def test_compiled_decode_equals_transformers(models, name):
             seq = seq[:len(seq) - len(new) + keep]
             assert cache.lengths.tolist() == [0, len(seq)]
     assert [tuple(s) for s in calls] == [(1, 1), (1, 2), (1, 1)]
+
+
+def test_compiled_rows_equal_transformers_with_one_graph_for_every_batch_and_length(models):
+    """The compiled forward of two or more rows (`compile_decode(max_batch=...)`): rows of
+    different lengths take one new token and then two (each row keeping its own number of
+    them, as after a verify); every row's logits equal transformers for its own sequence. The
+    same graphs then serve three rows and longer reads without compiling again."""
+    import torch._dynamo.utils
+
+    folder, hf = models["qwen3"]
+    model = load_model(folder).model
+    model.compile_decode(max_new=2, max_batch=4)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    calls, graph = [], model.compiled._graph
+    model.compiled._graph = lambda *a: calls.append(tuple(a[0].shape)) or graph(*a)
+    g = torch.Generator().manual_seed(5)
+    with torch.inference_mode():
+        for rows, lengths in ((4, (3, 7, 5, 9)), (3, (12, 20, 16))):
+            seqs = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+            cache = model.new_cache(rows, 32)
+            for i, s in enumerate(seqs):  # prefills, one row at a time (eager)
+                model(torch.tensor([s]), cache, slots=torch.tensor([i]))
+            new = torch.randint(0, VOCAB, (rows, 1), generator=g)
+            out = model(new, cache)
+            seqs = [s + [int(t)] for s, t in zip(seqs, new[:, 0])]
+            for i, s in enumerate(seqs):
+                _check("qwen3", out[i, 0], _ref(hf, s)[-1])
+            new = torch.randint(0, VOCAB, (rows, 2), generator=g)
+            keep = torch.tensor([1 + i % 2 for i in range(rows)])
+            out = model(new, cache, n_new=keep)
+            for i, s in enumerate(seqs):
+                want = _ref(hf, s + new[i].tolist())[-2:]
+                _check("qwen3", out[i], want)
+                seqs[i] = s + new[i, :int(keep[i])].tolist()
+            assert cache.lengths.tolist() == [len(s) for s in seqs]
+    assert calls == [(4, 1), (4, 2), (3, 1), (3, 2)]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs

@@ -1,15 +1,20 @@
-"""Compiled forwards for small batches (`torch.compile`, inductor), opt-in.
+"""Compiled forwards for decode and verify steps (`torch.compile`, inductor), opt-in.
 
-A step of a small model at batch 1 is op dispatch, not arithmetic: the built-in drafter's
-one-token forward is ~40 kernels of microseconds each. Compiled, its pointwise ops fuse into
-a few C++ loops and the wrapper calls the rest from C++ (`cpp_wrapper`): 230 against 390-490 us
-a forward here (median of 400 interleaved calls), so a speculative step's k - 1 drafter
-forwards cost ~40% less. The eager `Transformer.forward` stays the reference and the
-fallback; this is the same arithmetic written for a graph with static shapes:
+A step of a small model is op dispatch more than arithmetic: the built-in drafter's one-token
+forward is ~40 kernels of microseconds each, and even the target's step at 64 rows spends a
+third of its time outside its matmuls. Compiled, the pointwise ops fuse into a few C++ loops
+and the wrapper calls the rest from C++ (`cpp_wrapper`): a drafter forward at one row 230
+against 390-490 us here (median of 400 interleaved calls). The eager `Transformer.forward`
+stays the reference and the fallback; this is the same arithmetic written for graphs that are
+compiled once:
 
-- attention reads each row's whole cache row with a mask (keys at or before the query's
-  position), not a slice `:upto` whose length changes every step and would recompile;
-- the new keys and values are written with `index_put_` on views of the row (`_row_views`),
+- one row attends to its whole cache row with a mask (SDPA; its graph is static but for the
+  cache's length); two or more rows attend to the first `upto` positions of theirs (the
+  longest row's length after the step), as the eager forward's two batched matmuls
+  (`_cached_attention`). That graph is dynamic in the number of rows and in `upto`, which it
+  reads off the shape of a view of an arange (`_seen`), so a step that reads one position
+  more does not compile again;
+- the new keys and values are written with `index_put_` on views of the rows (`_row_views`),
   which inductor does in place (with `index_copy_` through a view of a layer of the whole
   cache, or `scatter_` on a row's slice of it, it copied the cache back: 13 and 5 ms a
   forward at 64 cache rows);
@@ -19,13 +24,13 @@ fallback; this is the same arithmetic written for a graph with static shapes:
 It applies to up to `max_batch` consecutive cache rows (the engine keeps its rows so) and at
 most `max_new` new tokens a row (a decode step, a verify of k <= max_new - 1 drafts, a
 drafter's feed; rows may keep different numbers of them), without autograd; any other
-forward (more rows, longer prefills, training) runs eager. Graphs have static shapes but for
-the cache's length and (from two rows on) the number of rows: one per number of new tokens at
-one row and one from two rows on, all compiled when the model is (10-20 s each here; inductor
-keeps them on disk, and a second process makes them in about 3 s each). Where it pays, on
-this CPU: a one-token forward of the built-in target 1.3-1.4x faster at one row, 1.4-1.7x at
-two to four, 1.2-1.4x at eight (the graph alone, medians of 300 interleaved calls). Numbers
-in the engine: `bench/engine.py --sections sd_b1,drain` (the compiled rows).
+forward (scattered rows, longer prefills, training) runs eager. One graph per number of new
+tokens at one row and one from two rows on, all compiled when the model is (10-60 s each
+here; inductor keeps them on disk, and a second process makes them in about 3 s each).
+What it pays, on this CPU (the built-in target's forward against the eager one, medians of
+30 interleaved calls at 50-90 cached tokens a row, a quiet hour): 1.08x at one row, 1.11-1.16x
+at 2 to 32 rows, 1.10x at 64 (one new token) and 1.06x (five). In the engine: `bench/engine.py`
+(the compiled rows of every section).
 """
 
 from __future__ import annotations
@@ -37,23 +42,21 @@ import torch
 import torch.nn.functional as F
 
 from rlsched.executor.kvcache import KVCache
-from rlsched.executor.model import rms_norm
+from rlsched.executor.model import _cached_attention, rms_norm
 from rlsched.executor.rope import apply_rope
 
 _copies = itertools.count()
-COMPILED_ROWS = 8  # `--compile`: batches of up to this many rows run compiled (1.2-1.7x a forward here)
 
 
 def compile_for_engine(target, drafters, k_max: int, max_batch: int, log=None) -> None:
     """What `generate --compile` and `profile --compile` run: the target's forwards for decode
     and verify of up to k_max drafts, each model drafter's for its drafts and two-token feed,
-    for up to COMPILED_ROWS rows (or max_batch, if fewer)."""
-    rows = min(COMPILED_ROWS, max_batch)
+    for up to max_batch rows."""
     if log:
-        log(f"compiling the forwards of up to {rows} rows (minutes the first time; inductor keeps them on disk)")
-    target.compile_decode(k_max + 1, rows)
+        log(f"compiling the forwards of up to {max_batch} rows (minutes the first time; inductor keeps them on disk)")
+    target.compile_decode(k_max + 1, max_batch)
     for d in drafters:
-        d.compile_decode(2, rows)
+        d.compile_decode(2, max_batch)
 
 
 def _own_code(fn):
@@ -113,11 +116,14 @@ class CompiledForward:
         guards on how a tensor was made, so a forward from outside inference mode (or on a
         cache made outside it) compiles graphs of its own on first use."""
         rows = (1, 2) if self.max_batch > 1 else (1,)
-        cache = self.model.new_cache(max(rows), 2 * self.max_new + 1)
+        cache = self.model.new_cache(max(rows), 2 * self.max_new + 8)
         dev = cache.lengths.device
         for b in rows:
             for q in range(1, self.max_new + 1):
                 cache.free(torch.arange(b))
+                # a read length (3 + q) unlike the number of rows: equal sizes would share a
+                # symbol in the graph, which then holds only while they stay equal
+                cache.lengths[:b] = 3
                 self(torch.zeros((b, q), dtype=torch.long, device=dev), cache, None, None, False)
 
     def __call__(self, ids: torch.Tensor, cache: KVCache, slots, n: torch.Tensor | None,
@@ -138,14 +144,19 @@ class CompiledForward:
             return None  # the eager forward raises the error
         if self._dynamic_rope and cache.max_len > c.max_position_embeddings:
             return None  # frequencies that depend on the length: eager
+        seen = None
+        if b > 1:
+            if longest + q < 2:
+                return None  # a length of 1 would be specialised (a graph of its own): eager
+            seen = self._seen(longest + q, cache.max_len, ids.device)
+            torch._dynamo.maybe_mark_dynamic(ids, 0)  # one graph for every number of rows from two on
         cos, sin = self._tables(cache.max_len, self.model.embed.weight.dtype, ids.device)
         keys, values = _row_views(cache, start, b)
         lengths = cache.lengths[start:start + b]
         pos = lengths.clone()
-        if b > 1:  # one graph for every number of rows from two on
-            torch._dynamo.maybe_mark_dynamic(ids, 0)
+        if b > 1:
             torch._dynamo.maybe_mark_dynamic(pos, 0)
-        logits = self._graph(ids, pos, keys, values, cos, sin)
+        logits = self._graph(ids, pos, keys, values, cos, sin, seen)
         if n is None:
             lengths.add_(q)
             return logits[:, -1:] if last_only else logits
@@ -153,6 +164,16 @@ class CompiledForward:
         if not last_only:
             return logits
         return logits[torch.arange(b, device=logits.device), n - 1][:, None]
+
+    def _seen(self, upto: int, max_len: int, device) -> torch.Tensor:
+        """Positions 0..upto-1, a view of one arange (dynamic in its length): the graph of two
+        or more rows reads keys up to there, and takes that length from this tensor's shape."""
+        full = getattr(self, "_positions", None)
+        if full is None or full.shape[0] < max_len or full.device != device:
+            full = self._positions = torch.arange(max_len, device=device)
+        seen = full[:upto]
+        torch._dynamo.maybe_mark_dynamic(seen, 0)
+        return seen
 
     def _tables(self, length: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
         """The rope's cos/sin tables, grown to cover every position of the cache; their length
@@ -169,9 +190,11 @@ class CompiledForward:
             self._marked = table[0]
         return table[0], table[1]
 
-    def _trunk(self, ids, pos, keys, values, cos_t, sin_t):
+    def _trunk(self, ids, pos, keys, values, cos_t, sin_t, seen):
         """Logits for ids (B, q) at positions pos[b] + 0..q-1 of B cache rows: keys and values
-        are views of them, one a layer, written in place."""
+        are views of them, one a layer, written in place. One row (`seen` None) attends to its
+        whole cache row with a mask (SDPA); two or more attend to the first `len(seen)`
+        positions of theirs, as two batched matmuls (`_cached_attention`)."""
         m = self.model
         c = m.config
         nh, nkv, hd, eps = c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
@@ -179,9 +202,14 @@ class CompiledForward:
         embed = m.embed.weight
         p = pos[:, None] + torch.arange(q, device=ids.device)  # (B, q)
         cos, sin = cos_t[p][:, None], sin_t[p][:, None]  # (B, 1, q, d)
-        seen = torch.arange(keys[0].shape[2], device=ids.device)
+        if seen is None:
+            seen = torch.arange(keys[0].shape[2], device=ids.device)
+        length = seen.shape[0]
         mask = torch.zeros((), dtype=embed.dtype, device=ids.device).masked_fill(
             seen[None, None, :] > p[:, :, None], float("-inf"))[:, None]  # (B, 1, q, L)
+        if b > 1:  # laid out as `_cached_attention`'s scores: (B * KV, G * q, L)
+            g = nh // nkv
+            mask = mask[:, None].expand(b, nkv, g, q, length).reshape(b * nkv, g * q, length)
         # where the new keys/values go: (row, head, position), broadcast to (B, KV, q)
         at = (torch.arange(b, device=ids.device)[:, None, None], torch.arange(nkv, device=ids.device)[None, :, None],
               p[:, None, :])
@@ -199,8 +227,10 @@ class CompiledForward:
             xv = xv.view(b, q, nkv, hd).transpose(1, 2)
             keys[i].index_put_(at, xk)
             values[i].index_put_(at, xv)
-            out = F.scaled_dot_product_attention(xq, keys[i], values[i],
-                                                 attn_mask=mask, enable_gqa=nkv != nh)
+            if b > 1:
+                out = _cached_attention(xq, keys[i][:, :, :length], values[i][:, :, :length], mask, nkv)
+            else:
+                out = F.scaled_dot_product_attention(xq, keys[i], values[i], attn_mask=mask, enable_gqa=nkv != nh)
             h = h + F.linear(out.transpose(1, 2).reshape(b, q, nh * hd), a.o.weight, a.o.bias)
             x = rms_norm(h, blk.mlp_norm.weight, eps)
             gate, up = F.linear(x, blk.mlp.gate_up.weight, blk.mlp.gate_up.bias).chunk(2, dim=-1)

@@ -53,7 +53,7 @@ class GenerateArgs:
     threads: int | None = None
     instances: int = 1  # more than 1: a Ray pool (rlsched.executor.pool)
     realloc: str = "none"  # the pool's ReallocPolicy
-    compile: bool = False  # small-batch forwards through compiled graphs (executor/compiled.py)
+    compile: bool = False  # decode and verify forwards through compiled graphs (executor/compiled.py)
 
 
 @dataclass
