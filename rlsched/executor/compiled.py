@@ -106,6 +106,7 @@ class CompiledForward:
         c = model.config
         self._dynamic_rope = c.rope_scaling is not None and c.rope_scaling.kind == "dynamic"
         self._marked = None  # the rope table last marked dynamic
+        self._positions = None  # an arange over the cache's length (`_seen`)
         self._graph = torch.compile(_own_code(CompiledForward._trunk).__get__(self), dynamic=False)
         self._warm_up()
 
@@ -144,18 +145,17 @@ class CompiledForward:
             return None  # the eager forward raises the error
         if self._dynamic_rope and cache.max_len > c.max_position_embeddings:
             return None  # frequencies that depend on the length: eager
-        seen = None
-        if b > 1:
-            if longest + q < 2:
-                return None  # a length of 1 would be specialised (a graph of its own): eager
-            seen = self._seen(longest + q, cache.max_len, ids.device)
-            torch._dynamo.maybe_mark_dynamic(ids, 0)  # one graph for every number of rows from two on
+        if b > 1 and longest + q < 2:
+            return None  # a read length of 1 would be specialised (a graph of its own): eager
         cos, sin = self._tables(cache.max_len, self.model.embed.weight.dtype, ids.device)
         keys, values = _row_views(cache, start, b)
         lengths = cache.lengths[start:start + b]
         pos = lengths.clone()
-        if b > 1:
+        seen = None
+        if b > 1:  # one graph for every number of rows from two on and every read length
+            torch._dynamo.maybe_mark_dynamic(ids, 0)
             torch._dynamo.maybe_mark_dynamic(pos, 0)
+            seen = self._seen(longest + q, cache.max_len, ids.device)
         logits = self._graph(ids, pos, keys, values, cos, sin, seen)
         if n is None:
             lengths.add_(q)
@@ -168,7 +168,7 @@ class CompiledForward:
     def _seen(self, upto: int, max_len: int, device) -> torch.Tensor:
         """Positions 0..upto-1, a view of one arange (dynamic in its length): the graph of two
         or more rows reads keys up to there, and takes that length from this tensor's shape."""
-        full = getattr(self, "_positions", None)
+        full = self._positions
         if full is None or full.shape[0] < max_len or full.device != device:
             full = self._positions = torch.arange(max_len, device=device)
         seen = full[:upto]
