@@ -25,3 +25,4 @@ def test_gpu_engine_script_smoke_runs_on_cpu(tmp_path):
     assert [p["batch"] for p in result["plain"]] == [1, 4] and all(p["tok_s"] > 0 for p in result["plain"])
     assert "verify ms by batch" in (tmp_path / "gpu_engine.txt").read_text()
     assert result["compiled_b1"].get("tok_s", 0) > 0, result["compiled_b1"]  # on the CPU it must work
+    assert [r["batch"] for r in result["compiled_plain"]] == [1, 4] and all(r["tok_s"] > 0 for r in result["compiled_plain"])
