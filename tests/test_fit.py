@@ -17,7 +17,7 @@ from rlsched.errors import UserError
 from rlsched.traces.writer import TraceWriter
 from support import ok, rlsched, snapshot
 
-V = dict(t0=2.0, s=0.8, u=0.3, a=0.05, m=3.0, p=3.0, r=0.05, c=3e-4)
+V = dict(t0=2.0, s=0.8, u=0.3, a=0.05, m=3.0, p=3.0, r=0.05, c=3e-4, kv=5e-4)
 D = dict(e=0.3, d=1e-4, t0=0.4, a=0.02, m=1.0, p=2.0, c=1e-4, s=0.1)
 P = dict(t0=5.0, a=0.04, c=3e-4, g=3e-4, s_c=2e5, h=5e4)  # the bend at 2e5 token pairs (B = 11 x 192 tokens)
 F = dict(t0=1.0, a=0.01, c=1e-4, g=1e-4, s_c=2e5, h=5e4)  # the drafter's feed (prefill's form)
@@ -192,7 +192,7 @@ def test_speculative_steps_timed_as_a_whole_are_refused_with_the_reason(tmp_path
     ("negative-param", "'ops.draft.model.params.c'"),
     ("bad-grid", "'ops.verify.grid'"),
     ("unknown-form", "'ops.prefill.form'"),
-    ("form-v1", "'roofline-verify-v1', this rlsched knows 'roofline-verify-v2'"),  # before ragged rows
+    ("form-v2", "'roofline-verify-v2', this rlsched knows 'roofline-verify-v3'"),  # before the KV-read term
 ])
 def test_bad_cost_files_name_the_file_and_the_fault(tmp_path, synthetic, case, expect):
     data, path = synthetic.to_json(), tmp_path / "cm.json"
@@ -217,8 +217,8 @@ def test_bad_cost_files_name_the_file_and_the_fault(tmp_path, synthetic, case, e
     elif case == "unknown-form":
         data["ops"]["prefill"]["form"] = "roofline-prefill-v9"
         write(data)
-    elif case == "form-v1":
-        data["ops"]["verify"]["form"] = "roofline-verify-v1"
+    elif case == "form-v2":
+        data["ops"]["verify"]["form"] = "roofline-verify-v2"
         write(data)
     with pytest.raises(UserError) as e:
         read_cost_file(path)

@@ -59,7 +59,7 @@ def test_replayed_engine_steps_are_the_executors_under_constant_costs(runs, tmp_
     root, out = runs
     data = fit_path(out["off"]).to_json()
     c_ms, p_ms = 3.0, 5.0
-    data["ops"]["verify"].update(used="parametric", params=dict(t0=c_ms, s=0, u=0, a=0, m=0, p=1, r=0, c=0))
+    data["ops"]["verify"].update(used="parametric", params=dict(t0=c_ms, s=0, u=0, a=0, m=0, p=1, r=0, c=0, kv=0))
     data["ops"]["prefill"].update(used="parametric", params=dict(t0=p_ms, a=0, c=0, g=0, s_c=0, h=1))
     cost = tmp_path / "const.json"
     cost.write_text(json.dumps(data))

@@ -7,7 +7,7 @@ the forms and the file, in seconds through the `CostModel` protocol.
 The forms (one per operation, roofline-shaped; every parameter >= 0):
 
   verify(B, q, L)   = t0 + s*[q > 1] + u*[q = 1, B > 1] + smax(a*B*q, m; p) + r*B
-                      + c*B*q*(L + (q - 1)/2)
+                      + c*B*q*(L + (q - 1)/2) + kv*B*L
   draft(B, k, L)    = e + d*B*L + k * (t0 + smax(a*B, m; p) + c*B*L) + s*(k - 1)*[B > 1]
                       (k drafter forwards)
   prefill(n, S)     = t0 + a*n + c*S/2 + g*h*softplus((S/2 - s_c)/h)
@@ -23,7 +23,11 @@ plain decoding (verification, resampling); `u` plain decoding's over rows of dif
 lengths, as the engine's are from two rows on (a mask, another attention kernel); in
 drafting `s` is that same extra work of each one-token forward after the first (whose feed
 of two tokens is masked at any batch size); `r` a per-row cost (sampling, bookkeeping); `c`
-attention over the context; `e` and `d` drafting's cost besides its forwards (a fixed part,
+attention's arithmetic over the context, for every token verified; `kv` reading each row's
+cached keys and values, once a step whatever the number of tokens verified (v3; v2 had
+attention's whole cost grow with q: on a profile with contexts 16/64/192 it priced plain
+decoding at 32-64 rows of 16 tokens 1.3-1.4x what it cost, and a real run's plain steps at
+32-64 rows 1.34x; with `kv` 1.10x, held-out MAPE 8.8% -> 6.9%); `e` and `d` drafting's cost besides its forwards (a fixed part,
 and one that grows with the context the drafter's cache holds). Prefill is compute (a per
 token, c per token pair of attention) over a floor t0; its softplus is the memory hierarchy:
 beyond about s_c token pairs (attention scores of B x heads x L^2 floats) the scores leave
@@ -52,12 +56,12 @@ KIND = "rlsched-costmodel"
 VERSION = 1
 
 PARAMS = {
-    "verify": ("t0", "s", "u", "a", "m", "p", "r", "c"),
+    "verify": ("t0", "s", "u", "a", "m", "p", "r", "c", "kv"),
     "draft": ("e", "d", "t0", "a", "m", "p", "c", "s"),
     "prefill": ("t0", "a", "c", "g", "s_c", "h"),
     "feed": ("t0", "a", "c", "g", "s_c", "h"),  # prefill's form, of a drafter
 }
-FORMS = {"verify": "roofline-verify-v2", "draft": "roofline-draft-v2", "prefill": "roofline-prefill-v2",
+FORMS = {"verify": "roofline-verify-v3", "draft": "roofline-draft-v2", "prefill": "roofline-prefill-v2",
          "feed": "roofline-prefill-v2"}
 TOKENS = {"verify": "q", "draft": "k", "prefill": "one", "feed": "one"}  # the grid's second axis
 PER_DRAFTER = ("draft", "feed")  # ops fitted once per drafter: ops.<op>.<drafter> in the file
@@ -77,7 +81,7 @@ def softplus(x):
 def verify_ms(p: dict, B, q, L):
     B, q, L = (np.asarray(v, dtype=float) for v in (B, q, L))
     return (p["t0"] + p["s"] * (q > 1) + p["u"] * ((q == 1) & (B > 1)) + smax(p["a"] * B * q, p["m"], p["p"])
-            + p["r"] * B + p["c"] * B * q * (L + (q - 1) / 2))
+            + p["r"] * B + p["c"] * B * q * (L + (q - 1) / 2) + p["kv"] * B * L)
 
 
 def draft_ms(p: dict, B, k, L):

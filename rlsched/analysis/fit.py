@@ -191,8 +191,9 @@ def _linear_start(op: str, t: pd.DataFrame) -> dict:
     """Non-negative least squares on the forms with the bend removed (p -> 0, no spill)."""
     B, q, L, y = (t[c].to_numpy(float) for c in ("batch", "tokens", "per_row", "ms"))
     if op == "verify":
-        X = np.column_stack([np.ones_like(B), q > 1, (q == 1) & (B > 1), B * q, B, B * q * (L + (q - 1) / 2)])
-        names = ("t0", "s", "u", "a", "r", "c")
+        X = np.column_stack([np.ones_like(B), q > 1, (q == 1) & (B > 1), B * q, B, B * q * (L + (q - 1) / 2),
+                             B * L])
+        names = ("t0", "s", "u", "a", "r", "c", "kv")
     elif op == "draft":
         X = np.column_stack([np.ones_like(B), B * L, q, q * B, q * B * L, np.maximum(q - 1, 0) * (B > 1)])
         names = ("e", "d", "t0", "a", "c", "s")
