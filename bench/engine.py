@@ -182,7 +182,8 @@ def bootstrap_interval(rounds: dict, stat, n: int = 1000, level: float = 0.9, se
     `block` rounds are drawn as one: 2 for `held_out_vs_best`, which splits the rounds into
     even and odd. Drawn one by one, a round drawn twice could land in both halves, so the best
     static k was partly chosen on the rounds it was judged on, the winner's curse the split
-    removes: with every contender equally fast the intervals sat ~2% low (`tests/test_bench_stats.py`)."""
+    removes: with every contender equally fast the intervals sat ~1.3% low
+    (`tests/test_bench_stats.py`)."""
     from scipy.stats import bootstrap
 
     units = min(len(r) for r in rounds.values()) // block
