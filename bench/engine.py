@@ -266,17 +266,14 @@ def plain_section(pair, target, batches, tokens, repeats, threads):
         hf_s, hf_tokens = runs["hf"]
         theirs = hf_tokens / hf_s
         entry = dict(batch=b, tokens=tokens, hf_tok_s=theirs)
-        for key, prefix in (("ours", ""), ("compiled", "compiled_")):
+        for key, prefix, label in (("ours", "", "rlsched"), ("compiled", "compiled_", "rlsched --compile")):
             secs, res = runs[key]
-            per_round = paired(rounds, "hf", key)  # both generate b x tokens tokens
-            entry.update({f"{prefix}rlsched_tok_s": res.stats["tokens"] / secs,
-                          f"{prefix}ratio_vs_hf": res.stats["tokens"] / secs / theirs,
+            tok_s, per_round = res.stats["tokens"] / secs, paired(rounds, "hf", key)  # both make b x tokens
+            entry.update({f"{prefix}rlsched_tok_s": tok_s, f"{prefix}ratio_vs_hf": tok_s / theirs,
                           f"{prefix}ratio_vs_hf_rounds": per_round,
                           f"{prefix}ratio_vs_hf_median": float(np.median(per_round))})
-        for key, label in (("", "rlsched"), ("compiled_", "rlsched --compile")):
-            r = entry[f"{key}ratio_vs_hf_rounds"]
-            rows.append([b, label, f"{entry[f'{key}rlsched_tok_s']:,.0f}", f"{entry[f'{key}ratio_vs_hf']:.2f}x",
-                         f"{np.median(r):.2f}x", f"{min(r):.2f}-{max(r):.2f}"])
+            rows.append([b, label, f"{tok_s:,.0f}", f"{tok_s / theirs:.2f}x", f"{np.median(per_round):.2f}x",
+                         f"{min(per_round):.2f}-{max(per_round):.2f}"])
         rows.append([b, "HF generate", f"{theirs:,.0f}", "1.00x", "1.00x", "-"])
         if b == max(batches):
             v = entry["vllm"] = vllm_plain(pair.target, prompts, tokens, threads)
