@@ -17,7 +17,10 @@ Sections (all on the built-in pair: a 16-layer target and a 2-layer drafter dist
    a profile taken here: by its grid, as `rlsched run` does, and by `rlsched fit`'s forms
    fitted to it) and bandit, the adaptive ones after one earlier rollout (their estimates
    carry over, as between RL steps); and off and static:3 with the forwards compiled
-   (`--compile`).
+   (`--compile`); the contenders run in lockstep, one engine step each in turn (`lockstep`);
+5. the same drain on a built-in pair whose target is twice as wide (`builtin.WIDE`, trained on
+   first use, ~10 minutes here, then cached), where a verify's cost grows faster with k at 64
+   rows, as on a GPU at large batch.
 
 Run: python bench/engine.py [--threads 2] [--quick] [--sections sd_b1,drain] [--drain-rounds 30].
 Results: bench/results/engine.{json,txt}.
@@ -45,7 +48,7 @@ from _common import table, write_result  # noqa: E402
 from rlsched.analysis.costfile import FittedCostModel  # noqa: E402
 from rlsched.analysis.fit import fit_records  # noqa: E402
 from rlsched.errors import UserError  # noqa: E402
-from rlsched.executor.builtin import builtin_pair, encode  # noqa: E402
+from rlsched.executor.builtin import WIDE, builtin_pair, encode  # noqa: E402
 from rlsched.executor.drafters import ModelDrafter, drafter_cache_len  # noqa: E402
 from rlsched.executor.engine import Request, RolloutEngine, build_policy, reserve  # noqa: E402
 from rlsched.executor.gcfreeze import freeze_long_lived  # noqa: E402
@@ -108,6 +111,53 @@ def interleaved(fns: dict, repeats: int, seed: int = 0) -> tuple[dict, dict]:
     for r in range(repeats):
         for j in rng.permutation(len(order)):
             rounds[order[j]].append(fns[order[j]](r))
+    best = {name: min(runs, key=lambda r: r[0]) for name, runs in rounds.items()}
+    return best, rounds
+
+
+def lockstep(engines: dict, reqs: list, repeats: int, seed: int = 0) -> tuple[dict, dict]:
+    """`interleaved` at the finest grain: in every round all contenders run the same requests
+    together, one engine step each in turn (in a shuffled order every step), each timed over its
+    own steps only. A whole drain a contender takes ~1 s, over which this machine's speed moves
+    by up to ~15%: two contenders doing identical work (the same k, the same samples) differed
+    by 0.86-1.28x round by round when they ran their drains one after the other. Steps a few
+    ms apart see the same machine. engines[name] = (engine, its generator), which round r
+    seeds with `seeded(r)`; each engine keeps its own generator, so a contender's samples do
+    not depend on who ran in between. Returns what `interleaved` returns."""
+    rng = np.random.default_rng(seed)
+    names = list(engines)
+
+    def one_round(r):
+        clock = dict.fromkeys(names, 0.0)
+        filled = {}
+        for name in names:
+            eng, gen = engines[name]
+            gen.manual_seed(seeded(r))
+            t = time.perf_counter()
+            filled[name] = eng.start(reqs)
+            clock[name] += time.perf_counter() - t
+        active = names
+        while active:
+            for j in rng.permutation(len(active)):
+                name = active[j]
+                t = time.perf_counter()
+                done = engines[name][0].work()
+                clock[name] += time.perf_counter() - t
+                for i, res in done:
+                    filled[name][i] = res
+            active = [n for n in active if engines[n][0].has_work]
+        out = {}
+        for name in names:
+            t = time.perf_counter()
+            res = engines[name][0].result(filled[name])
+            out[name] = (clock[name] + time.perf_counter() - t, res)
+        return out
+
+    one_round(repeats)  # warm-up round, untimed
+    rounds = {name: [] for name in names}
+    for r in range(repeats):
+        for name, run in one_round(r).items():
+            rounds[name].append(run)
     best = {name: min(runs, key=lambda r: r[0]) for name, runs in rounds.items()}
     return best, rounds
 
@@ -402,13 +452,14 @@ def sd_b1_section(pair, target, drafter, n_prompts, repeats):
 
 # --- 4. a draining batch -------------------------------------------------------------------------
 
-def drain_section(target, drafter, repeats, quick):
+def drain_section(target, drafter, repeats, quick, compiled=True):
     """64 requests at once; token budgets drawn long-tailed (lognormal, median 24, clipped to
     4..120) and generated in full (no EOS stop), so every policy does the same work while the
     batch drains from 64 to 1. Each budget goes to a prompt whose answer is at least that long
     (`long_answers`), so every token is one the task would generate, as in an RL rollout: with
     any prompt, rows ran past their EOS into text neither model was trained on, where the
-    drafter's acceptance fell to 0.5-0.7 (the tail of the drain ran on such rows)."""
+    drafter's acceptance fell to 0.5-0.7 (the tail of the drain ran on such rows).
+    `compiled`: also off and static:3 with the forwards compiled (copies, compiled here)."""
     rng = np.random.default_rng(21)
     lengths = [int(x) for x in np.clip(np.round(24 * np.exp(0.9 * rng.standard_normal(64))), 4, 120)]
     reqs = [Request(encode(e.prompt), i, i, n) for i, (e, n) in enumerate(zip(long_answers(lengths, 21), lengths))]
@@ -424,11 +475,17 @@ def drain_section(target, drafter, repeats, quick):
     # statistics carry over from an earlier rollout (other prompts), as from the RL step before.
     warm = [Request(encode(e.prompt), i, i, n) for i, (e, n) in enumerate(zip(long_answers(lengths, 22), lengths))]
 
-    # The same pair with its forwards compiled (`rlsched generate --compile`),
-    # as copies: SD off and static:3 beside the eager ones.
-    compiled = (copy.deepcopy(target), copy.deepcopy(drafter))
-    compiled[0].compile_decode(7, 64)
-    compiled[1].compile_decode(2, 64)
+    # how much dearer a verify of k + 1 tokens is at 64 rows: what a static k loses at the head
+    # of the drain against what it gains at the tail (the room an adaptive k has)
+    v1, v7 = priced["goodput"].verify_time(64, np.array([1.0, 7.0]), 64 * per_row)
+    names = ["off", "static:1", "static:2", "static:3", "static:4", "static:5", "static:6", "goodput",
+             "goodput (fit)", "bandit"]
+    if compiled:  # the same pair with its forwards compiled (`rlsched generate --compile`), as
+        # copies: SD off and static:3 beside the eager ones
+        compiled_pair = (copy.deepcopy(target), copy.deepcopy(drafter))
+        compiled_pair[0].compile_decode(7, 64)
+        compiled_pair[1].compile_decode(2, 64)
+        names += ["off (compiled)", "static:3 (compiled)"]
 
     def contender(name):
         # one engine each, kept from run to run (as in the B = 1 section)
@@ -436,16 +493,13 @@ def drain_section(target, drafter, repeats, quick):
         adaptive = spec in ("goodput", "bandit")
         est = AcceptanceEstimator(("model",)) if adaptive else None
         pol = build_policy(spec, ("model",), priced.get(name), k_max=6, max_batch=64)
-        t, dm = compiled if name.endswith("(compiled)") else (target, drafter)
+        t, dm = compiled_pair if name.endswith("(compiled)") else (target, drafter)
         eng, gen = make_engine(t, dm if spec != "off" else None, pol, reqs + warm, 64, estimator=est)
         if adaptive:
             timed_run(eng, gen, warm)
-        return lambda r: timed_run(eng, gen, reqs, seed=seeded(r))
+        return eng, gen
 
-    fns = {name: contender(name)
-           for name in ["off", "static:1", "static:2", "static:3", "static:4", "static:5", "static:6", "goodput",
-                        "goodput (fit)", "bandit", "off (compiled)", "static:3 (compiled)"]}
-    runs, rounds = interleaved(fns, repeats)
+    runs, rounds = lockstep({name: contender(name) for name in names}, reqs, repeats)
     # every round samples with its own seed (`seeded`), the same for all contenders: a
     # contender's total over the rounds averages its draws; the fastest round is a lucky one
     out = [dict(policy=pol, seconds=s, tok_s=res.stats["tokens"] / s,
@@ -483,14 +537,29 @@ def drain_section(target, drafter, repeats, quick):
                   "steps", "mean acc len"], rows)
     lens = np.array(lengths)
     text = (f"64 requests, response lengths median {np.median(lens):.0f}, p90 {np.percentile(lens, 90):.0f}, "
-            f"max {lens.max()} tokens; {repeats} rounds, each sampled with its own seed; best static "
+            f"max {lens.max()} tokens; {repeats} rounds, each sampled with its own seed, the contenders in "
+            f"lockstep (one engine step each in turn); best static "
             f"{best_static['policy']} by the time of all rounds, {best_paired} by the median of rounds; held out: "
             f"the static k fastest over the even rounds against each policy over the odd ones, and the "
-            f"reverse, averaged; its 90% interval over the rounds resampled (`bootstrap_interval`)\n" + text)
-    return dict(rows=out, best_static=best_static["policy"], best_static_paired=best_paired, lengths=lengths), text
+            f"reverse, averaged; its 90% interval over the rounds resampled (`bootstrap_interval`); "
+            f"a verify of 7 tokens a row at 64 rows costs {v7 / v1:.2f}x one token's (this run's profile)\n" + text)
+    return dict(rows=out, best_static=best_static["policy"], best_static_paired=best_paired, lengths=lengths,
+                verify_64_q7_over_q1=float(v7 / v1)), text
 
 
-SECTIONS = ("plain", "memory", "sd_b1", "drain")
+def drain_wide_section(repeats, quick):
+    """The drain on the built-in recipe with a target twice as wide (`builtin.WIDE`, built on
+    first use and cached): a verify of 7 tokens at 64 rows costs ~4.4x one token's here against
+    ~3x on the default pair, so the best k at the head and at the tail of the drain differ more
+    (as on a GPU at large batch). On the default pair one static k is within ~2% of the best k
+    for each batch size, less than this machine's noise over a bench run."""
+    pair = builtin_pair(WIDE, log=print)
+    result, text = drain_section(load_model(pair.target).model, load_model(pair.drafter).model, repeats, quick,
+                                 compiled=False)
+    return {**result, "pair": pair.info}, f"the wide pair ({pair.target.parent.name}): " + text
+
+
+SECTIONS = ("plain", "memory", "sd_b1", "drain", "drain_wide")
 
 
 def main() -> None:
@@ -516,7 +585,8 @@ def main() -> None:
         ("plain", lambda: plain_section(pair, target, (1, 16, 64), args.tokens, repeats, args.threads)),
         ("memory", lambda: memory_section(target, args.tokens)),
         ("sd_b1", lambda: sd_b1_section(pair, target, drafter, 4 if args.quick else 8, 1 if args.quick else 9)),
-        ("drain", lambda: drain_section(target, drafter, 2 if args.quick else args.drain_rounds, args.quick)),
+        ("drain", lambda: drain_section(target, drafter, 4 if args.quick else args.drain_rounds, args.quick)),
+        ("drain_wide", lambda: drain_wide_section(4 if args.quick else args.drain_rounds, args.quick)),
     ]:
         if name not in wanted:
             continue

@@ -64,3 +64,26 @@ def test_the_held_out_interval_is_centred_when_rounds_are_drawn_in_pairs():
                                                           n=200, block=block)) for rounds in datasets])
     assert abs(mids[2] - 1.0) < 0.006
     assert mids[1] < 0.99
+
+
+def test_lockstep_gives_each_contender_the_samples_of_its_own_run(tmp_path):
+    """The drain's contenders take engine steps in turn (`lockstep`); each keeps its own
+    generator, so what it samples cannot depend on who stepped in between: its tokens are
+    those of a fresh engine's `run` with the round's seed, and every round is timed."""
+    from support import tiny_pair
+
+    from engine import lockstep, make_engine, seeded, timed_run
+    from rlsched.executor.engine import Request
+    from rlsched.policies.draft import StaticPolicy
+
+    target, drafter = tiny_pair(tmp_path / "tiny", 16)
+    reqs = [Request([1 + i % 5, 2, 3], i, i, n) for i, n in enumerate([3, 9, 5, 14, 2, 7])]
+    ks = {"static:1": 1, "static:3": 3}
+    engines = {name: make_engine(target, drafter, StaticPolicy("model", k), reqs, 4) for name, k in ks.items()}
+    best, rounds = lockstep(engines, reqs, 2)
+    for name, k in ks.items():
+        assert len(rounds[name]) == 2 and all(t > 0 for t, _ in rounds[name])
+        for r, (_, res) in enumerate(rounds[name]):
+            alone = timed_run(*make_engine(target, drafter, StaticPolicy("model", k), reqs, 4), reqs, seed=seeded(r))[1]
+            assert [s.tokens for s in res.samples] == [s.tokens for s in alone.samples]
+            assert [len(s.tokens) for s in res.samples] == [3, 9, 5, 14, 2, 7]

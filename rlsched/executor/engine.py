@@ -199,15 +199,25 @@ class RolloutEngine:
     @torch.inference_mode()
     def run(self, requests: list[Request]) -> RolloutResult:
         """Generate every request; results in request order, with overall stats."""
+        results = self.start(requests)
+        while self.has_work:
+            for i, res in self.work():
+                results[i] = res
+        return self.result(results)
+
+    @torch.inference_mode()
+    def start(self, requests: list[Request]) -> list:
+        """`run` in parts: begin a rollout of `requests` (checked and queued), then `work` until
+        no work is left, filling the returned list (request order), then `result`."""
         check_requests(requests, self.cache_capacity)
         prompt_index: dict = {}
         prompt_of = np.array([prompt_index.setdefault(r.prompt_id, len(prompt_index)) for r in requests], dtype=np.int64)
         self.begin(prompt_of, max((reserve(r) for r in requests), default=1))
         self.submit(list(enumerate(requests)))
-        results: list[SampleResult | None] = [None] * len(requests)
-        while self.has_work:
-            for i, res in self.work():
-                results[i] = res
+        return [None] * len(requests)
+
+    def result(self, results: list) -> RolloutResult:
+        """The finished rollout `start` began: its samples and overall stats."""
         seconds = time.perf_counter() - self._t0
         self.estimator.retire(self._ids)
         return RolloutResult(list(results), self._summary(results, self._totals, seconds))
