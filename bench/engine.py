@@ -549,7 +549,7 @@ def drain_section(target, drafter, repeats, quick, compiled=True):
 
 def drain_wide_section(repeats, quick):
     """The drain on the built-in recipe with a target twice as wide (`builtin.WIDE`, built on
-    first use and cached): a verify of 7 tokens at 64 rows costs ~4.4x one token's here against
+    first use and cached): a verify of 7 tokens at 64 rows costs ~4x one token's here against
     ~3x on the default pair, so the best k at the head and at the tail of the drain differ more
     (as on a GPU at large batch). On the default pair one static k is within ~2% of the best k
     for each batch size, less than this machine's noise over a bench run."""

@@ -83,7 +83,7 @@ class Recipe:
 
 # The same recipe twice as wide (target and drafter: the drafter starts from the target's first
 # layers), for the drain benchmark (bench/engine.py, section drain_wide). On this CPU a verify of
-# 7 tokens a row at 64 rows costs ~3x one token's on the default target and ~4.4x on this one:
+# 7 tokens a row at 64 rows costs ~3x one token's on the default target and ~4x on this one:
 # nearer a GPU at a large batch, where the k that pays at the head of a drain (64 rows) and at
 # its tail (1 row) differ most.
 WIDE = Recipe(target=(("hidden_size", 256), ("intermediate_size", 768), ("num_layers", 16),
