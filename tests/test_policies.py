@@ -84,8 +84,8 @@ def test_calibrated_goodput_follows_measured_step_times(ctx):
 
     plain, live = make_draft_policy("goodput:1", ctx), make_draft_policy("goodput:1", replace(ctx, calibrate=True))
     assert not plain.observes and live.observes
-    first = live.choose(state(1))
-    assert first.k > 0 and plain.choose(state(1)) == first
+    first, priced = live.choose(state(1)), plain.choose(state(1))
+    assert first.k > 0 and abs(first.k - priced.k) <= 1  # (live may try a neighbour first: `_explore`)
     cost = ctx.cost
     for step in range(1, 30):
         s = live.choose(state(1, step))
@@ -94,7 +94,7 @@ def test_calibrated_goodput_follows_measured_step_times(ctx):
         draft, verify = cost.draft_time(s.drafter, 1, s.k, 1000), cost.verify_time(1, s.k + 1, 1000)
         live.observe(StepOutcome(0, step, s, 1, s.k, 0, 1, 30 * draft + verify, 30 * draft, verify))
     assert live.choose(state(1, 31)) == OFF
-    assert plain.choose(state(1, 31)) == first
+    assert plain.choose(state(1, 31)) == priced
 
 
 def test_goodput_prices_a_batch_once_per_context_band(ctx):
@@ -143,7 +143,7 @@ def test_calibrated_goodput_does_not_price_drafting_by_a_catch_up_step(ctx):
     for step in range(1, 6):  # every step caught up: 30x the drafting price each time
         live.observe(StepOutcome(0, step, first, 1, first.k, 0, 1, 30 * draft + verify, 30 * draft, verify,
                                  catch_up=200))
-        assert live.choose(state(1, step + 1)) == first
+        assert not live.choose(state(1, step + 1)).is_off and live._scale_at(first.drafter, 1) == 1.0
     s = first
     live.observe(StepOutcome(0, 6, s, 1, s.k, 0, 1, 30 * draft + verify, 30 * draft, verify))  # a steady one counts
     assert live._scale[s.drafter] > 1.5

@@ -52,6 +52,25 @@ def expected_tokens(acceptance: np.ndarray, k_max: int) -> np.ndarray:
     return out
 
 
+def drain_tokens(acceptance: np.ndarray, k_max: int) -> np.ndarray:
+    """`expected_tokens` for a batch that must drain: B^2 / sum_i 1 / E_i(k), for k = 0..k_max
+    (B times the harmonic mean of the rows' expected tokens a step, E_i).
+
+    Lossless SD leaves each row's length L_i as it is; it only cuts the row's steps to about
+    L_i / E_i(k). A step of B rows costs about B times a row's share, so the stage takes
+    sum_i (L_i / E_i(k)) x (step time / B): with lengths unknown and alike, the step that
+    gains most is the one with the most B^2 / sum_i(1 / E_i) per second. The plain sum gives
+    the same answer when the rows are alike; when they differ it favours long drafts that the
+    likely rows use, and the unlikely rows, which then finish last, run the tail of the drain
+    at a few rows a step, the dearest steps per token there are."""
+    a = np.atleast_1d(np.asarray(acceptance, dtype=float))
+    per_row = np.ones((len(a), k_max + 1))
+    per_row[:, 1:] = a[:, None]
+    np.cumprod(per_row, axis=1, out=per_row)
+    np.cumsum(per_row, axis=1, out=per_row)
+    return len(a) ** 2 / (1.0 / per_row).sum(axis=0)
+
+
 class OffPolicy:
     """Plain decoding, every step."""
 
@@ -122,9 +141,12 @@ class GoodputPolicy:
     needs_acceptance = True
     observes = False
     _DECAY = 0.8  # weight of the running scale against one new step's ratio
+    _REL_DECAY = 0.95  # the same for a k's factor against its octave (structure, not drift)
+    _EXPLORE_MARGIN, _EXPLORE_STEPS = 0.05, 4  # `_explore`
 
-    def __init__(self, ctx: PolicyContext, refresh: int = 32, ctx_tolerance: float = 0.05):
+    def __init__(self, ctx: PolicyContext, refresh: int = 32, ctx_tolerance: float = 0.05, drain: bool = False):
         self.cost, self.drafters, self.k_max = ctx.cost, ctx.drafters, ctx.k_max
+        self._tokens = drain_tokens if drain else expected_tokens
         self.refresh, self.ctx_tolerance = refresh, ctx_tolerance
         self._ks = np.arange(1, self.k_max + 1)
         self._last = None  # (batch, ctx_tokens, step, strategy)
@@ -134,7 +156,10 @@ class GoodputPolicy:
         # entry keeps the cost model alive, so no other can take its id while the entry exists
         key = ("goodput_prices", id(ctx.cost), ctx.drafters, ctx.k_max, ctx_tolerance)
         self._price_cache: dict = ctx.shared.setdefault(key, (ctx.cost, {}))[1]
-        self._scale: dict[str, float] = {}  # "verify" or a drafter -> measured / priced time
+        # "verify" or a drafter, alone or with a batch octave -> measured / priced time
+        self._scale: dict = {}
+        self._rel: dict = {}
+        self._seen: dict = {}  # (key, octave) -> steps folded for each k  # (key, octave) -> log factor of each k = 0..k_max against the octave's scale
         self._feed: dict[str, float] = {}  # drafter -> seconds to feed it one token (catch-up)
         self._priced = None  # (batch, verify at q = 1, verify at q = 2.., {drafter: draft at k = 1..})
 
@@ -153,13 +178,13 @@ class GoodputPolicy:
     def _decide(self, state: EngineState) -> Strategy:
         b = state.batch
         v1, vk, drafts = self._prices(b, state.ctx_tokens)
-        sv = self._scale.get("verify", 1.0)
+        sv = self._scales("verify", b)
         deferred = b * min((self._feed_price(d, b) for d in self.drafters), default=0.0)
-        best, best_rate = OFF, b / (sv * v1 + deferred)
+        best, best_rate = OFF, b / (sv[0] * v1 + deferred)
         for d in self.drafters:
-            tokens = expected_tokens(self._acceptance(state, d), self.k_max)[1:]
-            rates = tokens / (self._scale.get(d, 1.0) * drafts[d] + sv * vk)
-            j = int(np.argmax(rates))
+            tokens = self._tokens(self._acceptance(state, d), self.k_max)[1:]
+            rates = tokens / (self._scales(d, b)[1:] * drafts[d] + sv[1:] * vk)
+            j = self._explore(b, rates, int(np.argmax(rates))) if self.calibrate else int(np.argmax(rates))
             if rates[j] > best_rate:
                 best, best_rate = Strategy(d, int(self._ks[j])), float(rates[j])
         if self.calibrate:
@@ -199,21 +224,62 @@ class GoodputPolicy:
         if priced is None or priced[0] != outcome.batch:
             return
         _, v1, vk, drafts = priced
-        self._fold("verify", outcome.verify_time, v1 if s.k == 0 else vk[s.k - 1])
+        b = outcome.batch
+        self._fold("verify", b, s.k, outcome.verify_time, v1 if s.k == 0 else vk[s.k - 1])
         # a step whose drafter caught up (a joining row's prompt, the tokens of off steps) is a
         # prefill, not the drafting priced: folded, one such step after off steps priced the
         # drafter 1.5x and more for good, and off was never left again
         if s.k > 0 and s.drafter in drafts:
             if outcome.catch_up == 0:
-                self._fold(s.drafter, outcome.draft_time, drafts[s.drafter][s.k - 1])
+                self._fold(s.drafter, b, s.k, outcome.draft_time, drafts[s.drafter][s.k - 1])
             else:  # what the feed cost beyond the drafting priced, a token
-                extra = outcome.draft_time - self._scale.get(s.drafter, 1.0) * drafts[s.drafter][s.k - 1]
+                extra = outcome.draft_time - self._scales(s.drafter, b)[s.k] * drafts[s.drafter][s.k - 1]
                 if extra > 0:
                     self._feed[s.drafter] = log_mean(self._feed.get(s.drafter), extra / outcome.catch_up, self._DECAY)
 
-    def _fold(self, key: str, measured: float, priced: float) -> None:
-        if measured > 0 and priced > 0:
-            self._scale[key] = log_mean(self._scale.get(key, 1.0), measured / priced, self._DECAY)
+    def _fold(self, key: str, b: int, k: int, measured: float, priced: float) -> None:
+        """One step's measured / priced into the scales: over all batch sizes; for the octave of
+        b; and, relative to the octave's, for k there (a slower mean)."""
+        if measured <= 0 or priced <= 0:
+            return
+        ratio = math.log(measured / priced)
+        octave = (key, b.bit_length())
+        rel = self._rel.setdefault(octave, np.zeros(self.k_max + 1))
+        seen = self._seen.setdefault(octave, np.zeros(self.k_max + 1, dtype=np.int64))
+        self._scale[octave] = math.exp(self._DECAY * math.log(self._scale_at(key, b))
+                                       + (1 - self._DECAY) * (ratio - rel[k]))
+        self._scale[key] = log_mean(self._scale.get(key, 1.0), measured / priced, self._DECAY)
+        w = max(1.0 / (seen[k] + 1), 1 - self._REL_DECAY)  # a mean over the first steps, then forgetting
+        rel[k] += w * (ratio - math.log(self._scale[octave]) - rel[k])
+        seen[k] += 1
+
+    def _explore(self, b: int, rates: np.ndarray, j: int) -> int:
+        """The k at index j, or a neighbour priced within `_EXPLORE_MARGIN` of it that has run
+        fewer than `_EXPLORE_STEPS` steps in this octave of batch sizes: its own factor
+        (`_scales`) is then measured. Without it a k the profile overpriced was never run, so
+        never corrected: at 64 rows on the built-in pair the profile put k = 2 ahead of 4 and 5,
+        which ran 3-5% faster a token, and `goodput` drafted 2 there every rollout."""
+        seen = self._seen.get(("verify", b.bit_length()))
+        for n in (j - 1, j + 1):
+            if (0 <= n < len(rates) and rates[n] >= (1 - self._EXPLORE_MARGIN) * rates[j]
+                    and (seen is None or seen[n + 1] < self._EXPLORE_STEPS)):
+                return n
+        return j
+
+    def _scale_at(self, key: str, b: int) -> float:
+        """Measured / priced for `key` ("verify" or a drafter) at b rows, by octave of b: how far
+        a profile is off depends on the batch (its per-step overheads, the machine's caches).
+        An octave not measured yet goes by the scale over all batch sizes."""
+        return self._scale.get((key, b.bit_length()), self._scale.get(key, 1.0))
+
+    def _scales(self, key: str, b: int) -> np.ndarray:
+        """`_scale_at` for k = 0..k_max (verify: q = k + 1): the octave's times each k's own
+        factor where that k has run there. A profile misprices one k against the next by 5-10%
+        (its points are timed one by one, minutes before), as much as the best k gains over its
+        neighbours; measured in the run itself, it no longer picks the k that noise made cheap."""
+        rel = self._rel.get((key, b.bit_length()))
+        s = self._scale_at(key, b)
+        return np.full(self.k_max + 1, s) if rel is None else s * np.exp(rel)
 
     def _acceptance(self, state: EngineState, drafter: str) -> np.ndarray:
         return state.accept_est(drafter)
@@ -317,9 +383,11 @@ def make_draft_policy(spec: str, ctx: PolicyContext):
     if name == "off" and not arg:
         return OffPolicy()
     if name in ("goodput", "seqgoodput"):
-        if arg and (not arg.isdigit() or int(arg) < 1):
+        if arg and arg != "drain" and (not arg.isdigit() or int(arg) < 1):
             raise UserError(f"policy '{spec}': the refresh interval must be a whole number >= 1, as in {name}:1")
         cls = GoodputPolicy if name == "goodput" else SeqGoodputPolicy
+        if name == "goodput" and arg == "drain":
+            return cls(ctx, drain=True)
         return cls(ctx, refresh=int(arg) if arg else 32)
     if name == "static":
         k_str, _, drafter = arg.partition(":")
