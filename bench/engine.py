@@ -55,7 +55,6 @@ from rlsched.executor.gcfreeze import freeze_long_lived  # noqa: E402
 from rlsched.executor.loading import load_model  # noqa: E402
 from rlsched.executor.profiler import profile  # noqa: E402
 from rlsched.executor.sampling import SamplingParams  # noqa: E402
-from rlsched.policies.acceptance import AcceptanceEstimator  # noqa: E402
 from rlsched.policies.measured import MeasuredCostModel  # noqa: E402
 from rlsched.tasks.synthetic import make_examples  # noqa: E402
 
@@ -479,7 +478,8 @@ def drain_section(target, drafter, repeats, quick, compiled=True):
     # of the drain against what it gains at the tail (the room an adaptive k has)
     v1, v7 = priced["goodput"].verify_time(64, np.array([1.0, 7.0]), 64 * per_row)
     names = ["off", "static:1", "static:2", "static:3", "static:4", "static:5", "static:6", "goodput",
-             "goodput (fit)", "bandit"]
+             "goodput:drain", "goodput (fit)", "bandit"]
+    priced["goodput:drain"] = priced["goodput"]
     if compiled:  # the same pair with its forwards compiled (`rlsched generate --compile`), as
         # copies: SD off and static:3 beside the eager ones
         compiled_pair = (copy.deepcopy(target), copy.deepcopy(drafter))
@@ -490,11 +490,10 @@ def drain_section(target, drafter, repeats, quick, compiled=True):
     def contender(name):
         # one engine each, kept from run to run (as in the B = 1 section)
         spec = name.split(" ")[0]
-        adaptive = spec in ("goodput", "bandit")
-        est = AcceptanceEstimator(("model",)) if adaptive else None
+        adaptive = spec.startswith(("goodput", "bandit"))
         pol = build_policy(spec, ("model",), priced.get(name), k_max=6, max_batch=64)
         t, dm = compiled_pair if name.endswith("(compiled)") else (target, drafter)
-        eng, gen = make_engine(t, dm if spec != "off" else None, pol, reqs + warm, 64, estimator=est)
+        eng, gen = make_engine(t, dm if spec != "off" else None, pol, reqs + warm, 64)
         if adaptive:
             timed_run(eng, gen, warm)
         return eng, gen

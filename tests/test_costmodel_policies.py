@@ -11,6 +11,8 @@ from rlsched.config import load_config
 from rlsched.errors import UserError
 from rlsched.policies import (OFF, AcceptanceEstimator, EngineState, PolicyContext, Strategy, expected_tokens,
                               make_draft_policy)
+from rlsched.policies.draft import drain_tokens
+from rlsched.policies.types import StepOutcome
 from rlsched.sim.costmodel import RooflineCostModel
 
 
@@ -57,6 +59,81 @@ def test_expected_tokens_closed_form(a, k):
     got = expected_tokens(np.array([a, a]), k)
     want = [2 * (1 - a ** (j + 1)) / (1 - a) for j in range(k + 1)]
     np.testing.assert_allclose(got, want, rtol=1e-9)
+
+
+@given(st.lists(st.floats(0.0, 0.99), min_size=1, max_size=8), st.integers(1, 8))
+@settings(max_examples=50, deadline=None)
+def test_drain_tokens_is_batch_times_harmonic_mean(acc, k):
+    """B^2 / sum_i 1/E_i: equal to `expected_tokens` when the rows are alike, never above it
+    (harmonic <= arithmetic mean), and B at k = 0."""
+    a = np.array(acc)
+    per_row = [[(1 - x ** (j + 1)) / (1 - x) for j in range(k + 1)] for x in a]
+    want = len(a) ** 2 / (1 / np.array(per_row)).sum(axis=0)
+    got = drain_tokens(a, k)
+    np.testing.assert_allclose(got, want, rtol=1e-9)
+    assert got[0] == pytest.approx(len(a))
+    assert np.all(got <= expected_tokens(a, k) * (1 + 1e-12))
+    np.testing.assert_allclose(drain_tokens(np.full(3, a[0]), k), expected_tokens(np.full(3, a[0]), k), rtol=1e-9)
+
+
+def test_goodput_drain_drafts_shorter_for_mixed_rows(cost):
+    """Half the rows accept 0.95, half 0.3: the plain sum is carried by the likely rows and
+    drafts longer than the drain rule, which counts the unlikely rows' steps."""
+    ctx = PolicyContext(cost, ("model",), 8)
+    est = AcceptanceEstimator(["model"], prior_mean=0.6)
+    ids = np.arange(4)
+    est.begin_rollout(4, ids)
+    for _ in range(300):
+        est.update("model", ids, np.array([8, 8, 0, 0]) * (np.random.default_rng(_).random(4) < [0.66, 0.66, 1, 1]), 8)
+    st_ = EngineState(0, 0, 0.0, ids, np.full(4, 500), 2000, 0, 10**6, est)
+    mean, drain = make_draft_policy("goodput", ctx).choose(st_), make_draft_policy("goodput:drain", ctx).choose(st_)
+    assert 0 < drain.k < mean.k
+
+
+def test_estimator_sample_decay_follows_a_change_and_keeps_prompt_counts():
+    """Acceptance that falls mid-response: the decayed estimate follows it, the plain one stays
+    near the response's mean; both fold the same counts into the prompt."""
+    # "read": decay 0.7, read every step (pending steps must decay as applied ones do)
+    ests = {d: AcceptanceEstimator(["model"], prior_mean=0.5, sample_decay=1.0 if d == 1.0 else 0.7)
+            for d in (1.0, 0.7, "read")}
+    ids = np.array([0])
+    for d, est in ests.items():
+        est.begin_rollout(2, np.array([0, 0]))
+        for step in range(40):  # 20 steps all 4 accepted, then 20 steps none
+            est.update("model", ids, np.array([4 if step < 20 else 0]), 4)
+            if d == "read":
+                est.estimates("model", ids)
+    plain, recent, read = (float(ests[d].estimates("model", ids)[0]) for d in (1.0, 0.7, "read"))
+    assert recent < 0.3 < 0.7 < plain  # (0.27: the prior 0.5 at strength 4 against ~3 recent failures)
+    assert read == pytest.approx(recent, rel=1e-9)
+    for est in ests.values():
+        est.finish(ids)
+    np.testing.assert_allclose(ests[1.0].estimates("model", np.array([1])), ests[0.7].estimates("model", np.array([1])))
+    with pytest.raises(ValueError, match="sample_decay"):
+        AcceptanceEstimator(["model"], sample_decay=0.0)
+
+
+def test_calibrated_goodput_measures_each_k_and_explores_its_neighbours(cost):
+    """The k the cost model picks measures 2x its price: it gets its own factor (`_scales`)
+    and is left; on the way a neighbour priced within the margin is tried before it is
+    measured."""
+    from dataclasses import replace
+
+    ctx = PolicyContext(cost, ("model",), 6)
+    est = AcceptanceEstimator(["model"], prior_mean=0.8)
+    st_ = _state(4, 500, est, accept=0.8)
+    k0 = make_draft_policy("goodput:1", ctx).choose(st_).k
+    pol = make_draft_policy("goodput:1", replace(ctx, calibrate=True))
+    ks = []
+    for step in range(40):
+        choice = pol.choose(EngineState(0, step, 0.0, st_.sample_ids, st_.ctx_lens, st_.ctx_tokens, 0, 10**6, est))
+        ks.append(choice.k)
+        v = cost.verify_time(4, choice.k + 1, st_.ctx_tokens) * (2.0 if choice.k == k0 else 1.0)
+        d = cost.draft_time("model", 4, choice.k, st_.ctx_tokens)
+        pol.observe(StepOutcome(0, step, choice, 4, 4 * choice.k, 0, 4, v + d, d, v))
+    assert k0 in ks and ks[-1] != k0 and len(set(ks)) >= 2
+    scales = pol._scales("verify", 4)
+    assert scales[k0] > 1.5 * scales[ks[-1]]
 
 
 def _state(batch, ctx_per_seq, est, accept=None):

@@ -43,6 +43,10 @@ from rlsched.policies.types import EngineState, StepOutcome, Strategy
 from rlsched.traces.writer import TraceWriter
 
 NEEDS_COST = ("goodput", "seqgoodput", "oracle")  # policy names priced by a cost model
+# A sample's acceptance estimate follows its recent steps (`AcceptanceEstimator.sample_decay`):
+# measured acceptance moves along a response (the built-in task's falls to half over an
+# answer's last fifth), which the simulator's per-sample constants do not
+SAMPLE_DECAY = 0.8
 
 
 @dataclass
@@ -170,7 +174,7 @@ class RolloutEngine:
         if isinstance(policy, str):
             policy = build_policy(policy, names, cost, k_max=k_max, max_batch=max_batch)
         self.policy = policy
-        self.estimator = estimator if estimator is not None else AcceptanceEstimator(names)
+        self.estimator = estimator if estimator is not None else AcceptanceEstimator(names, sample_decay=SAMPLE_DECAY)
         self.instance, self.rl_step = instance, rl_step
         self.ngram_history = ngram_history
         self.share_prompts = share_prompts
@@ -533,13 +537,12 @@ class RolloutEngine:
     def _learn(self, state, strategy, rows, dk, accepted, drafted, n_acc, emitted, step_s, draft_s, verify_s,
                catch_up=0):
         """Feed the estimator (chain steps that drafted) and the policy's observe."""
+        acc = accepted.numpy().astype(np.int64)
         if not strategy.is_off and drafted > 0 and getattr(self.policy, "needs_acceptance", True):
-            self.estimator.update(strategy.drafter, state.sample_ids, accepted.numpy().astype(np.int64),
-                                  dk.numpy().astype(np.int64))
+            self.estimator.update(strategy.drafter, state.sample_ids, acc, dk.numpy().astype(np.int64))
         if getattr(self.policy, "observes", True):
             self.policy.observe(StepOutcome(self.instance, state.step, strategy, len(rows), drafted, n_acc, emitted,
-                                            step_s, draft_s, verify_s, state.sample_ids,
-                                            accepted.numpy().astype(np.int64), catch_up))
+                                            step_s, draft_s, verify_s, state.sample_ids, acc, catch_up))
 
     # --- leaving ---------------------------------------------------------------------------
 

@@ -93,12 +93,19 @@ class AcceptanceEstimator:
         changes, and retire the old one)."""
         key = (id(ids), drafter)
         p = self._pending.get(key)
+        fail = (accepted < k).astype(np.int64)
         if p is None:
-            self._pending[key] = [ids, drafter, accepted.astype(np.int64), (accepted < k).astype(np.int64), 1]
+            recent = [accepted.astype(float), fail.astype(float)] if self.sample_decay < 1.0 else [None, None]
+            self._pending[key] = [ids, drafter, accepted.astype(np.int64), fail, 1, *recent]
             return
         p[2] += accepted
-        p[3] += accepted < k
+        p[3] += fail
         p[4] += 1
+        if p[5] is not None:  # the steps pending forget as the applied ones do
+            p[5] *= self.sample_decay
+            p[5] += accepted
+            p[6] *= self.sample_decay
+            p[6] += fail
 
     def retire(self, ids: np.ndarray) -> None:
         """An engine is about to replace this batch: apply what is pending for it."""
@@ -112,12 +119,20 @@ class AcceptanceEstimator:
         Exactly the same as that many `update` calls."""
         key = (id(ids), drafter)
         succ, fail = accepted.sum(axis=0), (accepted < k).sum(axis=0)
+        recent = [None, None]
+        if self.sample_decay < 1.0:  # the last step at full weight, each earlier one decayed once more
+            w = self.sample_decay ** np.arange(len(accepted) - 1, -1, -1, dtype=float)[:, None]
+            recent = [(w * accepted).sum(axis=0), (w * (accepted < k)).sum(axis=0)]
         p = self._pending.get(key)
         if p is None:
-            self._pending[key] = [ids, drafter, succ, fail, len(accepted)]
+            self._pending[key] = [ids, drafter, succ, fail, len(accepted), *recent]
             return
         p[2] += succ
         p[3] += fail
+        if p[5] is not None:
+            keep = self.sample_decay ** len(accepted)
+            p[5] = keep * p[5] + recent[0]
+            p[6] = keep * p[6] + recent[1]
         p[4] += len(accepted)
 
     def _flush(self, entry=None) -> None:
@@ -129,12 +144,12 @@ class AcceptanceEstimator:
         for e in pending.values():
             self._apply(*e)
 
-    def _apply(self, ids, drafter, succ, fail, steps) -> None:
+    def _apply(self, ids, drafter, succ, fail, steps, r_succ=None, r_fail=None) -> None:
         s = self._stats[drafter]
-        if s.r_succ is not s.succ:  # (steps summed while pending: the older counts forget them all)
+        if r_succ is not None:  # (the pending steps' own decayed sums: the older counts forget them all)
             keep = self.sample_decay ** steps
-            s.r_succ[ids] = keep * s.r_succ[ids] + succ
-            s.r_fail[ids] = keep * s.r_fail[ids] + fail
+            s.r_succ[ids] = keep * s.r_succ[ids] + r_succ
+            s.r_fail[ids] = keep * s.r_fail[ids] + r_fail
         s.succ[ids] += succ
         s.fail[ids] += fail
         n_acc, n_fail = float(np.add.reduce(succ)), float(np.add.reduce(fail))

@@ -158,8 +158,10 @@ class GoodputPolicy:
         self._price_cache: dict = ctx.shared.setdefault(key, (ctx.cost, {}))[1]
         # "verify" or a drafter, alone or with a batch octave -> measured / priced time
         self._scale: dict = {}
+        # (key, octave) -> [log factor of each k = 0..k_max against the octave's scale, steps
+        # folded for each k, the factors as an array (None: changed since)]: lists, as a step
+        # updates one entry (numpy's per-element cost was most of `observe`'s)
         self._rel: dict = {}
-        self._seen: dict = {}  # (key, octave) -> steps folded for each k  # (key, octave) -> log factor of each k = 0..k_max against the octave's scale
         self._feed: dict[str, float] = {}  # drafter -> seconds to feed it one token (catch-up)
         self._priced = None  # (batch, verify at q = 1, verify at q = 2.., {drafter: draft at k = 1..})
 
@@ -244,14 +246,17 @@ class GoodputPolicy:
             return
         ratio = math.log(measured / priced)
         octave = (key, b.bit_length())
-        rel = self._rel.setdefault(octave, np.zeros(self.k_max + 1))
-        seen = self._seen.setdefault(octave, np.zeros(self.k_max + 1, dtype=np.int64))
+        entry = self._rel.get(octave)
+        if entry is None:
+            entry = self._rel[octave] = [[0.0] * (self.k_max + 1), [0] * (self.k_max + 1), None]
+        rel, seen = entry[0], entry[1]
         self._scale[octave] = math.exp(self._DECAY * math.log(self._scale_at(key, b))
                                        + (1 - self._DECAY) * (ratio - rel[k]))
         self._scale[key] = log_mean(self._scale.get(key, 1.0), measured / priced, self._DECAY)
         w = max(1.0 / (seen[k] + 1), 1 - self._REL_DECAY)  # a mean over the first steps, then forgetting
         rel[k] += w * (ratio - math.log(self._scale[octave]) - rel[k])
         seen[k] += 1
+        entry[2] = None
 
     def _explore(self, b: int, rates: np.ndarray, j: int) -> int:
         """The k at index j, or a neighbour priced within `_EXPLORE_MARGIN` of it that has run
@@ -259,7 +264,8 @@ class GoodputPolicy:
         (`_scales`) is then measured. Without it a k the profile overpriced was never run, so
         never corrected: at 64 rows on the built-in pair the profile put k = 2 ahead of 4 and 5,
         which ran 3-5% faster a token, and `goodput` drafted 2 there every rollout."""
-        seen = self._seen.get(("verify", b.bit_length()))
+        entry = self._rel.get(("verify", b.bit_length()))
+        seen = None if entry is None else entry[1]
         for n in (j - 1, j + 1):
             if (0 <= n < len(rates) and rates[n] >= (1 - self._EXPLORE_MARGIN) * rates[j]
                     and (seen is None or seen[n + 1] < self._EXPLORE_STEPS)):
@@ -277,9 +283,13 @@ class GoodputPolicy:
         factor where that k has run there. A profile misprices one k against the next by 5-10%
         (its points are timed one by one, minutes before), as much as the best k gains over its
         neighbours; measured in the run itself, it no longer picks the k that noise made cheap."""
-        rel = self._rel.get((key, b.bit_length()))
+        entry = self._rel.get((key, b.bit_length()))
         s = self._scale_at(key, b)
-        return np.full(self.k_max + 1, s) if rel is None else s * np.exp(rel)
+        if entry is None:
+            return np.full(self.k_max + 1, s)
+        if entry[2] is None:
+            entry[2] = np.exp(entry[0])
+        return s * entry[2]
 
     def _acceptance(self, state: EngineState, drafter: str) -> np.ndarray:
         return state.accept_est(drafter)
