@@ -106,6 +106,7 @@ def test_estimator_sample_decay_follows_a_change_and_keeps_prompt_counts():
     plain, recent, read = (float(ests[d].estimates("model", ids)[0]) for d in (1.0, 0.7, "read"))
     assert recent < 0.3 < 0.7 < plain  # (0.27: the prior 0.5 at strength 4 against ~3 recent failures)
     assert read == pytest.approx(recent, rel=1e-9)
+    assert float(ests[0.7].estimates("model", ids, whole=True)[0]) == pytest.approx(plain)  # a trace's: the mean
     for est in ests.values():
         est.finish(ids)
     np.testing.assert_allclose(ests[1.0].estimates("model", np.array([1])), ests[0.7].estimates("model", np.array([1])))
@@ -177,8 +178,10 @@ def test_static_and_off_and_errors(cost):
     assert make_draft_policy("static:3", ctx).choose(s) == Strategy("model", 3)
     assert make_draft_policy("off", ctx).choose(s) == OFF
     assert make_draft_policy("static:0", ctx).choose(s) == OFF
-    for bad in ["static:x", "static:3:nope", "greedy", "goodput:0"]:
+    for bad in ["static:x", "static:3:nope", "greedy", "goodput:0", "seqgoodput:drain", "goodput:drains"]:
         with pytest.raises(UserError):
             make_draft_policy(bad, ctx)
+    with pytest.raises(UserError, match="or 'drain'"):
+        make_draft_policy("goodput:x", ctx)
     with pytest.raises(ValueError):
         Strategy("model", 0)

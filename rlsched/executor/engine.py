@@ -590,7 +590,7 @@ class RolloutEngine:
         informed = getattr(self.policy, "needs_acceptance", True)
         for name in self.drafters:
             if informed:  # the shared estimator's (shrunk to the prompt and the drafter)
-                a = float(self.estimator.estimates(name, np.array([r.index]))[0])
+                a = float(self.estimator.estimates(name, np.array([r.index]), whole=True)[0])
             else:  # the policy fed no estimator: the row's own chain trials, from the same prior
                 e = self.estimator
                 a = (r.accepted + e.prior_mean * e.sample_strength) / (r.accepted + r.rejected + e.sample_strength)

@@ -72,7 +72,10 @@ class AcceptanceEstimator:
         s.p_mean = (g * self.prompt_strength + s.p_succ) / (self.prompt_strength + s.p_succ + s.p_fail)
         s.stale = 0
 
-    def estimates(self, drafter: str, ids: np.ndarray) -> np.ndarray:
+    def estimates(self, drafter: str, ids: np.ndarray, whole: bool = False) -> np.ndarray:
+        """Each sample's acceptance: from its recent steps (`sample_decay`), or with `whole` from
+        all of them (what a trace records of a finished sample: its mean, which the simulator
+        replays)."""
         entry = self._pending.pop((id(ids), drafter), None)
         if entry is not None:
             self._apply(*entry)
@@ -80,7 +83,7 @@ class AcceptanceEstimator:
         if s.stale >= 64:
             self._refresh_prompts(s)
         prior = s.p_mean[self.prompt_of[ids]]
-        succ, fail = s.r_succ[ids], s.r_fail[ids]
+        succ, fail = (s.succ[ids], s.fail[ids]) if whole else (s.r_succ[ids], s.r_fail[ids])
         return (prior * self.sample_strength + succ) / (self.sample_strength + succ + fail)
 
     def update(self, drafter: str, ids: np.ndarray, accepted: np.ndarray, k) -> None:

@@ -267,7 +267,7 @@ class GoodputPolicy:
         fewer than `_EXPLORE_STEPS` steps in this octave of batch sizes: its own factor
         (`_scales`) is then measured. Without it a k the profile overpriced was never run, so
         never corrected: at 64 rows on the built-in pair the profile put k = 2 ahead of 4 and 5,
-        which ran 3-5% faster a token, and `goodput` drafted 2 there every rollout."""
+        which ran 2-5% faster a token, and `goodput` drafted ~2 there every rollout."""
         entry = self._rel.get(("verify", b.bit_length()))
         seen = None if entry is None else entry[1]
         for n in (j - 1, j + 1):
@@ -397,8 +397,9 @@ def make_draft_policy(spec: str, ctx: PolicyContext):
     if name == "off" and not arg:
         return OffPolicy()
     if name in ("goodput", "seqgoodput"):
-        if arg and arg != "drain" and (not arg.isdigit() or int(arg) < 1):
-            raise UserError(f"policy '{spec}': the refresh interval must be a whole number >= 1, as in {name}:1")
+        if arg and not (arg == "drain" and name == "goodput") and (not arg.isdigit() or int(arg) < 1):
+            also = " or 'drain' (goodput:drain)" if name == "goodput" else ""
+            raise UserError(f"policy '{spec}': the refresh interval must be a whole number >= 1{also}, as in {name}:1")
         cls = GoodputPolicy if name == "goodput" else SeqGoodputPolicy
         if name == "goodput" and arg == "drain":
             return cls(ctx, drain=True)
