@@ -166,6 +166,7 @@ class GoodputPolicy:
         # folded for each k, the factors as an array (None: changed since)]: lists, as a step
         # updates one entry (numpy's per-element cost was most of `observe`'s)
         self._rel: dict = {}
+        self._ones = np.ones(self.k_max + 1)  # (read only)
         self._feed: dict[str, float] = {}  # drafter -> seconds to feed it one token (catch-up)
         self._priced = None  # (batch, verify at q = 1, verify at q = 2.., {drafter: draft at k = 1..})
 
@@ -287,6 +288,8 @@ class GoodputPolicy:
         factor where that k has run there. A profile misprices one k against the next by 5-10%
         (its points are timed one by one, minutes before), as much as the best k gains over its
         neighbours; measured in the run itself, it no longer picks the k that noise made cheap."""
+        if not self._scale:  # nothing measured (always, uncalibrated: the simulator)
+            return self._ones
         entry = self._rel.get((key, b.bit_length()))
         s = self._scale_at(key, b)
         if entry is None:
