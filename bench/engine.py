@@ -207,9 +207,10 @@ def held_out_vs_best(rounds: dict, statics: list[str], name: str) -> float:
     odd), the static k fastest over one half is timed against `name` over the other, and the two
     ratios are averaged. Chosen and compared on the same rounds, the best of several statics of
     about equal speed is the luckiest of them (the winner's curse): a contender's round varies by
-    ~10% here (the recorded drains' round-by-round ratios to `off` have an SD of 0.10-0.23), so
-    of five equally fast statics over 15 rounds the luckiest is ~3% faster than each of them,
-    and a policy as fast as all of them looks 3% slower than "the best"."""
+    ~10% here when the contenders run their drains in turn (the round-by-round ratios to `off`
+    had an SD of 0.10-0.23), and by 6-7% in `lockstep` (each k draws its own samples), so of
+    five equally fast statics over 15 rounds the luckiest is 2-3% faster than each of them,
+    and a policy as fast as all of them looks that much slower than "the best"."""
     n = min(len(r) for r in rounds.values())
     halves = [list(range(0, n, 2)), list(range(1, n, 2))]
     ratios = []
