@@ -99,8 +99,9 @@ def _default_out(name: str, policy: str, seed: int) -> Path:
 def simulate(
     preset: Optional[str] = PresetOpt,
     config: Optional[Path] = ConfigOpt,
-    policy: Optional[str] = typer.Option(None, "--policy", help="Drafting policy: off, static:K, goodput "
-                                         "(default: the config's speculation.policy)."),
+    policy: Optional[str] = typer.Option(None, "--policy", help="Drafting policy: off, static:K, goodput, "
+                                         "goodput:drain, seqgoodput, twostate, bandit, table:FILE, oracle (default: the "
+                                         "config's speculation.policy)."),
     realloc: Optional[str] = typer.Option(None, "--realloc", help="Reallocation policy: none, rebalance, consolidate "
                                           "(default: the config's cluster.realloc)."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output folder (default runs/simulate/NAME-POLICY-seedN)."),
@@ -344,8 +345,8 @@ def generate(
     model: str = typer.Option("builtin", "--model", "-m", help="Target model folder, or builtin."),
     drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help="Drafter model folder, builtin, ngram or off "
                                           "(default: builtin with the built-in model, else ngram)."),
-    policy: str = typer.Option("goodput", "--policy", help="Drafting policy: off, static:K, goodput, seqgoodput, "
-                               "twostate, bandit, or a policy file (table/twostate JSON)."),
+    policy: str = typer.Option("goodput", "--policy", help="Drafting policy: off, static:K, goodput, goodput:drain, "
+                               "seqgoodput, twostate, bandit, or a policy file (table/twostate JSON)."),
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSONL prompts file (default: built-in task prompts)."),
     n: int = typer.Option(4, "--n", help="Samples per prompt."),
     max_tokens: int = typer.Option(128, "--max-tokens", help="Token budget per sample."),
@@ -629,7 +630,7 @@ RUN_HELP = (
 def run(
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="Run config file (YAML or TOML)."),
     policy: Optional[str] = typer.Option(None, "--policy", help="Drafting policy (overrides the config): off, "
-                                         "static:K, goodput, seqgoodput, twostate, bandit, or a policy file."),
+                                         "static:K, goodput, goodput:drain, seqgoodput, twostate, bandit, or a policy file."),
     sets: list[str] = typer.Option([], "--set", help="Override a config field: path.to.field=value."),
     out: Path = typer.Option(Path("runs/run/latest"), "--out", "-o", help="Run folder."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --out from its last checkpoint."),
