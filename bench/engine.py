@@ -15,12 +15,12 @@ Sections (all on the built-in pair: a 16-layer target and a 2-layer drafter dist
    ratio within the round (`paired`: this machine's speed drifts);
 4. a batch that drains from 64 to 1 (long-tail lengths): off, static k, goodput (priced by
    a profile taken here: by its grid, as `rlsched run` does, and by `rlsched fit`'s forms
-   fitted to it) and bandit, the adaptive ones after one earlier rollout (their estimates
+   fitted to it), goodput:drain (the grid) and bandit, the adaptive ones after one earlier rollout (their estimates
    carry over, as between RL steps); and off and static:3 with the forwards compiled
    (`--compile`); the contenders run in lockstep, one engine step each in turn (`lockstep`);
 5. the same drain on a built-in pair whose target is twice as wide (`builtin.WIDE`, trained on
    first use, ~10 minutes here, then cached), where a verify's cost grows faster with k at 64
-   rows, as on a GPU at large batch.
+   rows (~4x for 7 tokens against ~3x), nearer a GPU at large batch.
 
 Run: python bench/engine.py [--threads 2] [--quick] [--sections sd_b1,drain] [--drain-rounds 30].
 Results: bench/results/engine.{json,txt}.
@@ -550,9 +550,11 @@ def drain_section(target, drafter, repeats, quick, compiled=True):
 def drain_wide_section(repeats, quick):
     """The drain on the built-in recipe with a target twice as wide (`builtin.WIDE`, built on
     first use and cached): a verify of 7 tokens at 64 rows costs ~4x one token's here against
-    ~3x on the default pair, so the best k at the head and at the tail of the drain differ more
-    (as on a GPU at large batch). On the default pair one static k is within ~2% of the best k
-    for each batch size, less than this machine's noise over a bench run."""
+    ~3x on the default pair, so by the profile's prices the best k at the head and at the tail
+    of the drain differ more (as on a GPU at large batch): the per-batch best k ~5-7% over one
+    static k, against ~2% on the default pair. Measured per batch bucket in lockstep traces
+    (twenty-third session) static:3 was within noise of the best k at every batch size here
+    too."""
     pair = builtin_pair(WIDE, log=print)
     result, text = drain_section(load_model(pair.target).model, load_model(pair.drafter).model, repeats, quick,
                                  compiled=False)

@@ -537,10 +537,14 @@ class RolloutEngine:
     def _learn(self, state, strategy, rows, dk, accepted, drafted, n_acc, emitted, step_s, draft_s, verify_s,
                catch_up=0):
         """Feed the estimator (chain steps that drafted) and the policy's observe."""
+        feeds = not strategy.is_off and drafted > 0 and getattr(self.policy, "needs_acceptance", True)
+        observes = getattr(self.policy, "observes", True)
+        if not (feeds or observes):  # static k, off: nothing to learn, no conversion
+            return
         acc = accepted.numpy().astype(np.int64)
-        if not strategy.is_off and drafted > 0 and getattr(self.policy, "needs_acceptance", True):
+        if feeds:
             self.estimator.update(strategy.drafter, state.sample_ids, acc, dk.numpy().astype(np.int64))
-        if getattr(self.policy, "observes", True):
+        if observes:
             self.policy.observe(StepOutcome(self.instance, state.step, strategy, len(rows), drafted, n_acc, emitted,
                                             step_s, draft_s, verify_s, state.sample_ids, acc, catch_up))
 
