@@ -151,6 +151,7 @@ def test_kill_minus_nine_keeps_completed_steps_readable(pair, tmp_path):
     ("prompt field", ["--prompts", "{tmp}/nofield.jsonl"], "line 1: needs a non-empty string field 'prompt'"),
     ("no prompts file", ["--prompts", "{tmp}/absent.jsonl"], "prompts file {tmp}/absent.jsonl does not exist"),
     ("unknown policy", ["--policy", "fastest"], "fastest"),
+    ("priced policy spec", ["--policy", "goodput:0"], "refresh interval must be a whole number"),
     ("temperature", ["--temperature", "-1"], "temperature must be >= 0"),
     ("top-p", ["--top-p", "0"], "top_p must lie in (0, 1]"),
     ("n", ["--n", "0"], "--n must be >= 1"),

@@ -169,6 +169,7 @@ def test_reward_failures_are_counted_then_stop_the_run_past_the_threshold(pair, 
     (["--set", "data=missing.jsonl"], "missing.jsonl"),
     (["--set", "reward=nosuchmodule:fn"], "nosuchmodule"),
     (["--policy", "bogus"], "bogus"),
+    (["--policy", "seqgoodput:drain"], "seqgoodput:drain"),  # refused before the auto profile
     (["--set", "model=/no/such/model"], "/no/such/model"),
     (["--policy", "goodput", "--set", "cost_model=/no/such/profile"], "cost_model: /no/such/profile is neither"),
 ])

@@ -132,6 +132,21 @@ def policy_needs_cost(spec: str) -> bool:
     return name in NEEDS_COST or (name == "twostate" and not arg)
 
 
+def check_policy(spec: str, drafters: tuple[str, ...], **ctx_kwargs) -> None:
+    """Refuse a malformed policy spec (UserError) before anything is profiled: a priced policy
+    is built over a placeholder cost model, which its constructor only stores (its prices are
+    looked up when it decides). Before, `goodput:x` was refused only after the few-second auto
+    profile that prices it. `twostate` alone solves over its cost model and has nothing to parse."""
+    spec = str(spec).strip()
+    if not policy_needs_cost(spec):
+        build_policy(spec, drafters, **ctx_kwargs)
+    elif spec != "twostate":
+        build_policy(spec, drafters, _UNPRICED, **ctx_kwargs)
+
+
+_UNPRICED = object()  # `check_policy`'s placeholder cost model (never priced)
+
+
 def build_policy(spec: str, drafters: tuple[str, ...], cost=None, **ctx_kwargs):
     """A DraftPolicy from a name or policy file, for the executor's drafters; a policy that
     needs a cost model without one is refused with a UserError."""

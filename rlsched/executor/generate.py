@@ -199,7 +199,7 @@ class Setup:
 
 
 def prepare(a: GenerateArgs, out: Path | None, log=None) -> Setup:
-    from rlsched.executor.engine import build_policy, policy_needs_cost
+    from rlsched.executor.engine import check_policy
     from rlsched.executor.loading import load_model
 
     _check_numbers(a)
@@ -222,8 +222,7 @@ def prepare(a: GenerateArgs, out: Path | None, log=None) -> Setup:
 
         compile_for_engine(target.model, [] if drafter_model is None else [drafter_model.model], a.k_max,
                            a.max_batch, log)
-    if not policy_needs_cost(a.policy):  # a priced policy is checked once its cost model exists (in run)
-        build_policy(a.policy, _drafter_names(name), k_max=a.k_max)
+    check_policy(a.policy, _drafter_names(name), k_max=a.k_max)  # before the auto profile prices it
     if out is not None:
         prepare_out(out)
     eos = None if a.ignore_eos else eos_id(target_dir)

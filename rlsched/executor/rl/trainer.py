@@ -114,7 +114,7 @@ class Trainer:
                                     "give a new or empty folder")
 
     def _load(self) -> None:
-        from rlsched.executor.engine import build_policy, policy_needs_cost
+        from rlsched.executor.engine import check_policy, policy_needs_cost
         from rlsched.executor.generate import check_drafter_vocab, eos_id, resolve_model_dir
         from rlsched.executor.loading import load_model
         from rlsched.executor.rl.data import make_source
@@ -150,11 +150,11 @@ class Trainer:
 
             check_vllm_backend(c.policy, self.drafter_dir if self.drafter_name == "model" else self.drafter_name,
                                k_max=c.rollout.k_max, max_batch=c.rollout.max_batch)
-        elif not policy_needs_cost(c.policy):
-            build_policy(c.policy, names, k_max=c.rollout.k_max)
-        elif c.cost_model != "auto" and not _priced_from(Path(c.cost_model)):
-            raise UserError(f"cost_model: {c.cost_model} is neither a `rlsched profile` folder (traces/) nor "
-                            "an earlier run's folder (profile.parquet); give one or 'auto'")
+        else:
+            check_policy(c.policy, names, k_max=c.rollout.k_max)  # before the auto profile prices it
+            if policy_needs_cost(c.policy) and c.cost_model != "auto" and not _priced_from(Path(c.cost_model)):
+                raise UserError(f"cost_model: {c.cost_model} is neither a `rlsched profile` folder (traces/) nor "
+                                "an earlier run's folder (profile.parquet); give one or 'auto'")
         a = c.algorithm
         self.reference = copy.deepcopy(self.actor) if a.kl_coef > 0 else None
         self.actor_opt = torch.optim.AdamW(self.actor.parameters(), lr=a.lr, weight_decay=0.0)
