@@ -6,7 +6,10 @@ stderr and exit code 2, never a traceback.
 
 from __future__ import annotations
 
-from pydantic import ValidationError
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # a type only: the engine runs where pydantic is not installed (the GPU image)
+    from pydantic import ValidationError
 
 
 class UserError(Exception):

@@ -391,7 +391,6 @@ def make_draft_policy(spec: str, ctx: PolicyContext):
     """A DraftPolicy from its name (see DRAFT_POLICIES)."""
     from rlsched.policies.bandit import BanditPolicy
     from rlsched.policies.lookup import TablePolicy, TwoStatePolicy
-    from rlsched.policies.policyfile import load_policy_file
 
     name, _, arg = spec.strip().partition(":")
     needs_drafter = name in ("goodput", "seqgoodput", "twostate", "bandit", "table", "oracle") or (name == "static" and arg not in ("0", ""))
@@ -424,6 +423,8 @@ def make_draft_policy(spec: str, ctx: PolicyContext):
         if not arg:
             return TwoStatePolicy.solve(ctx)
         if arg.endswith(".json"):
+            from rlsched.policies.policyfile import load_policy_file  # (pydantic: only for policy files)
+
             return TwoStatePolicy.from_file(load_policy_file(arg, ctx.identity, kinds=("twostate",)), ctx)
         t, _, k = arg.partition(":")
         if not (t.isdigit() and k.isdigit() and int(t) >= 0 and int(k) >= 1):
@@ -440,5 +441,7 @@ def make_draft_policy(spec: str, ctx: PolicyContext):
     if name == "table":
         if not arg:
             raise UserError("policy 'table' needs a policy file: table:PATH.json (write one with `rlsched learn`)")
+        from rlsched.policies.policyfile import load_policy_file
+
         return TablePolicy.from_file(load_policy_file(arg, ctx.identity, kinds=("table",)), ctx)
     raise UserError(f"unknown policy '{spec}'; choose from {DRAFT_POLICIES}")
