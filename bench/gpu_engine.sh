@@ -1,9 +1,26 @@
 #!/usr/bin/env bash
-# The engine on a GPU, as one prepared script (for the device tool's H200, about 5 minutes):
-#   run: bash bench/gpu_engine.sh      (results land in $OUT, or bench/results without it)
+# The engine on a GPU, as prepared scripts for the device tool's H200 (one call each, under its
+# 10-minute limit; results land in $OUT, or bench/results without it):
+#   bash bench/gpu_engine.sh          verify cost over B x k, plain and compiled decoding at the
+#                                     Qwen2.5-1.5B size (bench/gpu_engine.py, about 5 minutes)
+#   bash bench/gpu_engine.sh drain    issue 4's drain (64 -> 1 rows, long-tail lengths) on the
+#                                     built-in pair in bf16: static k against the adaptive
+#                                     policies (bench/engine.py --device cuda, 20 rounds)
+# The drain needs the built-in pair, which the lent machine cannot build in its time: copy it
+# into the checkout first and name it in the call's carry (14 MiB):
+#   make .rlsched-cache      (then: run(command="bash bench/gpu_engine.sh drain", carry=[".rlsched-cache"]))
 # Uses the machine's own python3 with torch (CUDA); rlsched runs from the checkout, uninstalled.
+# Its image has no pydantic or simpy, which these scripts do not import (tests/test_gpu_bench_script.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name(0))"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-PYTHONPATH=. timeout 540 python3 bench/gpu_engine.py "$@"
+if [ "${1:-}" = "drain" ]; then
+    shift
+    [ -d .rlsched-cache ] || { echo "no .rlsched-cache here: run 'make .rlsched-cache' and carry it" >&2; exit 2; }
+    export RLSCHED_CACHE="$PWD/.rlsched-cache" PYTHONUNBUFFERED=1
+    PYTHONPATH=. timeout 560 python3 bench/engine.py --device cuda --sections drain --drain-rounds 20 "$@"
+    if [ -n "${OUT:-}" ]; then cp bench/results/engine_drain_cuda.json bench/results/engine_drain_cuda.txt "$OUT"/; fi
+else
+    PYTHONPATH=. timeout 540 python3 bench/gpu_engine.py "$@"
+fi
