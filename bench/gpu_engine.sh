@@ -6,6 +6,10 @@
 #   bash bench/gpu_engine.sh drain    issue 4's drain (64 -> 1 rows, long-tail lengths) on the
 #                                     built-in pair in bf16: static k against the adaptive
 #                                     policies (bench/engine.py --device cuda, 20 rounds)
+#   bash bench/gpu_engine.sh planted  the same drain at the Qwen2.5-1.5B size with planted
+#                                     acceptance (bench/gpu_drain.py, estimated 3-6 minutes): the
+#                                     regime adaptive drafting is for, which neither the CPU nor
+#                                     the built-in pair on a GPU has
 # The drain needs the built-in pair, which the lent machine cannot build in its time: copy it
 # into the checkout first and name it in the call's carry (14 MiB):
 #   make .rlsched-cache      (then: run(command="bash bench/gpu_engine.sh drain", carry=[".rlsched-cache"]))
@@ -21,6 +25,9 @@ if [ "${1:-}" = "drain" ]; then
     export RLSCHED_CACHE="$PWD/.rlsched-cache" PYTHONUNBUFFERED=1
     PYTHONPATH=. timeout 560 python3 bench/engine.py --device cuda --sections drain --drain-rounds 20 "$@"
     if [ -n "${OUT:-}" ]; then cp bench/results/engine_drain_cuda.json bench/results/engine_drain_cuda.txt "$OUT"/; fi
+elif [ "${1:-}" = "planted" ]; then
+    shift
+    PYTHONUNBUFFERED=1 PYTHONPATH=. timeout 560 python3 bench/gpu_drain.py "$@"
 else
     PYTHONPATH=. timeout 540 python3 bench/gpu_engine.py "$@"
 fi

@@ -75,3 +75,53 @@ def test_gpu_drain_script_asks_for_the_carried_pair(tmp_path):
     proc = subprocess.run(["bash", str(work / "bench" / "gpu_engine.sh"), "drain"], capture_output=True, text=True,
                           env=dict(os.environ, PATH=f"{stub}:/usr/bin:/bin"), timeout=60)
     assert proc.returncode == 2 and "make .rlsched-cache" in proc.stderr, proc.stderr
+
+
+def test_planted_drafter_is_accepted_exactly_up_to_its_planted_rejection():
+    """bench/gpu_drain.py's planted acceptance: the echo target keeps exactly the drafts before
+    the planted rejection (its greedy token is its input token), and the cut falls where each
+    row's acceptance says (a geometric count, checked on the mean over many rows)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import torch
+    from gpu_drain import PlantedDrafter, echo_target
+    from gpu_engine import QWEN_0_5B, QWEN_1_5B
+
+    from rlsched.executor.drafters import ModelDrafter, Seq
+    from rlsched.executor.sampling import GREEDY
+    from rlsched.executor.speculative import prefill, step
+
+    small = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, head_dim=16)
+    target = echo_target({**QWEN_1_5B, **small}, torch.device("cpu"), torch.float32)
+    drafter = echo_target({**QWEN_0_5B, **small, "num_layers": 1}, torch.device("cpu"), torch.float32)
+    b, k, a = 400, 4, 0.6
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(10, 500, (b, 6), generator=gen).tolist()
+    cache = target.new_cache(b, 32)
+    slots = torch.arange(b)
+    last = prefill(target, cache, slots, prompts)
+    seqs = [Seq(list(p), i, i) for i, p in enumerate(prompts)]
+    planted = PlantedDrafter(ModelDrafter(drafter, GREEDY, b, 32, gen), {i: a for i in range(b)},
+                             {i: (6, 10 ** 6) for i in range(b)}, gen, 512)
+    drafts, q, dk = planted.propose(seqs, k)
+    out = step(target, cache, slots, last, GREEDY, drafts, q, dk, gen)
+    cut = torch.where(drafts != torch.tensor([p[-1] for p in prompts])[:, None], 1, 0).argmax(1)
+    cut = torch.where((drafts == torch.tensor([p[-1] for p in prompts])[:, None]).all(1), k, cut)
+    assert torch.equal(out.accepted.cpu(), cut)  # kept exactly the planted prefix
+    assert (out.tokens[torch.arange(b), out.accepted] == torch.tensor([p[-1] for p in prompts])).all()
+    expected = sum(a ** j for j in range(1, k + 1))  # truncated geometric mean: 1.3056
+    assert abs(out.accepted.float().mean().item() - expected) < 0.15
+
+
+def test_gpu_drain_script_smoke_runs_on_cpu(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", RUN_WITHOUT, ",".join(ABSENT_ON_DEVICE),
+                           str(ROOT / "bench" / "gpu_drain.py"), "--device", "cpu", "--smoke"],
+                          env=dict(os.environ, OUT=str(tmp_path)), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads((tmp_path / "gpu_drain.json").read_text())
+    by = {r["policy"]: r for r in result["rows"]}
+    assert set(by) >= {"off", "static:1", "static:6", "goodput", "goodput:drain", "bandit"}
+    assert by["off"]["mean_accept_len"] == 1.0
+    # planted acceptance ~0.55-0.9 a token: one draft a step keeps 1 + a tokens
+    assert 1.4 < by["static:1"]["mean_accept_len"] < 2.0, by["static:1"]
+    assert by["static:3"]["mean_accept_len"] > by["static:1"]["mean_accept_len"]
+    assert "held out" in (tmp_path / "gpu_drain.txt").read_text()
