@@ -18,9 +18,10 @@ of a real size. No pretrained one can reach the lent machine, so acceptance is p
   token repeated, which the target accepts. `PlantedDrafter` puts a token the target rejects
   at a position drawn per row and step (the drafter's cache still agrees with every token the
   target keeps, so it catches up by one or two tokens a step, as in a real run). Row r accepts each draft with probability a_r(f) = a_r x
-  (1 - 0.35 f^1.5), f the share of its budget already generated, a_r ~ Beta(mean 0.85,
-  concentration 10) per request: on the built-in task the drafter accepted ~0.85 a token early
-  in an answer and ~0.55 over its last fifth (twenty-third session);
+  (1 - 0.08 f^2), f the share of its budget already generated, a_r ~ Beta(mean 0.89,
+  concentration 20) per request: the built-in pair's per-token acceptance in bench/engine.py's
+  drain was 0.88-0.90 over an answer's first 60%, 0.84 and 0.83 over the next two fifths
+  (twenty-fourth session, from the twenty-third's traces);
 - decoding is greedy (verification by exact match). The acceptance is planted, so this
   measures what the policies make of step costs, not the drafts' quality.
 
@@ -30,12 +31,14 @@ goodput:drain, bandit) in lockstep, each policy against the best static k held o
 (`engine.held_out_vs_best`), as in bench/engine.py.
 
 Run on a lent GPU: bash bench/gpu_engine.sh planted (estimated 3-6 minutes; never run). --smoke: tiny shapes on
-a CPU. Results: $OUT/gpu_drain.{json,txt} (bench/results without OUT).
+a CPU. Results: $OUT/gpu_drain.{json,txt} (bench/results without OUT; `--shape builtin` and a CPU
+add _builtin and _cpu to the name).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -50,6 +53,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from _common import machine  # noqa: E402
 from engine import bootstrap_interval, held_out_vs_best, lockstep  # noqa: E402
 from gpu_engine import QWEN_0_5B, QWEN_1_5B, build, table  # noqa: E402
 
@@ -69,7 +73,19 @@ def echo_target(cfg: dict, device, dtype):
         for layer in m.layers:
             layer.attn.o.weight.zero_()
             layer.mlp.down.weight.zero_()
+        if m.lm_head is not None:  # untied: read out with the embedding, as a tied model does
+            m.lm_head.weight.copy_(m.embed.weight)
     return m
+
+
+def builtin_shapes() -> tuple[dict, dict]:
+    """The built-in pair's configurations (the shapes only: the weights are the echo ones)."""
+    from rlsched.executor.builtin import builtin_pair
+    from rlsched.executor.loading import load_config
+
+    pair = builtin_pair(log=print)
+    return tuple({f.name: getattr(c, f.name) for f in dataclasses.fields(c)}
+                 for c in (load_config(pair.target), load_config(pair.drafter)))
 
 
 class PlantedDrafter:
@@ -91,7 +107,7 @@ class PlantedDrafter:
         for s in rows:
             prompt_len, budget = self.plan.get(s.prompt_id, (len(s.tokens), 1))
             f = min(max(len(s.tokens) - prompt_len, 0) / budget, 1.0)
-            out.append(self.base.get(s.prompt_id, 0.85) * (1 - 0.35 * f ** 1.5))
+            out.append(self.base.get(s.prompt_id, 0.89) * (1 - 0.08 * f ** 2))
         return torch.tensor(out, dtype=torch.float32)
 
     def propose(self, rows, k):
@@ -113,7 +129,7 @@ def requests(n: int, prompt_len: int, median: int, lo: int, hi: int, vocab: int,
     rng = np.random.default_rng(seed)
     budgets = np.clip(np.round(median * np.exp(0.9 * rng.standard_normal(n))), lo, hi).astype(int)
     prompts = rng.integers(10, vocab - 10, (n, prompt_len))
-    base = rng.beta(0.85 * 10, 0.15 * 10, n)
+    base = rng.beta(0.89 * 20, 0.11 * 20, n)
     reqs = [Request(p.tolist(), i, i, int(t)) for i, (p, t) in enumerate(zip(prompts, budgets))]
     return reqs, {i: float(a) for i, a in enumerate(base)}, {i: (prompt_len, int(t)) for i, t in enumerate(budgets)}
 
@@ -123,11 +139,20 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes and budgets, to check the script on a CPU")
+    ap.add_argument("--shape", choices=("qwen", "builtin"), default="qwen",
+                    help="qwen: the 1.5B target and a 4-layer 0.5B-wide drafter; builtin: the built-in pair's "
+                         "shapes and bench/engine.py's drain budgets (to set the planted drain beside the real one)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (CPU)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     target_cfg, drafter_cfg = QWEN_1_5B, {**QWEN_0_5B, "num_layers": 4}
     prompt_len, median, lo, hi, n = 128, 64, 16, 256, 64
+    if args.shape == "builtin":  # bench/engine.py's drain: budgets median 24 (4..120), short prompts
+        target_cfg, drafter_cfg = builtin_shapes()
+        prompt_len, median, lo, hi, n = 24, 24, 4, 120, 64
     if args.smoke:
         small = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, head_dim=16)
         target_cfg, drafter_cfg = {**QWEN_1_5B, **small}, {**QWEN_0_5B, **small, "num_layers": 1}
@@ -189,14 +214,16 @@ def main() -> None:
             f"{profile_s:.0f} s with the models' set-up)\n"
             + table(["policy", "all rounds s", "vs off", "vs best static (held out)", "held out, 90%", "steps",
                      "mean acc len"], rows))
-    results = dict(device=torch.cuda.get_device_name(0) if dev.type == "cuda" else platform.processor(),
+    results = dict(machine=machine(), shape=args.shape,
+                   device=torch.cuda.get_device_name(0) if dev.type == "cuda" else platform.processor(),
                    torch=torch.__version__, dtype=str(dtype), smoke=args.smoke, host=platform.node(),
                    utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), budgets=lens.tolist(),
                    verify_q7_over_q1=float(v[1] / v[0]), rows=out, seconds=time.perf_counter() - t0)
     where = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
     where.mkdir(parents=True, exist_ok=True)
-    (where / "gpu_drain.json").write_text(json.dumps(results, indent=2))
-    (where / "gpu_drain.txt").write_text(text + "\n")
+    name = "gpu_drain" + ("" if args.shape == "qwen" else f"_{args.shape}") + ("" if dev.type == "cuda" else f"_{dev.type}")
+    (where / f"{name}.json").write_text(json.dumps(results, indent=2))
+    (where / f"{name}.txt").write_text(f"{results['machine']}\n\n{text}\n")
     print(text)
     print(f"\nwritten to {where} in {results['seconds']:.0f} s")
 

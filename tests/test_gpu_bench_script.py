@@ -117,11 +117,11 @@ def test_gpu_drain_script_smoke_runs_on_cpu(tmp_path):
                            str(ROOT / "bench" / "gpu_drain.py"), "--device", "cpu", "--smoke"],
                           env=dict(os.environ, OUT=str(tmp_path)), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads((tmp_path / "gpu_drain.json").read_text())
+    result = json.loads((tmp_path / "gpu_drain_cpu.json").read_text())
     by = {r["policy"]: r for r in result["rows"]}
     assert set(by) >= {"off", "static:1", "static:6", "goodput", "goodput:drain", "bandit"}
     assert by["off"]["mean_accept_len"] == 1.0
     # planted acceptance ~0.55-0.9 a token: one draft a step keeps 1 + a tokens
     assert 1.4 < by["static:1"]["mean_accept_len"] < 2.0, by["static:1"]
     assert by["static:3"]["mean_accept_len"] > by["static:1"]["mean_accept_len"]
-    assert "held out" in (tmp_path / "gpu_drain.txt").read_text()
+    assert "held out" in (tmp_path / "gpu_drain_cpu.txt").read_text()
