@@ -67,9 +67,8 @@ bench-rl: $(ALL_STAMP)
 # The built-in pair copied into the checkout (git-ignored), for the device tool to carry to a
 # lent GPU, which cannot build it in its time: `bash bench/gpu_engine.sh drain` reads it there.
 .rlsched-cache: $(ALL_STAMP)
-	$(BIN)/python -c "from rlsched.executor.builtin import builtin_pair; builtin_pair(log=print)"
 	$(BIN)/python -c "import shutil; from rlsched.executor.builtin import builtin_pair; \
-		p = builtin_pair().target.parent; shutil.copytree(p, '.rlsched-cache/' + p.name, dirs_exist_ok=True)"
+		p = builtin_pair(log=print).target.parent; shutil.copytree(p, '.rlsched-cache/' + p.name, dirs_exist_ok=True)"
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .rlsched-cache

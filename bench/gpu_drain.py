@@ -124,14 +124,16 @@ class PlantedDrafter:
         return tokens, None, dk
 
 
-def requests(n: int, prompt_len: int, median: int, lo: int, hi: int, vocab: int, seed: int):
-    """n requests of random prompts with long-tail budgets, and each one's planted base acceptance."""
+def requests(n: int, prompt_len: int, median: int, lo: int, hi: int, vocab: int, seed: int, first: int = 0):
+    """n requests (ids from `first`) of random prompts with long-tail budgets, each one's
+    planted base acceptance, and its (prompt length, budget)."""
     rng = np.random.default_rng(seed)
     budgets = np.clip(np.round(median * np.exp(0.9 * rng.standard_normal(n))), lo, hi).astype(int)
     prompts = rng.integers(10, vocab - 10, (n, prompt_len))
     base = rng.beta(0.89 * 20, 0.11 * 20, n)
-    reqs = [Request(p.tolist(), i, i, int(t)) for i, (p, t) in enumerate(zip(prompts, budgets))]
-    return reqs, {i: float(a) for i, a in enumerate(base)}, {i: (prompt_len, int(t)) for i, t in enumerate(budgets)}
+    ids = range(first, first + n)
+    reqs = [Request(p.tolist(), i, i, int(t)) for i, p, t in zip(ids, prompts, budgets)]
+    return reqs, dict(zip(ids, map(float, base))), {i: (prompt_len, int(t)) for i, t in zip(ids, budgets)}
 
 
 def main() -> None:
@@ -161,10 +163,9 @@ def main() -> None:
     target, drafter = echo_target(target_cfg, dev, dtype), echo_target(drafter_cfg, dev, dtype)
     vocab = target_cfg["vocab_size"]
     reqs, base, plan = requests(n, prompt_len, median, lo, hi, vocab, seed=21)
-    warm, wbase, wplan = requests(n, prompt_len, median, lo, hi, vocab, seed=22)
-    warm = [Request(r.prompt, n + r.prompt_id, n + r.sample_id, r.max_new_tokens) for r in warm]
-    base.update({n + i: a for i, a in wbase.items()})
-    plan.update({n + i: p for i, p in wplan.items()})
+    warm, wbase, wplan = requests(n, prompt_len, median, lo, hi, vocab, seed=22, first=n)
+    base.update(wbase)
+    plan.update(wplan)
     longest = max(map(reserve, reqs + warm)) + 8
     cache_len = drafter_cache_len(prompt_len, hi, K_MAX)
 
