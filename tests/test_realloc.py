@@ -15,7 +15,7 @@ from rlsched.policies.types import InstanceView, Migration, ReallocEvent
 from rlsched.policies.realloc import split_kv_reprefill
 from rlsched.sim.cluster import GenerationStage
 from rlsched.sim.costmodel import RooflineCostModel
-from rlsched.sim.engine import Instance
+from rlsched.sim.instance import Instance
 from rlsched.sim.simulate import simulate
 
 SMALL = ["workload.prompts=8", "cluster.max_batch=32"]  # 512 samples, 128 per instance: queues 3x the batch

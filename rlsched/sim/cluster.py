@@ -26,7 +26,7 @@ from rlsched.errors import UserError
 from rlsched.policies.acceptance import AcceptanceEstimator
 from rlsched.policies.realloc import split_kv_reprefill
 from rlsched.policies.types import CostModel, InstanceView, Migration, ReallocEvent
-from rlsched.sim.engine import Instance
+from rlsched.sim.instance import Instance
 from rlsched.sim.timeline import Timeline
 from rlsched.sim.workload import Rollout
 
