@@ -25,9 +25,10 @@ import pyarrow as pa
 import torch
 
 from rlsched.errors import UserError
+from rlsched.executor.folders import check_drafter_vocab, eos_id, prepare_out, resolve_model_dir
 from rlsched.executor.gcfreeze import freeze_long_lived
+from rlsched.executor.prompts import Prompt, load_prompts
 
-DEFAULT_PROMPTS = 32  # built-in task prompts when no --prompts file is given
 MARKER = "summary.json"
 
 
@@ -56,99 +57,7 @@ class GenerateArgs:
     compile: bool = False  # decode and verify forwards through compiled graphs (executor/compiled.py)
 
 
-@dataclass
-class Prompt:
-    index: int
-    key: str  # the file's "id", or the line number
-    text: str
-    ids: list[int]
-    answer: str | None = None
-
-
-# --- resolving and checking inputs --------------------------------------------------------
-
-def resolve_model_dir(spec: str, which: str, log=None) -> Path:
-    """A model folder; 'builtin' is the built-in pair's target (or drafter)."""
-    if spec == "builtin":
-        from rlsched.executor.builtin import builtin_pair
-
-        pair = builtin_pair(log=log)
-        return pair.target if which == "target" else pair.drafter
-    return Path(spec)
-
-
-def load_prompts(path: Path | None, tokenizer) -> list[Prompt]:
-    """Prompts from a JSONL file ({"prompt": str, "id"?: str|int, "answer"?: str} per line), or
-    the built-in task prompts."""
-    if path is None:
-        from rlsched.tasks.synthetic import make_examples
-
-        return [Prompt(i, str(i), e.prompt, _encode(tokenizer, e.prompt), e.answer)
-                for i, e in enumerate(make_examples(DEFAULT_PROMPTS, seed=12345))]
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"prompts file {path} does not exist (give a JSONL file, one {{\"prompt\": ...}} per line)")
-    try:
-        lines = path.read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"prompts file {path} cannot be read as UTF-8 text: {e}") from None
-    out = []
-    for no, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f"prompts file {path} line {no}: not valid JSON ({e.msg}); each line must be "
-                            "an object like {\"prompt\": \"...\"}") from None
-        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
-            raise UserError(f"prompts file {path} line {no}: needs a non-empty string field 'prompt'")
-        answer = obj.get("answer")
-        if answer is not None and not isinstance(answer, str):
-            raise UserError(f"prompts file {path} line {no}: field 'answer' must be a string")
-        key = str(obj.get("id", no))
-        out.append(Prompt(len(out), key, obj["prompt"], _encode(tokenizer, obj["prompt"]), answer))
-    if not out:
-        raise UserError(f"prompts file {path} holds no prompts")
-    return out
-
-
-def _encode(tokenizer, text: str) -> list[int]:
-    return tokenizer.encode(text, add_special_tokens=False).ids
-
-
-def eos_id(folder: Path) -> int | None:
-    """The end-of-sequence id from config.json (the first, when it lists several)."""
-    raw = json.loads((Path(folder) / "config.json").read_text())
-    eos = raw.get("eos_token_id")
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
-    return eos if isinstance(eos, int) else None
-
-
-def check_drafter_vocab(target, drafter, target_dir: Path, drafter_dir: Path) -> None:
-    """A model drafter must share the target's vocabulary (size and tokenizer)."""
-    tv, dv = target.config.vocab_size, drafter.config.vocab_size
-    if tv != dv:
-        raise UserError(f"drafter {drafter_dir} has a vocabulary of {dv} tokens, the target {target_dir} "
-                        f"{tv}; a model drafter must share the target's tokenizer")
-    if target.tokenizer is not None and drafter.tokenizer is not None:
-        if target.tokenizer.get_vocab() != drafter.tokenizer.get_vocab():
-            raise UserError(f"drafter {drafter_dir} has a different tokenizer vocabulary from the target "
-                            f"{target_dir}; a model drafter must share the target's tokenizer")
-
-
-def prepare_out(out: Path, marker: str = MARKER, command: str = "generate") -> None:
-    """Refuse an --out that is a file, or a non-empty folder that is not an earlier output of
-    `command` (one holding `marker`, or `traces/` from a run that was killed); such an
-    output is replaced only after every input has been checked."""
-    if out.exists():
-        if not out.is_dir():
-            raise UserError(f"--out {out} is a file; give a folder")
-        if any(out.iterdir()) and not (out / marker).is_file() and not (out / "traces").is_dir():
-            raise UserError(f"--out {out} is a non-empty folder that is not an earlier {command} output; "
-                            "give a new or empty folder")
-
+# --- checking inputs -------------------------------------------------------------------------
 
 def _sampling(a: GenerateArgs):
     from rlsched.executor.sampling import SamplingParams

@@ -238,7 +238,7 @@ def run_profile(*, model: str, drafters: list[str], batch_sizes: list[int], k_ma
     from rich.table import Table
 
     from rlsched.executor.drafters import ModelDrafter, NgramDrafter
-    from rlsched.executor.generate import check_drafter_vocab, prepare_out, resolve_model_dir
+    from rlsched.executor.folders import check_drafter_vocab, prepare_out, resolve_model_dir
     from rlsched.executor.loading import load_model
     from rlsched.traces.writer import TraceWriter, atomic_folder, write_text_atomic
 

@@ -24,6 +24,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from rlsched.errors import UserError
+from rlsched.executor.prompts import load_prompts
 from rlsched.tasks.synthetic import TASKS, make_example
 
 # Streams are seeded by SeedSequence(seed, spawn_key=(tag, n)): the tag keeps the data order
@@ -169,10 +170,8 @@ class _NoTokens:
 
 
 def _read_jsonl(path: Path) -> list[Item]:
-    """The file's items, with generate's checks and messages (file, line number, fix)."""
+    """The file's items, checked as every prompts file is (file, line number, fix)."""
     if not path.is_file():
         raise UserError(f"prompts file {path} does not exist (give a JSONL file, one {{\"prompt\": ...,"
                         f" \"answer\": ...}} per line, or builtin / builtin:{','.join(TASKS)})")
-    from rlsched.executor.generate import load_prompts
-
     return [Item(p.text, p.answer, p.key, None) for p in load_prompts(path, _NoTokens())]

@@ -115,7 +115,7 @@ class Trainer:
 
     def _load(self) -> None:
         from rlsched.executor.engine import check_policy, policy_needs_cost
-        from rlsched.executor.generate import check_drafter_vocab, eos_id, resolve_model_dir
+        from rlsched.executor.folders import check_drafter_vocab, eos_id, resolve_model_dir
         from rlsched.executor.loading import load_model
         from rlsched.executor.rl.data import make_source
         from rlsched.executor.rl.rewards import resolve_reward
