@@ -31,7 +31,9 @@ def test_policies_map_onto_speculative_config(tmp_path):
     plan = lambda p, d=Path("d"): speculative_plan(p, d, k_max=4, max_batch=16)  # noqa: E731
     assert plan("off") is None and plan("static:0") is None
     assert plan("static:3") == {"k": 3, "table": None, "drafter": "model"}
-    assert plan("static:9", "ngram") == {"k": 4, "table": None, "drafter": "ngram"}  # capped at k_max
+    assert plan("static:4", "ngram") == {"k": 4, "table": None, "drafter": "ngram"}
+    with pytest.raises(UserError, match=r"K = 9 is above rollout.k_max = 4"):  # refused, not quietly capped
+        plan("static:9", "ngram")
     assert plan("twostate:4:2") == {"k": 2, "table": [[1, 4, 2], [5, 16, 0]], "drafter": "model"}
     assert plan("twostate:32:2")["table"] is None  # one K for every batch up to max_batch: plain static
     table = tmp_path / "vllm.json"  # `rlsched learn --vllm-table` output

@@ -9,6 +9,7 @@ from typing import Callable
 import numpy as np
 
 from rlsched.errors import UserError
+from rlsched.policies.registry import SIMULATOR, PolicySpec, Words, parse_policy
 from rlsched.policies.types import NEVER_CHANGES, OFF, CostModel, EngineState, StepOutcome, Strategy
 
 
@@ -383,65 +384,28 @@ class SeqOraclePolicy(_Truth, SeqGoodputPolicy):
     name = "oracle:seq"  # greedy per step like the others, so not a bound on makespan: a yardstick
 
 
-DRAFT_POLICIES = ("off, static:K[:DRAFTER], goodput[:REFRESH|:drain], seqgoodput[:REFRESH], twostate[:MAX_BATCH:K|:FILE], "
-                  "bandit[:EPSILON], table:POLICY.json, oracle or oracle:seq (simulator only)")
-
-
-def make_draft_policy(spec: str, ctx: PolicyContext):
-    """A DraftPolicy from its name (see DRAFT_POLICIES)."""
+def make_draft_policy(spec, ctx: PolicyContext, words: Words = SIMULATOR):
+    """A DraftPolicy from its name or parsed spec (`policies/registry.py`), checked against
+    the context's drafters and k_max in the command's `words`."""
     from rlsched.policies.bandit import BanditPolicy
     from rlsched.policies.lookup import TablePolicy, TwoStatePolicy
 
-    name, _, arg = spec.strip().partition(":")
-    needs_drafter = name in ("goodput", "seqgoodput", "twostate", "bandit", "table", "oracle") or (name == "static" and arg not in ("0", ""))
-    if needs_drafter and not ctx.drafters:
-        raise UserError(f"policy '{spec}' needs at least one drafter in the config (drafters: [...])")
-    if name == "off" and not arg:
+    p = (spec if isinstance(spec, PolicySpec) else parse_policy(spec)).check(ctx.drafters, ctx.k_max, words)
+    if not p.drafts:
         return OffPolicy()
-    if name in ("goodput", "seqgoodput"):
-        if arg and not (arg == "drain" and name == "goodput") and (not arg.isdigit() or int(arg) < 1):
-            also = " or 'drain' (goodput:drain)" if name == "goodput" else ""
-            raise UserError(f"policy '{spec}': the refresh interval must be a whole number >= 1{also}, as in {name}:1")
-        cls = GoodputPolicy if name == "goodput" else SeqGoodputPolicy
-        if name == "goodput" and arg == "drain":
-            return cls(ctx, drain=True)
-        return cls(ctx, refresh=int(arg) if arg else 32)
-    if name == "static":
-        k_str, _, drafter = arg.partition(":")
-        if not k_str.isdigit():
-            raise UserError(f"policy '{spec}': K must be a whole number >= 0, as in static:4")
-        k = int(k_str)
-        if k == 0:
-            return OffPolicy()
-        drafter = drafter or ctx.drafters[0]
-        if drafter not in ctx.drafters:
-            raise UserError(f"policy '{spec}': unknown drafter '{drafter}'; the config has {', '.join(ctx.drafters)}")
-        return StaticPolicy(drafter, k)
-    if name == "oracle" and arg in ("", "seq"):
-        return OraclePolicy(ctx) if not arg else SeqOraclePolicy(ctx)
-    if name == "twostate":
-        if not arg:
-            return TwoStatePolicy.solve(ctx)
-        if arg.endswith(".json"):
-            from rlsched.policies.policyfile import load_policy_file  # (pydantic: only for policy files)
+    if p.family in ("goodput", "seqgoodput"):
+        return SeqGoodputPolicy(ctx, refresh=p.refresh) if p.family == "seqgoodput" else \
+            GoodputPolicy(ctx, refresh=p.refresh, drain=p.drain)
+    if p.family == "static":
+        return StaticPolicy(p.drafter or ctx.drafters[0], p.k)
+    if p.family == "oracle":
+        return SeqOraclePolicy(ctx) if p.per_row else OraclePolicy(ctx)
+    if p.family == "bandit":
+        return BanditPolicy(ctx, epsilon=p.epsilon)
+    if p.family == "twostate" and p.file is None:
+        return TwoStatePolicy.solve(ctx) if p.max_batch is None else \
+            TwoStatePolicy(ctx, ctx.drafters[0], p.max_batch, p.k)
+    from rlsched.policies.policyfile import load_policy_file  # (pydantic: only for policy files)
 
-            return TwoStatePolicy.from_file(load_policy_file(arg, ctx.identity, kinds=("twostate",)), ctx)
-        t, _, k = arg.partition(":")
-        if not (t.isdigit() and k.isdigit() and int(t) >= 0 and int(k) >= 1):
-            raise UserError(f"policy '{spec}': expected twostate:MAX_BATCH:K with whole numbers, as in twostate:32:4")
-        return TwoStatePolicy(ctx, ctx.drafters[0], int(t), int(k))
-    if name == "bandit":
-        try:
-            eps = float(arg) if arg else 0.1
-        except ValueError:
-            eps = -1.0
-        if not 0.0 <= eps <= 1.0:
-            raise UserError(f"policy '{spec}': epsilon must be a number in [0, 1], as in bandit:0.1")
-        return BanditPolicy(ctx, epsilon=eps)
-    if name == "table":
-        if not arg:
-            raise UserError("policy 'table' needs a policy file: table:PATH.json (write one with `rlsched learn`)")
-        from rlsched.policies.policyfile import load_policy_file
-
-        return TablePolicy.from_file(load_policy_file(arg, ctx.identity, kinds=("table",)), ctx)
-    raise UserError(f"unknown policy '{spec}'; choose from {DRAFT_POLICIES}")
+    pf = load_policy_file(p.file, ctx.identity, kinds=(p.family,) if p.family else ("table", "twostate"))
+    return (TablePolicy if pf.kind == "table" else TwoStatePolicy).from_file(pf, ctx)

@@ -24,17 +24,15 @@ from rlsched import __version__
 from rlsched.config import SimConfig
 from rlsched.distributed import check_cluster_address, import_ray
 from rlsched.errors import UserError
+from rlsched.policies.registry import parse_policy
 
 BASELINE = "off"
 # ----------------------------------------------------------------------------- plan
 
 def policy_kind(name: str) -> str:
     """'off', 'static' (named static:K...) or 'adaptive' (every other policy)."""
-    if name == BASELINE:
-        return "off"
-    if name.partition(":")[0] == "static":
-        return "static"
-    return "adaptive"
+    family = parse_policy(name).family
+    return family if family in ("off", "static") else "adaptive"
 
 
 @dataclass

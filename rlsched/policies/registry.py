@@ -1,0 +1,177 @@
+"""The drafting-policy names: one grammar, parsed once, checked once per command.
+
+A policy spec is `NAME[:ARG[:ARG]]` (`off`, `static:4:ngram`, `goodput:drain`, `table:p.json`)
+or a bare policy file `PATH.json` (the policy it holds). `parse_policy` turns the text into a
+`PolicySpec`: the family, its arguments, and what it needs (a drafter, a cost model, the
+simulator's true acceptance, a file). `PolicySpec.check` holds it against one command's limits
+(its drafters, its longest draft, its engine) and words every refusal in that command's terms
+(`Words`). `make_draft_policy` (policies/draft.py) builds the policy; the simulator, the local
+engine, the vLLM backend and the CLI's help all read the families from here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlsched.errors import UserError
+
+
+@dataclass(frozen=True)
+class Family:
+    """One policy name: its grammar, a one-line description, and where it runs."""
+
+    name: str
+    usage: str
+    summary: str
+    priced: bool = False  # needs a cost model (twostate: only when it solves, i.e. without arguments)
+    simulator_only: bool = False  # reads the simulator's true acceptance
+    vllm: bool = False  # expressible as vLLM's speculative_config (fixed k, or k by batch size)
+
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    Family("off", "off", "plain decoding", vllm=True),
+    Family("static", "static:K[:DRAFTER]", "K drafts every step (static:0 is off)", vllm=True),
+    Family("goodput", "goodput[:REFRESH|:drain]", "the (drafter, k) with the most expected tokens per second "
+           "of draft + verify, from the cost model and each row's acceptance", priced=True),
+    Family("seqgoodput", "seqgoodput[:REFRESH]", "every row its own draft length, priced by the cost model",
+           priced=True),
+    Family("twostate", "twostate[:MAX_BATCH:K|:FILE]", "speculation off above a batch size, one k at or below it "
+           "(solved over the cost model without arguments)", priced=True, vllm=True),
+    Family("bandit", "bandit[:EPSILON]", "epsilon-greedy over (drafter, k) arms by measured tokens per second"),
+    Family("table", "table:FILE", "a learned lookup (`rlsched learn`) by batch size, acceptance and context",
+           vllm=True),
+    Family("oracle", "oracle[:seq]", "goodput with the true acceptance (a yardstick)", priced=True,
+           simulator_only=True),
+)}
+ENGINES = ("simulator", "local", "vllm")
+
+
+def usage(engine: str = "simulator") -> str:
+    """The policy names one engine runs, comma-separated (the CLI's help and error messages)."""
+    names = [f.usage for f in FAMILIES.values()
+             if (engine == "simulator" or not f.simulator_only) and (engine != "vllm" or f.vllm)]
+    return ", ".join(names) + ", or a policy file (PATH.json)"
+
+
+@dataclass(frozen=True)
+class Words:
+    """How a command names the limits a policy is checked against, for its messages."""
+
+    engine: str  # one of ENGINES
+    k_max: str  # the option or field that caps the draft length
+    drafters: str  # introduces the drafter names the command has
+    no_drafter: str  # what to do when the command has no drafter
+
+
+SIMULATOR = Words("simulator", "speculation.k_max", "the config has",
+                  "the config has no drafters; add one (drafters: [...]) or use policy off")
+GENERATE = Words("local", "--k-max", "--drafter gives",
+                 "--drafter is off; give --drafter builtin, a model folder or ngram, or --policy off")
+
+
+def run_words(engine: str) -> Words:
+    """`rlsched run`'s words (its config fields), for the local or the vLLM engine."""
+    return Words(engine, "rollout.k_max", "the config has",
+                 "drafter is off; set drafter (a model folder, builtin or ngram) or policy off")
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """A parsed policy name. `k` is static's and twostate's draft length; `drafter` static's
+    (None: the first the command has); `max_batch` twostate's threshold; `file` a table or
+    twostate policy file (`family` None for a bare PATH.json: the kind the file holds)."""
+
+    text: str
+    family: str | None
+    k: int = 0
+    drafter: str | None = None
+    refresh: int = 32
+    drain: bool = False
+    max_batch: int | None = None
+    epsilon: float = 0.1
+    file: str | None = None
+    per_row: bool = False  # oracle:seq
+
+    @property
+    def drafts(self) -> bool:
+        """Whether the policy ever drafts (off and static:0 never do)."""
+        return not (self.family == "off" or (self.family == "static" and self.k == 0))
+
+    @property
+    def priced(self) -> bool:
+        """Whether the policy needs a cost model (twostate only when it solves over one)."""
+        if self.family == "twostate":
+            return self.file is None and self.max_batch is None
+        return self.family is not None and FAMILIES[self.family].priced
+
+    def check(self, drafters: tuple[str, ...], k_max: int, words: Words = SIMULATOR) -> "PolicySpec":
+        """This spec against a command's drafters, longest draft and engine; UserError, one
+        line in the command's words, for what it cannot run. Returns self."""
+        fam = FAMILIES.get(self.family) if self.family else None
+        if fam is not None and fam.simulator_only and words.engine != "simulator":
+            raise UserError(f"policy '{self.text}' reads the simulator's true acceptance; it runs in "
+                            "`rlsched simulate`, `compare` and `learn` only")
+        if words.engine == "vllm" and fam is not None and (not fam.vllm or self.priced):
+            raise UserError(f"policy '{self.text}' cannot run on vLLM, which takes a fixed draft length or one by "
+                            f"batch size; with rollout.backend vllm choose {usage('vllm')} "
+                            "(the adaptive policies run on rollout.backend local)")
+        if self.drafts and not drafters:
+            raise UserError(f"policy '{self.text}' drafts, but {words.no_drafter}")
+        if self.drafter is not None and self.drafter not in drafters:
+            raise UserError(f"policy '{self.text}': unknown drafter '{self.drafter}'; {words.drafters} "
+                            f"{', '.join(drafters)}")
+        if self.family in ("static", "twostate") and self.k > k_max:
+            raise UserError(f"policy '{self.text}': K = {self.k} is above {words.k_max} = {k_max}; lower K or "
+                            f"raise {words.k_max}")
+        return self
+
+
+def _whole(text: str, spec: str, what: str, example: str, least: int = 0) -> int:
+    if not text.isdigit() or int(text) < least:
+        raise UserError(f"policy '{spec}': {what} must be a whole number >= {least}, as in {example}")
+    return int(text)
+
+
+def parse_policy(text) -> PolicySpec:
+    """The spec a policy name stands for; UserError, one line naming it, for a malformed one."""
+    spec = str(text).strip()
+    if spec.endswith(".json") and ":" not in spec:
+        return PolicySpec(spec, None, file=spec)
+    name, _, arg = spec.partition(":")
+    if name == "off" and not arg:
+        return PolicySpec(spec, "off")
+    if name == "static":
+        k_text, _, drafter = arg.partition(":")
+        return PolicySpec(spec, "static", k=_whole(k_text, spec, "K", "static:4"), drafter=drafter or None)
+    if name in ("goodput", "seqgoodput"):
+        if name == "goodput" and arg == "drain":
+            return PolicySpec(spec, name, drain=True)
+        if arg and (not arg.isdigit() or int(arg) < 1):
+            also = " or 'drain' (goodput:drain)" if name == "goodput" else ""
+            raise UserError(f"policy '{spec}': the refresh interval must be a whole number >= 1{also}, "
+                            f"as in {name}:1")
+        return PolicySpec(spec, name, refresh=int(arg) if arg else 32)
+    if name == "twostate":
+        if not arg:
+            return PolicySpec(spec, name)
+        if arg.endswith(".json"):
+            return PolicySpec(spec, name, file=arg)
+        t, _, k = arg.partition(":")
+        if not (t.isdigit() and k.isdigit() and int(k) >= 1):
+            raise UserError(f"policy '{spec}': expected twostate:MAX_BATCH:K with whole numbers, as in twostate:32:4")
+        return PolicySpec(spec, name, k=int(k), max_batch=int(t))
+    if name == "bandit":
+        try:
+            eps = float(arg) if arg else 0.1
+        except ValueError:
+            eps = -1.0
+        if not 0.0 <= eps <= 1.0:
+            raise UserError(f"policy '{spec}': epsilon must be a number in [0, 1], as in bandit:0.1")
+        return PolicySpec(spec, name, epsilon=eps)
+    if name == "table":
+        if not arg:
+            raise UserError("policy 'table' needs a policy file: table:PATH.json (write one with `rlsched learn`)")
+        return PolicySpec(spec, name, file=arg)
+    if name == "oracle" and arg in ("", "seq"):
+        return PolicySpec(spec, name, per_row=arg == "seq")
+    raise UserError(f"unknown policy '{spec}'; choose from {usage()}")
