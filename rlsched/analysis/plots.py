@@ -5,8 +5,6 @@ canvas, so they work without a display and inside worker processes."""
 from __future__ import annotations
 
 import io
-import os
-import tempfile
 from pathlib import Path
 
 import matplotlib
@@ -15,6 +13,8 @@ import numpy as np
 matplotlib.use("Agg")  # in case anything downstream reaches for pyplot: never a GUI backend
 
 from matplotlib.figure import Figure  # noqa: E402
+
+from rlsched.atomic import atomic_path  # noqa: E402
 
 FORMATS = {".png": "png", ".pdf": "pdf"}
 DPI = 120
@@ -26,15 +26,8 @@ def save_figure(fig: Figure, path: Path) -> None:
     fmt = FORMATS.get(path.suffix.lower())
     if fmt is None:
         raise ValueError(f"{path}: the file name must end in .png or .pdf")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         fig.savefig(tmp, format=fmt, dpi=DPI, bbox_inches="tight")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def figure_png(fig: Figure) -> bytes:

@@ -9,13 +9,12 @@ the reason, never half-applied.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
+from rlsched.atomic import write_text_atomic
 from rlsched.errors import UserError, describe_validation_error
 
 FORMAT = "rlsched-policy"
@@ -84,13 +83,7 @@ def _number(x) -> bool:
 
 def save_policy_file(path: Path, pf: PolicyFile) -> None:
     """Write atomically: the file is whole or absent."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(pf.model_dump_json(indent=2))
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
+    write_text_atomic(Path(path), pf.model_dump_json(indent=2))
 
 
 def load_policy_file(path, identity: dict | None = None, kinds=("table", "twostate")) -> PolicyFile:

@@ -8,16 +8,13 @@ so a process killed mid-run loses at most the records not yet flushed (the step 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rlsched.atomic import atomic_folder, atomic_file, atomic_path, write_text_atomic  # noqa: F401 (re-exported)
 from rlsched.traces.schema import SCHEMAS, TRACE_SCHEMA_VERSION
 
 
@@ -36,67 +33,9 @@ def to_table(kind: str, df: pd.DataFrame) -> pa.Table:
 
 
 def write_table(path: Path, table: pa.Table) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
+    """A whole Parquet file, atomically."""
+    with atomic_path(path) as tmp:
         pq.write_table(table, tmp)
-        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; traces are for everyone to read
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-@contextmanager
-def atomic_file(path: Path, mode: str = "w", fsync: bool = False):
-    """Yield a file to write that replaces `path` whole once the block ends, or vanishes on
-    any error (a temporary sibling, renamed into place); `fsync` also survives power loss."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, mode) as f:
-            yield f
-            if fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """A small text file (JSON, YAML) written whole or not at all."""
-    with atomic_file(path) as f:
-        f.write(text)
-
-
-@contextmanager
-def atomic_folder(out: Path):
-    """Yield a temporary sibling of `out` to fill; on success it replaces `out` whole (a
-    previous folder of that name is removed), on any error it vanishes: never half-written."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-    umask = os.umask(0)
-    os.umask(umask)
-    try:
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; a plain folder is what `--out` promises
-        yield tmp
-        old = None
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{tmp.name[-8:]}")
-            out.rename(old)
-        tmp.rename(out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def _plain(x):
