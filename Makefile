@@ -34,7 +34,7 @@ test: $(ALL_STAMP)
 # (bench/peers/setup_vllm.sh, idempotent) plus rlsched installed editable. Everything vLLM
 # already installed (torch 2.13.0+cpu, transformers, tokenizers, safetensors, numpy, ...) is
 # pinned as a constraint, so pip only adds what rlsched needs and replaces nothing. Not in CI:
-# the install alone takes minutes (see the README).
+# the install alone takes minutes (docs/executor.md).
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed-rlsched
 $(VLLM_STAMP): pyproject.toml bench/peers/setup_vllm.sh

@@ -50,8 +50,8 @@ def write_result(name: str, payload: dict, text: str) -> Path:
 
 
 def lockstep(trainers: list, steps: int) -> None:
-    """The runs one RL step each in turn: a slow spell of this shared machine (identical runs
-    minutes apart differed by 8-12% in total) then hits every run, not the one it fell on."""
+    """The runs one RL step each in turn: a slow spell of this shared machine then hits every
+    run, not the one it fell on (identical runs minutes apart differ by several percent)."""
     with contextlib.ExitStack() as stack:
         for t in trainers:
             stack.enter_context(t)

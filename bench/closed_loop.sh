@@ -5,12 +5,12 @@
 # measured ones. About 6-9 minutes on 2 cores.
 #
 #   bench/closed_loop.sh                  # results: bench/results/closed_loop.{json,txt}
-#   STEPS=20 PILOT=6 REPEATS=12 WORK=/tmp/loop NAME=closed_loop_r12 bench/closed_loop.sh
+#   STEPS=20 PILOT=6 REPEATS=12 WORK=/tmp/loop NAME=closed_loop_long bench/closed_loop.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RLSCHED=${RLSCHED:-.venv/bin/rlsched}
 PY=${PY:-.venv/bin/python}
-STEPS=${STEPS:-10}  # RL steps of each measured run (12 took the loop to 603 s on a slower VM)
+STEPS=${STEPS:-10}  # RL steps of each measured run
 STATIC=${STATIC:-"1 2 3 4"}
 REPEATS=${REPEATS:-3}  # timed runs per profile point (their median prices it)
 WORK=${WORK:-$(mktemp -d /tmp/rlsched-loop.XXXXXX)}
@@ -23,9 +23,8 @@ $RLSCHED profile --out "$WORK/profile" --batch-sizes 1,2,4,8,16,32,64 --k-max 6 
 say "2/6 fit the cost model -> $WORK/cost.json"
 $RLSCHED fit "$WORK/profile" --out "$WORK/cost.json" >/dev/null
 # The pilot spans a drafter update (every 4 steps by default): acceptance falls as the actor
-# moves away from the drafter and rises after each distillation, and a pilot of the first 3
-# steps told the simulator 0.915 where the 12-step runs averaged 0.88-0.90 (static:3 then
-# predicted 1.10x off against 1.00x measured; 1.03x at the runs' acceptance).
+# moves away from the drafter and rises after each distillation, so a pilot of the first few
+# steps alone would tell the simulator a higher acceptance than the measured runs see.
 PILOT=${PILOT:-6}
 say "3/6 a $PILOT-step pilot run for the workload (lengths, acceptance)"
 $RLSCHED run --policy static:2 --set steps=$PILOT --out "$WORK/pilot" --json >/dev/null 2>&1
@@ -45,8 +44,7 @@ $RLSCHED compare --config "$WORK/sim.yaml" --policies "$POLICIES" --seeds 2 --wo
     --out "$WORK/compare" > "$WORK/predicted.json"
 say "6/6 measured: rlsched run x $(echo "$POLICIES" | tr ',' '\n' | wc -l), $STEPS RL steps each, in lockstep"
 # one process, one RL step of each run in turn: a slow spell of this shared machine hits every
-# policy's run instead of the one it fell on (identical runs one after the other differed by
-# 8-12% in total here)
+# policy's run instead of the one it fell on
 $PY - "$WORK" "$POLICIES" "$STEPS" <<'PYEOF' >/dev/null 2>&1
 import re, sys
 sys.path.insert(0, "bench")

@@ -2,7 +2,7 @@
 generation-stage gains per policy. Usage: closed_loop_report.py WORK POLICIES SECONDS [NAME].
 
 Each measured run trains its own actor on its own samples, so the runs' workloads drift apart
-(in one closed loop static:4's run generated 12% more tokens than `off`'s): the measured gains
+(one run may generate a tenth more tokens than another): the measured gains
 are given both by generation time (what a run pays) and by throughput (tokens per second of
 the generation stage, which divides out how much each run generated), beside the simulator's,
 which prices every policy on one workload."""

@@ -19,14 +19,14 @@ Sections (all on the built-in pair: a 16-layer target and a 2-layer drafter dist
    carry over, as between RL steps); and off and static:3 with the forwards compiled
    (`--compile`); the contenders run in lockstep, one engine step each in turn (`lockstep`);
 5. the same drain on a built-in pair whose target is twice as wide (`builtin.WIDE`, trained on
-   first use, ~10 minutes here, then cached), where a verify's cost grows faster with k at 64
-   rows (~4x for 7 tokens against ~3x), nearer a GPU at large batch.
+   first use, then cached), where a verify's cost grows faster with k at 64 rows, nearer a
+   GPU at large batch.
 
 Run: python bench/engine.py [--threads 2] [--quick] [--sections sd_b1,drain] [--drain-rounds 30].
 Results: bench/results/engine.{json,txt}.
 
 `--device cuda` runs the drain sections on a GPU (bf16; the CPU peers' sections are refused):
-`bash bench/gpu_engine.sh drain` on a lent machine, results engine_drain_cuda.*.
+`bash bench/gpu_engine.sh drain`, results engine_drain_cuda.*. Figures: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -121,10 +121,9 @@ def interleaved(fns: dict, repeats: int, seed: int = 0) -> tuple[dict, dict]:
 def lockstep(engines: dict, reqs: list, repeats: int, seed: int = 0) -> tuple[dict, dict]:
     """`interleaved` at the finest grain: in every round all contenders run the same requests
     together, one engine step each in turn (in a shuffled order every step), each timed over its
-    own steps only. A whole drain a contender takes ~1 s, over which this machine's speed moves
-    by up to ~15%: two contenders doing identical work (the same k, the same samples) differed
-    by 0.86-1.28x round by round when they ran their drains one after the other. Steps a few
-    ms apart see the same machine. engines[name] = (engine, its generator), which round r
+    own steps only. Over a whole drain (about a second) this machine's speed moves, so two
+    contenders doing identical work differ round by round when they run their drains one after
+    the other; steps a few ms apart see the same machine. engines[name] = (engine, its generator), which round r
     seeds with `seeded(r)`; each engine keeps its own generator, so a contender's samples do
     not depend on who ran in between. Returns what `interleaved` returns."""
     rng = np.random.default_rng(seed)
@@ -168,8 +167,7 @@ def lockstep(engines: dict, reqs: list, repeats: int, seed: int = 0) -> tuple[di
 def interleaved_per_item(fns: dict, n_items: int, repeats: int, seed: int = 0) -> tuple[dict, dict]:
     """`interleaved` at a finer grain: every contender runs item i (a prompt) in a shuffled
     order before any runs item i + 1, so the runs compared are a fraction of a second apart,
-    not seconds (a round of the B = 1 section is ~15 s, over which this machine's speed moves
-    by tens of %). fns[name](i, seed) -> (seconds, tokens, stat), the seed `seeded(round,
+    not the seconds a round of the B = 1 section takes. fns[name](i, seed) -> (seconds, tokens, stat), the seed `seeded(round,
     item)`; a round's entry is (seconds and tokens summed over the items, the stat's mean)."""
     order = list(fns)
     rng = np.random.default_rng(seed)
@@ -191,18 +189,15 @@ def seeded(round_: int, item: int = 0, n_items: int = 1) -> int:
     """The sampling seed of a round's item, the same for every contender. A seed per round,
     not one for all: lossless SD samples the same distribution as plain decoding, but each
     contender consumes the random stream differently and so draws its own samples; with one
-    seed each static k drew the same samples every round, and at the drain's tail (one row
-    left) static:2 drew a row its drafter accepted 100% of and static:4 one it accepted 33%
-    of, round after round: the best static k was then the luckiest of five fixed draws."""
+    seed for all rounds each static k would draw the same samples every round, and the best
+    static k would be the luckiest of a few fixed draws."""
     return round_ * n_items + item
 
 
 def paired(rounds: dict, base: str, name: str) -> list[float]:
     """Per round, the time of contender `base` over `name`'s: a speedup from runs seconds
-    apart. This machine's speed
-    drifts by up to 2x over tens of seconds (a fixed matmul loop: 0.4-1.2x of its mean in 0.3 s
-    windows), which moves fastest-of-N times taken minutes apart; a ratio within one round
-    does not see the drift."""
+    apart. This machine's speed drifts over tens of seconds, which moves fastest-of-N times
+    taken minutes apart; a ratio within one round does not see the drift."""
     return [b[0] / r[0] for b, r in zip(rounds[base], rounds[name])]
 
 
@@ -210,11 +205,9 @@ def held_out_vs_best(rounds: dict, statics: list[str], name: str) -> float:
     """`name` against the best static k chosen on other rounds: the rounds split in two (even,
     odd), the static k fastest over one half is timed against `name` over the other, and the two
     ratios are averaged. Chosen and compared on the same rounds, the best of several statics of
-    about equal speed is the luckiest of them (the winner's curse): a contender's round varies by
-    ~10% here when the contenders run their drains in turn (the round-by-round ratios to `off`
-    had an SD of 0.10-0.23), and by 6-7% in `lockstep` (each k draws its own samples), so of
-    five equally fast statics over 15 rounds the luckiest is 2-3% faster than each of them,
-    and a policy as fast as all of them looks that much slower than "the best"."""
+    about equal speed is the luckiest of them (the winner's curse): a contender's round varies
+    by several percent even in `lockstep` (each k draws its own samples), so a policy as fast
+    as all of them would look slower than "the best"."""
     n = min(len(r) for r in rounds.values())
     halves = [list(range(0, n, 2)), list(range(1, n, 2))]
     ratios = []
@@ -235,9 +228,9 @@ def bootstrap_interval(rounds: dict, stat, n: int = 1000, level: float = 0.9, se
 
     `block` rounds are drawn as one: 2 for `held_out_vs_best`, which splits the rounds into
     even and odd. Drawn one by one, a round drawn twice could land in both halves, so the best
-    static k was partly chosen on the rounds it was judged on, the winner's curse the split
-    removes: with every contender equally fast the intervals sat ~1.3% low
-    (`tests/test_bench_stats.py`)."""
+    static k would be partly chosen on the rounds it is judged on, the winner's curse the split
+    removes; with every contender equally fast the intervals would sit low
+    (`tests/test_bench_stats.py` checks they do not)."""
     from scipy.stats import bootstrap
 
     units = min(len(r) for r in rounds.values()) // block
@@ -386,8 +379,7 @@ def sd_b1_section(pair, target, drafter, n_prompts, repeats):
 
     def engine_on(policy, use_drafter, models=(target, drafter)):
         # one engine per contender, kept from prompt to prompt as a rollout worker keeps it (a
-        # fresh engine per prompt also timed its cache allocation and page faults: static:6
-        # 1.33x plain with fresh engines, 1.60x with kept ones, in consecutive runs)
+        # fresh engine per prompt would also time its cache allocation and page faults)
         eng, gen = make_engine(models[0], models[1] if use_drafter else None, policy, [r[0] for r in reqs], 1)
 
         def once(i, seed):
@@ -414,9 +406,8 @@ def sd_b1_section(pair, target, drafter, n_prompts, repeats):
     compile_s = time.perf_counter() - t0
 
     # Three rotations, each with plain decoding as its anchor: rlsched's contenders, the
-    # transformers peers, the compiled engine. A peer's run (~1.4 s a prompt, 20x ours)
-    # between two of ours left them colder caches, the two-model SD more than plain (static:6
-    # 1.56x with the peers in the rotation vs 1.71x without, the same hour).
+    # transformers peers, the compiled engine. A peer's run (many times ours) between two of
+    # ours would leave them colder caches, the two-model SD more than plain.
     ours = {"off": engine_on("off", False)}
     ours.update({f"static:{k}": engine_on(f"static:{k}", True) for k in range(1, 7)})
     peers = {"off": ours["off"], "HF generate (plain)": hf_on(None, 0), "HF assisted (k=4)": hf_on(hf_d, 4)}
@@ -460,9 +451,8 @@ def drain_section(target, drafter, repeats, quick, compiled=True):
     """64 requests at once; token budgets drawn long-tailed (lognormal, median 24, clipped to
     4..120) and generated in full (no EOS stop), so every policy does the same work while the
     batch drains from 64 to 1. Each budget goes to a prompt whose answer is at least that long
-    (`long_answers`), so every token is one the task would generate, as in an RL rollout: with
-    any prompt, rows ran past their EOS into text neither model was trained on, where the
-    drafter's acceptance fell to 0.5-0.7 (the tail of the drain ran on such rows).
+    (`long_answers`), so every token is one the task would generate, as in an RL rollout (past
+    its EOS a row would run into text neither model is trained on, at a much lower acceptance).
     `compiled`: also off and static:3 with the forwards compiled (copies, compiled here)."""
     rng = np.random.default_rng(21)
     lengths = [int(x) for x in np.clip(np.round(24 * np.exp(0.9 * rng.standard_normal(64))), 4, 120)]
@@ -553,12 +543,9 @@ def drain_section(target, drafter, repeats, quick, compiled=True):
 
 def drain_wide_section(repeats, quick, device="cpu", dtype="float32"):
     """The drain on the built-in recipe with a target twice as wide (`builtin.WIDE`, built on
-    first use and cached): a verify of 7 tokens at 64 rows costs ~4x one token's here against
-    ~3x on the default pair, so by the profile's prices the best k at the head and at the tail
-    of the drain differ more (as on a GPU at large batch): the per-batch best k ~5-7% over one
-    static k, against ~2% on the default pair. Measured per batch bucket in lockstep traces
-    (twenty-third session) static:3 was within noise of the best k at every batch size here
-    too."""
+    first use and cached): a verify of k + 1 tokens at 64 rows costs more against one token's
+    than on the default pair, so by the profile's prices the best k at the head and at the tail
+    of the drain differ more (as on a GPU at large batch)."""
     pair = builtin_pair(WIDE, log=print)
     result, text = drain_section(load_model(pair.target, device=device, dtype=dtype).model,
                                  load_model(pair.drafter, device=device, dtype=dtype).model, repeats, quick,

@@ -14,10 +14,10 @@ The noise floor: seed 0's off run runs twice (`--repeat`, in the same lockstep);
 same seed its workload is identical token for token, so the per-step MAPE between the two
 measured series is what this machine alone does to a step's time.
 
-Threads: on this 2-vCPU machine a run with torch's two threads waits at every op for the
+Threads: on a 2-vCPU machine a run with torch's two threads waits at every op for the
 slower thread, and a neighbour's burst stalls the pair; with one thread (`--set threads=1
---name fidelity_t1`) the machine's speed per RL step held within 0.94-1.06 (p25-p75) against
-0.81-1.18, and the replays' per-step MAPE halved (two A/B pairs, both orders, one hour).
+--name fidelity_1thread`) the machine's speed per RL step is steadier and the replays'
+per-step error smaller.
 
 Run: python bench/fidelity.py [--seeds 2] [--steps 40] [--work DIR] [--repeat 1] [--set KEY=VALUE]
 [--name NAME]. Results: bench/results/NAME.{json,txt,png} (default fidelity).

@@ -1,10 +1,10 @@
-"""Issue 4's drain at a real model size, where a GPU's verify cost depends on the batch.
+"""The engine benchmark's drain at a real model size, where a GPU's verify cost depends on the batch.
 
 On the built-in pair (a few MB) a GPU verifies k + 1 tokens a row at about the price of one at
 every batch size: one static k is then as good as any adaptive choice, as it is on this
 project's CPU for another reason (bench/engine.py's drain). The regime that adaptive drafting
 is for, verification nearly free at a few rows and ~k + 1 times dearer at 64, needs a target
-of a real size. No pretrained one can reach the lent machine, so acceptance is planted:
+of a real size. A GPU machine may have no pretrained weights at hand, so acceptance is planted:
 
 - the target is the Qwen2.5-1.5B configuration, random weights, with every attention output
   and MLP down projection zeroed: each block still computes all its matmuls and attention
@@ -19,9 +19,8 @@ of a real size. No pretrained one can reach the lent machine, so acceptance is p
   at a position drawn per row and step (the drafter's cache still agrees with every token the
   target keeps, so it catches up by one or two tokens a step, as in a real run). Row r accepts each draft with probability a_r(f) = a_r x
   (1 - 0.08 f^2), f the share of its budget already generated, a_r ~ Beta(mean 0.89,
-  concentration 20) per request: the built-in pair's per-token acceptance in bench/engine.py's
-  drain was 0.88-0.90 over an answer's first 60%, 0.84 and 0.83 over the next two fifths
-  (twenty-fourth session, from the twenty-third's traces);
+  concentration 20) per request, as the built-in pair's per-token acceptance in
+  bench/engine.py's drain falls slightly along an answer;
 - decoding is greedy (verification by exact match). The acceptance is planted, so this
   measures what the policies make of step costs, not the drafts' quality.
 
@@ -30,7 +29,7 @@ generated in full; the contenders (off, static k, goodput priced by a profile ta
 goodput:drain, bandit) in lockstep, each policy against the best static k held out
 (`engine.held_out_vs_best`), as in bench/engine.py.
 
-Run on a lent GPU: bash bench/gpu_engine.sh planted (estimated 3-6 minutes; never run). --smoke: tiny shapes on
+Run on a GPU: bash bench/gpu_engine.sh planted (a few minutes). --smoke: tiny shapes on
 a CPU. Results: $OUT/gpu_drain.{json,txt} (bench/results without OUT; `--shape builtin` and a CPU
 add _builtin and _cpu to the name).
 """

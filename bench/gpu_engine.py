@@ -8,8 +8,7 @@ A random-init target of a real size (the Qwen2.5-1.5B configuration) and a small
 2. plain decoding tokens/s of the rollout engine at B = 1, 16, 64, 256;
 3. speculative steps: the drafter's cost per drafted token against the target's decode;
 4. plain decoding with the one-token forward compiled (`compile_decode`) at the batch sizes
-   of (2), against eager (never run on a GPU when written: a failure is recorded in the
-   results, not raised).
+   of (2), against eager (a failure is recorded in the results, not raised).
 
 Random weights make acceptance meaningless, so (3) reports costs, not end-to-end SD speed;
 the break-even acceptance for each B and k follows from (1) and (3). Writes
@@ -80,9 +79,8 @@ def plain_run(model, b: int, args, dev, sp) -> tuple[int, float]:
 
 def compiled_plain(target, args, dev, sp, eager: list, results: dict) -> str:
     """4. plain decoding with the one-token forward compiled for every batch size
-    (`compile_decode`, inductor; measured on CPU only before this script): tokens/s at each
-    batch size of (2) against the eager engine's. Never measured on a GPU when written, so a
-    failure is recorded, not raised (the sections above keep their results)."""
+    (`compile_decode`, inductor): tokens/s at each batch size of (2) against the eager
+    engine's. A failure is recorded, not raised (the sections above keep their results)."""
     try:
         t = time.perf_counter()
         target.compile_decode(1, max(p["batch"] for p in eager))

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The engine on a GPU, as prepared scripts for the device tool's H200 (one call each, under its
-# 10-minute limit; results land in $OUT, or bench/results without it):
+# The engine on a GPU, as prepared scripts for an H200 (one call each, under 10 minutes;
+# results land in $OUT, or bench/results without it):
 #   bash bench/gpu_engine.sh          verify cost over B x k, plain and compiled decoding at the
 #                                     Qwen2.5-1.5B size (bench/gpu_engine.py, about 5 minutes)
-#   bash bench/gpu_engine.sh drain    issue 4's drain (64 -> 1 rows, long-tail lengths) on the
-#                                     built-in pair in bf16: static k against the adaptive
+#   bash bench/gpu_engine.sh drain    the engine benchmark's drain (64 -> 1 rows, long-tail
+#                                     lengths) on the built-in pair in bf16: static k against the adaptive
 #                                     policies (bench/engine.py --device cuda, 20 rounds)
 #   bash bench/gpu_engine.sh planted  the same drain at the Qwen2.5-1.5B size with planted
 #                                     acceptance (bench/gpu_drain.py, estimated 3-6 minutes): the

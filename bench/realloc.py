@@ -52,8 +52,7 @@ def simulate(samples: pd.DataFrame, steps: pd.DataFrame, work: Path, args, link,
     """Predicted generation-stage seconds of this rollout on two instances, per realloc policy:
     `rlsched replay`'s simulation (costs fitted from the traces' own steps, calibrated, plus
     the per-step overhead), with the KV link the pool measured and the pool's prefill sharing
-    (a prompt's samples prefilled once; unsaid, the simulator prefilled each of them and
-    priced `none` 12% long)."""
+    (a prompt's samples prefilled once, as the pool's engines do)."""
     from rlsched.analysis.replay import _AsRun, _costs, _rollout, _simulate, step_overhead_s
 
     cost, _, policy_cost, factors = _costs(work, None, "model")

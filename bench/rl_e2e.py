@@ -7,7 +7,7 @@ drafter asked for (the built-in model drafter, distilled when its staleness has 
 update costs (`pays`, the default) and, as `builtin/every`, every 4 steps; the n-gram drafter,
 which indexes the newest rollouts of each prompt for free), on the same seeds, a seed's runs
 in lockstep (one RL step of each in turn, in one process), so that all see the same machine
-state: runs one after the other here differed by 8-12% in total when identical. Reported:
+state (identical runs one after the other differ by several percent here). Reported:
 
 - seconds per RL step by stage (generation, inference, training, drafter update), summed over
   the steps and averaged over seeds, and the adaptive/off ratios per seed (end to end and

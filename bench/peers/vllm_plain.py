@@ -67,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_gib)
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"   # only read by the mp executor; be explicit
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    # libgomp's default spin-waiting collapses when any other process wants a core (2-core box:
-    # 64x64 went from ~8,300 to ~300 tokens/s with one busy neighbour); PASSIVE keeps ~7,000.
+    # libgomp's default spin-waiting collapses throughput when any other process wants a core
+    # (a 2-core box with one busy neighbour); PASSIVE keeps it.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("DO_NOT_TRACK", "1")

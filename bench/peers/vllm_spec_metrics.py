@@ -35,7 +35,8 @@ metric objects are LLM.get_metrics()'s (vllm/v1/metrics/reader.py) as JSON: coun
 
 CPU workarounds (see /work/shared/REFERENCES.md): in-process engine
 (VLLM_ENABLE_V1_MULTIPROCESSING=0, distributed_executor_backend="uni"), OMP_WAIT_POLICY=PASSIVE,
-enforce_eager, and vLLM issue #55005: the CPU shim of rejection_sampler.expand_batch_to_tokens
+enforce_eager, and https://github.com/vllm-project/vllm/issues/55005: the CPU shim of
+rejection_sampler.expand_batch_to_tokens
 drops its output, which breaks sampled (temperature > 0) speculative decoding; it is replaced
 here by a torch repeat_interleave version (greedy decoding never calls it). Everything vLLM
 prints goes to stderr; stdout gets one JSON line (what was written, acceptance per position).
@@ -110,7 +111,8 @@ def task_prompts(n: int, seed: int, model_dir: str) -> list[list[int]]:
 
 
 def patch_rejection_sampler() -> None:
-    """vLLM issue #55005 (the CPU shim of expand_batch_to_tokens): the backend's patch."""
+    """The backend's patch of the CPU shim of expand_batch_to_tokens
+    (https://github.com/vllm-project/vllm/issues/55005)."""
     sys.path.insert(0, str(ROOT))
     from rlsched.executor.vllm_backend import patch_cpu_rejection_sampler
 
