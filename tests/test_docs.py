@@ -138,7 +138,7 @@ HISTORY = {
         rf"\b(?:(?:twenty|thirty|forty)-(?:{ORDINALS})|eleventh|twelfth|thirteenth|fourteenth|fifteenth|"
         rf"sixteenth|seventeenth|eighteenth|nineteenth|twentieth)\b"
         rf"|\b(?:work|development) periods?\b|\bperiod \d+\b", re.I),
-    "an issue number": re.compile(r"\b(?:issues?|PR|pull request)\s*#?\d+|(?<![\w&/])#\d+\b", re.I),
+    "an issue number": re.compile(r"\b(?:issues?|PR|pull request|bug)\s*#?\d+|\(#\d+\)", re.I),
     "a commit hash": re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b"),
     "a remark on the machine lent": re.compile(
         r"\blent\b|\bno GPU (?:was|is|has been)\b|\bnever (?:been )?run on a GPU\b"
@@ -166,12 +166,12 @@ def _doc_paths() -> list[Path]:
 
 
 def test_history_patterns_catch_narration():
-    samples = ["in the twenty-first session", "the fifteenth's run", "issue 4's drain point", "see issue #12",
+    samples = ["in the twenty-first session", "the fifteenth's run", "issue 4's drain point", "see issue #12", "(#12)",
                "recorded at 2458f2a", "no GPU was lent so far", "never run on a GPU yet", "on the faster VM"]
     for s in samples:
         assert any(p.search(s) for p in HISTORY.values()), s
     clean = ["see https://github.com/vllm-project/vllm/issues/55005", "batch 1024 at 0.9", "a silent failure",
-             "static:4 by the median of rounds", "Qwen2.5-7B + 0.5B", "sd_b1 and drain_wide"]
+             "static:4 by the median of rounds", "Qwen2.5-7B + 0.5B", "sd_b1 and drain_wide", "color: #222;"]
     for s in clean:
         assert not any(p.search(URL.sub("", s)) for p in HISTORY.values()), s
 
