@@ -4,8 +4,8 @@ words, and the help texts built from it."""
 import pytest
 
 from rlsched.errors import UserError
-from rlsched.policies.draft import GoodputPolicy, OffPolicy, PolicyContext, StaticPolicy, make_draft_policy
-from rlsched.policies.registry import FAMILIES, GENERATE, SIMULATOR, parse_policy, run_words, usage
+from rlsched.policies.draft import GoodputPolicy, OffPolicy, PolicyContext, StaticPolicy
+from rlsched.policies.registry import FAMILIES, GENERATE, SIMULATOR, make_draft_policy, parse_policy, run_words, usage
 from support import rlsched
 
 EXAMPLES = {"off": "off", "static": "static:3", "goodput": "goodput:drain", "seqgoodput": "seqgoodput:4",

@@ -9,7 +9,6 @@ from typing import Callable
 import numpy as np
 
 from rlsched.errors import UserError
-from rlsched.policies.registry import SIMULATOR, PolicySpec, Words, parse_policy
 from rlsched.policies.types import NEVER_CHANGES, OFF, CostModel, EngineState, StepOutcome, Strategy
 
 
@@ -382,30 +381,3 @@ class SeqOraclePolicy(_Truth, SeqGoodputPolicy):
     (per-step greedy, so not a strict bound on the stage's makespan)."""
 
     name = "oracle:seq"  # greedy per step like the others, so not a bound on makespan: a yardstick
-
-
-def make_draft_policy(spec, ctx: PolicyContext, words: Words = SIMULATOR):
-    """A DraftPolicy from its name or parsed spec (`policies/registry.py`), checked against
-    the context's drafters and k_max in the command's `words`."""
-    from rlsched.policies.bandit import BanditPolicy
-    from rlsched.policies.lookup import TablePolicy, TwoStatePolicy
-
-    p = (spec if isinstance(spec, PolicySpec) else parse_policy(spec)).check(ctx.drafters, ctx.k_max, words)
-    if not p.drafts:
-        return OffPolicy()
-    if p.family in ("goodput", "seqgoodput"):
-        return SeqGoodputPolicy(ctx, refresh=p.refresh) if p.family == "seqgoodput" else \
-            GoodputPolicy(ctx, refresh=p.refresh, drain=p.drain)
-    if p.family == "static":
-        return StaticPolicy(p.drafter or ctx.drafters[0], p.k)
-    if p.family == "oracle":
-        return SeqOraclePolicy(ctx) if p.per_row else OraclePolicy(ctx)
-    if p.family == "bandit":
-        return BanditPolicy(ctx, epsilon=p.epsilon)
-    if p.family == "twostate" and p.file is None:
-        return TwoStatePolicy.solve(ctx) if p.max_batch is None else \
-            TwoStatePolicy(ctx, ctx.drafters[0], p.max_batch, p.k)
-    from rlsched.policies.policyfile import load_policy_file  # (pydantic: only for policy files)
-
-    pf = load_policy_file(p.file, ctx.identity, kinds=(p.family,) if p.family else ("table", "twostate"))
-    return (TablePolicy if pf.kind == "table" else TwoStatePolicy).from_file(pf, ctx)

@@ -5,8 +5,8 @@ or a bare policy file `PATH.json` (the policy it holds). `parse_policy` turns th
 `PolicySpec`: the family, its arguments, and what it needs (a drafter, a cost model, the
 simulator's true acceptance, a file). `PolicySpec.check` holds it against one command's limits
 (its drafters, its longest draft, its engine) and words every refusal in that command's terms
-(`Words`). `make_draft_policy` (policies/draft.py) builds the policy; the simulator, the local
-engine, the vLLM backend and the CLI's help all read the families from here.
+(`Words`); `make_draft_policy` builds the policy. The simulator, the local engine, the vLLM
+backend and the CLI's help all read the families from here.
 """
 
 from __future__ import annotations
@@ -175,3 +175,33 @@ def parse_policy(text) -> PolicySpec:
     if name == "oracle" and arg in ("", "seq"):
         return PolicySpec(spec, name, per_row=arg == "seq")
     raise UserError(f"unknown policy '{spec}'; choose from {usage()}")
+
+
+def make_draft_policy(spec, ctx, words: Words = SIMULATOR):
+    """A DraftPolicy from its name or parsed spec, checked against the PolicyContext's
+    drafters and k_max in the command's `words`. (The policies are imported here: the grammar
+    above needs neither numpy nor the policies, and the CLI's help reads it.)"""
+    from rlsched.policies.bandit import BanditPolicy
+    from rlsched.policies.draft import GoodputPolicy, OffPolicy, OraclePolicy, SeqGoodputPolicy, SeqOraclePolicy, \
+        StaticPolicy
+    from rlsched.policies.lookup import TablePolicy, TwoStatePolicy
+
+    p = (spec if isinstance(spec, PolicySpec) else parse_policy(spec)).check(ctx.drafters, ctx.k_max, words)
+    if not p.drafts:
+        return OffPolicy()
+    if p.family in ("goodput", "seqgoodput"):
+        return SeqGoodputPolicy(ctx, refresh=p.refresh) if p.family == "seqgoodput" else \
+            GoodputPolicy(ctx, refresh=p.refresh, drain=p.drain)
+    if p.family == "static":
+        return StaticPolicy(p.drafter or ctx.drafters[0], p.k)
+    if p.family == "oracle":
+        return SeqOraclePolicy(ctx) if p.per_row else OraclePolicy(ctx)
+    if p.family == "bandit":
+        return BanditPolicy(ctx, epsilon=p.epsilon)
+    if p.family == "twostate" and p.file is None:
+        return TwoStatePolicy.solve(ctx) if p.max_batch is None else \
+            TwoStatePolicy(ctx, ctx.drafters[0], p.max_batch, p.k)
+    from rlsched.policies.policyfile import load_policy_file  # (pydantic: only for policy files)
+
+    pf = load_policy_file(p.file, ctx.identity, kinds=(p.family,) if p.family else ("table", "twostate"))
+    return (TablePolicy if pf.kind == "table" else TwoStatePolicy).from_file(pf, ctx)

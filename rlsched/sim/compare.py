@@ -79,7 +79,7 @@ def split_names(text: str, option: str) -> list[str]:
 def make_plan(cfg: SimConfig, policies: str, realloc: str | None, seeds: int, first_seed: int | None,
               trace_instance: int | None = None) -> ComparePlan:
     """Check every name and number before anything runs; raises UserError naming the option."""
-    from rlsched.policies.draft import make_draft_policy
+    from rlsched.policies.registry import make_draft_policy
     from rlsched.policies.realloc import make_realloc_policy
     from rlsched.sim.rlstep import TrueAcceptance
     from rlsched.sim.simulate import policy_context
