@@ -11,7 +11,7 @@ compiled once:
 - one row attends to its whole cache row with a mask (SDPA; its graph is static but for the
   cache's length); two or more rows attend to the first `upto` positions of theirs (the
   longest row's length after the step), as the eager forward's two batched matmuls
-  (`_cached_attention`). That graph is dynamic in the number of rows and in `upto`, which it
+  (`cached_attention`). That graph is dynamic in the number of rows and in `upto`, which it
   reads off the shape of a view of an arange (`_seen`), so a step that reads one position
   more does not compile again;
 - the new keys and values are written with `index_put_` on views of the rows (`_row_views`),
@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from rlsched.executor.kvcache import KVCache
-from rlsched.executor.model import _cached_attention, rms_norm
+from rlsched.executor.ops import cached_attention, rms_norm
 from rlsched.executor.rope import apply_rope
 
 _copies = itertools.count()
@@ -194,7 +194,7 @@ class CompiledForward:
         """Logits for ids (B, q) at positions pos[b] + 0..q-1 of B cache rows: keys and values
         are views of them, one a layer, written in place. One row (`seen` None) attends to its
         whole cache row with a mask (SDPA); two or more attend to the first `len(seen)`
-        positions of theirs, as two batched matmuls (`_cached_attention`)."""
+        positions of theirs, as two batched matmuls (`cached_attention`)."""
         m = self.model
         c = m.config
         nh, nkv, hd, eps = c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
@@ -207,7 +207,7 @@ class CompiledForward:
         length = seen.shape[0]
         mask = torch.zeros((), dtype=embed.dtype, device=ids.device).masked_fill(
             seen[None, None, :] > p[:, :, None], float("-inf"))[:, None]  # (B, 1, q, L)
-        if b > 1:  # laid out as `_cached_attention`'s scores: (B * KV, G * q, L)
+        if b > 1:  # laid out as `cached_attention`'s scores: (B * KV, G * q, L)
             g = nh // nkv
             mask = mask[:, None].expand(b, nkv, g, q, length).reshape(b * nkv, g * q, length)
         # where the new keys/values go: (row, head, position), broadcast to (B, KV, q)
@@ -228,7 +228,7 @@ class CompiledForward:
             keys[i].index_put_(at, xk)
             values[i].index_put_(at, xv)
             if b > 1:
-                out = _cached_attention(xq, keys[i][:, :, :length], values[i][:, :, :length], mask, nkv)
+                out = cached_attention(xq, keys[i][:, :, :length], values[i][:, :, :length], mask, nkv)
             else:
                 out = F.scaled_dot_product_attention(xq, keys[i], values[i], attn_mask=mask, enable_gqa=nkv != nh)
             h = h + F.linear(out.transpose(1, 2).reshape(b, q, nh * hd), a.o.weight, a.o.bias)

@@ -17,20 +17,12 @@ processed with the same `SamplingParams` as the target.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Hashable, Protocol
 
 import torch
 
 from rlsched.executor.sampling import SamplingParams, sample
-from rlsched.executor.speculative import length_groups
-
-
-@dataclass
-class Seq:
-    tokens: list[int]  # prompt + generated so far (the last one not yet in the target's cache)
-    slot: int  # KV cache row
-    prompt_id: Hashable | None = None
+from rlsched.executor.speculative import Seq, length_groups
 
 
 class Drafter(Protocol):

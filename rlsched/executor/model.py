@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rlsched.executor.kvcache import KVCache
+from rlsched.executor.ops import cached_attention, rms_norm
 from rlsched.executor.rope import Rope, RopeScaling, apply_rope
 
 
@@ -73,13 +74,6 @@ class RMSNorm(nn.Module):
             n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
             return x * torch.rsqrt(torch.addcmul(eps, n, n, value=1 / x.shape[-1])) * self.weight
         return rms_norm(x, self.weight, self.eps)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm as HF computes it: normalised in float32, scaled in the input dtype (what
-    RMSNorm does outside float32, and the compiled forwards everywhere: inductor fuses it)."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
 
 @dataclass
@@ -142,36 +136,11 @@ class Attention(nn.Module):
             xk, xv = s.cache.read(layer, s.rows, s.upto, s.start)
         bmm = q > 1 or (s.mask is not None and b >= BMM_MIN_BATCH and x.is_cpu)  # (measured on CPU only)
         if s.cache is not None and not torch.is_grad_enabled() and bmm:
-            out = _cached_attention(xq, xk, xv, s.grouped_mask(self.nkv, self.nh // self.nkv), self.nkv)
+            out = cached_attention(xq, xk, xv, s.grouped_mask(self.nkv, self.nh // self.nkv), self.nkv)
         else:
             out = F.scaled_dot_product_attention(xq, xk, xv, attn_mask=s.mask,
                                                  enable_gqa=self.nkv != self.nh)
         return F.linear(out.transpose(1, 2).reshape(b, q, self.nh * self.hd), self.o.weight, self.o.bias)
-
-
-def _cached_attention(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, mask: torch.Tensor,
-                      nkv: int) -> torch.Tensor:
-    """Attention of a few new tokens over a cache, as two batched matmuls: the query heads that
-    share a KV head are stacked into one matrix, so keys and values are read once per KV head
-    and never copied, and the scale and the mask go into the first matmul (`baddbmm`). Used for
-    several new tokens per row (verify, prefill). Attention alone at q = 5 (built-in target's
-    shapes, 2 threads): 51-60 vs SDPA's 46 us at B = 1, 235-254 vs 390-430 at B = 16, 1030-1150
-    vs 1780-2130 at B = 64 (a broadcast mask add in every layer instead of `baddbmm`: 89-125,
-    325-332, 1210-1630). Every batch takes this path for q > 1, since a step cost that jumps
-    between batch sizes is one the cost model's smooth forms cannot fit. For one new token per
-    row SDPA is faster up to ~32 ragged rows (masked, q = 1, one layer: 10 vs 18 us at B = 2,
-    20 vs 26 at 8, 67 vs 64 at 32, 130 vs 111 at 64), so from `BMM_MIN_BATCH` rows (where the two
-    cost the same: no jump) this path takes over: plain decoding at B = 64 1.033x faster
-    (median of 20 interleaved runs; SDPA's CPU flash kernel took 304 us a layer in the model).
-    xq (B, H, q, d), xk/xv (B, KV, L, d), mask (B * KV, G * q, L) from `_Step.grouped_mask`.
-    Scores in the model's dtype, softmax in float32, as transformers' eager attention does."""
-    b, h, q, d = xq.shape
-    g, length = h // nkv, xk.shape[2]
-    q3 = xq.reshape(b * nkv, g * q, d)
-    keys = xk.reshape(b * nkv, length, d).transpose(1, 2)
-    scores = torch.baddbmm(mask, q3, keys, alpha=d ** -0.5)
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(xv.dtype)
-    return torch.bmm(weights, xv.reshape(b * nkv, length, d)).view(b, h, q, d)
 
 
 class MLP(nn.Module):

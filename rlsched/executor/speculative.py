@@ -17,6 +17,7 @@ newly emitted last token is fed by the next step. A plain decode step is the sam
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Hashable
 
 import torch
 
@@ -24,6 +25,13 @@ from rlsched.executor.kvcache import KVCache
 from rlsched.executor.sampling import SamplingParams, sample
 
 PAD = -1  # emitted-token padding
+
+
+@dataclass
+class Seq:
+    tokens: list[int]  # prompt + generated so far (the last one not yet in the target's cache)
+    slot: int  # KV cache row
+    prompt_id: Hashable | None = None
 
 
 @dataclass
@@ -236,8 +244,6 @@ def generate(model, prompts: list[list[int]], max_new: int, sampling: SamplingPa
     `drafter` is None or k = 0, else speculative steps with `drafter.propose`. Returns the
     generated tokens and their target log-probs per row, and counts (steps, drafted,
     accepted). A reference loop for tests and benchmarks; the rollout engine builds on `step`."""
-    from rlsched.executor.drafters import Seq
-
     b = len(prompts)
     cache = model.new_cache(b, max(len(p) for p in prompts) + max_new + k + 1)
     slots = torch.arange(b)
