@@ -25,12 +25,9 @@ It applies to up to `max_batch` consecutive cache rows (the engine keeps its row
 most `max_new` new tokens a row (a decode step, a verify of k <= max_new - 1 drafts, a
 drafter's feed; rows may keep different numbers of them), without autograd; any other
 forward (scattered rows, longer prefills, training) runs eager. One graph per number of new
-tokens at one row and one from two rows on, all compiled when the model is (10-60 s each
-here; inductor keeps them on disk, and a second process makes them in about 3 s each).
-What it pays, on this CPU (the built-in target's forward against the eager one, medians of
-30 interleaved calls at 50-90 cached tokens a row, a quiet hour): 1.08x at one row, 1.11-1.16x
-at 2 to 32 rows, 1.10x at 64 (one new token) and 1.06x (five). In the engine: `bench/engine.py`
-(the compiled rows of every section).
+tokens at one row and one from two rows on, all compiled when the model is (inductor keeps
+them on disk, so a second process compiles them much faster). What it pays in the engine:
+`bench/engine.py`'s compiled rows (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -19,19 +19,15 @@ class BanditPolicy:
     as a bucket is learned, so its cost does not last the whole run. A step's rate rises and
     falls once along k (deeper drafts gain fewer tokens for a costlier verify), so the arms
     worth re-trying are the leader's neighbours: k one step shallower (off below the least
-    k) or deeper, and the other drafters at the leader's k. Exploring every arm, TLT's way,
-    spent its tries on k = 8 at a batch of hundreds or on off where k = 3 leads; in the
-    simulator the neighbours alone raised bandit on every shipped preset (long-tail GRPO
-    1.017x -> 1.024x the best static k, worst seed 0.999x -> 1.010x; at low acceptance its
-    worst seed 0.989x -> 0.995x `off`). The statistics are shared by the instances of one
+    k) or deeper, and the other drafters at the leader's k (exploring every arm, TLT's way,
+    spends its tries on k = 8 at a batch of hundreds or on off where k = 3 leads). The statistics are shared by the instances of one
     cluster (they see the same hardware), each instance explores with its own random stream.
 
     A step whose drafter caught up (a joining row's prompt, the tokens of off steps) is not its
     arm's usual rate; what it took beyond that rate, over the tokens fed, is what feeding the
     drafter costs a token (`_feed`), and an off step is charged that for each token it emits:
     those tokens reach the drafter before it drafts again. Uncharged, exploring SD from off
-    paid a catch-up that the off arm's rate never showed (in the simulator's low-acceptance
-    preset bandit fell to 0.98x off on one seed)."""
+    would pay a catch-up that the off arm's rate never shows."""
 
     name = "bandit"
     needs_acceptance = False

@@ -127,18 +127,16 @@ class GoodputPolicy:
     With `ctx.calibrate` (the executor) the verify and each drafter's times are scaled by the
     geometric mean of measured / priced over recent steps: a profile taken minutes earlier on a
     shared machine, or one that misses per-step overheads, can misprice drafting against
-    verification by 1.5x. The choices then depend on measured times, as bandit's do.
+    verification. The choices then depend on measured times, as bandit's do.
 
     A plain step is charged for the drafter work it defers: the tokens it emits must be fed to
-    a model drafter before it drafts again. Unpriced, that catch-up made a drain's plain steps
-    at 39-64 rows look 1-3% cheaper than drafting while their deferred feeds cost 5% of the
-    drain. The price of a token is the cost model's (`drafter_prefill_time`: a profile's feed,
+    a model drafter before it drafts again; unpriced, plain steps look cheaper than they are
+    in a drain. The price of a token is the cost model's (`drafter_prefill_time`: a profile's feed,
     the roofline's drafter forward) until, calibrating, steps whose drafter caught up have
     measured it (`_feed`).
 
     `drain` (`goodput:drain`): tokens counted by `drain_tokens` (B x the harmonic mean of the
-    rows' expected tokens) instead of their sum. In the simulator's presets (`rlsched compare`,
-    2-4 seeds, five presets) it ran 0.999-1.008x `goodput`'s speed.
+    rows' expected tokens) instead of their sum.
     """
 
     name = "goodput"
@@ -234,8 +232,8 @@ class GoodputPolicy:
         b = outcome.batch
         self._fold("verify", b, s.k, outcome.verify_time, v1 if s.k == 0 else vk[s.k - 1])
         # a step whose drafter caught up (a joining row's prompt, the tokens of off steps) is a
-        # prefill, not the drafting priced: folded, one such step after off steps priced the
-        # drafter 1.5x and more for good, and off was never left again
+        # prefill, not the drafting priced: folded, one such step after off steps would price the
+        # drafter high for good, and off would never be left again
         if s.k > 0 and s.drafter in drafts:
             if outcome.catch_up == 0:
                 self._fold(s.drafter, b, s.k, outcome.draft_time, drafts[s.drafter][s.k - 1])
