@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 SIM_STAMP := $(VENV)/.installed-sim
 ALL_STAMP := $(VENV)/.installed-all
 
-.PHONY: demo test test-vllm bench bench-rl clean .rlsched-cache
+.PHONY: demo test test-vllm bench bench-rl clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -64,11 +64,5 @@ bench-rl: $(ALL_STAMP)
 	bench/closed_loop.sh
 	$(BIN)/python bench/realloc.py
 
-# The built-in pair copied into the checkout (git-ignored), for the device tool to carry to a
-# lent GPU, which cannot build it in its time: `bash bench/gpu_engine.sh drain` reads it there.
-.rlsched-cache: $(ALL_STAMP)
-	$(BIN)/python -c "import shutil; from rlsched.executor.builtin import builtin_pair; \
-		p = builtin_pair(log=print).target.parent; shutil.copytree(p, '.rlsched-cache/' + p.name, dirs_exist_ok=True)"
-
 clean:
-	rm -rf $(VENV) runs .pytest_cache .rlsched-cache
+	rm -rf $(VENV) runs .pytest_cache

@@ -10,9 +10,8 @@
 #                                     acceptance (bench/gpu_drain.py, estimated 3-6 minutes): the
 #                                     regime adaptive drafting is for, which neither the CPU nor
 #                                     the built-in pair on a GPU has
-# The drain needs the built-in pair, which the lent machine cannot build in its time: copy it
-# into the checkout first and name it in the call's carry (14 MiB):
-#   make .rlsched-cache      (then: run(command="bash bench/gpu_engine.sh drain", carry=[".rlsched-cache"]))
+# The drain reads the built-in pair shipped in the checkout (rlsched/executor/builtin_pair): nothing
+# to build or carry.
 # Uses the machine's own python3 with torch (CUDA); rlsched runs from the checkout, uninstalled.
 # Its image has no pydantic or simpy, which these scripts do not import (tests/test_gpu_bench_script.py).
 set -euo pipefail
@@ -21,8 +20,7 @@ python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; pr
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 if [ "${1:-}" = "drain" ]; then
     shift
-    [ -d .rlsched-cache ] || { echo "no .rlsched-cache here: run 'make .rlsched-cache' and carry it" >&2; exit 2; }
-    export RLSCHED_CACHE="$PWD/.rlsched-cache" PYTHONUNBUFFERED=1
+    export PYTHONUNBUFFERED=1
     PYTHONPATH=. timeout 560 python3 bench/engine.py --device cuda --sections drain --drain-rounds 20 "$@"
     if [ -n "${OUT:-}" ]; then cp bench/results/engine_drain_cuda.json bench/results/engine_drain_cuda.txt "$OUT"/; fi
 elif [ "${1:-}" = "planted" ]; then

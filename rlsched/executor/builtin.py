@@ -1,5 +1,5 @@
 """The built-in tiny model pair: a target trained on the synthetic task corpus and a drafter
-distilled from it, built on first use (about five minutes on 2 CPU cores) and cached.
+distilled from it. Both are Llama-architecture HF folders with a character tokenizer.
 
 Why trained and not random: speculative decoding's gain is set by how often the drafter
 agrees with the target, and a random pair agrees by chance only. A target that learned the
@@ -9,15 +9,23 @@ KL(p_target || q_drafter) then agrees often but not always: realistic acceptance
 variation from prompt to prompt.
 
 The shapes are chosen for the CPU: at batch 1 a forward costs about the same per layer
-whatever its width (kernel launches, not FLOPs), so the 16-layer target costs about six to
-eight times the 2-layer drafter, as a 7B target costs several times a 0.5B drafter on a GPU.
-(An 8-layer target, four times the drafter, was the first recipe: with a verify of 7 tokens
-at 1.5-1.65x a one-token forward on this CPU, speculative decoding at batch 1 peaked at
-1.23-1.36x plain decoding; with 16 layers the best static k measured 2.03-2.27x.) Both are
-Llama-architecture HF folders with a character tokenizer.
+whatever its width (kernel launches, not FLOPs), so the 16-layer target costs several times
+the 2-layer drafter, as a 7B target costs several times a 0.5B drafter on a GPU.
 
-Cache: `$RLSCHED_CACHE` or `~/.cache/rlsched`, folder `builtin-<recipe hash>`; concurrent
-first uses wait on a lock and build once.
+Where the pair comes from: the package ships the default recipe's pair (folder
+`builtin_pair/` beside this module: `target/`, `drafter/` and `build.json`, which holds the
+recipe and its hash), its weights stored in bfloat16 and loaded in whatever dtype is asked for.
+It is read-only: nothing writes there. Any other recipe (`WIDE`, or a changed default) is
+built on first use and cached in `$RLSCHED_CACHE` or `~/.cache/rlsched`, folder
+`builtin-<recipe hash>`; concurrent first uses wait on a lock and build once.
+
+Regenerating the shipped pair (after changing the recipe or the training code), from the
+repository root:
+
+    python -m rlsched.executor.builtin --export rlsched/executor/builtin_pair
+
+builds the recipe into the cache (or reuses a cached build of it: point `RLSCHED_CACHE` at an
+empty folder to train afresh) and writes the bfloat16 copy.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from rlsched.executor.model import ModelConfig, Transformer
-from rlsched.executor.saving import save_model
+from rlsched.executor.saving import TOKENIZER_FILES, save_model
 from rlsched.tasks.synthetic import ALPHABET, make_examples
 from rlsched.traces.writer import atomic_folder
 
@@ -82,10 +90,10 @@ class Recipe:
 
 
 # The same recipe twice as wide (target and drafter: the drafter starts from the target's first
-# layers), for the drain benchmark (bench/engine.py, section drain_wide). On this CPU a verify of
-# 7 tokens a row at 64 rows costs ~3x one token's on the default target and ~4x on this one:
-# nearer a GPU at a large batch, where the k that pays at the head of a drain (64 rows) and at
-# its tail (1 row) differ most.
+# layers), for the drain benchmark (bench/engine.py, section drain_wide). On the CPU a verify of
+# several tokens a row at many rows costs more, relative to one token's, than on the default
+# target: nearer a GPU at a large batch, where the k that pays at the head of a drain (many rows)
+# and at its tail (one row) differ most. Not shipped: built on first use.
 WIDE = Recipe(target=(("hidden_size", 256), ("intermediate_size", 768), ("num_layers", 16),
                       ("num_heads", 4), ("num_kv_heads", 2)),
               drafter=(("hidden_size", 256), ("intermediate_size", 768), ("num_layers", 2),
@@ -103,8 +111,30 @@ def cache_root() -> Path:
     return Path(os.environ.get("RLSCHED_CACHE") or Path.home() / ".cache" / "rlsched")
 
 
+SHIPPED = Path(__file__).with_name("builtin_pair")  # the default recipe's pair, bfloat16 weights
+SHIPPED_DTYPE = torch.bfloat16
+
+
+def shipped_pair() -> BuiltinPair | None:
+    """The pair shipped with the package, or None where the package has none."""
+    info_file = SHIPPED / "build.json"
+    if not info_file.is_file():
+        return None
+    return BuiltinPair(SHIPPED / "target", SHIPPED / "drafter", json.loads(info_file.read_text()))
+
+
 def builtin_pair(recipe: Recipe = Recipe(), *, log=None) -> BuiltinPair:
-    """The pair's folders, building them first if this machine has none cached."""
+    """The pair's folders: the shipped ones when they were built from `recipe` (nothing is
+    built or written), else `built_pair(recipe)`."""
+    shipped = shipped_pair()
+    if shipped is not None and shipped.info.get("key") == recipe.key():
+        return shipped
+    return built_pair(recipe, log=log)
+
+
+def built_pair(recipe: Recipe = Recipe(), *, log=None) -> BuiltinPair:
+    """The pair built from `recipe` in the cache (fp32 weights), building it first if this
+    machine has none cached. Never the shipped pair."""
     root = cache_root()
     folder = root / f"builtin-{recipe.key()}"
     root.mkdir(parents=True, exist_ok=True)
@@ -115,6 +145,38 @@ def builtin_pair(recipe: Recipe = Recipe(), *, log=None) -> BuiltinPair:
                 _build(recipe, tmp, log or (lambda msg: None))
     info = json.loads((folder / "build.json").read_text())
     return BuiltinPair(folder / "target", folder / "drafter", info)
+
+
+def export_builtin(dest, recipe: Recipe = Recipe(), *, log=None) -> Path:
+    """Write the pair built from `recipe` (`built_pair`: the cached build, or a fresh one) to
+    folder `dest` (replaced whole) with its weights in bfloat16: what the package ships in
+    `SHIPPED`. Returns `dest`."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    pair = built_pair(recipe, log=log)
+    dest = Path(dest)
+    dtype_name = str(SHIPPED_DTYPE).removeprefix("torch.")
+    with atomic_folder(dest) as tmp:
+        for which in ("target", "drafter"):
+            src, out = getattr(pair, which), tmp / which
+            out.mkdir()
+            weights = load_file(str(src / "model.safetensors"))
+            save_file({name: t.to(SHIPPED_DTYPE).contiguous() for name, t in weights.items()},
+                      str(out / "model.safetensors"), metadata={"format": "pt"})
+            os.chmod(out / "model.safetensors", 0o644)  # as the other files (safetensors writes 0600)
+            config = json.loads((src / "config.json").read_text())
+            config["torch_dtype"] = dtype_name
+            (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+            for name in TOKENIZER_FILES:
+                if (src / name).is_file():
+                    shutil.copyfile(src / name, out / name)
+        info = {**pair.info, "weights_dtype": dtype_name}
+        (tmp / "build.json").write_text(json.dumps(info, indent=2) + "\n")
+    if log:
+        log(f"exported the pair of recipe {recipe.key()} to {dest} ({dtype_name} weights)")
+    return dest
 
 
 # --- tokenizer ------------------------------------------------------------------------------
@@ -255,7 +317,7 @@ def _build(recipe: Recipe, out: Path, log) -> None:
     distilled from it (two layers: copying from the prompt needs an induction circuit, which
     one layer cannot form)."""
     start = time.perf_counter()
-    log(f"building the built-in model pair in {out.parent} (once; about five minutes on 2 cores)")
+    log(f"building the built-in model pair of recipe {recipe.key()} in {out.parent} (once; minutes on a few cores)")
     torch.manual_seed(recipe.seed)
     (first, steps), *stacked = recipe.stages
     target = _fresh(recipe.model_config("target", first))
@@ -284,3 +346,18 @@ def _build(recipe: Recipe, out: Path, log) -> None:
             "built": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     (out / "build.json").write_text(json.dumps(info, indent=2) + "\n")
     log(f"built in {info['seconds']:.0f} s: target loss {t_loss:.3f}, drafter KL {d_loss:.3f}")
+
+
+def main(argv=None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="The built-in model pair of the default recipe.")
+    ap.add_argument("--export", metavar="DIR", required=True,
+                    help="write the pair, weights in bfloat16, to DIR (what the package ships: "
+                         "rlsched/executor/builtin_pair); builds it into the cache first if absent")
+    args = ap.parse_args(argv)
+    export_builtin(args.export, log=print)
+
+
+if __name__ == "__main__":
+    main()
