@@ -48,8 +48,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import table, write_result  # noqa: E402
 
-from rlsched.analysis.costfile import FittedCostModel  # noqa: E402
-from rlsched.analysis.fit import fit_records  # noqa: E402
+from rlsched.costs.costfile import FittedCostModel  # noqa: E402
+from rlsched.costs.fit import fit_records  # noqa: E402
 from rlsched.errors import UserError  # noqa: E402
 from rlsched.executor.builtin import WIDE, builtin_pair, encode  # noqa: E402
 from rlsched.executor.drafters import ModelDrafter, drafter_cache_len  # noqa: E402
@@ -58,7 +58,7 @@ from rlsched.executor.gcfreeze import freeze_long_lived  # noqa: E402
 from rlsched.executor.loading import load_model  # noqa: E402
 from rlsched.executor.profiler import profile  # noqa: E402
 from rlsched.executor.sampling import SamplingParams  # noqa: E402
-from rlsched.policies.measured import MeasuredCostModel  # noqa: E402
+from rlsched.costs.measured import MeasuredCostModel  # noqa: E402
 from rlsched.tasks.synthetic import make_examples  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -119,7 +119,7 @@ def machine_speed(rundir: Path) -> list[float]:
     """Per RL step, the median over its decode steps of measured / fitted verify time: how fast
     the machine ran that step's engine steps against the run's own average (1 = as fitted).
     Runs interleaved step by step share its swings; a steady machine keeps it near 1."""
-    from rlsched.analysis.fit import fit_path
+    from rlsched.costs.fit import fit_path
     from rlsched.traces.reader import read_trace
 
     f = fit_path(rundir).ops["verify"]

@@ -60,7 +60,7 @@ from rlsched.executor.drafters import ModelDrafter, drafter_cache_len  # noqa: E
 from rlsched.executor.engine import Request, RolloutEngine, build_policy, reserve  # noqa: E402
 from rlsched.executor.profiler import profile  # noqa: E402
 from rlsched.executor.sampling import GREEDY  # noqa: E402
-from rlsched.policies.measured import MeasuredCostModel  # noqa: E402
+from rlsched.costs.measured import MeasuredCostModel  # noqa: E402
 
 K_MAX = 6
 

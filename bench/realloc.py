@@ -87,7 +87,7 @@ def main() -> None:
     from rlsched.executor.pool import InstancePool, InstanceSpec
     from rlsched.executor.profiler import policy_profile
     from rlsched.executor.sampling import SamplingParams
-    from rlsched.policies.measured import MeasuredCostModel
+    from rlsched.costs.measured import MeasuredCostModel
     from rlsched.policies.realloc import make_realloc_policy
     from rlsched.traces.reader import read_trace
 

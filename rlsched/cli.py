@@ -50,7 +50,7 @@ CostOpt = typer.Option(None, "--cost", help="A fitted cost-model file (`rlsched 
 def _with_cost(cfg, cost: Optional[Path]):
     """The config with --cost applied, its cost model loaded once to check the file (one line
     on stderr says where the step costs come from)."""
-    from rlsched.sim.costmodel import cost_model_for
+    from rlsched.costs.choose import cost_model_for
 
     if cost is not None:
         cfg = cfg.model_copy(update={"cost_file": str(cost.resolve())})
@@ -449,7 +449,7 @@ FIT_HELP = (
     "PROFILE_OR_RUNDIR is a `rlsched profile` folder or a run folder (`generate`, `run`): anything holding "
     "traces/steps/. Verify, prefill and each drafter's draft time (and a model drafter's feed, where "
     "profiled) are fitted as functions of batch size, tokens per row and context per row (roofline-shaped "
-    "forms, rlsched/analysis/costfile.py) with scipy. Quality is "
+    "forms, rlsched/costs/costfile.py) with scipy. Quality is "
     "R^2 and MAPE; held-out MAPE comes from a fit without every other batch size (or without a random 25% of a "
     "run's steps). An op whose held-out MAPE is above --max-mape, where interpolation over the measured grid "
     "does better, is priced by that interpolation instead (the table and the file say so).\n\n"
@@ -471,7 +471,7 @@ def fit(
                                    "interpolation over the measured grid (where that does better)."),
     as_json: bool = JsonOpt,
 ):
-    from rlsched.analysis.fit import fit_path
+    from rlsched.costs.fit import fit_path
     from rlsched.traces.writer import write_text_atomic
 
     if out.suffix != ".json":
@@ -571,7 +571,7 @@ def plot(
 
 
 def _read_cost(cost: Optional[Path]):
-    from rlsched.analysis.costfile import read_cost_file
+    from rlsched.costs.costfile import read_cost_file
 
     return read_cost_file(cost) if cost is not None else None
 

@@ -13,7 +13,7 @@ from rlsched.policies import (OFF, AcceptanceEstimator, EngineState, PolicyConte
                               make_draft_policy)
 from rlsched.policies.draft import drain_tokens
 from rlsched.policies.types import StepOutcome
-from rlsched.sim.costmodel import RooflineCostModel
+from rlsched.costs.roofline import RooflineCostModel
 
 
 @pytest.fixture(scope="module")

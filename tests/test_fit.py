@@ -11,8 +11,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from rlsched.analysis.costfile import draft_ms, load_cost_model, prefill_ms, read_cost_file, verify_ms
-from rlsched.analysis.fit import fit_path, fit_records, mape, r_squared
+from rlsched.costs.costfile import draft_ms, load_cost_model, prefill_ms, read_cost_file, verify_ms
+from rlsched.costs.fit import fit_path, fit_records, mape, r_squared
 from rlsched.errors import UserError
 from rlsched.traces.writer import TraceWriter
 from support import ok, rlsched, snapshot
@@ -345,7 +345,7 @@ def test_fit_a_real_profile_end_to_end(tmp_path):
 
 
 def test_a_sparse_prefill_is_fitted_without_its_spill_bend():
-    from rlsched.analysis.costfile import PARAMS
+    from rlsched.costs.costfile import PARAMS
 
     df = profile_records()
     pre = df[df.kind == "prefill"]

@@ -4,7 +4,11 @@ imports included)."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "rlsched"
 
@@ -34,3 +38,33 @@ def test_only_the_cli_imports_the_generate_command():
                  if p != PACKAGE / "cli.py" and p != PACKAGE / "executor" / "generate.py"
                  and any(n == command or n.startswith(command + ".") for n in _imported(p))]
     assert not offenders, f"library modules import the `generate` command's module: {offenders}"
+
+
+# package -> the packages it never imports (the simulator runs without analysis or the executor;
+# cost models are priced alike by the simulator and the executor; policies are the shared contract)
+NEVER_IMPORTS = {
+    "rlsched.sim": ("rlsched.analysis", "rlsched.executor"),
+    "rlsched.costs": ("rlsched.analysis", "rlsched.sim", "rlsched.executor"),
+    "rlsched.policies": ("rlsched.sim", "rlsched.costs", "rlsched.analysis", "rlsched.executor"),
+}
+
+
+def _within(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+@pytest.mark.parametrize("package", sorted(NEVER_IMPORTS))
+def test_no_upward_imports(package):
+    files = [p for p in sorted(PACKAGE.rglob("*.py"))
+             if _within(".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts), package)]
+    assert files, f"no modules found for {package}"
+    offenders = sorted(f"{p.relative_to(PACKAGE.parent)} imports {n}" for p in files for n in _imported(p)
+                       if any(_within(n, banned) for banned in NEVER_IMPORTS[package]))
+    assert not offenders, f"{package} imports a package it must not: {offenders}"
+
+
+def test_importing_costs_loads_neither_torch_nor_matplotlib():
+    code = ("import sys, rlsched.costs; "
+            "print(sorted(m for m in sys.modules if m.partition('.')[0] in ('torch', 'matplotlib'))[:3])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr[-2000:] or out.stdout

@@ -5,7 +5,7 @@ import pandas as pd
 import pytest
 
 from rlsched.errors import UserError
-from rlsched.policies.measured import MeasuredCostModel
+from rlsched.costs.measured import MeasuredCostModel
 
 
 def _records(verify, draft, batches=(1, 2, 4, 8), ks=range(0, 4), per_row=(32, 96)):
@@ -80,7 +80,7 @@ def test_extrapolation_never_prices_a_step_below_the_fastest_measured():
 
 
 def test_goodput_runs_on_a_measured_model():
-    from rlsched.policies.draft import PolicyContext, make_draft_policy
+    from rlsched.policies import PolicyContext, make_draft_policy
     from rlsched.policies.types import EngineState
     from rlsched.policies.acceptance import AcceptanceEstimator
 
@@ -131,7 +131,7 @@ def test_calibrated_goodput_charges_a_plain_step_for_the_drafter_feed_it_defers(
     from dataclasses import replace
 
     from rlsched.policies.acceptance import AcceptanceEstimator
-    from rlsched.policies.draft import PolicyContext, make_draft_policy
+    from rlsched.policies import PolicyContext, make_draft_policy
     from rlsched.policies.types import EngineState, StepOutcome
 
     verify = lambda b, q, L: 1.0 + (0.05 if b == 1 else 1.0) * b * q  # SD pays at batch 1 only

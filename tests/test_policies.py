@@ -15,7 +15,7 @@ from rlsched.errors import UserError
 from rlsched.policies import OFF, AcceptanceEstimator, EngineState, StepOutcome, Strategy, make_draft_policy
 from rlsched.policies.lookup import TablePolicy, TwoStatePolicy
 from rlsched.policies.policyfile import load_policy_file, save_policy_file
-from rlsched.sim.costmodel import RooflineCostModel
+from rlsched.costs.roofline import RooflineCostModel
 from rlsched.sim.learn import ACCEPT_EDGES, MIN_GAIN, Learner, ctx_edges, vllm_table
 from rlsched.sim.simulate import config_identity, policy_context, simulate
 

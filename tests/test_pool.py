@@ -118,7 +118,7 @@ def test_rebalance_on_live_states_is_lossless(pair, pool, tmp_path):
     """The real ReallocPolicy (rebalance, priced by a measured cost model) on the live views."""
     from rlsched.executor.profiler import policy_profile
     from rlsched.executor.pool import HostCost
-    from rlsched.policies.measured import MeasuredCostModel
+    from rlsched.costs.measured import MeasuredCostModel
     from rlsched.policies.realloc import make_realloc_policy
 
     base = MeasuredCostModel(policy_profile(pair[1], None, policy="off", max_batch=MAX_BATCH, k_max=4,

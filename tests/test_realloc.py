@@ -14,7 +14,7 @@ from rlsched.policies.realloc import Consolidate, NoRealloc, Rebalance, make_rea
 from rlsched.policies.types import InstanceView, Migration, ReallocEvent
 from rlsched.policies.realloc import split_kv_reprefill
 from rlsched.sim.cluster import GenerationStage
-from rlsched.sim.costmodel import RooflineCostModel
+from rlsched.costs.roofline import RooflineCostModel
 from rlsched.sim.instance import Instance
 from rlsched.sim.simulate import simulate
 

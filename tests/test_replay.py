@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from rlsched.analysis.fit import fit_path  # noqa: E402
+from rlsched.costs.fit import fit_path  # noqa: E402
 from rlsched.traces.reader import read_trace  # noqa: E402
 from support import ok, rlsched  # noqa: E402
 

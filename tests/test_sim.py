@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from rlsched.config import load_config
-from rlsched.sim.costmodel import RooflineCostModel
+from rlsched.costs.roofline import RooflineCostModel
 from rlsched.sim.simulate import simulate
 
 ONE_INSTANCE = [

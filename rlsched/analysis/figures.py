@@ -208,8 +208,8 @@ def fit_result_for(d: FolderData, cost: dict | None = None, cost_path: Path | No
     """A FitResult for fit_plot.fit_figure: the fit of the folder's profile, or (with a
     cost-model file's data) that file's forms over the folder's measured step times, their
     R^2 and MAPE on those points (no held-out check: the file was fitted elsewhere)."""
-    from rlsched.analysis.costfile import PER_DRAFTER
-    from rlsched.analysis.fit import OpFit, FitResult, fit_records, mape, op_tables, r_squared
+    from rlsched.costs.costfile import PER_DRAFTER
+    from rlsched.costs.fit import OpFit, FitResult, fit_records, mape, op_tables, r_squared
 
     records = d.profile if d.profile is not None else d.steps
     if records is None:
@@ -269,7 +269,7 @@ def predicted_speedup(profile: pd.DataFrame, a: float, per_row: float | None = N
 def cost_model_speedup(cost: dict, cost_path: Path, a: float, batches, per_row: float,
                        drafter: str | None = None) -> tuple[pd.DataFrame, str]:
     """As `predicted_speedup`, priced by a fitted cost-model file at k = 1..6."""
-    from rlsched.analysis.costfile import FittedCostModel
+    from rlsched.costs.costfile import FittedCostModel
 
     m = FittedCostModel(cost, path=cost_path)
     if not m.drafters:

@@ -243,9 +243,9 @@ def _costs(rundir: Path, cost_file, drafter, steps: pd.DataFrame | None = None):
     the off run's measured time). When the run profiled at its start (`profile.parquet`), its
     plain steps at two rows or more join the fit; the calibration factors stay those of the
     run's own records."""
-    from rlsched.analysis.costfile import FittedCostModel, load_cost_model
-    from rlsched.analysis.fit import fit_records, op_tables, read_records
-    from rlsched.policies.measured import MeasuredCostModel
+    from rlsched.costs.costfile import FittedCostModel, load_cost_model
+    from rlsched.costs.fit import fit_records, op_tables, read_records
+    from rlsched.costs.measured import MeasuredCostModel
 
     factors = {}
     profile = rundir / "profile.parquet"

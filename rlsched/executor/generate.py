@@ -156,7 +156,7 @@ def cost_model(s: Setup, drafter, typical_ctx: int, log=None):
     """The executor's own step costs: a `rlsched profile` folder, or a short profile now
     (for a priced policy, or for pricing migrations between instances)."""
     from rlsched.executor.engine import policy_needs_cost
-    from rlsched.policies.measured import MeasuredCostModel
+    from rlsched.costs.measured import MeasuredCostModel
 
     a = s.args
     if not policy_needs_cost(a.policy) and not (a.instances > 1 and a.realloc != "none"):

@@ -11,7 +11,7 @@ differ (spread over half to one and a half times the point's context, `ragged_le
 the engine's rows do: rows of different lengths take the masked attention path, 6-13% dearer
 a step (plain decoding at B = 64: 13%), and a profile of equal rows priced plain decoding at
 large batch sizes low against speculation, so that `goodput` kept SD off there where it paid
-(the fit's forms carry the jump from one row to two: `analysis/costfile.py`). Prefill is
+(the fit's forms carry the jump from one row to two: `costs/costfile.py`). Prefill is
 timed on prompts of one length (its form counts tokens and token pairs), and so is each model
 drafter's feed of them (kind = feed): what a drafter pays, inside its next propose, to take
 in a row that joined, or the tokens of steps decoded without it. A point's price is the

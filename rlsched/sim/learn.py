@@ -19,7 +19,7 @@ from rlsched import __version__
 from rlsched.config import SimConfig
 from rlsched.policies.lookup import TablePolicy, TwoStatePolicy, batch_grid
 from rlsched.policies.policyfile import FORMAT, VERSION, PolicyFile, ReallocSettings, save_policy_file
-from rlsched.sim.costmodel import cost_model_for
+from rlsched.costs.choose import cost_model_for
 from rlsched.sim.simulate import config_identity, policy_context
 
 ACCEPT_EDGES = [0.0, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]

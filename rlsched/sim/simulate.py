@@ -12,7 +12,7 @@ from rlsched.config import SimConfig
 from rlsched.policies.draft import PolicyContext, make_draft_policy
 from rlsched.policies.realloc import make_realloc_policy
 from rlsched.sim.cluster import kv_capacity
-from rlsched.sim.costmodel import cost_model_for
+from rlsched.costs.choose import cost_model_for
 from rlsched.sim.rlstep import StepRecord, TrueAcceptance, rl_run
 from rlsched.sim.workload import sample_lengths
 from rlsched.sim.timeline import KINDS, Timeline

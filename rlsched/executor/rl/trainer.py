@@ -203,7 +203,7 @@ class Trainer:
 
     def _cost_model(self, drafter):
         from rlsched.executor.engine import policy_needs_cost
-        from rlsched.policies.measured import MeasuredCostModel
+        from rlsched.costs.measured import MeasuredCostModel
 
         c = self.cfg
         if not (policy_needs_cost(c.policy) or self._realloc_priced):

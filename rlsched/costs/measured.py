@@ -4,11 +4,12 @@ Verify and draft times are interpolated over the profiled grid: linearly in log2
 in the number of tokens per row (q for verify, k for draft) and in the context per row;
 outside the grid the nearest edge's slope is extended, never below the fastest measured
 step. (The numbers of scipy's RegularGridInterpolator with fill_value=None, a test checks;
-computed here because a policy prices a few points at a time, at every batch change, and
-scipy's per-call checks took ~230 us of each lookup, 40 here.) Prefill is a least-squares
+computed here because a policy prices a few points at a time, at every batch change, where
+scipy's per-call checks would cost several times the lookup.) Prefill is a least-squares
 line in the number of prompt tokens. It implements the `CostModel` protocol, so `goodput`
-and the other priced policies run on the executor with the executor's own costs. (A parametric fit that also extrapolates to other models and hardware
-is the analysis layer's job.)
+and the other priced policies run on the executor with the executor's own costs. (The
+parametric fit, which also extrapolates past the grid, is `costs/fit.py`'s; its file loads
+as `costs/costfile.py`'s `FittedCostModel`.)
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from scipy.optimize import isotonic_regression
 from rlsched.errors import UserError
 
 
-class _Grid:
+class Grid:
     """Step time (seconds) over (log2 batch, tokens per row, context per row): trilinear, and
     linear past the edges from the edge cell."""
 
@@ -63,14 +64,14 @@ class _Grid:
         return out
 
 
-def _grid(df: pd.DataFrame, tokens_col: str, value_col: str, what: str, monotone: bool = False) -> _Grid:
+def measured_grid(df: pd.DataFrame, tokens_col: str, value_col: str, what: str, monotone: bool = False) -> Grid:
     """The median of `value_col` over (log2 batch, tokens per row, context per row); with
     `monotone`, made non-decreasing in the tokens per row (isotonic regression along that axis
     at each batch size and context). A step that computes more tokens a row is not faster, but
-    a profile taken on a shared machine says otherwise at more than half of its (batch, context)
-    points (8 of 14 in two profiles here; k = 3 priced below k = 2), and `goodput`, taking the
-    best of k_max prices, picks the cell that noise made cheap and drafts deeper than pays. (The
-    fit's interpolation fallback reads the grid back as measured.)"""
+    a profile taken on a shared machine can say otherwise at many of its (batch, context)
+    points (k = 3 priced below k = 2), and `goodput`, taking the best of k_max prices, picks
+    the cell that noise made cheap and drafts deeper than pays. (The fit's interpolation
+    fallback reads the grid back as measured.)"""
     df = df.assign(lb=np.log2(df["batch"]), per_row=df["ctx_tokens"] / df["batch"])
     table = df.groupby(["lb", tokens_col, "per_row"])[value_col].median()
     axes = [np.array(sorted(set(table.index.get_level_values(i))), dtype=float) for i in range(3)]
@@ -88,7 +89,7 @@ def _grid(df: pd.DataFrame, tokens_col: str, value_col: str, what: str, monotone
         if len(a) == 1:
             axes[i] = np.array([a[0], a[0] + 1.0])
             values = np.concatenate([values, values], axis=i)
-    return _Grid(axes, values)
+    return Grid(axes, values)
 
 
 def _line(records: pd.DataFrame) -> tuple[float, float]:
@@ -97,6 +98,18 @@ def _line(records: pd.DataFrame) -> tuple[float, float]:
         return 0.0, 0.0
     slope, icept = np.polyfit(records["ctx_tokens"], records["step_ms"] / 1e3, 1)
     return max(icept, 0.0), max(slope, 0.0)
+
+
+def grid_time(grid: Grid, batch, tokens, ctx_tokens):
+    """Seconds `grid` prices at `batch` rows of `tokens` tokens whose contexts total `ctx_tokens`;
+    a number for numbers, an array shaped as `tokens` otherwise."""
+    tokens = np.asarray(tokens, dtype=float)
+    b = max(batch, 1)
+    # no step is faster than the fastest measured one: a slope extended past the grid can
+    # otherwise reach zero or below when noise made a larger context measure faster
+    per_row = ctx_tokens / b if np.ndim(ctx_tokens) == 0 else np.asarray(ctx_tokens, dtype=float) / b
+    out = np.maximum(grid(math.log2(b), tokens, per_row), grid.floor)
+    return out if out.ndim else float(out)  # a number for a number, as the roofline model
 
 
 class MeasuredCostModel:
@@ -110,34 +123,24 @@ class MeasuredCostModel:
         verify = records[records["kind"] == "verify"].assign(q=lambda d: d["k"] + 1)
         if verify.empty:
             raise UserError("profile: no verify measurements; re-run `rlsched profile`")
-        self._verify = _grid(verify, "q", "verify_ms", "verify", monotone=True)
+        self._verify = measured_grid(verify, "q", "verify_ms", "verify", monotone=True)
         self._draft = {}
         drafts = records[records["kind"] == "draft"]
         for name, d in drafts.groupby("drafter"):
-            self._draft[str(name)] = _grid(d, "k", "draft_ms", f"draft ({name})", monotone=True)
+            self._draft[str(name)] = measured_grid(d, "k", "draft_ms", f"draft ({name})", monotone=True)
         self._prefill = _line(records[records["kind"] == "prefill"])
         self._feed = {str(name): _line(d) for name, d in records[records["kind"] == "feed"].groupby("drafter")}
         self.drafters = tuple(self._draft)
 
-    @staticmethod
-    def _at(grid: _Grid, batch, tokens, ctx_tokens):
-        tokens = np.asarray(tokens, dtype=float)
-        b = max(batch, 1)
-        # no step is faster than the fastest measured one: a slope extended past the grid can
-        # otherwise reach zero or below when noise made a larger context measure faster
-        per_row = ctx_tokens / b if np.ndim(ctx_tokens) == 0 else np.asarray(ctx_tokens, dtype=float) / b
-        out = np.maximum(grid(math.log2(b), tokens, per_row), grid.floor)
-        return out if out.ndim else float(out)  # a number for a number, as the roofline model
-
     def verify_time(self, batch: int, q, ctx_tokens: int):
-        return self._at(self._verify, batch, q, ctx_tokens)
+        return grid_time(self._verify, batch, q, ctx_tokens)
 
     def draft_time(self, drafter: str, batch: int, k, ctx_tokens: int, width: int = 1):
         if drafter not in self._draft:
             raise UserError(f"profile has no draft measurements for drafter '{drafter}' "
                             f"(has: {', '.join(self._draft) or 'none'}); profile with it")
         k = np.asarray(k, dtype=float)
-        t = self._at(self._draft[drafter], batch * width, np.maximum(k, 1), ctx_tokens * width)
+        t = grid_time(self._draft[drafter], batch * width, np.maximum(k, 1), ctx_tokens * width)
         return np.where(k > 0, t, 0.0) if np.ndim(t) else (t if k > 0 else 0.0)
 
     def draft_time_per_seq(self, drafter: str, ks: np.ndarray, ctx_tokens):

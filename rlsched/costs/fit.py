@@ -1,12 +1,13 @@
 """`rlsched fit`: fit the cost model's forms to measured step times, check them on held-out
-points, and write the versioned cost-model file (`analysis/costfile.py`).
+points, and write the versioned cost-model file (`costs/costfile.py`).
 
 Records come from a `rlsched profile` folder (kind verify | draft | prefill | feed, one record
 per grid point) or a run folder (`generate`, `run`: kind decode | prefill, one record per engine
 step), anything holding `traces/steps/`. Each operation (verify, prefill, and per drafter its
 drafting and its feed, the catch-up a profile times) is fitted with scipy's least_squares on
-log residuals (relative error, which is what MAPE counts) with a soft-L1 loss (a point disturbed by another process on a shared machine weighs
-little), from a linear least-squares start plus a few perturbed ones.
+log residuals (relative error, which is what MAPE counts) with a soft-L1 loss (a point
+disturbed by another process on a shared machine weighs little), from a linear least-squares
+start plus a few perturbed ones.
 
 Held-out check: on a full grid of at least three batch sizes the fit is repeated without every
 other interior batch size (1, 4, 16, 64 kept; 2, 8, 32 held out), so held-out points are whole
@@ -28,9 +29,9 @@ import pandas as pd
 from scipy.optimize import least_squares, nnls
 
 from rlsched import __version__
-from rlsched.analysis.costfile import FORMS, KIND, PARAMS, PER_DRAFTER, VERSION, grid_interpolator, op_ms
+from rlsched.costs.costfile import FORMS, KIND, PARAMS, PER_DRAFTER, VERSION, grid_interpolator, op_ms
+from rlsched.costs.measured import grid_time
 from rlsched.errors import UserError
-from rlsched.policies.measured import MeasuredCostModel
 from rlsched.traces.reader import read_trace
 
 DEFAULT_MAX_MAPE = 0.05
@@ -267,7 +268,7 @@ def _grid_points(t: pd.DataFrame) -> list:
 
 def _interp_ms(op: str, points: list, t: pd.DataFrame):
     interp = grid_interpolator(op, points, op)
-    return np.array([MeasuredCostModel._at(interp, b, k, b * L) * 1e3
+    return np.array([grid_time(interp, b, k, b * L) * 1e3
                      for b, k, L in t[["batch", "tokens", "per_row"]].itertuples(index=False)])
 
 

@@ -147,14 +147,3 @@ class RooflineCostModel:
         return {"kind": self.kind, "hardware": self.hardware.name, "model": self.model.name, "tp": self.tp,
                 "drafters": {n: k for n, (k, _) in self._drafters.items()}}
 
-
-def cost_model_for(cfg: SimConfig):
-    """The cost model a config runs on: the analytic roofline of its hardware and model, or,
-    with `cost_file`, the fitted file's step costs (verify, draft, prefill) with KV capacity
-    and KV transfer still from the roofline (a profile does not measure them)."""
-    roofline = RooflineCostModel.from_config(cfg)
-    if cfg.cost_file is None:
-        return roofline
-    from rlsched.analysis.costfile import load_cost_model
-
-    return load_cost_model(cfg.cost_file, base=roofline, drafters=[d.name for d in cfg.drafters])

@@ -1,6 +1,6 @@
 """Fitted cost models: the parametric forms, the versioned JSON file, and the CostModel it loads as.
 
-`rlsched fit` (analysis/fit.py) writes a file; `simulate`, `compare` and `learn --cost FILE`
+`rlsched fit` (costs/fit.py) writes a file; `simulate`, `compare` and `learn --cost FILE`
 and the policies price steps with `load_cost_model(FILE)`. Times are in milliseconds inside
 the forms and the file, in seconds through the `CostModel` protocol.
 
@@ -50,7 +50,7 @@ import numpy as np
 import pandas as pd
 
 from rlsched.errors import UserError
-from rlsched.policies.measured import MeasuredCostModel, _grid
+from rlsched.costs.measured import MeasuredCostModel, grid_time, measured_grid
 
 KIND = "rlsched-costmodel"
 VERSION = 1
@@ -111,7 +111,7 @@ def grid_interpolator(op: str, points, what: str):
     """MeasuredCostModel's interpolator over (log2 batch, tokens per row, context per row) of
     points [[batch, tokens, ctx_tokens, ms], ...]."""
     df = pd.DataFrame(points, columns=["batch", TOKENS[op], "ctx_tokens", "ms"])
-    return _grid(df, TOKENS[op], "ms", what)
+    return measured_grid(df, TOKENS[op], "ms", what)
 
 
 class FittedCostModel(MeasuredCostModel):
@@ -146,9 +146,10 @@ class FittedCostModel(MeasuredCostModel):
     def _eval(self, key: str, batch, tokens, ctx_tokens):
         """Seconds at (rows, tokens per row, the rows' total context); arrays broadcast."""
         how, obj = self._ops[key]
-        if how == "grid":  # _at shapes everything as `tokens`: broadcast the context in first
-            tokens, ctx_tokens = np.broadcast_arrays(np.asarray(tokens, dtype=float), np.asarray(ctx_tokens, dtype=float))
-            return MeasuredCostModel._at(obj, batch, tokens, ctx_tokens)
+        if how == "grid":  # grid_time shapes everything as `tokens`: broadcast the context in first
+            tokens, ctx_tokens = np.broadcast_arrays(np.asarray(tokens, dtype=float),
+                                                     np.asarray(ctx_tokens, dtype=float))
+            return grid_time(obj, batch, tokens, ctx_tokens)
         b = max(float(batch), 1.0)
         out = np.maximum(op_ms(key.partition(":")[0], obj, b, tokens, np.asarray(ctx_tokens, dtype=float) / b), 0.0)
         out = out / 1e3
