@@ -16,6 +16,7 @@ from rich.table import Table
 from rlsched import __version__
 from rlsched.distributed import import_ray
 from rlsched.errors import UserError
+from rlsched.policies.registry import usage as policy_usage
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Adaptive speculative decoding and sample reallocation for RL rollouts: simulate, compare and learn policies; generate, profile and train (run) with the real engine; fit, replay, plot and report from what it measured.")
@@ -99,9 +100,8 @@ def _default_out(name: str, policy: str, seed: int) -> Path:
 def simulate(
     preset: Optional[str] = PresetOpt,
     config: Optional[Path] = ConfigOpt,
-    policy: Optional[str] = typer.Option(None, "--policy", help="Drafting policy: off, static:K, goodput, "
-                                         "goodput:drain, seqgoodput, twostate, bandit, table:FILE, oracle (default: the "
-                                         "config's speculation.policy)."),
+    policy: Optional[str] = typer.Option(None, "--policy", help=f"Drafting policy: {policy_usage('simulator')} (default: "
+                                         "the config's speculation.policy)."),
     realloc: Optional[str] = typer.Option(None, "--realloc", help="Reallocation policy: none, rebalance, consolidate "
                                           "(default: the config's cluster.realloc)."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output folder (default runs/simulate/NAME-POLICY-seedN)."),
@@ -118,7 +118,7 @@ def simulate(
     summary.json and the resolved config.yaml to the output folder.
     """
     from rlsched.config import load_config
-    from rlsched.policies.draft import make_draft_policy
+    from rlsched.policies.registry import make_draft_policy
     from rlsched.policies.realloc import make_realloc_policy
     from rlsched.sim.output import run_and_write
     from rlsched.sim.simulate import policy_context
@@ -345,8 +345,7 @@ def generate(
     model: str = typer.Option("builtin", "--model", "-m", help="Target model folder, or builtin."),
     drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help="Drafter model folder, builtin, ngram or off "
                                           "(default: builtin with the built-in model, else ngram)."),
-    policy: str = typer.Option("goodput", "--policy", help="Drafting policy: off, static:K, goodput, goodput:drain, "
-                               "seqgoodput, twostate, bandit, or a policy file (table/twostate JSON)."),
+    policy: str = typer.Option("goodput", "--policy", help=f"Drafting policy: {policy_usage('local')}."),
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSONL prompts file (default: built-in task prompts)."),
     n: int = typer.Option(4, "--n", help="Samples per prompt."),
     max_tokens: int = typer.Option(128, "--max-tokens", help="Token budget per sample."),
@@ -629,8 +628,8 @@ RUN_HELP = (
 @app.command(help=RUN_HELP)
 def run(
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="Run config file (YAML or TOML)."),
-    policy: Optional[str] = typer.Option(None, "--policy", help="Drafting policy (overrides the config): off, "
-                                         "static:K, goodput, goodput:drain, seqgoodput, twostate, bandit, or a policy file."),
+    policy: Optional[str] = typer.Option(None, "--policy", help=f"Drafting policy (overrides the config): "
+                                         f"{policy_usage('local')}; with --backend vllm: {policy_usage('vllm')}."),
     sets: list[str] = typer.Option([], "--set", help="Override a config field: path.to.field=value."),
     out: Path = typer.Option(Path("runs/run/latest"), "--out", "-o", help="Run folder."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --out from its last checkpoint."),

@@ -181,7 +181,8 @@ def _simulate(rollouts, policy_spec: str, drafter, sim_cost, policy_cost, run_cf
     the run's `rollout.instances` (prompts assigned round-robin, as the pool does) with its
     reallocation policy and threshold."""
     from rlsched.config import load_config
-    from rlsched.policies.draft import PolicyContext, make_draft_policy
+    from rlsched.policies.draft import PolicyContext
+    from rlsched.policies.registry import make_draft_policy
     from rlsched.policies.realloc import make_realloc_policy
     from rlsched.sim.cluster import GenerationStage
     from rlsched.sim.timeline import Timeline
@@ -221,14 +222,14 @@ def _simulate(rollouts, policy_spec: str, drafter, sim_cost, policy_cost, run_cf
 
 def probes_every(run_cfg: dict) -> int | None:
     """How often the run's engine probed (`policies/probe.py`): `rollout.probe_every` of the
-    local engine from the ninth session on (absent before: never)."""
+    local engine (a run config without the field never probed)."""
     r = run_cfg["rollout"]
     return r.get("probe_every") if r.get("backend", "local") == "local" else None
 
 
 def shares_prompts(run_cfg: dict) -> bool:
     """Whether the run's engine shared a prompt's prefill among its samples: rlsched's own
-    engine from the seventh session on (`rollout.share_prompts`, absent before: no)."""
+    engine with `rollout.share_prompts` (a run config without the field did not)."""
     r = run_cfg["rollout"]
     return bool(r.get("share_prompts", False)) and r.get("backend", "local") == "local"
 

@@ -9,7 +9,8 @@ import pandas as pd
 import simpy
 
 from rlsched.config import SimConfig
-from rlsched.policies.draft import PolicyContext, make_draft_policy
+from rlsched.policies.draft import PolicyContext
+from rlsched.policies.registry import make_draft_policy
 from rlsched.policies.realloc import make_realloc_policy
 from rlsched.sim.cluster import kv_capacity
 from rlsched.costs.choose import cost_model_for
