@@ -165,7 +165,8 @@ def build_policy(spec: str, drafters: tuple[str, ...], cost=None, **ctx_kwargs):
 
 
 class RolloutEngine:
-    """Continuous-batching speculative rollouts on one model (one instance).
+    """Continuous-batching speculative rollouts on one model (one instance); a RolloutBackend
+    (`executor/backend.py`).
 
     model: the target (`Transformer`); drafter: a drafter, a list of them, or None (names
     are what Strategy.drafter refers to); cache_capacity: the KV budget in tokens, shared by
@@ -632,6 +633,11 @@ class RolloutEngine:
     def sync_weights(self, model, drafter_model=None) -> None:
         """New weights after an RL update: nothing to do, this engine runs the trainer's own
         modules (a Ray pool or vLLM copy them here)."""
+
+    def policy_state(self) -> tuple:
+        """(policy, estimator, n-gram history or None), for checkpoints: what the engine
+        learnt while generating, handed back when it is rebuilt."""
+        return self.policy, self.estimator, getattr(self.drafters.get("ngram"), "history", None)
 
     def close(self) -> None:
         """Write the last trace parts (the journals hold every record until then)."""

@@ -196,8 +196,7 @@ class InstanceWorker:
 
     def policy_state(self):
         with self._lock:
-            e = self.engine
-            return e.policy, e.estimator, getattr(e.drafters.get("ngram"), "history", None)
+            return self.engine.policy_state()
 
     def flush(self) -> None:
         with self._lock:
@@ -243,8 +242,9 @@ class _Move:
 
 
 class InstancePool:
-    """N rollout instances on Ray with a ReallocPolicy in the driver; `run(requests)` returns
-    what `RolloutEngine.run` returns, plus the migration and failover counts in the stats.
+    """N rollout instances on Ray with a ReallocPolicy in the driver; a RolloutBackend
+    (`executor/backend.py`) whose `run(requests)` returns what `RolloutEngine.run` returns,
+    plus the migration and failover counts in the stats.
 
     spec: how each instance is built; realloc: a ReallocPolicy name; threshold: the load
     below which an instance reports 'drained'; cost: the base CostModel migrations are priced
@@ -322,6 +322,8 @@ class InstancePool:
     # --- the rollout ------------------------------------------------------------------------
 
     def run(self, requests: list[Request]) -> RolloutResult:
+        """Generate every request across the live instances, migrating and re-queueing as the
+        module's docstring says; results in request order, with overall stats."""
         ray = self.ray
         check_requests(requests, self.spec.cache_capacity)
         n = len(requests)
@@ -596,7 +598,8 @@ class InstancePool:
             self._call(i, self.actors[i].sync_weights.remote(t_ref, d_ref))
 
     def policy_state(self) -> list:
-        """Per instance (policy, estimator, n-gram history), for checkpoints."""
+        """Per instance its engine's `policy_state()` (None for a dead one), for checkpoints:
+        given back as `states` when the pool is rebuilt."""
         return [self._call(i, self.actors[i].policy_state.remote()) if i in self.alive else None
                 for i in range(self.n)]
 

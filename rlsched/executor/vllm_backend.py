@@ -311,8 +311,8 @@ def _seed(*parts) -> int:
 # ----------------------------------------------------------------------------- the engine
 
 class VllmRolloutEngine:
-    """Rollouts through vLLM's offline engine; the trainer's interface of RolloutEngine
-    (`run`, `rl_step`, `sync_weights`, `close`, `policy`, no estimator or drafters)."""
+    """Rollouts through vLLM's offline engine; a RolloutBackend (`executor/backend.py`), with
+    no acceptance estimator or drafters of rlsched's own."""
 
     def __init__(self, target_dir: Path, drafter, sampling: SamplingParams, policy: str, *, max_batch: int,
                  k_max: int, max_len: int, trace_dir: Path | None, seed: int, threads: int | None,
@@ -531,11 +531,19 @@ class VllmRolloutEngine:
 
     # --- weights ---------------------------------------------------------------------------
 
-    def sync_weights(self, actor, drafter_model=None) -> None:
+    def resize(self, cache_capacity: int, drafter_max_len: int) -> None:
+        """Nothing to do: vLLM's window (`max_model_len`) is fixed at start-up, with room to
+        spare, and `run` refuses a request beyond it."""
+
+    def policy_state(self) -> None:
+        """None: vLLM's draft lengths follow the config's policy, nothing learnt here to keep."""
+        return None
+
+    def sync_weights(self, model, drafter_model=None) -> None:
         """Load the trainer's actor (and drafter) weights into vLLM's models in place."""
         from rlsched.executor.saving import hf_state_dict
 
-        target = hf_state_dict(actor)
+        target = hf_state_dict(model)
         draft = hf_state_dict(drafter_model) if drafter_model is not None and self.method == "draft_model" else None
 
         def load(worker, target, draft):
@@ -551,6 +559,7 @@ class VllmRolloutEngine:
         self.llm.collective_rpc(load, args=(target, draft))
 
     def close(self) -> None:
+        """Write the last trace parts and shut vLLM's engine down."""
         for w in (self._steps_w, self._samples_w):
             if w is not None:
                 w.close()

@@ -13,10 +13,13 @@ uninterrupted run would have, with no sampler state to checkpoint.
 - `builtin_set(tasks, n, seed)`: a fixed set of n such examples, read in epochs like a file.
 - `make_source(spec, seed)`: "builtin", "builtin:count,repeat,rev", "builtin:count,repeat@64"
   (a fixed set) or a path to a JSONL file.
+
+`prompt_key(text)` is a prompt's id across steps and epochs.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -40,6 +43,11 @@ class Item:
     answer: str | None
     key: str  # the file's "id" (else its line number), or "step.index" for built-in tasks
     task: str | None  # the built-in task's name; None for a file
+
+
+def prompt_key(text: str) -> int:
+    """A prompt's id across steps and epochs (the n-gram history and acceptance key by it)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
 
 
 def _rng(seed: int, tag: int, n: int) -> np.random.Generator:
