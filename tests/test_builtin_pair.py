@@ -211,10 +211,11 @@ def test_another_recipe_is_built_into_the_cache_and_exports_to_bfloat16(tmp_path
     assert _files(SHIPPED) == before
 
 
-# The rebuilt pair's mean accepted length (greedy and sampled, 32 prompts, k = 4, at most 5)
-# may differ from the shipped pair's by this much: training is not bit-reproducible across
-# machines and thread counts, and the shipped weights are rounded to bfloat16.
-REBUILD_TOLERANCE = 0.25
+# How far the rebuilt pair's mean accepted length (32 prompts, k = 4, at most 5) may be from the
+# shipped pair's. Training is not bit-reproducible across machines and thread counts, and the
+# shipped weights are rounded to bfloat16; greedy rollouts of one pair repeat exactly, sampled
+# ones differ from run to run even with the same weights, hence the wider sampled bound.
+REBUILD_TOLERANCE = {"greedy": 0.15, "sampled": 0.4}
 
 
 @pytest.mark.slow
@@ -230,4 +231,4 @@ def test_a_rebuild_from_the_recipe_gives_the_shipped_acceptance(tmp_path, monkey
     print(f"shipped {ours}, rebuilt {theirs}")
     for profile in theirs.values():
         for mode in ("greedy", "sampled"):
-            assert abs(profile[mode] - ours[mode]) <= REBUILD_TOLERANCE, (mode, ours, theirs)
+            assert abs(profile[mode] - ours[mode]) <= REBUILD_TOLERANCE[mode], (mode, ours, theirs)
