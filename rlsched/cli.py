@@ -485,7 +485,7 @@ def fit(
         result = fit_path(profile_or_rundir, max_mape / 100)
         figure = None
         if plot is not None:
-            from rlsched.analysis.fit_plot import fit_figure
+            from rlsched.analysis.plots import fit_figure
 
             figure = fit_figure(result)
     write_text_atomic(out, json.dumps(result.to_json(), indent=2) + "\n")
@@ -549,7 +549,7 @@ def plot(
         raise UserError(f"--out {out}: exists and is not a folder")
     if acceptance is not None and not 0 < acceptance < 1:
         raise UserError(f"--acceptance must be between 0 and 1 (got {acceptance})")
-    from rlsched.analysis.figures import figures_for, load_folder, write_figures
+    from rlsched.analysis.folder import figures_for, load_folder, write_figures
 
     cost_data = _read_cost(cost)
     with err_console.status(f"drawing {folder}"):

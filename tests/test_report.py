@@ -13,7 +13,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from rlsched.analysis.figures import batch_k_figure, expected_tokens, figures_for, load_folder  # noqa: E402
+from rlsched.analysis.folder import expected_tokens, figures_for, load_folder  # noqa: E402
+from rlsched.analysis.plots import batch_k_figure  # noqa: E402
 from rlsched.errors import UserError  # noqa: E402
 from rlsched.traces.reader import read_trace  # noqa: E402
 from support import ok, rlsched  # noqa: E402

@@ -1,4 +1,4 @@
-"""Figures (matplotlib, headless). Never imports torch, never touches pyplot's global state:
+"""Every figure rlsched draws (matplotlib, headless). Never imports torch, never touches pyplot's global state:
 figures are built with `matplotlib.figure.Figure` and saved through the Agg (PNG) or PDF
 canvas, so they work without a display and inside worker processes."""
 
@@ -9,15 +9,19 @@ from pathlib import Path
 
 import matplotlib
 import numpy as np
+import pandas as pd
 
 matplotlib.use("Agg")  # in case anything downstream reaches for pyplot: never a GUI backend
 
 from matplotlib.figure import Figure  # noqa: E402
 
 from rlsched.atomic import atomic_path  # noqa: E402
+from rlsched.errors import UserError  # noqa: E402
 
 FORMATS = {".png": "png", ".pdf": "pdf"}
 DPI = 120
+MAX_PANELS = 8  # instances drawn in the batch/k figure
+BELOW = {"loc": "upper center", "bbox_to_anchor": (0.5, -0.16), "ncol": 4}  # a legend under the axes
 
 
 def save_figure(fig: Figure, path: Path) -> None:
@@ -164,3 +168,160 @@ def plot_run(rl_steps, out: Path) -> list[Path]:
     for p in paths:
         save_figure(fig, p)
     return paths
+
+
+# ----------------------------------------------------------------------------- a folder's figures
+
+def speedup_figure(predicted: pd.DataFrame | None, measured: pd.DataFrame | None, title: str = "",
+                   measured_title: str = "") -> Figure:
+    """Speedup of each draft length k over plain decoding against batch size, one line per k.
+
+    Left panel, `predicted`: per-step speedup from measured step costs (a profile's verify and
+    draft times, or a fitted cost-model file) at an acceptance rate, expected tokens per row
+    (1 - a^(k+1)) / (1 - a) x plain step time / (verify + draft time). This is the panel to read:
+    every (batch, k) is timed on the same inputs side by side, so the ratio is clean, and it
+    covers every k at every batch size. Right panel, `measured` (drawn only where a run's own
+    decode steps give it): tokens per row per second of steps with k over steps with k = 0 in
+    the same batch-size bucket. It checks the prediction, but it is observational: an adaptive
+    policy picks k by batch size, so the buckets that hold both are few, and their steps differ
+    in context length and timing noise."""
+    panels = [x for x in (predicted, measured) if x is not None]
+    if not panels:
+        raise ValueError("speedup_figure needs predicted or measured speedups")
+    fig = Figure(figsize=(6.2 * len(panels), 4.2), layout="constrained")
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    for ax, df, t, style in zip(axes, panels, [title if predicted is not None else measured_title, measured_title],
+                                ["-", ":"] if predicted is not None else [":"]):
+        for k, g in df.sort_values(["k", "batch"]).groupby("k"):
+            ax.plot(g["batch"], g["speedup"], marker="o", ms=3.5, ls=style, color=f"C{(int(k) - 1) % 10}",
+                    label=f"k={int(k)}")
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set(xlabel="batch size (rows)", ylabel="speedup over plain decoding (x)")
+        ax.set_title(t, fontsize=9)
+        ax.legend(fontsize="x-small", ncol=2)
+    return fig
+
+
+def acceptance_figure(per_step: pd.DataFrame) -> Figure:
+    """Mean accepted length (tokens per SD step per row) and acceptance rate (accepted / drafted)
+    over RL steps, with the drafters' per-token acceptance estimates (accept_mean_<drafter>)
+    where recorded: the drafter's drift as the policy trains away from it, and its recovery
+    after each update (plots.speculation_panel)."""
+    fig = Figure(figsize=(8, 4.4), layout="constrained")
+    speculation_panel(fig.add_subplot(1, 1, 1), per_step.sort_values("rl_step"), estimates=True, legend=BELOW)
+    fig.axes[0].set_title("acceptance over RL steps")
+    return fig
+
+
+def stage_figure(rl_steps: pd.DataFrame) -> Figure:
+    """Seconds per stage of each RL step, stacked: generation, inference, training, drafter
+    update (plots.stage_panel)."""
+    fig = Figure(figsize=(max(6.0, min(14.0, 0.18 * len(rl_steps) + 4)), 4), layout="constrained")
+    stage_panel(fig.add_subplot(1, 1, 1), rl_steps.sort_values("rl_step"), legend=BELOW)
+    fig.axes[0].set_title("time per stage of each RL step")
+    return fig
+
+
+def batch_k_figure(steps: pd.DataFrame, rl_step: int | None = None) -> Figure:
+    """Batch size (left axis) and chosen draft length k (right axis, 0 = off) of every decode
+    step over time since the RL step's rollout began, one panel per instance (the first
+    MAX_PANELS), in RL step `rl_step` (default: the first)."""
+    dec = steps[steps["kind"] == "decode"]
+    if dec.empty:
+        raise UserError("no decode steps to draw batch size and k from")
+    have = sorted(int(s) for s in dec["rl_step"].unique())
+    if rl_step is None:
+        rl_step = have[0]
+    elif rl_step not in have:
+        raise UserError(f"--rl-step {rl_step}: the step records hold RL steps {have[0]}..{have[-1]}")
+    one = dec[dec["rl_step"] == rl_step].sort_values(["instance", "time_s", "step"])
+    start = float(steps.loc[steps["rl_step"] == rl_step, "time_s"].min())
+    instances = sorted(int(i) for i in one["instance"].unique())
+    shown = instances[:MAX_PANELS]
+    fig = Figure(figsize=(8, 2.3 * len(shown) + 0.6), layout="constrained")
+    axes = fig.subplots(len(shown), 1, squeeze=False, sharex=True)[:, 0]
+    kmax = int(one["k"].max())
+    for ax, inst in zip(axes, shown):
+        g = one[one["instance"] == inst]
+        t = g["time_s"].to_numpy(float) - start
+        lines = ax.step(t, g["batch"].to_numpy(), where="post", color="C0", lw=1.2, label="batch size")
+        ax.set_ylabel("batch size")
+        ax.set_ylim(bottom=0)
+        twin = ax.twinx()
+        lines += twin.step(t, g["k"].to_numpy(), where="post", color="C1", lw=1.0, label="k (0 = off)")
+        twin.set_ylabel("draft length k")
+        twin.set_ylim(-0.3, kmax + 0.5)
+        twin.yaxis.get_major_locator().set_params(integer=True)
+        ax.set_title(f"instance {inst}", fontsize=9, loc="left")
+        ax.legend(lines, [ln.get_label() for ln in lines], fontsize="x-small", loc="upper right")
+    axes[-1].set_xlabel("time since the rollout began (s)")
+    more = f" (first {len(shown)} of {len(instances)} instances)" if len(instances) > len(shown) else ""
+    fig.suptitle(f"RL step {rl_step}: batch size and chosen k per decode step{more}", fontsize=10)
+    return fig
+
+
+# ----------------------------------------------------------------------------- the cost-model fit
+
+MARKERS = "os^Dv<>"
+TOKEN_LABEL = {"verify": "q", "draft": "k", "prefill": "", "feed": ""}
+
+
+def _levels(values: np.ndarray, most: int) -> np.ndarray:
+    """The distinct values, or `most` quantiles of them when there are more."""
+    u = np.unique(values)
+    return u if len(u) <= most else np.unique(np.quantile(values, np.linspace(0, 1, most)).round())
+
+
+def _nearest(values: np.ndarray, levels: np.ndarray) -> np.ndarray:
+    return np.abs(values[:, None] - levels[None, :]).argmin(axis=1)
+
+
+def fit_figure(result):
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    fits = list(result.ops.values())
+    fig = Figure(figsize=(4.6 * len(fits), 6.4), layout="constrained")
+    axes = fig.subplots(2, len(fits), squeeze=False, gridspec_kw={"height_ratios": [2.2, 1]}, sharex="col")
+    for j, f in enumerate(fits):
+        top, bottom = axes[0, j], axes[1, j]
+        d = f.data
+        B, tok, L, y = (d[c].to_numpy(float) for c in ("batch", "tokens", "per_row", "ms"))
+        toks, ctxs = _levels(tok, 8), _levels(L, 4)
+        ti, ci = _nearest(tok, toks), _nearest(L, ctxs)
+        colors = [f"C{i % 10}" for i in range(len(toks))] if len(toks) > 1 else None
+        pred = f.predict_ms(B, tok, L)
+        xs = np.geomspace(B.min(), max(B.max(), B.min() * 1.01), 60)
+        for c, ctx in enumerate(ctxs):
+            for t, tv in enumerate(toks):
+                color = colors[t] if colors else f"C{c % 10}"
+                m = (ti == t) & (ci == c)
+                if m.any():
+                    top.scatter(B[m], y[m], s=14, color=color, marker=MARKERS[c % len(MARKERS)], zorder=3)
+                    bottom.scatter(B[m], 100 * (pred[m] - y[m]) / y[m], s=12, color=color,
+                                   marker=MARKERS[c % len(MARKERS)])
+                top.plot(xs, f.predict_ms(xs, np.full_like(xs, tv), np.full_like(xs, ctx)), color=color, lw=1,
+                         ls=("-", "--", ":", "-.")[c % 4])
+        q = f.quality
+        held = "n/a" if q["mape_heldout"] is None else f"{q['mape_heldout']:.1%}"
+        top.set(xscale="log", yscale="log", ylabel="ms", title=f"{f.key} ({f.used})\nR² {q['r2']:.3f}, "
+                f"MAPE {q['mape']:.1%}, held-out {held}")
+        top.set_xscale("log", base=2)
+        top.yaxis.set_major_locator(LogLocator(base=10, subs=(1, 2, 5)))
+        for axis in (top.xaxis, top.yaxis):
+            axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        top.yaxis.set_minor_formatter(NullFormatter())
+        handles = []
+        if colors:
+            handles += [Line2D([], [], color=colors[t], marker="o", ls="-", ms=4,
+                               label=f"{TOKEN_LABEL[f.op]}={tv:g}") for t, tv in enumerate(toks)]
+        handles += [Line2D([], [], color="0.3" if colors else f"C{c % 10}", marker=MARKERS[c % len(MARKERS)],
+                           ls=("-", "--", ":", "-.")[c % 4], ms=4, label=f"context {ctx:g}")
+                    for c, ctx in enumerate(ctxs)]
+        top.legend(handles=handles, fontsize="x-small", ncol=2, loc="upper left")
+        bottom.axhline(0, color="0.5", lw=0.8)
+        bottom.set(xlabel="batch size (rows)", ylabel="fit - measured (%)")
+    fig.suptitle(f"cost-model fit: points measured, lines fitted ({result.source.get('path', '')})", fontsize="small")
+    return fig

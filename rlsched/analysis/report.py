@@ -1,5 +1,5 @@
 """`rlsched report`: one self-contained HTML page (figures embedded as PNG data URIs, a little
-CSS, no scripts) with a folder's key numbers and the figures of analysis/figures.py."""
+CSS, no scripts) with a folder's key numbers and the figures analysis/folder.py picks."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pandas as pd
 
 from rlsched import __version__
-from rlsched.analysis.figures import FolderData, figures_for, load_folder
+from rlsched.analysis.folder import FolderData, figures_for, load_folder
 from rlsched.analysis.plots import STAGES, figure_png
 
 CAPTIONS = {

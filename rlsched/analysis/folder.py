@@ -1,10 +1,11 @@
-"""The figures people read, from whatever a folder holds: a `rlsched run`, `generate`, `profile`
-or `simulate` output folder (and a `compare --out` folder). Headless and torch-free (plots.py).
+"""What an output folder holds (a `rlsched run`, `generate`, `profile` or `simulate` folder,
+or a `compare --out` folder), and which of the figures people read (drawn by plots.py) its
+data supports. Headless and torch-free.
 
 Figures (each a function returning a `matplotlib.figure.Figure`; `figures_for` picks those the
 folder's data supports and says why it left the others out):
 
-- fit: the cost-model fit (analysis/fit_plot.py's figure) of the folder's profile (a profile
+- fit: the cost-model fit (plots.fit_figure) of the folder's profile (a profile
   folder, or the profile a `run` took for its policy: profile.parquet), or, with a cost-model
   file, that file's fitted forms against the folder's measured step times;
 - speedup: per-step speedup of each draft length k over plain decoding against batch size
@@ -26,16 +27,14 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from rlsched.analysis.plots import (Figure, compare_figure, run_figure, save_figure, speculation_panel,
-                                    stage_panel)
+from rlsched.analysis.plots import (Figure, acceptance_figure, batch_k_figure, compare_figure, fit_figure,
+                                    run_figure, save_figure, speedup_figure, stage_figure)
 from rlsched.errors import UserError
 from rlsched.traces.reader import read_trace
 from rlsched.traces.schema import STEP_SCHEMA
 
 ORDER = ("fit", "speedup", "acceptance", "batch_k", "stages", "learning_curve", "compare")
-MAX_PANELS = 8  # instances drawn in the batch/k figure
 ASSUMED_ACCEPTANCE = 0.7
-BELOW = {"loc": "upper center", "bbox_to_anchor": (0.5, -0.16), "ncol": 4}  # a legend under the axes
 
 
 @dataclass
@@ -205,7 +204,7 @@ def per_step_acceptance(d: FolderData) -> pd.DataFrame | None:
 # ----------------------------------------------------------------------------- figures
 
 def fit_result_for(d: FolderData, cost: dict | None = None, cost_path: Path | None = None):
-    """A FitResult for fit_plot.fit_figure: the fit of the folder's profile, or (with a
+    """A FitResult for plots.fit_figure: the fit of the folder's profile, or (with a
     cost-model file's data) that file's forms over the folder's measured step times, their
     R^2 and MAPE on those points (no held-out check: the file was fitted elsewhere)."""
     from rlsched.costs.costfile import PER_DRAFTER
@@ -233,8 +232,7 @@ def fit_result_for(d: FolderData, cost: dict | None = None, cost_path: Path | No
 
 
 def fit_figure_for(d: FolderData, cost: dict | None = None, cost_path: Path | None = None) -> Figure:
-    """The cost-model fit figure (fit_plot.fit_figure) of `fit_result_for`."""
-    from rlsched.analysis.fit_plot import fit_figure
+    """The cost-model fit figure (plots.fit_figure) of `fit_result_for`."""
 
     return fit_figure(fit_result_for(d, cost, cost_path))
 
@@ -304,95 +302,6 @@ def measured_speedup(steps: pd.DataFrame | None, min_steps: int = 3) -> pd.DataF
         return None
     return pd.DataFrame({"batch": sd["bucket"].to_numpy(), "k": sd["k"].to_numpy(),
                          "speedup": (sd["rate"] / plain.loc[sd["bucket"]].to_numpy()).to_numpy()})
-
-
-def speedup_figure(predicted: pd.DataFrame | None, measured: pd.DataFrame | None, title: str = "",
-                   measured_title: str = "") -> Figure:
-    """Speedup of each draft length k over plain decoding against batch size, one line per k.
-
-    Left panel, `predicted`: per-step speedup from measured step costs (a profile's verify and
-    draft times, or a fitted cost-model file) at an acceptance rate, expected tokens per row
-    (1 - a^(k+1)) / (1 - a) x plain step time / (verify + draft time). This is the panel to read:
-    every (batch, k) is timed on the same inputs side by side, so the ratio is clean, and it
-    covers every k at every batch size. Right panel, `measured` (drawn only where a run's own
-    decode steps give it): tokens per row per second of steps with k over steps with k = 0 in
-    the same batch-size bucket. It checks the prediction, but it is observational: an adaptive
-    policy picks k by batch size, so the buckets that hold both are few, and their steps differ
-    in context length and timing noise."""
-    panels = [x for x in (predicted, measured) if x is not None]
-    if not panels:
-        raise ValueError("speedup_figure needs predicted or measured speedups")
-    fig = Figure(figsize=(6.2 * len(panels), 4.2), layout="constrained")
-    axes = fig.subplots(1, len(panels), squeeze=False)[0]
-    for ax, df, t, style in zip(axes, panels, [title if predicted is not None else measured_title, measured_title],
-                                ["-", ":"] if predicted is not None else [":"]):
-        for k, g in df.sort_values(["k", "batch"]).groupby("k"):
-            ax.plot(g["batch"], g["speedup"], marker="o", ms=3.5, ls=style, color=f"C{(int(k) - 1) % 10}",
-                    label=f"k={int(k)}")
-        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-        ax.set_xscale("log", base=2)
-        ax.set(xlabel="batch size (rows)", ylabel="speedup over plain decoding (x)")
-        ax.set_title(t, fontsize=9)
-        ax.legend(fontsize="x-small", ncol=2)
-    return fig
-
-
-def acceptance_figure(per_step: pd.DataFrame) -> Figure:
-    """Mean accepted length (tokens per SD step per row) and acceptance rate (accepted / drafted)
-    over RL steps, with the drafters' per-token acceptance estimates (accept_mean_<drafter>)
-    where recorded: the drafter's drift as the policy trains away from it, and its recovery
-    after each update (plots.speculation_panel)."""
-    fig = Figure(figsize=(8, 4.4), layout="constrained")
-    speculation_panel(fig.add_subplot(1, 1, 1), per_step.sort_values("rl_step"), estimates=True, legend=BELOW)
-    fig.axes[0].set_title("acceptance over RL steps")
-    return fig
-
-
-def stage_figure(rl_steps: pd.DataFrame) -> Figure:
-    """Seconds per stage of each RL step, stacked: generation, inference, training, drafter
-    update (plots.stage_panel)."""
-    fig = Figure(figsize=(max(6.0, min(14.0, 0.18 * len(rl_steps) + 4)), 4), layout="constrained")
-    stage_panel(fig.add_subplot(1, 1, 1), rl_steps.sort_values("rl_step"), legend=BELOW)
-    fig.axes[0].set_title("time per stage of each RL step")
-    return fig
-
-
-def batch_k_figure(steps: pd.DataFrame, rl_step: int | None = None) -> Figure:
-    """Batch size (left axis) and chosen draft length k (right axis, 0 = off) of every decode
-    step over time since the RL step's rollout began, one panel per instance (the first
-    MAX_PANELS), in RL step `rl_step` (default: the first)."""
-    dec = steps[steps["kind"] == "decode"]
-    if dec.empty:
-        raise UserError("no decode steps to draw batch size and k from")
-    have = sorted(int(s) for s in dec["rl_step"].unique())
-    if rl_step is None:
-        rl_step = have[0]
-    elif rl_step not in have:
-        raise UserError(f"--rl-step {rl_step}: the step records hold RL steps {have[0]}..{have[-1]}")
-    one = dec[dec["rl_step"] == rl_step].sort_values(["instance", "time_s", "step"])
-    start = float(steps.loc[steps["rl_step"] == rl_step, "time_s"].min())
-    instances = sorted(int(i) for i in one["instance"].unique())
-    shown = instances[:MAX_PANELS]
-    fig = Figure(figsize=(8, 2.3 * len(shown) + 0.6), layout="constrained")
-    axes = fig.subplots(len(shown), 1, squeeze=False, sharex=True)[:, 0]
-    kmax = int(one["k"].max())
-    for ax, inst in zip(axes, shown):
-        g = one[one["instance"] == inst]
-        t = g["time_s"].to_numpy(float) - start
-        lines = ax.step(t, g["batch"].to_numpy(), where="post", color="C0", lw=1.2, label="batch size")
-        ax.set_ylabel("batch size")
-        ax.set_ylim(bottom=0)
-        twin = ax.twinx()
-        lines += twin.step(t, g["k"].to_numpy(), where="post", color="C1", lw=1.0, label="k (0 = off)")
-        twin.set_ylabel("draft length k")
-        twin.set_ylim(-0.3, kmax + 0.5)
-        twin.yaxis.get_major_locator().set_params(integer=True)
-        ax.set_title(f"instance {inst}", fontsize=9, loc="left")
-        ax.legend(lines, [ln.get_label() for ln in lines], fontsize="x-small", loc="upper right")
-    axes[-1].set_xlabel("time since the rollout began (s)")
-    more = f" (first {len(shown)} of {len(instances)} instances)" if len(instances) > len(shown) else ""
-    fig.suptitle(f"RL step {rl_step}: batch size and chosen k per decode step{more}", fontsize=10)
-    return fig
 
 
 # ----------------------------------------------------------------------------- the folder's figures
