@@ -16,9 +16,13 @@ $(SIM_STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e .
 	touch $(SIM_STAMP)
 
-# Everything the tests need. The executor extra pins torch to the CPU build found locally
-# (a bare torch would pull a multi-GB CUDA build). Re-installed when the requirements change.
+# Everything the tests need. torch is installed first, as TORCH_SPEC says: the CPU build by
+# default (a bare torch would pull a multi-GB CUDA build); on a GPU machine, for example,
+# `make test TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cu128"`. The
+# executor extra accepts what is installed. Re-installed when the requirements change.
+TORCH_SPEC ?= torch==2.13.0
 $(ALL_STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q $(TORCH_SPEC)
 	$(BIN)/pip install -q -e '.[dev,executor,distributed]'
 	touch $(ALL_STAMP) $(SIM_STAMP)
 

@@ -33,16 +33,15 @@ import numpy as np
 import torch
 
 from rlsched.errors import UserError
-from rlsched.executor.drafters import Seq
 from rlsched.executor.sampling import SamplingParams
-from rlsched.executor.speculative import decode_step, prefill, step
+from rlsched.executor.speculative import Seq, decode_step, prefill, step
 from rlsched.policies.acceptance import AcceptanceEstimator
-from rlsched.policies.draft import PolicyContext, make_draft_policy
+from rlsched.policies.draft import PolicyContext
 from rlsched.policies.probe import PROBE_EVERY, prober_for
+from rlsched.policies.registry import GENERATE, Words, make_draft_policy, parse_policy
 from rlsched.policies.types import EngineState, StepOutcome, Strategy
 from rlsched.traces.writer import TraceWriter
 
-NEEDS_COST = ("goodput", "seqgoodput", "oracle")  # policy names priced by a cost model
 # The weight a sample's earlier steps keep in its acceptance estimate, step to step
 # (`AcceptanceEstimator.sample_decay`; 1: its whole response so far, as the simulator's
 # per-sample constants). 0.8 was the default for a session, on a misreading: accepted drafts
@@ -129,39 +128,26 @@ def check_requests(requests: list[Request], cache_capacity: int) -> None:
 
 
 def policy_needs_cost(spec: str) -> bool:
-    """Whether policy `spec` is priced by a cost model (goodput, seqgoodput, oracle, and
-    twostate without arguments, which solves over it)."""
-    name, _, arg = spec.strip().partition(":")
-    return name in NEEDS_COST or (name == "twostate" and not arg)
+    """Whether policy `spec` is priced by a cost model (`PolicySpec.priced`)."""
+    return parse_policy(spec).priced
 
 
-def check_policy(spec: str, drafters: tuple[str, ...], **ctx_kwargs) -> None:
-    """Refuse a malformed policy spec (UserError) before anything is profiled: a priced policy
-    is built over a placeholder cost model, which its constructor only stores (its prices are
-    looked up when it decides). Before, `goodput:x` was refused only after the few-second auto
-    profile that prices it. `twostate` alone solves over its cost model and has nothing to parse."""
-    spec = str(spec).strip()
-    if not policy_needs_cost(spec):
-        build_policy(spec, drafters, **ctx_kwargs)
-    elif spec != "twostate":
-        build_policy(spec, drafters, _UNPRICED, **ctx_kwargs)
+def check_policy(spec: str, drafters: tuple[str, ...], *, k_max: int, words: Words = GENERATE, **_) -> None:
+    """Refuse a policy spec this command cannot run (UserError, one line in its words), before
+    anything is loaded or profiled."""
+    parse_policy(spec).check(drafters, k_max, words)
 
 
-_UNPRICED = object()  # `check_policy`'s placeholder cost model (never priced)
-
-
-def build_policy(spec: str, drafters: tuple[str, ...], cost=None, **ctx_kwargs):
+def build_policy(spec, drafters: tuple[str, ...], cost=None, words: Words = GENERATE, **ctx_kwargs):
     """A DraftPolicy from a name or policy file, for the executor's drafters; a policy that
-    needs a cost model without one is refused with a UserError."""
-    spec = str(spec).strip()
-    if spec.endswith(".json") and ":" not in spec:
-        from rlsched.policies.policyfile import load_policy_file
-        spec = f"{load_policy_file(spec).kind}:{spec}"
-    if cost is None and policy_needs_cost(spec):
-        raise UserError(f"policy '{spec}' needs a cost model; pass one (a fitted or analytic CostModel) "
+    needs a cost model without one is refused with a UserError. Step times here are measured,
+    so priced policies calibrate to them."""
+    p = parse_policy(spec)
+    if cost is None and p.priced:
+        raise UserError(f"policy '{p.text}' needs a cost model; pass one (a fitted or analytic CostModel) "
                         "or choose a policy without one: off, static:K, bandit, table:FILE")
-    ctx_kwargs.setdefault("calibrate", True)  # step times here are measured: priced policies follow them
-    return make_draft_policy(spec, PolicyContext(cost=cost, drafters=drafters, **ctx_kwargs))
+    ctx_kwargs.setdefault("calibrate", True)
+    return make_draft_policy(p, PolicyContext(cost=cost, drafters=drafters, **ctx_kwargs), words)
 
 
 class RolloutEngine:

@@ -34,9 +34,8 @@ import pandas as pd
 import torch
 
 from rlsched.errors import UserError
-from rlsched.executor.drafters import Seq
 from rlsched.executor.sampling import SamplingParams
-from rlsched.executor.speculative import prefill, step
+from rlsched.executor.speculative import Seq, prefill, step
 
 
 def _timed(fn, repeats: int, sync=lambda: None) -> list[float]:

