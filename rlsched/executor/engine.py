@@ -44,10 +44,8 @@ from rlsched.traces.writer import TraceWriter
 
 # The weight a sample's earlier steps keep in its acceptance estimate, step to step
 # (`AcceptanceEstimator.sample_decay`; 1: its whole response so far, as the simulator's
-# per-sample constants). 0.8 was the default for a session, on a misreading: accepted drafts
-# fall near the end of an answer because k is capped at the tokens left, while the per-token
-# acceptance on the built-in task barely moves (0.88-0.90 over an answer's first 60%, 0.84
-# and 0.83 after). In lockstep over 40 drain rounds 0.8 and 1.0 ran alike (0.999x +- 0.010).
+# per-sample constants). Accepted drafts a step fall near an answer's end only because k is
+# capped at the tokens left; the per-token acceptance barely moves along an answer.
 SAMPLE_DECAY = 1.0
 
 
