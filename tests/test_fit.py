@@ -136,7 +136,7 @@ def test_file_round_trips_into_a_cost_model_equal_to_the_fit(synthetic, zigzag, 
     np.testing.assert_allclose(cm.verify_time(4, 3, ctx), v.predict_ms(4, 3, ctx / 4) / 1e3, rtol=1e-12)
     np.testing.assert_allclose(cm.draft_time("model", 4, 2, ctx), d.predict_ms(4, 2, ctx / 4) / 1e3, rtol=1e-12)
     # the executor drafts the longest row's k for every drafting row
-    assert cm.draft_time_per_seq("model", np.array([0, 2, 3]), 300) == pytest.approx(cm.draft_time("model", 2, 3, 300))
+    assert cm.draft_time_per_row("model", np.array([0, 2, 3]), 300) == pytest.approx(cm.draft_time("model", 2, 3, 300))
     # an interpolated op reads back the measured grid
     path.write_text(json.dumps(zigzag.to_json()))
     cm = load_cost_model(path)

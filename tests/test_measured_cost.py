@@ -44,7 +44,7 @@ def test_grid_points_are_exact_and_between_is_linear():
     assert fed.drafter_prefill_time("model", 1000) == pytest.approx((0.5 + 0.002 * 1000) / 1e3)
     assert fed.drafter_prefill_time("model", 0) == 0.0 and fed.prefill_time(1000) == m.prefill_time(1000)
     # the executor drafts the longest row's length for every drafting row
-    assert m.draft_time_per_seq("model", np.array([0, 2, 3]), 96) == pytest.approx(m.draft_time("model", 2, 3, 96))
+    assert m.draft_time_per_row("model", np.array([0, 2, 3]), 96) == pytest.approx(m.draft_time("model", 2, 3, 96))
 
 
 def test_lookups_are_scipys_trilinear_interpolation_and_extrapolation():

@@ -318,14 +318,14 @@ def test_per_sequence_drafting_gives_likely_sequences_longer_drafts(cfg):
     ctx = policy_context(cfg, RooflineCostModel.from_config(cfg), lambda d, ids: truth[ids])
     pol = make_draft_policy("oracle:seq", ctx)
     s = pol.choose(state(64, ctx_per_seq=2000))
-    assert s.per_seq is not None and s.per_seq.min() < s.per_seq.max()
-    assert (np.diff(s.per_seq) >= 0).all()  # more likely, longer
+    assert s.k_per_row is not None and s.k_per_row.min() < s.k_per_row.max()
+    assert (np.diff(s.k_per_row) >= 0).all()  # more likely, longer
     # better than every uniform k by the policy's own yardstick
     a, cost = truth, ctx.cost
     def rate(ks):
-        return ((1 - a ** (ks + 1)) / (1 - a)).sum() / (cost.draft_time_per_seq("model", ks, 128000)
+        return ((1 - a ** (ks + 1)) / (1 - a)).sum() / (cost.draft_time_per_row("model", ks, 128000)
                                                        + cost.verify_time(64, 1 + ks.mean(), 128000))
-    assert all(rate(s.per_seq) >= rate(np.full(64, k)) for k in range(1, 9))
+    assert all(rate(s.k_per_row) >= rate(np.full(64, k)) for k in range(1, 9))
 
 
 def test_seqgoodput_runs_and_conserves_tokens(cfg):

@@ -290,7 +290,7 @@ class ChangingK:
         if state.step % 3 == 0:
             per = np.arange(state.batch) % (k + 1)
             per[0] = k
-            return Strategy("model", k, per_seq=per)
+            return Strategy("model", k, k_per_row=per)
         return Strategy("model", k)
 
     def observe(self, outcome):

@@ -118,7 +118,7 @@ class FittedCostModel(MeasuredCostModel):
     """CostModel from a `rlsched fit` file: each op is its fitted form, or (where the form
     misfit) interpolation over the measured grid. What a profile cannot know (KV capacity,
     KV transfer between instances) comes from `base`, the config's analytic model, when given.
-    `draft_time_per_seq` is MeasuredCostModel's: the profiled executor drafts the longest
+    `draft_time_per_row` is MeasuredCostModel's: the profiled executor drafts the longest
     row's length for every drafting row."""
 
     kind = "fitted"

@@ -143,7 +143,7 @@ class MeasuredCostModel:
         t = grid_time(self._draft[drafter], batch * width, np.maximum(k, 1), ctx_tokens * width)
         return np.where(k > 0, t, 0.0) if np.ndim(t) else (t if k > 0 else 0.0)
 
-    def draft_time_per_seq(self, drafter: str, ks: np.ndarray, ctx_tokens):
+    def draft_time_per_row(self, drafter: str, ks: np.ndarray, ctx_tokens):
         """The executor drafts the longest row's length for every drafting row."""
         ks = np.asarray(ks)
         rows = (ks > 0).sum(axis=-1)

@@ -95,7 +95,7 @@ class RooflineCostModel:
             return np.full(shape, host) if shape else host
         return k * (fwd.time(batch, width, ctx_tokens) + self._fwd_oh)
 
-    def draft_time_per_seq(self, drafter: str, ks: np.ndarray, ctx_tokens):
+    def draft_time_per_row(self, drafter: str, ks: np.ndarray, ctx_tokens):
         """Drafting ragged lengths: forward j runs over the sequences that draft >= j tokens.
         `ks` is (..., batch): leading axes price several allocations at once; `ctx_tokens`
         (the batch's total context) is a number or matches the leading axes."""

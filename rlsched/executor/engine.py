@@ -458,14 +458,14 @@ class RolloutEngine:
                            ctx_tokens, waiting, self.cache_capacity - ctx_tokens, self.estimator)
 
     def _row_lengths(self, strategy: Strategy, rows: list[_Row]) -> np.ndarray:
-        """Each row's draft length: the strategy's k (or per_seq), at most remaining - 1 (a step
+        """Each row's draft length: the strategy's k (or k_per_row), at most remaining - 1 (a step
         emits accepted + 1 tokens, so more drafts could never be kept) and at most k_max (the
         cache's spare room)."""
         if strategy.is_off:
             return np.zeros(len(rows), dtype=np.int64)
         if strategy.width != 1:
             raise UserError(f"strategy {strategy.label}: tree drafting is not supported by the executor yet")
-        want = (np.asarray(strategy.per_seq, dtype=np.int64) if strategy.per_seq is not None
+        want = (np.asarray(strategy.k_per_row, dtype=np.int64) if strategy.k_per_row is not None
                 else np.full(len(rows), strategy.k, dtype=np.int64))
         cap = np.minimum(np.array([r.remaining - 1 for r in rows], dtype=np.int64), self.k_max)
         return np.clip(np.minimum(want, cap), 0, None)

@@ -336,12 +336,12 @@ class SeqGoodputPolicy(GoodputPolicy):
             by_tau = np.clip(np.floor(self._LOG_TAUS / np.log(a)), 0, self.k_max).astype(np.int64)
             ks = np.concatenate((by_tau, np.repeat(self._ks[:, None], b, axis=1)))  # (candidates, batch)
             tokens = ((1 - a ** (ks + 1)) / (1 - a)).sum(axis=1)
-            times = self.cost.draft_time_per_seq(d, ks, ctx) + self.cost.verify_time(b, 1 + ks.mean(axis=1), ctx)
+            times = self.cost.draft_time_per_row(d, ks, ctx) + self.cost.verify_time(b, 1 + ks.mean(axis=1), ctx)
             rates = tokens / np.maximum(times, 1e-12)
             rates[ks.max(axis=1) == 0] = 0.0
             j = int(np.argmax(rates))
             if rates[j] > best_rate:
-                best, best_rate = Strategy(d, int(ks[j].max()), per_seq=ks[j]), float(rates[j])
+                best, best_rate = Strategy(d, int(ks[j].max()), k_per_row=ks[j]), float(rates[j])
         return best
 
     def steady_steps(self, state: EngineState, strategy: Strategy, max_growth: int) -> int:

@@ -21,43 +21,43 @@ class Strategy:
     """What one engine step does: plain decoding (`drafter=None`) or `k` draft tokens from a
     named drafter, as a chain (width 1) or a tree of `width` candidates per level.
 
-    `per_seq`, when given, is each running sequence's own draft length (aligned with the
+    `k_per_row`, when given, is each running sequence's own draft length (aligned with the
     EngineState's sample_ids; 0 drafts nothing for that row) and `k` is their maximum: the
     verify step is ragged, sequences that draft more cost more."""
 
     drafter: str | None = None
     k: int = 0
     width: int = 1
-    per_seq: np.ndarray | None = field(default=None, compare=False, repr=False)
+    k_per_row: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if (self.drafter is None) != (self.k == 0):
             raise ValueError("a strategy drafts k >= 1 tokens with a drafter, or is off (no drafter, k = 0)")
         if self.k < 0 or self.width < 1:
             raise ValueError("k must be >= 0 and width >= 1")
-        if self.per_seq is not None and (self.width != 1 or int(self.per_seq.max(initial=0)) != self.k):
+        if self.k_per_row is not None and (self.width != 1 or int(self.k_per_row.max(initial=0)) != self.k):
             raise ValueError("per-sequence draft lengths are chains whose maximum is k")
 
     @property
-    def drafted_per_seq(self) -> float:
+    def drafted_per_row(self) -> float:
         """Mean draft tokens per sequence."""
-        return float(self.per_seq.mean()) if self.per_seq is not None else float(self.width * self.k)
+        return float(self.k_per_row.mean()) if self.k_per_row is not None else float(self.width * self.k)
 
     @property
     def is_off(self) -> bool:
         return self.drafter is None
 
     @property
-    def tokens_per_seq(self) -> float:
+    def tokens_per_row(self) -> float:
         """Tokens the target verifies per sequence (mean): the last token plus the draft."""
-        return 1 + self.drafted_per_seq if self.per_seq is not None else 1 + self.width * self.k
+        return 1 + self.drafted_per_row if self.k_per_row is not None else 1 + self.width * self.k
 
     @property
     def label(self) -> str:
         if self.is_off:
             return "off"
-        if self.per_seq is not None:
-            return f"{self.drafter}:~{self.drafted_per_seq:.1f}"
+        if self.k_per_row is not None:
+            return f"{self.drafter}:~{self.drafted_per_row:.1f}"
         return f"{self.drafter}:{self.k}" + (f"x{self.width}" if self.width > 1 else "")
 
 
@@ -102,7 +102,7 @@ class StepOutcome:
     draft_time: float
     verify_time: float
     sample_ids: np.ndarray | None = None
-    accepted_per_seq: np.ndarray | None = None
+    accepted_per_row: np.ndarray | None = None
     catch_up: int = 0  # tokens the drafter took in beyond a steady step's 1-2 a row (a row that
     # just joined, or drafting back on after off steps): its draft_time then holds a prefill
 
@@ -117,7 +117,7 @@ class CostModel(Protocol):
 
     def draft_time(self, drafter: str, batch: int, k, ctx_tokens: int, width: int = 1): ...
 
-    def draft_time_per_seq(self, drafter: str, ks: np.ndarray, ctx_tokens): ...
+    def draft_time_per_row(self, drafter: str, ks: np.ndarray, ctx_tokens): ...
 
     def prefill_time(self, n_tokens: int, sum_sq_tokens: int | None = None) -> float: ...
 

@@ -213,11 +213,11 @@ class Instance:
     def _steady_run_length(self, state: EngineState, strat, steady) -> int:
         """How many steps, starting now, are certain to repeat `strat` with the same batch:
         the policy promises its choice, no row can finish, the KV cache cannot overflow."""
-        st, per_seq = self.stage, strat.k + 1
-        growth = self.batch * per_seq
-        if self.min_rem <= 2 * per_seq:  # the cheap bound is too loose to allow a run: tighten it
+        st, step_tokens = self.stage, strat.k + 1
+        growth = self.batch * step_tokens
+        if self.min_rem <= 2 * step_tokens:  # the cheap bound is too loose to allow a run: tighten it
             self.min_rem = int((self.tot - self.ctx).min())
-        n = min(st.max_run, (self.min_rem - 1) // per_seq, (st.kv_capacity - self.ctx_sum) // growth)
+        n = min(st.max_run, (self.min_rem - 1) // step_tokens, (st.kv_capacity - self.ctx_sum) // growth)
         if n < 2:
             return 0
         return min(n, 1 + steady(state, strat, growth))
@@ -237,22 +237,22 @@ class Instance:
             d = -1
         else:
             d = st.drafter_idx[strat.drafter]
-            ks = strat.k if strat.per_seq is None else strat.per_seq
+            ks = strat.k if strat.k_per_row is None else strat.k_per_row
             acc = self._draw_accepted(d, ks, strat.width, n)
             emitted = acc.sum(axis=1) + b
             ctx_at = self.ctx_sum + np.concatenate(([0], np.cumsum(emitted[:-1])))
-            if strat.per_seq is None:
+            if strat.k_per_row is None:
                 t_draft = cost.draft_time(strat.drafter, b, strat.k, ctx_at, strat.width)
             else:
-                t_draft = cost.draft_time_per_seq(strat.drafter, strat.per_seq, ctx_at)
+                t_draft = cost.draft_time_per_row(strat.drafter, strat.k_per_row, ctx_at)
             # one price a step, a copy (the catch-up goes on the first; a host drafter's price
             # of per-row lengths comes back as one number for every step)
             t_draft = np.broadcast_to(np.asarray(t_draft, dtype=float), (n,)).copy()
             t_draft[0] += self._catch_up(d)[0]
-            t_verify = cost.verify_time(b, strat.tokens_per_seq, ctx_at)
+            t_verify = cost.verify_time(b, strat.tokens_per_row, ctx_at)
             advance = acc.sum(axis=0) + n
             if st.chains is not None:
-                st.chains += (n * round(b * strat.drafted_per_seq), acc.sum(), (acc < ks).sum(), n * b)
+                st.chains += (n * round(b * strat.drafted_per_row), acc.sum(), (acc < ks).sum(), n * b)
         dt = t_draft + t_verify
         total = float(dt.sum())
         yield env.timeout(total)
@@ -266,7 +266,7 @@ class Instance:
             starts = t0 - st.t0 + np.concatenate(([0.0], np.cumsum(dt[:-1])))
             st.timeline.append_run(
                 (st.rl_step, self.idx, np.arange(self.steps, self.steps + n), starts, KIND_DECODE, b, d, strat.k,
-                 strat.width, round(b * strat.drafted_per_seq), emitted - b if d >= 0 else 0, emitted,
+                 strat.width, round(b * strat.drafted_per_row), emitted - b if d >= 0 else 0, emitted,
                  t_draft, t_verify, ctx_at), n)
         self.steps += n
 
@@ -333,16 +333,16 @@ class Instance:
                 self.ctx += 1
                 emitted, acc, drafted, max_adv = b, None, 0, 1
             else:
-                k, w, ks = strat.k, strat.width, strat.per_seq
+                k, w, ks = strat.k, strat.width, strat.k_per_row
                 d = drafter_idx[strat.drafter]
                 if ks is None:
                     t_draft, drafted, ks = cost.draft_time(strat.drafter, b, k, ctx_sum, w), b * k * w, k
                 else:
-                    t_draft, drafted = float(cost.draft_time_per_seq(strat.drafter, ks, ctx_sum)), int(add(ks))
+                    t_draft, drafted = float(cost.draft_time_per_row(strat.drafter, ks, ctx_sum)), int(add(ks))
                 if self.current != d:
                     t_feed, caught = self._catch_up(d)
                     t_draft += t_feed
-                t_verify = cost.verify_time(b, strat.tokens_per_seq, ctx_sum)
+                t_verify = cost.verify_time(b, strat.tokens_per_row, ctx_sum)
                 acc = self._draw_accepted(d, ks, w, 1)[0]
                 if st.chains is not None:
                     st.chains += (drafted, acc.sum(), (acc < ks).sum(), b)
