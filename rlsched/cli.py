@@ -471,7 +471,7 @@ def fit(
     as_json: bool = JsonOpt,
 ):
     from rlsched.costs.fit import fit_path
-    from rlsched.traces.writer import write_text_atomic
+    from rlsched.atomic import write_text_atomic
 
     if out.suffix != ".json":
         raise UserError(f"--out '{out}' must end in .json")
@@ -595,7 +595,7 @@ def report(
     if out is not None and (out.suffix.lower() not in (".html", ".htm") or out.is_dir()):
         raise UserError(f"--out {out}: give a file name ending in .html")
     from rlsched.analysis.report import build_report
-    from rlsched.traces.writer import write_text_atomic
+    from rlsched.atomic import write_text_atomic
 
     cost_data = _read_cost(cost)
     with err_console.status(f"writing the report of {rundir}"):

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from rlsched.executor.model import ModelConfig, Transformer
 from rlsched.executor.saving import TOKENIZER_FILES, save_model
 from rlsched.tasks.synthetic import ALPHABET, make_examples
-from rlsched.traces.writer import atomic_folder
+from rlsched.atomic import atomic_folder
 
 SPECIALS = ("<pad>", "<eos>", "<unk>")
 PAD, EOS = 0, 1

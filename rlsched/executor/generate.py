@@ -190,7 +190,8 @@ def run(s: Setup, out: Path, log=None) -> dict:
     """Generate every prompt `n` times with the engine; write the folder; return the summary."""
     from rlsched.executor.engine import Request, RolloutEngine, build_policy, check_requests
     from rlsched.tasks.synthetic import exact_match
-    from rlsched.traces.writer import write_table, write_text_atomic
+    from rlsched.atomic import write_text_atomic
+    from rlsched.traces.writer import write_table
 
     a = s.args
     requests = [Request(p.ids, p.index, p.index * a.n + j, a.max_tokens, s.eos)

@@ -239,7 +239,8 @@ def run_profile(*, model: str, drafters: list[str], batch_sizes: list[int], k_ma
     from rlsched.executor.drafters import ModelDrafter, NgramDrafter
     from rlsched.executor.folders import check_drafter_vocab, prepare_out, resolve_model_dir
     from rlsched.executor.loading import load_model
-    from rlsched.traces.writer import TraceWriter, atomic_folder, write_text_atomic
+    from rlsched.atomic import atomic_folder, write_text_atomic
+    from rlsched.traces.writer import TraceWriter
 
     if k_max < 1 or repeats < 1 or passes < 1:
         raise UserError(f"--k-max, --repeats and --passes must be >= 1 (got {k_max}, {repeats}, {passes})")

@@ -14,7 +14,7 @@ import torch
 
 from rlsched.executor.loading import weight_map
 from rlsched.executor.model import ModelConfig, Transformer
-from rlsched.traces.writer import atomic_folder
+from rlsched.atomic import atomic_folder
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 _ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",

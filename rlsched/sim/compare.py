@@ -429,7 +429,8 @@ def write_report(report: dict, out: Path) -> None:
 
     import pyarrow as pa
 
-    from rlsched.traces.writer import atomic_folder, write_table
+    from rlsched.atomic import atomic_folder
+    from rlsched.traces.writer import write_table
 
     with atomic_folder(out) as tmp:
         (tmp / "compare.json").write_text(json.dumps(report, indent=2))

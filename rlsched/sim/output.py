@@ -17,7 +17,8 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rlsched import __version__
 from rlsched.config import SimConfig
 from rlsched.sim.simulate import SimResult, simulate
-from rlsched.traces.writer import atomic_folder, to_table, write_table
+from rlsched.atomic import atomic_folder
+from rlsched.traces.writer import to_table, write_table
 
 
 def run_with_progress(cfg: SimConfig, policy: str, realloc: str | None, console: Console, label: str) -> SimResult:

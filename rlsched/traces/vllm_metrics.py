@@ -628,7 +628,8 @@ def check_out(out: Path) -> None:
 def import_vllm(path, out, k: int | None = None, drafter: str | None = None) -> dict:
     """Read METRICS (.json or Prometheus text), write OUT/traces/steps/ and OUT/vllm.json whole
     (nothing is written when the input is bad); returns the summary."""
-    from rlsched.traces.writer import atomic_folder, to_table, write_table, write_text_atomic
+    from rlsched.atomic import atomic_folder, write_text_atomic
+    from rlsched.traces.writer import to_table, write_table
 
     if k is not None and k < 0:
         raise UserError(f"import-vllm: --k must be >= 0 (got {k})")

@@ -14,7 +14,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rlsched.atomic import atomic_folder, atomic_file, atomic_path, write_text_atomic  # noqa: F401 (re-exported)
+from rlsched.atomic import atomic_path
 from rlsched.traces.schema import SCHEMAS, TRACE_SCHEMA_VERSION
 
 

@@ -118,7 +118,7 @@ def check_out(out: Path, resume: bool) -> None:
 
 def new_out(out: Path, cfg: RunConfig) -> None:
     """An empty `out` (an earlier finished run there is replaced) with the run's config.yaml."""
-    from rlsched.traces.writer import write_text_atomic
+    from rlsched.atomic import write_text_atomic
 
     if out.exists():
         shutil.rmtree(out)

@@ -67,7 +67,7 @@ class TrainState:
 
 def save_checkpoint(path: Path, state: dict) -> None:
     """torch.save to a temporary sibling, fsync, then rename over `path`."""
-    from rlsched.traces.writer import atomic_file
+    from rlsched.atomic import atomic_file
 
     with atomic_file(path, "wb", fsync=True) as f:
         torch.save(state, f)

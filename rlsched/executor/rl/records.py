@@ -64,7 +64,7 @@ def write_rollout(out: Path, s: int, items, requests, group, result, texts, rb) 
 def write_summary(out: Path, cfg, drafter_name: str) -> dict:
     """summary.json and the plots, from the RL-step trace. Returns the summary."""
     from rlsched.traces.reader import read_trace
-    from rlsched.traces.writer import write_text_atomic
+    from rlsched.atomic import write_text_atomic
 
     df = read_trace(out / "traces", "rl_steps").sort_values("rl_step")
     head, tail = df.head(max(1, len(df) // 5)), df.tail(max(1, len(df) // 5))
