@@ -167,8 +167,9 @@ def lockstep(engines: dict, reqs: list, repeats: int, seed: int = 0) -> tuple[di
 def interleaved_per_item(fns: dict, n_items: int, repeats: int, seed: int = 0) -> tuple[dict, dict]:
     """`interleaved` at a finer grain: every contender runs item i (a prompt) in a shuffled
     order before any runs item i + 1, so the runs compared are a fraction of a second apart,
-    not the seconds a round of the B = 1 section takes. fns[name](i, seed) -> (seconds, tokens, stat), the seed `seeded(round,
-    item)`; a round's entry is (seconds and tokens summed over the items, the stat's mean)."""
+    not the seconds a round of the B = 1 section takes. fns[name](i, seed) -> (seconds, tokens, stat),
+    the seed `seeded(round, item)`; a round's entry is (seconds and tokens summed over the items, the
+    stat's mean)."""
     order = list(fns)
     rng = np.random.default_rng(seed)
     for fn in fns.values():  # warm-up, untimed
@@ -359,7 +360,8 @@ def memory_section(target, tokens):
         refused = str(e)
     out = dict(kv_budget_tokens=budget, kv_needed_all_at_once=need, kv_peak_reserved=peak,
                max_concurrent_rows=res.stats.get("max_running"), completed=len(res.samples), seconds=eng_s,
-               oversized_request_refused=refused, peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+               oversized_request_refused=refused,
+               peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     text = (f"KV budget {budget} tokens (a quarter of the {need} the 64 requests need at once): all "
             f"{len(res.samples)} completed, at most {out['max_concurrent_rows']} rows at once, peak reserved "
             f"{peak} tokens (<= budget: {peak <= budget}).\n"

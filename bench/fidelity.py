@@ -61,7 +61,8 @@ def main() -> None:
             for label, over in (("sd", []), ("off", off_sets), *repeats):
                 dirs[label] = root / f"{label}-{seed}"
                 if not (dirs[label] / "summary.json").is_file():
-                    todo.append((label, build_run_config({}, [f"seed={seed}", f"steps={args.steps}", *over, *args.sets])))
+                    todo.append((label, build_run_config({}, [f"seed={seed}", f"steps={args.steps}", *over,
+                                                              *args.sets])))
             if todo:
                 print(f"seed {seed}: {', '.join(label for label, _ in todo)} runs, in lockstep ...", flush=True)
                 lockstep([Trainer(cfg, dirs[label]) for label, cfg in todo], args.steps)
@@ -79,7 +80,8 @@ def main() -> None:
                              f"{q1:.2f}-{q3:.2f}"])
             out.append(dict(seed=seed, measured_speedup=float(measured), predicted_speedup=float(predicted),
                             speedup_error_pct=float((predicted / measured - 1) * 100),
-                            predicted_speedup_runs=float(both), speedup_error_runs_pct=float((both / measured - 1) * 100),
+                            predicted_speedup_runs=float(both),
+                            speedup_error_runs_pct=float((both / measured - 1) * 100),
                             tokens_sd=tokens(dirs["sd"]), tokens_off=tokens(dirs["off"]), noise_floor=floors,
                             mape_sd=sd.mape, mape_off=off.mape, machine_speed=speed,
                             steps_sd=sd.steps.round(5).to_dict("list"), steps_off=off.steps.round(5).to_dict("list")))

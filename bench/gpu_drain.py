@@ -17,10 +17,10 @@ of a real size. A GPU machine may have no pretrained weights at hand, so accepta
   is its kernel launches, and SD could not pay at all). It drafts the row's last
   token repeated, which the target accepts. `PlantedDrafter` puts a token the target rejects
   at a position drawn per row and step (the drafter's cache still agrees with every token the
-  target keeps, so it catches up by one or two tokens a step, as in a real run). Row r accepts each draft with probability a_r(f) = a_r x
-  (1 - 0.08 f^2), f the share of its budget already generated, a_r ~ Beta(mean 0.89,
-  concentration 20) per request, as the built-in pair's per-token acceptance in
-  bench/engine.py's drain falls slightly along an answer;
+  target keeps, so it catches up by one or two tokens a step, as in a real run). Row r accepts
+  each draft with probability a_r(f) = a_r x (1 - 0.08 f^2), f the share of its budget already
+  generated, a_r ~ Beta(mean 0.89, concentration 20) per request, as the built-in pair's
+  per-token acceptance in bench/engine.py's drain falls slightly along an answer;
 - decoding is greedy (verification by exact match). The acceptance is planted, so this
   measures what the policies make of step costs, not the drafts' quality.
 
@@ -208,8 +208,9 @@ def main() -> None:
                      f"{entry['steps']:.0f}", f"{entry['mean_accept_len']:.2f}"])
     lens = np.array([r.max_new_tokens for r in reqs])
     text = (f"planted-acceptance drain on {args.device} ({dtype}): echo target {target_cfg['hidden_size']}x"
-            f"{target_cfg['num_layers']}, drafter {drafter_cfg['hidden_size']}x{drafter_cfg['num_layers']}; {n} requests, "
-            f"budgets median {np.median(lens):.0f}, max {lens.max()}; {len(rounds['off'])} rounds in lockstep; "
+            f"{target_cfg['num_layers']}, drafter {drafter_cfg['hidden_size']}x{drafter_cfg['num_layers']}; "
+            f"{n} requests, budgets median {np.median(lens):.0f}, max {lens.max()}; "
+            f"{len(rounds['off'])} rounds in lockstep; "
             f"a verify of {K_MAX + 1} tokens a row at {n} rows costs {v[1] / v[0]:.2f}x one token's (this profile, "
             f"{profile_s:.0f} s with the models' set-up)\n"
             + table(["policy", "all rounds s", "vs off", "vs best static (held out)", "held out, 90%", "steps",
@@ -221,7 +222,8 @@ def main() -> None:
                    verify_q7_over_q1=float(v[1] / v[0]), rows=out, seconds=time.perf_counter() - t0)
     where = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
     where.mkdir(parents=True, exist_ok=True)
-    name = "gpu_drain" + ("" if args.shape == "qwen" else f"_{args.shape}") + ("" if dev.type == "cuda" else f"_{dev.type}")
+    name = ("gpu_drain" + ("" if args.shape == "qwen" else f"_{args.shape}")
+            + ("" if dev.type == "cuda" else f"_{dev.type}"))
     (where / f"{name}.json").write_text(json.dumps(results, indent=2))
     (where / f"{name}.txt").write_text(f"{results['machine']}\n\n{text}\n")
     print(text)

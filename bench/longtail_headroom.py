@@ -53,14 +53,15 @@ def main() -> int:
                    off=agg["off"]["ratio_vs_best_static"],
                    best_static=best, generation_s={p: a["generation_s"]["mean"] for p, a in agg.items()})
         out.append(row)
-        rows.append([*values, "/".join(sorted(set(best.values()))), f"{row['off']['mean']:.3f}", f"{row['oracle']['mean']:.3f}",
-                     f"{row['oracle']['min']:.3f}-{row['oracle']['max']:.3f}", f"{row['goodput']['mean']:.3f}",
+        rows.append([*values, "/".join(sorted(set(best.values()))), f"{row['off']['mean']:.3f}",
+                     f"{row['oracle']['mean']:.3f}", f"{row['oracle']['min']:.3f}-{row['oracle']['max']:.3f}",
+                     f"{row['goodput']['mean']:.3f}",
                      f"{row['goodput']['min']:.3f}-{row['goodput']['max']:.3f}"])
         print(f"  {overrides}: oracle {row['oracle']['mean']:.3f}, goodput {row['goodput']['mean']:.3f} "
               f"({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
     text = (f"longtail-grpo with overrides; x best static k per seed (seeds 1..{args.seeds}), mean and range\n\n"
-            + table(["max_batch", "gpu mem util", "max response", "best static", "off", "oracle", "oracle range", "goodput",
-                     "goodput range"], rows)
+            + table(["max_batch", "gpu mem util", "max response", "best static", "off", "oracle", "oracle range",
+                     "goodput", "goodput range"], rows)
             + f"\n({time.time() - t0:.0f} s)")
     print(text)
     write_result("longtail_headroom", dict(seeds=args.seeds, policies=POLICIES, rows=out), text)

@@ -49,7 +49,8 @@ def rows_of(report: dict) -> list[list]:
         name = "table (learned)" if a["policy"].startswith("table:") else a["policy"]
         vs_best = a["ratio_vs_best_static"]
         rows.append([report["name"], name, a["realloc"], a["generation_s"]["mean"], a["speedup_vs_off"]["mean"],
-                     vs_best["mean"] if vs_best else "", f"{vs_best['min']:.3f}-{vs_best['max']:.3f}" if vs_best else "",
+                     vs_best["mean"] if vs_best else "",
+                     f"{vs_best['min']:.3f}-{vs_best['max']:.3f}" if vs_best else "",
                      a["mean_accept_len"]["mean"] if a["mean_accept_len"] else ""])
     return rows
 

@@ -100,7 +100,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--policy", default="goodput", help="the adaptive policy (default: goodput)")
     ap.add_argument("--drafters", default="builtin,builtin/every,ngram",
-                    help="drafters of the adaptive runs, comma-separated; DRAFTER/SCHEDULE sets drafter_update.schedule")
+                    help="drafters of the adaptive runs, comma-separated; "
+                         "DRAFTER/SCHEDULE sets drafter_update.schedule")
     ap.add_argument("--set", dest="sets", action="append", default=[], help="config override (repeatable)")
     ap.add_argument("--name", default="rl_e2e", help="results file name under bench/results/")
     args = ap.parse_args()

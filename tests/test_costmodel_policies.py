@@ -31,7 +31,8 @@ def test_verify_is_nearly_free_at_small_batch_and_linear_at_large(cost):
 def test_array_and_scalar_prices_agree(cost):
     ks = np.arange(1, 9)
     np.testing.assert_allclose(cost.verify_time(64, ks + 1, 64000), [cost.verify_time(64, k + 1, 64000) for k in ks])
-    np.testing.assert_allclose(cost.draft_time("model", 64, ks, 64000), [cost.draft_time("model", 64, k, 64000) for k in ks])
+    np.testing.assert_allclose(cost.draft_time("model", 64, ks, 64000),
+                               [cost.draft_time("model", 64, k, 64000) for k in ks])
     ctx = np.array([1000, 5000, 9000])
     np.testing.assert_allclose(cost.verify_time(8, 3, ctx), [cost.verify_time(8, 3, c) for c in ctx])
 

@@ -39,11 +39,13 @@ def profile_records(verify=None, noise=0.01, seed=1) -> pd.DataFrame:
     for L in CONTEXTS:
         for b in BATCHES:
             rows.append(_rec("prefill", b, 0, L, step_ms=float(prefill_ms(P, b * L, b * L * L)) * jitter()))
-            rows.append(_rec("feed", b, 0, L, drafter="model", step_ms=float(prefill_ms(F, b * L, b * L * L)) * jitter()))
+            rows.append(_rec("feed", b, 0, L, drafter="model",
+                             step_ms=float(prefill_ms(F, b * L, b * L * L)) * jitter()))
             for k in range(K_MAX + 1):
                 rows.append(_rec("verify", b, k, L, verify_ms=verify(b, k + 1, L) * jitter()))
                 if k:
-                    rows.append(_rec("draft", b, k, L, drafter="model", draft_ms=float(draft_ms(D, b, k, L)) * jitter()))
+                    rows.append(_rec("draft", b, k, L, drafter="model",
+                                     draft_ms=float(draft_ms(D, b, k, L)) * jitter()))
     return pd.DataFrame(rows)
 
 
@@ -249,7 +251,8 @@ SMALL_SIM = ["-p", "default", "--set", "cluster.instances=1", "--set", "workload
     ("simulate", [*SMALL_SIM, "--cost", "v2.json", "--out", "sim"], "has version 2"),
     ("simulate", [*SMALL_SIM, "--cost", "absent.json", "--out", "sim"], "absent.json' does not exist"),
     ("compare", [*SMALL_SIM, "--cost", "bad.json", "--out", "cmp", "--seeds", "1"], "is not valid JSON"),
-    ("learn", ["-p", "eagle-h200-14b", "--cost", "good.json", "--out", "pol.json"], "no draft fit for drafter(s) eagle"),
+    ("learn", ["-p", "eagle-h200-14b", "--cost", "good.json", "--out", "pol.json"],
+     "no draft fit for drafter(s) eagle"),
 ])
 def test_bad_input_through_the_cli(tmp_path, synthetic, command, args, expect):
     (tmp_path / "empty").mkdir()
@@ -313,8 +316,8 @@ def _simulate_on(tmp_path, cm_path):
     tl = pd.read_parquet(tmp_path / "sim1" / "timeline.parquet").sort_values(["rl_step", "instance", "step"])
     joined = (tl.kind.shift(1) == "prefill") & (tl.instance.shift(1) == tl.instance)  # the drafter catches up
     dec, caught_up = tl[tl.kind == "decode"], joined[tl.kind == "decode"].to_numpy()
-    np.testing.assert_allclose(dec.verify_ms / 1e3, [cm.verify_time(b, 3, c) for b, c in zip(dec.batch, dec.ctx_tokens)],
-                               rtol=1e-9)
+    np.testing.assert_allclose(dec.verify_ms / 1e3,
+                               [cm.verify_time(b, 3, c) for b, c in zip(dec.batch, dec.ctx_tokens)], rtol=1e-9)
     draft = np.array([cm.draft_time("model", b, 2, c) for b, c in zip(dec.batch, dec.ctx_tokens)])
     assert caught_up.any() and (dec.draft_ms.to_numpy()[caught_up] / 1e3 > draft[caught_up]).all()
     np.testing.assert_allclose(dec.draft_ms.to_numpy()[~caught_up] / 1e3, draft[~caught_up], rtol=1e-9)

@@ -23,8 +23,12 @@ def _records(verify, draft, batches=(1, 2, 4, 8), ks=range(0, 4), per_row=(32, 9
 
 
 def test_grid_points_are_exact_and_between_is_linear():
-    verify = lambda b, q, L: 1.0 + 0.5 * np.log2(b) + 0.25 * q + 0.01 * L  # linear in the model's axes
-    draft = lambda b, k, L: 0.2 * k + 0.1 * np.log2(b)
+    def verify(b, q, L):  # linear in the model's axes
+        return 1.0 + 0.5 * np.log2(b) + 0.25 * q + 0.01 * L
+
+    def draft(b, k, L):
+        return 0.2 * k + 0.1 * np.log2(b)
+
     m = MeasuredCostModel(_records(verify, draft))
     assert m.verify_time(4, 3, 4 * 32) == pytest.approx(verify(4, 3, 32) / 1e3)
     assert isinstance(m.verify_time(4, 3, 4 * 32), float)  # a number for a number (twostate's solve needs it)
@@ -52,7 +56,9 @@ def test_lookups_are_scipys_trilinear_interpolation_and_extrapolation():
     RegularGridInterpolator numbers, inside the grid and past its edges, for numbers and arrays."""
     from scipy.interpolate import RegularGridInterpolator
 
-    verify = lambda b, q, L: 1.0 + 0.3 * b ** 1.3 * q ** 0.7 + 0.002 * L * np.sqrt(b)  # not linear
+    def verify(b, q, L):  # not linear
+        return 1.0 + 0.3 * b ** 1.3 * q ** 0.7 + 0.002 * L * np.sqrt(b)
+
     m = MeasuredCostModel(_records(verify, lambda b, k, L: 0.2 * k))
     axes = [np.log2([1, 2, 4, 8]), np.arange(1.0, 5.0), np.array([32.0, 96.0])]
     table = np.array([[[verify(b, q, L) for L in axes[2]] for q in axes[1]] for b in (1, 2, 4, 8)]) / 1e3
@@ -72,7 +78,9 @@ def test_lookups_are_scipys_trilinear_interpolation_and_extrapolation():
 def test_extrapolation_never_prices_a_step_below_the_fastest_measured():
     # noise made the longer context measure faster: the slope extended far past the grid
     # would reach zero and below (goodput divided by it)
-    verify = lambda b, q, L: 2.0 + 0.1 * q - 0.015 * L
+    def verify(b, q, L):
+        return 2.0 + 0.1 * q - 0.015 * L
+
     m = MeasuredCostModel(_records(verify, lambda b, k, L: 0.2 * k))
     fastest = min(verify(b, q, L) for b in (1, 2, 4, 8) for q in range(1, 5) for L in (32, 96)) / 1e3
     assert m.verify_time(1, 1, 1000) == pytest.approx(fastest)
@@ -85,7 +93,9 @@ def test_goodput_runs_on_a_measured_model():
     from rlsched.policies.acceptance import AcceptanceEstimator
 
     # verify nearly free at batch 1, ~q times dearer at batch 8: SD at small batch only
-    verify = lambda b, q, L: 1.0 + (0.05 if b == 1 else 1.0) * b * q
+    def verify(b, q, L):
+        return 1.0 + (0.05 if b == 1 else 1.0) * b * q
+
     m = MeasuredCostModel(_records(verify, lambda b, k, L: 0.05 * k))
     pol = make_draft_policy("goodput", PolicyContext(cost=m, drafters=("model",), k_max=3,
                                                       acceptance_prior={"model": 0.8}))
@@ -134,7 +144,9 @@ def test_calibrated_goodput_charges_a_plain_step_for_the_drafter_feed_it_defers(
     from rlsched.policies import PolicyContext, make_draft_policy
     from rlsched.policies.types import EngineState, StepOutcome
 
-    verify = lambda b, q, L: 1.0 + (0.05 if b == 1 else 1.0) * b * q  # SD pays at batch 1 only
+    def verify(b, q, L):  # SD pays at batch 1 only
+        return 1.0 + (0.05 if b == 1 else 1.0) * b * q
+
     m = MeasuredCostModel(_records(verify, lambda b, k, L: 0.05 * k))
     ctx = PolicyContext(cost=m, drafters=("model",), k_max=3, acceptance_prior={"model": 0.8})
     live = make_draft_policy("goodput:1", replace(ctx, calibrate=True))

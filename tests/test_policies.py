@@ -365,7 +365,8 @@ def test_the_simulator_probes_as_the_executor_does(probe_every):
             f"speculation.probe_every={'null' if probe_every is None else probe_every}"]
     runs = {}
     for max_run in (1, 10_000):
-        tl = simulate(load_config("default", overrides=over + [f"max_steady_run={max_run}"]), "goodput").timeline_frame()
+        cfg = load_config("default", overrides=over + [f"max_steady_run={max_run}"])
+        tl = simulate(cfg, "goodput").timeline_frame()
         second = tl[(tl.rl_step == 1) & (tl.kind == "decode")].sort_values("step")
         runs[max_run] = second.k.tolist()  # one row a step, runs priced at once included
     ks = runs[1]

@@ -121,8 +121,8 @@ def test_report_is_one_page_with_the_numbers_and_the_figures(run, tmp_path):
     rate = f"{rl.accepted.sum() / rl.drafted.sum():.3f}" if rl.drafted.sum() else "n/a"
     assert "acceptance rate (accepted / drafted): first -> last (all)" in text and f"({rate})" in text
     assert "grpo / goodput / model" in text
-    assert f"{summary['seconds']:.1f} (" + " / ".join(f"{summary['stage_s'][k]:.1f}" for k in
-                                                       ("generation", "inference", "training", "drafter_update")) in text
+    assert f"{summary['seconds']:.1f} (" + " / ".join(
+        f"{summary['stage_s'][k]:.1f}" for k in ("generation", "inference", "training", "drafter_update")) in text
     assert info["numbers"]["tokens_per_s"] == pytest.approx(summary["tokens_per_s"])
 
 

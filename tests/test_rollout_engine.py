@@ -152,7 +152,8 @@ def test_model_drafter_feeds_a_joining_prompt_apart_from_the_running_rows(pair):
     d.propose(running, 2)
     for r in running:
         r.tokens += [7]  # a rejection: the corrected token is the one new token
-    fresh = Seq([i % 10 + 1 for i in range(40)], 2, 2)  # long enough that padding the others to it costs more than a forward
+    # long enough that padding the others to it costs more than a forward
+    fresh = Seq([i % 10 + 1 for i in range(40)], 2, 2)
     shapes = []
     forward = d.model.forward
     d.model.forward = lambda ids, *a, **kw: shapes.append(tuple(ids.shape)) or forward(ids, *a, **kw)

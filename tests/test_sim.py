@@ -80,7 +80,8 @@ def test_drafting_after_off_steps_first_feeds_the_drafter_what_it_missed():
     """twostate:4:3 decodes 8 rows without drafts until 4 remain: the first drafting step feeds
     the drafter every remaining row's whole context (prompt and the off steps' tokens); later
     steps feed nothing more (steady feeds are in draft_time)."""
-    cfg = one_instance(8, 60, 0.7, ["workload.response_len={dist: empirical, values: [20, 30, 40, 50, 60, 70, 80, 90]}"])
+    cfg = one_instance(8, 60, 0.7,
+                       ["workload.response_len={dist: empirical, values: [20, 30, 40, 50, 60, 70, 80, 90]}"])
     tl, cost, extra = _catch_up_s(cfg, "twostate:4:3")
     dec = tl[tl.kind == "decode"]
     sd = dec[dec.k > 0]

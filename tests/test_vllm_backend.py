@@ -205,7 +205,8 @@ def test_traces_of_each_run(self_engine, requests_):
 def test_a_request_past_vllms_window_is_refused(self_engine):
     from rlsched.executor.engine import Request
 
-    with pytest.raises(UserError, match=r"sample 5: prompt \+ max_new_tokens \(1003 tokens\) exceed vLLM's max_model_len"):
+    with pytest.raises(UserError,
+                       match=r"sample 5: prompt \+ max_new_tokens \(1003 tokens\) exceed vLLM's max_model_len"):
         self_engine.run([Request([3, 4, 5], 0, 5, 1000, 1)])
 
 

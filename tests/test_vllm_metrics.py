@@ -181,7 +181,8 @@ def test_import_vllm_then_fit_end_to_end(tmp_path):
     proc = ok(rlsched("import-vllm", str(FIX_PROM), "--out", str(out), "--json", cwd=tmp_path))
     summary = json.loads(proc.stdout)
     assert summary["records"] == 9 and summary["acceptance"][0]["accepted_per_position"] == [101, 86]
-    assert (out / "vllm.json").is_file() and json.loads((out / "vllm.json").read_text())["kind"] == "rlsched-vllm-import"
+    assert (out / "vllm.json").is_file()
+    assert json.loads((out / "vllm.json").read_text())["kind"] == "rlsched-vllm-import"
     steps = read_trace(out / "traces" / "steps", "steps")
     assert len(steps) == 9 and set(steps["kind"]) == {"decode", "prefill"}
     text = ok(rlsched("import-vllm", str(FIX_JSON), "--out", str(out), cwd=tmp_path))  # replaces its own output

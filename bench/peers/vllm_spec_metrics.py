@@ -172,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
                             min_tokens=args.max_tokens if args.ignore_eos else 0, ignore_eos=args.ignore_eos,
                             detokenize=False, seed=None)
-    config = {"target": args.target, "served_name": args.served_name, "drafter": args.drafter, "method": args.method, "batches": args.batches,
+    config = {"target": args.target, "served_name": args.served_name, "drafter": args.drafter, "method": args.method,
+              "batches": args.batches,
               "ks": args.ks, "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos,
               "temperature": args.temperature, "threads": args.threads, "seed": args.seed,
               "max_model_len": max_model_len, "max_num_batched_tokens": budget, "max_num_seqs": max(args.batches),

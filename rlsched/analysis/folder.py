@@ -129,7 +129,8 @@ def load_folder(path) -> FolderData:
             d.kind = "run" if d.rl_steps is not None or (path / "rollouts").is_dir() else "generate"
             d.config = _yaml(path / "config.yaml")
             if (path / "profile.parquet").is_file():
-                d.profile, d.profile_path = _nonempty(_profile_records(path / "profile.parquet")), path / "profile.parquet"
+                d.profile = _nonempty(_profile_records(path / "profile.parquet"))
+                d.profile_path = path / "profile.parquet"
             elif d.config and isinstance(d.config.get("cost_model"), str) and d.config["cost_model"] != "auto":
                 prof = Path(d.config["cost_model"])
                 if (prof / "traces" / "steps").is_dir():

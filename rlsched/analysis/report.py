@@ -127,7 +127,8 @@ def render_html(d: FolderData, images: dict[str, bytes], skipped: dict[str, str]
              '<meta name="viewport" content="width=device-width, initial-scale=1">',
              f"<title>{e(title)}</title><style>{CSS}</style></head><body>",
              f"<h1>{e(title)}</h1>",
-             f'<p class="meta">{e(str(d.path.resolve()))} &middot; written {time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())} '
+             f'<p class="meta">{e(str(d.path.resolve()))} &middot; '
+             f'written {time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())} '
              f"by rlsched {e(__version__)}</p>", "<h2>Key numbers</h2>"]
     if rows:
         parts.append("<table>" + "".join(f'<tr><th>{e(k)}</th><td class="v">{e(v)}</td></tr>' for k, v in rows)

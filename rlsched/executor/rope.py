@@ -95,7 +95,8 @@ class Rope(nn.Module):
             cos, sin = _tables(positions.float(), self._inv(longest).to(positions.device), dtype)
             return cos[:, None], sin[:, None]
         table = getattr(self, "_table", None)
-        if table is None or table[0].shape[0] < longest or table[0].dtype != dtype or table[0].device != positions.device:
+        if (table is None or table[0].shape[0] < longest or table[0].dtype != dtype
+                or table[0].device != positions.device):
             inv = self.inv_freq
             n = max(longest, 256, 0 if table is None else 2 * table[0].shape[0])
             with torch.inference_mode(False):  # usable by autograd too (training after rollouts)

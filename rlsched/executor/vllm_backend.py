@@ -174,14 +174,16 @@ def _import_vllm():
     try:
         import vllm
     except ImportError as e:
-        raise UserError(f"rollout.backend vllm needs vLLM, which is not importable here ({e}); {INSTALL_HINT}") from None
+        raise UserError(f"rollout.backend vllm needs vLLM, which is not importable here ({e}); "
+                        f"{INSTALL_HINT}") from None
     return vllm
 
 
 def patch_cpu_rejection_sampler() -> bool:
-    """https://github.com/vllm-project/vllm/issues/55005: on CPU, the shim of rejection_sampler.expand_batch_to_tokens leaves
-    its output unwritten (sampled speculative decoding then verifies against garbage); it is
-    replaced by a torch repeat_interleave version. Returns whether a patch was applied."""
+    """https://github.com/vllm-project/vllm/issues/55005: on CPU, the shim of
+    rejection_sampler.expand_batch_to_tokens leaves its output unwritten (sampled speculative
+    decoding then verifies against garbage); it is replaced by a torch repeat_interleave
+    version. Returns whether a patch was applied."""
     from vllm.v1.sample import rejection_sampler as rs
 
     if getattr(rs.expand_batch_to_tokens, "_rlsched_patch", False):

@@ -20,8 +20,9 @@ class BanditPolicy:
     falls once along k (deeper drafts gain fewer tokens for a costlier verify), so the arms
     worth re-trying are the leader's neighbours: k one step shallower (off below the least
     k) or deeper, and the other drafters at the leader's k (exploring every arm, TLT's way,
-    spends its tries on k = 8 at a batch of hundreds or on off where k = 3 leads). The statistics are shared by the instances of one
-    cluster (they see the same hardware), each instance explores with its own random stream.
+    spends its tries on k = 8 at a batch of hundreds or on off where k = 3 leads). The statistics
+    are shared by the instances of one cluster (they see the same hardware), each instance
+    explores with its own random stream.
 
     A step whose drafter caught up (a joining row's prompt, the tokens of off steps) is not its
     arm's usual rate; what it took beyond that rate, over the tokens fed, is what feeding the

@@ -106,7 +106,8 @@ class TablePolicy:
     def __init__(self, ctx: PolicyContext, drafter: str, batch_edges: list[int], accept_edges: list[float],
                  k: list, refresh: int = 32, ctx_edges: list[int] | None = None):
         if drafter not in ctx.drafters:
-            raise UserError(f"table policy drafts with '{drafter}', which this config lacks ({', '.join(ctx.drafters)})")
+            raise UserError(f"table policy drafts with '{drafter}', which this config lacks "
+                            f"({', '.join(ctx.drafters)})")
         self.ctx_edges = [0] if ctx_edges is None else list(ctx_edges)
         self.k = [[row] for row in k] if ctx_edges is None else k  # [acceptance][context][batch]
         top = max(x for plane in self.k for row in plane for x in row)

@@ -201,8 +201,8 @@ class GenerationStage:
                     c = self.ctx_g[re]
                     self.prefill_g[re] = c
                     self.seen_g[re] = 0
-                    self._send(src.idx, m.dst, re, "reprefill", self.cost.prefill_time(int(c.sum()), int((c * c).sum())),
-                               travel=False)
+                    self._send(src.idx, m.dst, re, "reprefill",
+                               self.cost.prefill_time(int(c.sum()), int((c * c).sum())), travel=False)
                 if len(kv):
                     self._send(src.idx, m.dst, kv, "kv", self.cost.kv_transfer_time(int(self.ctx_g[kv].sum()), len(kv)))
         src.outbox.clear()

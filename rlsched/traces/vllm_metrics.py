@@ -440,7 +440,8 @@ def build(source: Source, k: int | None = None, drafter: str | None = None, *,
     `require_spec=False` also takes an engine that never drafted (the vLLM rollout backend
     with policy off: its plain decode and prefill records are what `rlsched fit` needs)."""
     path = source.path
-    if require_spec and not any(("drafts" in t or "per_pos" in t) for s in source.snapshots for t in engine_totals(s).values()):
+    if require_spec and not any(("drafts" in t or "per_pos" in t)
+                                for s in source.snapshots for t in engine_totals(s).values()):
         raise _bad(path, "holds no speculative-decoding metrics (vllm:spec_decode_*)",
                    "run vLLM with a speculative_config and stats logging on (LLM(..., disable_log_stats=False))")
     prev: dict[tuple, tuple] = {}  # (run, engine) -> (totals, snapshot)

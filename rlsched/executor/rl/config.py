@@ -34,7 +34,8 @@ class RolloutConfig(_Strict):
     realloc_threshold: int = Field(8, ge=1, description="an instance whose load falls below this asks for work")
     share_prompts: bool = Field(True, description="samples of one prompt share its prefill (the local engine; "
                                 "vLLM has its own prefix cache)")
-    probe_every: int | None = Field(PROBE_EVERY, ge=1, description="off steps in a row after which a policy that prices "
+    probe_every: int | None = Field(PROBE_EVERY, ge=1,
+                                    description="off steps in a row after which a policy that prices "
                                     "acceptance (goodput, a table with acceptance buckets) drafts once, so that it can "
                                     "learn the drafter got better (the local engine; null: never)")
 
