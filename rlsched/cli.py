@@ -19,7 +19,9 @@ from rlsched.errors import UserError
 from rlsched.policies.registry import usage as policy_usage
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Adaptive speculative decoding and sample reallocation for RL rollouts: simulate, compare and learn policies; generate, profile and train (run) with the real engine; fit, replay, plot and report from what it measured.")
+                  help="Adaptive speculative decoding and sample reallocation for RL rollouts: simulate, compare "
+                       "and learn policies; generate, profile and train (run) with the real engine; fit, replay, plot "
+                       "and report from what it measured.")
 out_console = Console()
 err_console = Console(stderr=True)
 
@@ -36,7 +38,8 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
     pass
 
 
-PresetOpt = typer.Option(None, "--preset", "-p", help="A shipped job preset (see `rlsched presets`); default: 'default'.")
+PresetOpt = typer.Option(None, "--preset", "-p",
+                         help="A shipped job preset (see `rlsched presets`); default: 'default'.")
 ConfigOpt = typer.Option(None, "--config", "-c", help="A YAML or TOML config file.")
 SetOpt = typer.Option([], "--set", "-s", help="Override a config field: path.to.field=value (repeatable).")
 JsonOpt = typer.Option(False, "--json", help="Print only a JSON summary on stdout; progress and logs go to stderr.")
@@ -100,11 +103,12 @@ def _default_out(name: str, policy: str, seed: int) -> Path:
 def simulate(
     preset: Optional[str] = PresetOpt,
     config: Optional[Path] = ConfigOpt,
-    policy: Optional[str] = typer.Option(None, "--policy", help=f"Drafting policy: {policy_usage('simulator')} (default: "
-                                         "the config's speculation.policy)."),
+    policy: Optional[str] = typer.Option(None, "--policy", help=f"Drafting policy: {policy_usage('simulator')} "
+                                         "(default: the config's speculation.policy)."),
     realloc: Optional[str] = typer.Option(None, "--realloc", help="Reallocation policy: none, rebalance, consolidate "
                                           "(default: the config's cluster.realloc)."),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output folder (default runs/simulate/NAME-POLICY-seedN)."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o",
+                                       help="Output folder (default runs/simulate/NAME-POLICY-seedN)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed (overrides the config's seed)."),
     baseline: bool = typer.Option(True, "--baseline/--no-baseline", help="Also simulate `off` on the same seed "
                                   "to report the speedup."),
@@ -195,7 +199,8 @@ def compare(
     workers: Optional[int] = typer.Option(None, "--workers", "-j", help="Worker processes (default: the number of "
                                           "CPUs); 1 runs serially in this process."),
     ray: Optional[str] = typer.Option(None, "--ray", help="Run on a Ray cluster at this address ('auto': the running "
-                                      "local cluster; 'local': start a private one); needs pip install 'rlsched\\[distributed]' on this machine and the same rlsched on "
+                                      "local cluster; 'local': start a private one); needs pip install "
+                                      "'rlsched\\[distributed]' on this machine and the same rlsched on "
                                       "every node; --workers is then ignored."),
     cost: Optional[Path] = CostOpt,
     as_json: bool = JsonOpt,
@@ -346,7 +351,8 @@ def generate(
     drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help="Drafter model folder, builtin, ngram or off "
                                           "(default: builtin with the built-in model, else ngram)."),
     policy: str = typer.Option("goodput", "--policy", help=f"Drafting policy: {policy_usage('local')}."),
-    prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSONL prompts file (default: built-in task prompts)."),
+    prompts: Optional[Path] = typer.Option(None, "--prompts",
+                                           help="JSONL prompts file (default: built-in task prompts)."),
     n: int = typer.Option(4, "--n", help="Samples per prompt."),
     max_tokens: int = typer.Option(128, "--max-tokens", help="Token budget per sample."),
     temperature: float = typer.Option(1.0, "--temperature", help="Sampling temperature (0 = greedy)."),
@@ -369,9 +375,9 @@ def generate(
     realloc: str = typer.Option("none", "--realloc", help="Sample reallocation across instances: none, rebalance, "
                                 "consolidate."),
     compile_: bool = typer.Option(False, "--compile", help="Run decode and verify steps and the drafter's drafts "
-                                  "through torch.compile'd graphs, at every batch size: on CPU here a forward "
-                                  "1.1x faster at 2-64 rows and plain decoding about 1.0-1.3x at batch 1; "
-                                  "compiling takes ~4-7 minutes the first time (then ~1, from inductor's disk cache)."),
+                                  "through torch.compile'd graphs, at every batch size (fewer, fused kernels: what "
+                                  "it gains is in docs/benchmarks.md); compiling takes minutes the first time "
+                                  "(much less after, from inductor's disk cache)."),
     out: Path = typer.Option(Path("runs/generate/latest"), "--out", "-o", help="Output folder."),
     as_json: bool = JsonOpt,
 ):
@@ -589,7 +595,8 @@ def report(
     rundir: Path = typer.Argument(..., metavar="RUNDIR", help="A `rlsched run` output folder.", show_default=False),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="The page to write (.html; default "
                                        "RUNDIR/report.html)."),
-    cost: Optional[Path] = typer.Option(None, "--cost", help="A cost-model file (`rlsched fit`), as for `rlsched plot`."),
+    cost: Optional[Path] = typer.Option(None, "--cost",
+                                        help="A cost-model file (`rlsched fit`), as for `rlsched plot`."),
     as_json: bool = JsonOpt,
 ):
     if out is not None and (out.suffix.lower() not in (".html", ".htm") or out.is_dir()):
@@ -613,8 +620,8 @@ RUN_HELP = (
     "RL training (GRPO or PPO) whose rollouts use the engine's adaptive speculative decoding, with a drafter "
     "kept fresh by distillation from the actor: by default once its staleness has cost the rollouts what an update "
     "costs (drafter_update.schedule=pays; 'every' updates each drafter_update.every steps).\n\n"
-    "With no arguments: a fixed set of 64 built-in task prompts (count, repeat; exact-match reward) with the built-in tiny "
-    "pair on CPU, 40 RL steps (a few minutes). --config takes a YAML/TOML file of RunConfig fields "
+    "With no arguments: a fixed set of 64 built-in task prompts (count, repeat; exact-match reward) with the built-in "
+    "tiny pair on CPU, 40 RL steps (a few minutes). --config takes a YAML/TOML file of RunConfig fields "
     "(rlsched/executor/rl/config.py); --set path.to.field=value overrides one (repeatable).\n\n"
     "Writes to --out: traces/ (engine steps, samples, one rl_steps record per RL step: stage times, tokens, "
     "acceptance, rewards), rollouts/ (every sample's text and reward), checkpoint.pt (every "

@@ -1,1 +1,1 @@
-"""Filled in by later issues; never imports torch outside executor/."""
+"""Reading run and profile folders: replay in the simulator, figures, reports (no torch imports)."""

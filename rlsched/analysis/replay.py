@@ -3,8 +3,8 @@
 `replay_run(RUNDIR)` rebuilds each RL step's rollout from the run's own traces (every
 sample's prompt and response length and the engine's estimate of its per-token acceptance),
 simulates that step's generation stage with the run's batch limit, k_max and drafting policy
-(on one instance, or on the run's instances with its reallocation policy), and sets the predicted time beside the measured one (`generation_s` of the
-run's `rl_steps` records).
+(on one instance, or on the run's instances with its reallocation policy), and sets the
+predicted time beside the measured one (`generation_s` of the run's `rl_steps` records).
 
 Step costs come from a `rlsched fit` file (`cost_file`) or, by default, are fitted from the
 run's own step records (each op then scaled so that its fitted total equals its measured
@@ -240,8 +240,8 @@ def _costs(rundir: Path, cost_file, drafter, steps: pd.DataFrame | None = None):
 
     A run that drafted at every batch size it reached has no plain step to fit plain decoding
     from there (the form's u, the jump from one row to rows of different lengths, is then
-    unknown and priced zero: a goodput run's own fit put its off counterfactual 18-24% under
-    the off run's measured time). When the run profiled at its start (`profile.parquet`), its
+    unknown and priced zero, so the off counterfactual comes out under what an off run
+    takes). When the run profiled at its start (`profile.parquet`), its
     plain steps at two rows or more join the fit; the calibration factors stay those of the
     run's own records."""
     from rlsched.costs.costfile import FittedCostModel, load_cost_model
@@ -305,8 +305,8 @@ def replay_run(rundir, cost_file=None, policy: str | None = None) -> ReplayResul
 
 def _plain_steps_uncovered(steps: pd.DataFrame) -> bool:
     """Whether a run's plain decode steps (k = 0) miss the batch sizes it drafted at: a fit of
-    its records then prices a plain step by extrapolating verification to one token a row (a
-    static:3 run's own fit predicted SD at 0.49x of off, against 1.0x measured)."""
+    its records then prices a plain step by extrapolating verification to one token a row,
+    which can put the predicted speedup over off far from the real one."""
     dec = steps[steps["kind"] == "decode"]
     plain, drafted = dec[dec["k"] == 0], dec[dec["k"] > 0]
     return not drafted.empty and (plain.empty or plain["batch"].max() < drafted["batch"].max() / 2)

@@ -24,19 +24,18 @@ lengths, as the engine's are from two rows on (a mask, another attention kernel)
 drafting `s` is that same extra work of each one-token forward after the first (whose feed
 of two tokens is masked at any batch size); `r` a per-row cost (sampling, bookkeeping); `c`
 attention's arithmetic over the context, for every token verified; `kv` reading each row's
-cached keys and values, once a step whatever the number of tokens verified (v3; v2 had
-attention's whole cost grow with q: on a profile with contexts 16/64/192 it priced plain
-decoding at 32-64 rows of 16 tokens 1.3-1.4x what it cost, and a real run's plain steps at
-32-64 rows 1.34x; with `kv` 1.10x, held-out MAPE 8.8% -> 6.9%); `e` and `d` drafting's cost
+cached keys and values, once a step whatever the number of tokens verified (format v3:
+without it attention's whole cost grows with q, which overprices plain decoding at many rows
+of short context); `e` and `d` drafting's cost
 besides its forwards (a fixed part, and one that grows with the context the drafter's cache
 holds). Prefill is compute (a per token, c per token pair of attention) over a floor t0; its
 softplus is the memory hierarchy: beyond about s_c token pairs (attention scores of B x heads
 x L^2 floats) the scores leave the cache and each further pair costs `g` more. The bend is in
-pairs, not tokens (v1 had it in tokens): here the drafter's feed cost 9-11 us a token at B =
-64 x 64 tokens but 15-19 at B = 32 x 192 (fewer tokens, more pairs), which a bend in tokens
-priced 17-26% low. Where a form misfits, an op keeps the measured grid instead and is priced
-by interpolation over it, exactly as `MeasuredCostModel` does. `feed` is optional (files from
-before it price a drafter's catch-up at zero).
+pairs, not tokens: the drafter's feed costs more a token over fewer, longer rows (fewer
+tokens, more pairs) than over many short ones, which a bend in tokens prices low. Where a
+form misfits, an op keeps the measured grid instead and is priced by interpolation over it,
+exactly as `MeasuredCostModel` does. `feed` is optional (files from before it price a
+drafter's catch-up at zero).
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Compiled forwards for decode and verify steps (`torch.compile`, inductor), opt-in.
 
 A step of a small model is op dispatch more than arithmetic: the built-in drafter's one-token
-forward is ~40 kernels of microseconds each, and even the target's step at 64 rows spends a
-third of its time outside its matmuls. Compiled, the pointwise ops fuse into a few C++ loops
-and the wrapper calls the rest from C++ (`cpp_wrapper`): a drafter forward at one row 230
-against 390-490 us here (median of 400 interleaved calls). The eager `Transformer.forward`
+forward is ~40 small kernels, and even the target's step at 64 rows spends much of its time
+outside its matmuls. Compiled, the pointwise ops fuse into a few C++ loops and the wrapper
+calls the rest from C++ (`cpp_wrapper`), which cuts a drafter forward at one row the most
+(figures: docs/benchmarks.md). The eager `Transformer.forward`
 stays the reference and the fallback; this is the same arithmetic written for graphs that are
 compiled once:
 
@@ -16,8 +16,8 @@ compiled once:
   more does not compile again;
 - the new keys and values are written with `index_put_` on views of the rows (`_row_views`),
   which inductor does in place (with `index_copy_` through a view of a layer of the whole
-  cache, or `scatter_` on a row's slice of it, it copied the cache back: 13 and 5 ms a
-  forward at 64 cache rows);
+  cache, or `scatter_` on a row's slice of it, it copies the cache back, a large cost a
+  forward at many cache rows);
 - positions and the rotary tables come in as tensors; the last kept token's logits are
   sliced outside (one graph serves decode, verify and a drafter's feed).
 
@@ -59,8 +59,8 @@ def compile_for_engine(target, drafters, k_max: int, max_batch: int, log=None) -
 def _own_code(fn):
     """A copy of `fn` with a code object of its own. Dynamo keeps a function's graphs on its
     code object and checks their guards in turn on every call: with a target's and a
-    drafter's graphs on one, a drafter forward first failed the target's guards (a compiled
-    drafter forward 445-530 us in the engine's pattern against 238 alone)."""
+    drafter's graphs on one, a drafter forward would first fail the target's guards, which
+    makes it markedly slower in the engine's pattern than alone."""
     code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_copies)}")
     return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
@@ -68,7 +68,7 @@ def _own_code(fn):
 def _row_views(cache: KVCache, start: int, b: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Views (b, heads, max_len, head_dim) of cache rows start..start+b-1, a key and a value
     view a layer, made once a cache and row range. Their strides do not depend on the cache's
-    number of rows (a view across layers had, and dynamo made a graph per cache size); their
+    number of rows (a view across layers would, and dynamo would make a graph per cache size); their
     length is dynamic (one graph for every cache length), and so is their number of rows
     from two on."""
     views = cache.__dict__.setdefault("_row_views", {})
@@ -94,7 +94,7 @@ class CompiledForward:
         import torch._dynamo.config as dynamo_config
         import torch._inductor.config as inductor_config
 
-        # the generated wrapper in C++, not Python: 285 against 370 us a drafter forward
+        # the generated wrapper in C++, not Python: cheaper a drafter forward
         inductor_config.cpp_wrapper = True
         # a graph per number of new tokens and rows (1, or more), per model (the default limit
         # is 8 a function)

@@ -190,9 +190,8 @@ class ModelDrafter:
         tokens from an empty cache row (the samples of one prompt at their first draft) are
         fed once: the others copy that row's KV and its logits. Feeds of very different lengths
         go in separate forwards (`length_groups`): a row that just joined feeds its whole prompt,
-        and padding every running row's one or two tokens to that length made such a step's
-        drafting cost a prefill of the whole batch (in real runs, drafting cost 1.3-2x what the
-        profile, which feeds one token a row, priced)."""
+        and padding every running row's one or two tokens to that length would make such a
+        step's drafting cost a prefill of the whole batch."""
         first: dict[tuple, int] = {}
         fed, copies = [], []
         for i, (c, t) in enumerate(zip(keep, new)):

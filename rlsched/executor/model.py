@@ -65,8 +65,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
-            # mean(x^2) as |x|^2 / d from one norm kernel: 9-13 us on CPU against 15-20 for
-            # F.rms_norm, whose CPU kernel is a composite of ~8 ops (the same values to ~1e-7)
+            # mean(x^2) as |x|^2 / d from one norm kernel: cheaper on CPU than F.rms_norm,
+            # whose CPU kernel is a composite of ~8 ops (the same values to ~1e-7)
             eps = self._eps
             if eps is None or eps.device != x.device:
                 with torch.inference_mode(False):  # usable by training after rollouts
@@ -222,7 +222,7 @@ class Transformer(nn.Module):
             logits = self.compiled(ids, cache, slots, n, last_only)
             if logits is not None:
                 return logits
-        embed = self.embed.weight  # (each Module attribute lookup costs ~3 us: once a forward)
+        embed = self.embed.weight  # (each Module attribute lookup costs time: once a forward)
         s = self._step(b, q, ids.device, embed.dtype, cache, slots)
         h = self._trunk(ids, s, embed)
         if last_only:
@@ -252,8 +252,7 @@ class Transformer(nn.Module):
         # (no shortcut for a single row: a step cost that jumps between batch 1 and 2 is one
         # the cost model's smooth forms cannot fit, and the policies price steps with them.
         # The rows' lengths are read once, as a list: this bookkeeping runs once a forward, and
-        # done with tensor ops it took ~115 us under line timing, a fifth of a 2-layer
-        # drafter's forward at batch 1; 64 us now)
+        # done with tensor ops it is a sizeable part of a small drafter's forward at batch 1)
         if cache is None:
             rows, start, lo, hi = None, 0, 0, 0
             positions = torch.arange(q, device=device).expand(b, q)

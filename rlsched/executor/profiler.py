@@ -6,18 +6,17 @@ drafters' `propose` of k tokens, with the cache rolled back after each timing so
 stays put. As the engine runs them, each drafter's propose and the verify are timed in turn
 (`_timed_in_turn`), and every row feeds the drafter two tokens (the last draft and the
 bonus token, as after a full acceptance): timed back to back with one-token feeds, drafting
-was priced at 0.5-0.7x of what it cost in real runs. From two rows on, the rows' contexts
+is priced well under what it costs in real runs. From two rows on, the rows' contexts
 differ (spread over half to one and a half times the point's context, `ragged_lengths`), as
-the engine's rows do: rows of different lengths take the masked attention path, 6-13% dearer
-a step (plain decoding at B = 64: 13%), and a profile of equal rows priced plain decoding at
-large batch sizes low against speculation, so that `goodput` kept SD off there where it paid
-(the fit's forms carry the jump from one row to two: `costs/costfile.py`). Prefill is
-timed on prompts of one length (its form counts tokens and token pairs), and so is each model
-drafter's feed of them (kind = feed): what a drafter pays, inside its next propose, to take
-in a row that joined, or the tokens of steps decoded without it. A point's price is the
-median of its timed runs (`typical_ms`). Records use the
-STEP trace schema (kind = prefill | feed | verify | draft; `k` = draft length, 0 for plain
-decoding; `ctx_tokens` = the batch's total context), so a profile reads like a trace and
+the engine's rows do: rows of different lengths take the masked attention path, dearer a
+step, and a profile of equal rows prices plain decoding at large batch sizes low against
+speculation, so that `goodput` would keep SD off there where it pays (the fit's forms carry
+the jump from one row to two: `costs/costfile.py`). Prefill is timed on prompts of one
+length (its form counts tokens and token pairs), and so is each model drafter's feed of them
+(kind = feed): what a drafter pays, inside its next propose, to take in a row that joined, or
+the tokens of steps decoded without it. A point's price is the median of its timed runs
+(`typical_ms`). Records use the STEP trace schema (kind = prefill | feed | verify | draft;
+`k` = draft length, 0 for plain decoding; `ctx_tokens` = the batch's total context), so a profile reads like a trace and
 feeds `MeasuredCostModel` and the analysis layer's fits.
 """
 
@@ -47,8 +46,8 @@ def _timed(fn, repeats: int, sync=lambda: None) -> list[float]:
 def _timed_in_turn(fns: dict, repeats: int, sync=lambda: None) -> dict:
     """`_timed` of several functions called in turn, as the engine calls them (each drafter's
     propose, then the verify): each then starts with what the one before left in the CPU's
-    caches. Timed alone, back to back, drafting cost 0.5-0.7x of what it did alternating with
-    verification at batch 4-16 here, and real runs paid the latter."""
+    caches. Timed alone, back to back, drafting costs well under what it does alternating with
+    verification, and real runs pay the latter."""
     for fn in fns.values():
         fn()
     times = {name: [] for name in fns}
@@ -64,11 +63,9 @@ def _timed_in_turn(fns: dict, repeats: int, sync=lambda: None) -> dict:
 
 def typical_ms(times: list[float]) -> float:
     """A point's price: the median of its timed runs, not the fastest. Runs pay the typical
-    step: engine-style steps at batch 16 (real drafts, the contexts growing, each step priced
-    at its own context; k = 0..6 interleaved, 4 profiles) took 0.95-1.04x the median price
-    and 1.21-1.34x the fastest run's, with no trend over k either way. The median of runs taken
-    in several passes minutes apart also keeps one disturbed run from moving a point, which is
-    why the fastest was kept before."""
+    step: engine-style steps (real drafts, the contexts growing) cost about the median price
+    and clearly more than the fastest run's, whatever k. The median of runs taken in several
+    passes minutes apart also keeps one disturbed run from moving a point."""
     return float(np.median(times))
 
 
@@ -113,7 +110,8 @@ def profile(model, drafters: dict, *, batch_sizes=(1, 2, 4, 8, 16, 32, 64), k_ma
         pass_progress = None if progress is None else (
             lambda n, total, b, c, i=i: progress(i * total + n, passes * total, b, c))
         for r in _profile_pass(model, drafters, batch_sizes=batch_sizes, k_max=k_max, contexts=contexts,
-                               prefill_only=prefill_only, repeats=per_pass, sampling=sampling, seed=seed, progress=pass_progress):
+                               prefill_only=prefill_only, repeats=per_pass, sampling=sampling, seed=seed,
+                               progress=pass_progress):
             key = (r["kind"], r["batch"], r["k"], r["ctx_tokens"], r["drafter"])
             if key in points:
                 points[key]["runs_ms"] += r["runs_ms"]
@@ -132,8 +130,8 @@ def profile(model, drafters: dict, *, batch_sizes=(1, 2, 4, 8, 16, 32, 64), k_ma
 
 def prefill_midpoints(contexts) -> tuple[int, ...]:
     """Contexts timed for prefill only, midway between consecutive profiled ones: prefill is one
-    point per (batch, context), so a two-context grid held too few points to fit its cache-spill
-    bend once the held-out batch sizes were left out (and a prefill costs little to time)."""
+    point per (batch, context), so a two-context grid holds too few points to fit its cache-spill
+    bend once the held-out batch sizes are left out (and a prefill costs little to time)."""
     cs = sorted(set(contexts))
     return tuple(m for a, b in zip(cs, cs[1:]) if (m := (a + b) // 2) not in cs)
 
@@ -146,8 +144,8 @@ def _profile_pass(model, drafters: dict, *, batch_sizes, k_max: int, contexts, r
     k = 0..k_max, and each drafter's propose for k = 1..k_max; at `prefill_only` contexts the
     prefills alone. `drafters`: name -> drafter (its cache, if any, must hold max(batch_sizes)
     rows of `profile_cache_len(contexts, k_max)`). Under inference mode, as the engine
-    runs: under `no_grad` (every op tracking views and versions) a plain B = 1 step was priced
-    at 1.43 ms against the engine's 1.24 (1.19 here now), a bias that shrinks with the batch."""
+    runs: under `no_grad` (every op tracking views and versions) a plain step is priced above
+    what the engine pays, most at small batch sizes."""
     sampling = sampling or SamplingParams(temperature=1.0)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(seed)  # the random prompts and drafts (host)
@@ -276,7 +274,8 @@ def run_profile(*, model: str, drafters: list[str], batch_sizes: list[int], k_ma
     with console.status("profiling") as status:
         records = profile(target.model, timed, batch_sizes=batch_sizes, k_max=k_max, contexts=contexts,
                           repeats=repeats, passes=passes, sampling=sampling, statistic=STATISTICS[statistic],
-                          progress=lambda i, n, b, c: status.update(f"profiling: point {i}/{n} (batch {b}, context {c})"))
+                          progress=lambda i, n, b, c: status.update(
+                              f"profiling: point {i}/{n} (batch {b}, context {c})"))
     df = pd.DataFrame(records)
     with atomic_folder(out) as tmp:
         w = TraceWriter(tmp / "traces", "steps", flush_every=len(records))
@@ -286,7 +285,8 @@ def run_profile(*, model: str, drafters: list[str], batch_sizes: list[int], k_ma
         write_text_atomic(tmp / "profile.json", json.dumps({
             "model": str(target_dir), "drafters": list(timed), "batch_sizes": batch_sizes, "k_max": k_max,
             "contexts": contexts, "prefill_contexts": sorted({*contexts, *prefill_midpoints(contexts)}),
-            "repeats": repeats, "passes": passes, "statistic": statistic, "device": device, "dtype": dtype, "compiled": compile,
+            "repeats": repeats, "passes": passes, "statistic": statistic, "device": device, "dtype": dtype,
+            "compiled": compile,
             "threads": torch.get_num_threads(), "machine": platform.node(),
             "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=2) + "\n")
     verify = df[df.kind == "verify"].pivot_table(index="batch", columns="k", values="verify_ms", aggfunc="mean")

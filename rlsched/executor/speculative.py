@@ -165,8 +165,7 @@ PREFILL_ACTIVATION_BYTES = 16 << 20
 def prefill_token_budget(model) -> int | None:
     """Most tokens one prefill forward takes on a CPU: its widest activation (gate and up,
     2 x intermediate values per token) within PREFILL_ACTIVATION_BYTES, about what the
-    last-level cache holds: past it a token cost twice as much here (the built-in target:
-    34-44 us a token up to 6k tokens a forward, 72-97 us at 8-12k). None (no limit) on a
+    last-level cache holds: past it a token costs about twice as much. None (no limit) on a
     GPU, where larger forwards only pay better."""
     w = model.embed.weight
     if w.device.type != "cpu":
@@ -176,7 +175,8 @@ def prefill_token_budget(model) -> int | None:
 
 def length_groups(lengths: list[int], waste: float = 0.25, overhead: int = 64) -> list[list[int]]:
     """Indices of `lengths` in forwards of similar lengths: a padded forward computes every
-    row to the longest, so one forward over prompts of 8 to 47 tokens did 3x the work. Rows
+    row to the longest, so one forward over prompts of very different lengths does several
+    times the work it needs. Rows
     are taken longest first; a group closes when padding would pass `waste` of its tokens,
     unless it is still cheaper than a forward's fixed cost (`overhead` tokens' worth)."""
     if lengths and (max(lengths) - min(lengths)) * len(lengths) <= overhead:

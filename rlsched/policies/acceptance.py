@@ -36,9 +36,8 @@ class AcceptanceEstimator:
         """sample_decay: the weight a sample's own trials keep from one of its steps to the
         next, for its estimate (its prompt gets every trial at full weight when it finishes).
         Below 1 the estimate follows acceptance that changes along a response (a drafter that
-        falls behind in long answers, say). On the built-in task it barely changes: 0.88-0.90
-        a token over an answer's first 60%, 0.84 and 0.83 after (the engine keeps 1.0,
-        `engine.SAMPLE_DECAY`)."""
+        falls behind in long answers, say). On the built-in task acceptance changes little
+        along an answer, so the engine keeps 1.0 (`engine.SAMPLE_DECAY`)."""
         if not 0.0 < sample_decay <= 1.0:
             raise ValueError(f"sample_decay must be in (0, 1], got {sample_decay}")
         self.sample_decay = sample_decay

@@ -162,7 +162,7 @@ class GoodputPolicy:
         self._scale: dict = {}
         # (key, octave) -> [log factor of each k = 0..k_max against the octave's scale, steps
         # folded for each k, the factors as an array (None: changed since)]: lists, as a step
-        # updates one entry (numpy's per-element cost was most of `observe`'s)
+        # updates one entry (numpy's per-element cost would be most of `observe`'s)
         self._rel: dict = {}
         self._ones = np.ones(self.k_max + 1)  # (read only)
         self._feed: dict[str, float] = {}  # drafter -> seconds to feed it one token (catch-up)
@@ -199,9 +199,9 @@ class GoodputPolicy:
     def _prices(self, b: int, ctx_tokens: int) -> tuple[float, np.ndarray, dict]:
         """The cost model's verify times (q = 1, then 2..k_max + 1) and each drafter's draft
         times (k = 1..k_max) for b rows, cached by the batch and the context a row to within
-        `ctx_tolerance`, the growth over which a choice already stands. (The lookups were most
-        of a decision's time, and a decision most of what `goodput` added to a drain's rounds
-        here: 5.4 ms of ~550 a round, against static k's none.)"""
+        `ctx_tolerance`, the growth over which a choice already stands. (The lookups are most
+        of a decision's time, and a decision most of what `goodput` adds to a round over
+        static k, which decides nothing.)"""
         if self.ctx_tolerance <= 0:  # (the oracles: every step priced at its own context)
             key = None
         else:
@@ -264,9 +264,9 @@ class GoodputPolicy:
     def _explore(self, b: int, rates: np.ndarray, j: int) -> int:
         """The k at index j, or a neighbour priced within `_EXPLORE_MARGIN` of it that has run
         fewer than `_EXPLORE_STEPS` steps in this octave of batch sizes: its own factor
-        (`_scales`) is then measured. Without it a k the profile overpriced was never run, so
-        never corrected: at 64 rows on the built-in pair the profile put k = 2 ahead of 4 and 5,
-        which ran 2-5% faster a token, and `goodput` drafted ~2 there every rollout."""
+        (`_scales`) is then measured. Without it a k the profile overpriced would never run, so
+        never be corrected: `goodput` would keep drafting the k the profile favours even where a
+        neighbouring k runs faster a token."""
         entry = self._rel.get(("verify", b.bit_length()))
         seen = None if entry is None else entry[1]
         for n in (j - 1, j + 1):
@@ -283,9 +283,10 @@ class GoodputPolicy:
 
     def _scales(self, key: str, b: int) -> np.ndarray:
         """`_scale_at` for k = 0..k_max (verify: q = k + 1): the octave's times each k's own
-        factor where that k has run there. A profile misprices one k against the next by 5-10%
-        (its points are timed one by one, minutes before), as much as the best k gains over its
-        neighbours; measured in the run itself, it no longer picks the k that noise made cheap."""
+        factor where that k has run there. A profile can misprice one k against the next (its
+        points are timed one by one, minutes before) by as much as the best k gains over its
+        neighbours; with the factors measured in the run itself, it does not pick the k that
+        noise made cheap."""
         if not self._scale:  # nothing measured (always, uncalibrated: the simulator)
             return self._ones
         entry = self._rel.get((key, b.bit_length()))
@@ -358,7 +359,8 @@ class _Truth:
 
     def __init__(self, ctx: PolicyContext):
         if ctx.true_acceptance is None:
-            raise UserError(f"policy '{self.name}' needs the true acceptance of every sequence: only the simulator has it")
+            raise UserError(f"policy '{self.name}' needs the true acceptance of every sequence: "
+                            "only the simulator has it")
         super().__init__(ctx, refresh=1, ctx_tolerance=0.0)
         self._truth = ctx.true_acceptance
 

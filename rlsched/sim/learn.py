@@ -24,22 +24,21 @@ from rlsched.sim.simulate import config_identity, policy_context
 
 ACCEPT_EDGES = [0.0, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
 # context-bucket edges, in units of the workload's typical context per sequence: half-octave steps
-# (on the long-tail preset the analytic table scored 1.044x the best static k on unseen seeds with
-# whole octaves, 0.5/1/2/4, and 1.050x with half octaves, about the per-step oracle's 1.051x: within
-# one octave of context the verify's price moves enough to change k)
+# rather than whole octaves (0.5/1/2/4), because within one octave of context the verify's price
+# moves enough to change the best k; half octaves bring the analytic table close to the per-step
+# oracle on unseen seeds
 CTX_FACTORS = tuple(2 ** (i / 2) for i in range(-2, 5))
 REALLOC_THRESHOLDS = [4, 8, 16, 32, 64]
 # A table cell's change is kept only if it cuts the learning seeds' stage time by this much: one
-# cell moves which rows finish when, and so the whole rollout's order, by chance. On the long-tail
-# preset single-cell changes that gained 0.06-0.34% on the learning seed moved five other seeds
-# by a median 0.12% either way (one that gained 0.06% lost 0.6% on average elsewhere), and the
-# table learned with every gain kept did worse on unseen seeds than its analytic start.
+# cell moves which rows finish when, and so the whole rollout's order, by chance. Smaller gains on
+# the learning seed do not carry over to other seeds (they move either way there), and a table
+# learned with every gain kept does worse on unseen seeds than its analytic start.
 MIN_GAIN = 0.0025
 
 
 def ctx_edges(typical_ctx: int) -> list[int]:
     """Context-per-sequence bucket edges around the workload's typical context: a fixed grid
-    (512, 1024, ...) put every context of a small workload in one bucket priced far from it."""
+    (512, 1024, ...) would put every context of a small workload in one bucket priced far from it."""
     return sorted({0, *(max(1, round(typical_ctx * f)) for f in CTX_FACTORS)})
 
 
@@ -192,7 +191,8 @@ def vllm_table(pf: PolicyFile, max_batch: int, acceptance: float, context: int =
     tokens per sequence."""
     if pf.kind == "twostate":
         on, k = pf.params["max_batch_on"], pf.params["k"]
-        ranges = ([[1, min(on, max_batch), k]] if on >= 1 else []) + ([[on + 1, max_batch, 0]] if on < max_batch else [])
+        ranges = (([[1, min(on, max_batch), k]] if on >= 1 else [])
+                  + ([[on + 1, max_batch, 0]] if on < max_batch else []))
     else:
         edges, ae = pf.params["batch_edges"], pf.params["accept_edges"]
         row = min(max(int(np.searchsorted(ae, acceptance, side="right")) - 1, 0), len(ae) - 2)
