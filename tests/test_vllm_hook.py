@@ -12,8 +12,6 @@ the wrong end of each cut chain (the drafts no longer match their probabilities)
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 
