@@ -68,7 +68,8 @@ def test_profile_then_goodput_on_the_measured_costs(pair, tmp_path):
     rec = read_trace(prof / "traces", "steps")
     assert set(rec.kind) == {"prefill", "feed", "verify", "draft"} and set(rec.drafter) >= {"model", "ngram"}
     assert set(rec[rec.kind == "feed"].drafter) == {"model"}  # a model drafter's catch-up; n-gram has none
-    assert len(rec[rec.kind == "feed"]) == len(rec[rec.kind == "prefill"]) and (rec.step_ms[rec.kind == "feed"] > 0).all()
+    feed = rec[rec.kind == "feed"]
+    assert len(feed) == len(rec[rec.kind == "prefill"]) and (feed.step_ms > 0).all()
     assert len(rec[rec.kind == "verify"]) == 2 * 3 and (rec.verify_ms[rec.kind == "verify"] > 0).all()
     out = tmp_path / "gen"
     summary = json.loads(ok(rlsched("generate", "--policy", "goodput", "--cost-model", str(prof), *FAST, "--out",
@@ -152,6 +153,8 @@ def test_kill_minus_nine_keeps_completed_steps_readable(pair, tmp_path):
     ("no prompts file", ["--prompts", "{tmp}/absent.jsonl"], "prompts file {tmp}/absent.jsonl does not exist"),
     ("unknown policy", ["--policy", "fastest"], "fastest"),
     ("priced policy spec", ["--policy", "goodput:0"], "refresh interval must be a whole number"),
+    ("cost model folder", ["--policy", "goodput", "--cost-model", "{tmp}/noprof"],
+     "--cost-model: {tmp}/noprof is neither a `rlsched profile` folder"),
     ("temperature", ["--temperature", "-1"], "temperature must be >= 0"),
     ("top-p", ["--top-p", "0"], "top_p must lie in (0, 1]"),
     ("n", ["--n", "0"], "--n must be >= 1"),
@@ -183,6 +186,25 @@ def test_bad_input_is_one_line_and_exit_2(pair, tmp_path, case, args, message):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert message.replace("{tmp}", str(tmp_path)) in lines[0], lines[0]
+    assert snapshot(tmp_path) == before  # nothing written
+
+
+@pytest.mark.parametrize("drafter, policy, message", [
+    ("{tmp}/nodrafter", "static:9", "policy 'static:9': K = 9 is above --k-max = 3; lower K or raise --k-max"),
+    ("{tmp}/nodrafter", "fastest", "unknown policy 'fastest'"),
+    ("off", "static:2", "--drafter is off; give --drafter builtin"),
+    ("ngram", "static:2:model", "unknown drafter 'model'; --drafter gives ngram"),
+])
+def test_the_policy_is_checked_before_any_model_is_loaded(tmp_path, drafter, policy, message):
+    """The model folders do not exist: were they loaded first, that would be the error."""
+    before = snapshot(tmp_path)
+    drafter = drafter.replace("{tmp}", str(tmp_path))
+    proc = rlsched("generate", "--model", str(tmp_path / "nomodel"), "--drafter", drafter, "--policy", policy,
+                   "--k-max", "3", "--out", str(tmp_path / "out"), cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert message in lines[0] and "does not exist" not in lines[0], lines[0]
     assert snapshot(tmp_path) == before  # nothing written
 
 

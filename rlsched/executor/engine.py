@@ -82,7 +82,8 @@ class SampleResult:
 @dataclass
 class RolloutResult:
     samples: list[SampleResult]  # in the order of the requests
-    stats: dict = field(default_factory=dict)  # tokens, seconds, tokens_per_s, steps, drafted, accepted, mean_accept_len
+    # tokens, seconds, tokens_per_s, steps, drafted, accepted, mean_accept_len
+    stats: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -125,17 +126,6 @@ def check_requests(requests: list[Request], cache_capacity: int) -> None:
                             f"the KV cache capacity ({cache_capacity}); raise cache_capacity or lower max_new_tokens")
 
 
-def policy_needs_cost(spec: str) -> bool:
-    """Whether policy `spec` is priced by a cost model (`PolicySpec.priced`)."""
-    return parse_policy(spec).priced
-
-
-def check_policy(spec: str, drafters: tuple[str, ...], *, k_max: int, words: Words = GENERATE, **_) -> None:
-    """Refuse a policy spec this command cannot run (UserError, one line in its words), before
-    anything is loaded or profiled."""
-    parse_policy(spec).check(drafters, k_max, words)
-
-
 def build_policy(spec, drafters: tuple[str, ...], cost=None, words: Words = GENERATE, **ctx_kwargs):
     """A DraftPolicy from a name or policy file, for the executor's drafters; a policy that
     needs a cost model without one is refused with a UserError. Step times here are measured,
@@ -169,7 +159,8 @@ class RolloutEngine:
                  generator: torch.Generator | None = None, ngram_history: bool = True, trace_tag: str = "",
                  share_prompts: bool = True, probe_every: int | None = PROBE_EVERY):
         if max_batch < 1 or cache_capacity < 1:
-            raise UserError(f"the engine needs max_batch >= 1 and cache_capacity >= 1 (got {max_batch}, {cache_capacity})")
+            raise UserError(f"the engine needs max_batch >= 1 and cache_capacity >= 1 "
+                            f"(got {max_batch}, {cache_capacity})")
         self.model, self.sampling, self.generator = model, sampling, generator
         self.drafters = {d.name: d for d in self._as_list(drafter) if d.name != "off"}
         names = tuple(self.drafters)
@@ -218,7 +209,8 @@ class RolloutEngine:
         no work is left, filling the returned list (request order), then `result`."""
         check_requests(requests, self.cache_capacity)
         prompt_index: dict = {}
-        prompt_of = np.array([prompt_index.setdefault(r.prompt_id, len(prompt_index)) for r in requests], dtype=np.int64)
+        prompt_of = np.array([prompt_index.setdefault(r.prompt_id, len(prompt_index)) for r in requests],
+                             dtype=np.int64)
         self.begin(prompt_of, max((reserve(r) for r in requests), default=1))
         self.submit(list(enumerate(requests)))
         return [None] * len(requests)

@@ -1,8 +1,8 @@
 """`rlsched generate`: batched speculative rollouts from a prompts file, written to a folder.
 
-Everything the user gives is checked before anything is written (model and drafter folders,
-vocabularies, prompts, sampling, policy), so bad input leaves no folder behind. The run then
-writes, under `out/`:
+Everything the user gives is checked before anything is written (the policy and its cost model
+folder first, before any model is loaded; then model and drafter folders, vocabularies, prompts,
+sampling), so bad input leaves no folder behind. The run then writes, under `out/`:
 
 - `traces/steps/`, `traces/samples/`: the engine's trace parts, journaled every record (a run
   killed mid-way keeps every completed step readable);
@@ -14,6 +14,7 @@ writes, under `out/`:
 from __future__ import annotations
 
 import json
+import os
 import platform
 import shutil
 import time
@@ -25,9 +26,12 @@ import pyarrow as pa
 import torch
 
 from rlsched.errors import UserError
-from rlsched.executor.folders import check_drafter_vocab, eos_id, prepare_out, resolve_model_dir
+from rlsched.executor.folders import prepare_out
 from rlsched.executor.gcfreeze import freeze_long_lived
 from rlsched.executor.prompts import Prompt, load_prompts
+from rlsched.executor.setup import Models, check_cost_folder, cost_model, drafter_kind, drafter_names, load_models, \
+    make_drafter, needs_cost, start_engine
+from rlsched.policies.registry import GENERATE, parse_policy
 
 MARKER = "summary.json"
 
@@ -97,132 +101,75 @@ class Setup:
     """Everything checked and loaded; nothing written yet."""
 
     args: GenerateArgs
-    target: object  # LoadedModel
-    target_dir: Path
-    drafter_name: str
-    drafter_dir: Path | None
-    drafter_model: object | None
+    models: Models
     prompts: list[Prompt]
     sampling: object
     eos: int | None
 
+    @property
+    def drafter_name(self) -> str:
+        return self.models.drafter_name
+
 
 def prepare(a: GenerateArgs, out: Path | None, log=None) -> Setup:
-    from rlsched.executor.engine import check_policy
-    from rlsched.executor.loading import load_model
-
     _check_numbers(a)
+    # the policy and its cost model folder first: the drafter's kind is known from --drafter alone
+    parse_policy(a.policy).check(drafter_names(drafter_kind(a.drafter)), a.k_max, GENERATE)
+    if needs_cost(a.policy, a.instances, a.realloc):
+        check_cost_folder(a.cost_model, "--cost-model")
     if a.threads:
         torch.set_num_threads(a.threads)
     sampling = _sampling(a)
-    target_dir = resolve_model_dir(a.model, "target", log)
-    target = load_model(target_dir, device=a.device, dtype=a.dtype)
-    if target.tokenizer is None:
-        raise UserError(f"model folder {target_dir} has no tokenizer.json, needed to encode the prompts")
-    drafter_model, drafter_dir, name = None, None, a.drafter
-    if a.drafter not in ("off", "ngram"):
-        drafter_dir = resolve_model_dir(a.drafter, "drafter", log)
-        drafter_model = load_model(drafter_dir, device=a.device, dtype=a.dtype)
-        check_drafter_vocab(target, drafter_model, target_dir, drafter_dir)
-        name = "model"
-    prompts = load_prompts(a.prompts, target.tokenizer)
+    m = load_models(a.model, a.drafter, device=a.device, dtype=a.dtype, log=log)
+    prompts = load_prompts(a.prompts, m.tokenizer)
     if a.compile:  # after every check: compiling takes a while
         from rlsched.executor.compiled import compile_for_engine
 
-        compile_for_engine(target.model, [] if drafter_model is None else [drafter_model.model], a.k_max,
-                           a.max_batch, log)
-    check_policy(a.policy, _drafter_names(name), k_max=a.k_max)  # before the auto profile prices it
+        compile_for_engine(m.target, [] if m.drafter_model is None else [m.drafter_model], a.k_max, a.max_batch, log)
     if out is not None:
         prepare_out(out)
-    eos = None if a.ignore_eos else eos_id(target_dir)
-    return Setup(a, target, target_dir, name, drafter_dir, drafter_model, prompts, sampling, eos)
-
-
-def _drafter_names(drafter_name: str) -> tuple[str, ...]:
-    return () if drafter_name == "off" else (drafter_name,)
-
-
-def make_drafter(s: Setup, max_len: int, generator: torch.Generator):
-    from rlsched.executor.drafters import ModelDrafter, NgramDrafter
-
-    if s.drafter_name == "off":
-        return None
-    if s.drafter_name == "ngram":
-        return NgramDrafter()
-    return ModelDrafter(s.drafter_model.model, s.sampling, s.args.max_batch, max_len, generator)
-
-
-def cost_model(s: Setup, drafter, typical_ctx: int, log=None):
-    """The executor's own step costs: a `rlsched profile` folder, or a short profile now
-    (for a priced policy, or for pricing migrations between instances)."""
-    from rlsched.executor.engine import policy_needs_cost
-    from rlsched.costs.measured import MeasuredCostModel
-
-    a = s.args
-    if not policy_needs_cost(a.policy) and not (a.instances > 1 and a.realloc != "none"):
-        return None
-    if a.cost_model != "auto":
-        from rlsched.traces.reader import read_trace
-
-        return MeasuredCostModel(read_trace(Path(a.cost_model) / "traces", "steps"))
-    from rlsched.executor.profiler import policy_profile
-
-    return MeasuredCostModel(policy_profile(s.target.model, drafter, policy=a.policy, max_batch=a.max_batch,
-                                            k_max=a.k_max, typical_ctx=typical_ctx, sampling=s.sampling,
-                                            seed=a.seed, log=log))
-
-
-def _pool(s: Setup, policy, cost, budget: int, drafter_len: int, out: Path, log):
-    """--instances N: N engines as Ray actors (each with --max-batch rows and the KV budget)."""
-    import os
-
-    from rlsched.executor.pool import InstancePool, InstanceSpec
-
-    a = s.args
-    threads = a.threads or max(1, (os.cpu_count() or 1) // a.instances)
-    spec = InstanceSpec(str(s.target_dir), s.drafter_name, None if s.drafter_dir is None else str(s.drafter_dir),
-                        s.sampling, policy, budget, a.max_batch, a.k_max, drafter_len, str(out / "traces"),
-                        a.device, a.dtype, threads)
-    return InstancePool(a.instances, spec, realloc=a.realloc, cost=cost, seed=a.seed, log=log)
+    return Setup(a, m, prompts, sampling, None if a.ignore_eos else m.eos)
 
 
 def run(s: Setup, out: Path, log=None) -> dict:
     """Generate every prompt `n` times with the engine; write the folder; return the summary."""
-    from rlsched.executor.engine import Request, RolloutEngine, build_policy, check_requests
+    from rlsched.executor.drafters import drafter_cache_len
+    from rlsched.executor.engine import Request, build_policy, check_requests
     from rlsched.tasks.synthetic import exact_match
     from rlsched.atomic import write_text_atomic
     from rlsched.traces.writer import write_table
 
-    a = s.args
+    a, m = s.args, s.models
     requests = [Request(p.ids, p.index, p.index * a.n + j, a.max_tokens, s.eos)
                 for p in s.prompts for j in range(a.n)]
-    longest = max(len(r.prompt) for r in requests) + a.max_tokens
-    budget = a.kv_budget or a.max_batch * longest
+    longest = max(len(r.prompt) for r in requests)
+    budget = a.kv_budget or a.max_batch * (longest + a.max_tokens)
     check_requests(requests, budget)
     gen = torch.Generator(device=a.device).manual_seed(a.seed)
     torch.manual_seed(a.seed)
-    from rlsched.executor.drafters import drafter_cache_len
-
-    drafter = make_drafter(s, drafter_cache_len(max(len(r.prompt) for r in requests), a.max_tokens, a.k_max), gen)
+    drafter_len = drafter_cache_len(longest, a.max_tokens, a.k_max)
+    drafter = make_drafter(m, s.sampling, a.max_batch, drafter_len, gen)
     typical = int(sum(len(r.prompt) for r in requests) / len(requests) + a.max_tokens / 2)
-    cost = cost_model(s, drafter, typical, log)
-    policy = build_policy(a.policy, _drafter_names(s.drafter_name), cost,
-                          k_max=a.k_max, max_batch=a.max_batch, typical_ctx=typical)
+    cost, _ = cost_model(a.policy, a.cost_model, m.target, drafter, s.sampling, instances=a.instances,
+                         realloc=a.realloc, max_batch=a.max_batch, k_max=a.k_max, typical_ctx=typical, seed=a.seed,
+                         log=log)
+    policy = build_policy(a.policy, m.drafter_names, cost, GENERATE, k_max=a.k_max, max_batch=a.max_batch,
+                          typical_ctx=typical)
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    if a.instances > 1:
-        engine = _pool(s, policy, cost, budget, drafter_cache_len(max(len(r.prompt) for r in requests),
-                                                                  a.max_tokens, a.k_max), out, log)
-    else:
-        engine = RolloutEngine(s.target.model, drafter, budget, a.max_batch, s.sampling, policy,
-                               trace_dir=out / "traces", k_max=a.k_max, generator=gen)
+    # --threads is per instance; a pool shares the cores by default
+    threads = a.threads or max(1, (os.cpu_count() or 1) // a.instances)
+    engine = start_engine(m, drafter, s.sampling, policy, instances=a.instances, capacity=budget,
+                          max_batch=a.max_batch, k_max=a.k_max, drafter_len=drafter_len, trace_dir=out / "traces",
+                          generator=gen, device=a.device, dtype=a.dtype, threads=threads, realloc=a.realloc,
+                          cost=cost, seed=a.seed, log=log)
     freeze_long_lived()
     try:
         result = engine.run(requests)
     finally:
         engine.close()
-    tok = s.target.tokenizer
+    tok = m.tokenizer
     rows = []
     for r, sample in zip(requests, result.samples):
         p = s.prompts[r.prompt_id]
@@ -235,8 +182,8 @@ def run(s: Setup, out: Path, log=None) -> dict:
     df = pd.DataFrame(rows)
     write_table(out / "samples.parquet", pa.Table.from_pandas(df, preserve_index=False))
     stats = result.stats
-    summary = dict(stats, model=str(s.target_dir), drafter=s.drafter_name, instances=a.instances, realloc=a.realloc,
-                   drafter_dir=None if s.drafter_dir is None else str(s.drafter_dir), policy=a.policy,
+    summary = dict(stats, model=str(m.target_dir), drafter=m.drafter_name, instances=a.instances, realloc=a.realloc,
+                   drafter_dir=None if m.drafter_dir is None else str(m.drafter_dir), policy=a.policy,
                    prompts=len(s.prompts), kv_budget_tokens=budget,
                    accuracy=None if df["correct"].isna().all() else float(df["correct"].mean()),
                    args={k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(a).items()},

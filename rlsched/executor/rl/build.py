@@ -1,10 +1,11 @@
 """Everything an RL run needs, built from its RunConfig: `build(cfg, out)`.
 
-Every input is checked before anything is written (the out folder, the data, the reward, the
-model and drafter folders, the policy, the cost model), then the run's state is restored from
-its checkpoint (on resume), the drafter and the draft policy are made (profiling step costs
-first when the policy prices them and no profile is given), the out folder is prepared and the
-rollout backend started: rlsched's own engine in this process, a Ray pool of them, or vLLM.
+Every input is checked before anything is written (the out folder; the policy and its cost
+model folder, before any model is loaded; the data, the reward, the model and drafter folders),
+then the run's state is restored from its checkpoint (on resume), the drafter and the draft
+policy are made (profiling step costs first when the policy prices them and no profile is
+given), the out folder is prepared and the rollout backend started: rlsched's own engine in
+this process, a Ray pool of them, or vLLM.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pandas as pd
 import pyarrow as pa
 import torch
 import yaml
@@ -28,8 +28,9 @@ from rlsched.executor.drafters import drafter_cache_len
 from rlsched.executor.prompts import encode
 from rlsched.executor.rl.checkpoint import SUMMARY, TrainState, restore, rewind_out
 from rlsched.executor.rl.config import RunConfig
-
-PROFILE = "profile.parquet"  # the step costs a run profiled at its start
+from rlsched.executor.setup import PROFILE, Models, check_cost_folder, cost_model, drafter_kind, drafter_names, \
+    load_models, make_drafter, needs_cost, start_engine
+from rlsched.policies.registry import parse_policy, run_words
 
 
 @dataclass
@@ -58,6 +59,7 @@ def build(cfg: RunConfig, out: Path, *, resume: bool = False, log=None) -> Setup
     log = log or (lambda msg: None)
     out, r = Path(out), cfg.rollout
     check_out(out, resume)
+    check_policy_inputs(cfg)  # from the config alone, before anything is loaded
     if r.instances > 1:
         from rlsched.executor.pool import require_ray
 
@@ -66,16 +68,16 @@ def build(cfg: RunConfig, out: Path, *, resume: bool = False, log=None) -> Setup
         torch.set_num_threads(cfg.threads)
     source = make_source(cfg.data, cfg.seed)
     reward_fn = resolve_reward(cfg.reward, device=cfg.device)
-    m = load_models(cfg, log)
-    check_policy_inputs(cfg, m)
+    m = load_models(cfg.model, cfg.drafter, device=cfg.device, dtype=cfg.dtype, log=log)
     sampling = SamplingParams(temperature=r.temperature)
-    reference = copy.deepcopy(m.actor) if cfg.algorithm.kl_coef > 0 else None
-    state = new_state(cfg, m.actor, m.drafter_model)
+    reference = copy.deepcopy(m.target) if cfg.algorithm.kl_coef > 0 else None
+    state = new_state(cfg, m.target, m.drafter_model)
     start_step, saved = restore(out, cfg.model_dump(), state) if resume else (0, None)
     one = r.backend == "local" and r.instances == 1  # rlsched's engine in this process
     restored, estimator, history = saved if one and saved is not None else (None, None, None)
     longest = longest_prompt(source, m.tokenizer)
-    drafter = make_drafter(cfg, m, sampling, longest, state.generator, history)
+    drafter = make_drafter(m, sampling, r.max_batch, drafter_cache_len(longest, r.max_tokens, r.k_max),
+                           state.generator, ngram_history=2 * r.group_size, history=history)
     policy, cost, profile = restored, None, None
     if restored is None:
         policy, cost, profile = make_policy(cfg, m, drafter, sampling, typical_context(cfg, source, m.tokenizer),
@@ -126,48 +128,7 @@ def new_out(out: Path, cfg: RunConfig) -> None:
     write_text_atomic(out / "config.yaml", yaml.safe_dump(cfg.model_dump(), sort_keys=False))
 
 
-# --- models --------------------------------------------------------------------------------------
-
-@dataclass
-class Models:
-    """The loaded target (the actor to train) and model drafter."""
-
-    target_dir: Path
-    actor: torch.nn.Module
-    tokenizer: Any
-    eos: int | None
-    pad_id: int
-    drafter_name: str  # off, ngram or model
-    drafter_dir: Path | None  # a model drafter's folder
-    drafter_model: torch.nn.Module | None
-
-    @property
-    def drafter_names(self) -> tuple[str, ...]:
-        return () if self.drafter_name == "off" else (self.drafter_name,)
-
-    @property
-    def drafter_spec(self):
-        """The drafter as vLLM's backend takes it: a model folder, or a drafter's name."""
-        return self.drafter_dir if self.drafter_name == "model" else self.drafter_name
-
-
-def load_models(cfg: RunConfig, log) -> Models:
-    from rlsched.executor.folders import check_drafter_vocab, eos_id, pad_id, resolve_model_dir
-    from rlsched.executor.loading import load_model
-
-    target_dir = resolve_model_dir(cfg.model, "target", log)
-    target = load_model(target_dir, device=cfg.device, dtype=cfg.dtype)
-    if target.tokenizer is None:
-        raise UserError(f"model folder {target_dir} has no tokenizer.json, needed to encode prompts")
-    name, d_dir, d_model = cfg.drafter, None, None
-    if cfg.drafter not in ("off", "ngram"):
-        d_dir = resolve_model_dir(cfg.drafter, "drafter", log)
-        d = load_model(d_dir, device=cfg.device, dtype=cfg.dtype)
-        check_drafter_vocab(target, d, target_dir, d_dir)
-        name, d_model = "model", d.model
-    return Models(target_dir, target.model, target.tokenizer, eos_id(target_dir), pad_id(target_dir), name, d_dir,
-                  d_model)
-
+# --- the trainer's state -----------------------------------------------------------------------
 
 def new_state(cfg: RunConfig, actor, drafter_model) -> TrainState:
     """The optimizers, PPO's critic (a copy of the actor with a value head), the replay
@@ -193,31 +154,19 @@ def new_state(cfg: RunConfig, actor, drafter_model) -> TrainState:
 
 # --- the policy and its cost model --------------------------------------------------------------
 
-def priced_from(folder: Path) -> str | None:
-    """What a `cost_model` folder is: a `rlsched profile` output ("profile"), an earlier run
-    that profiled at its start ("run"), or neither (None)."""
-    if (folder / PROFILE).is_file():  # (a run's folder also holds traces/: its own)
-        return "run"
-    if (folder / "traces").is_dir():
-        return "profile"
-    return None
-
-
-def check_policy_inputs(cfg: RunConfig, m: Models) -> None:
-    """The policy (the backend's own, for vLLM) and the cost model folder it is priced by,
-    checked before anything is profiled or written."""
-    from rlsched.executor.engine import check_policy, policy_needs_cost
-
+def check_policy_inputs(cfg: RunConfig) -> None:
+    """The policy (the backend's own, for vLLM) and the cost model folder it is priced by, in
+    the run's words: from the config alone, before any model is loaded."""
     r = cfg.rollout
+    kind = drafter_kind(cfg.drafter)
     if r.backend == "vllm":
         from rlsched.executor.vllm_backend import check_vllm_backend
 
-        check_vllm_backend(cfg.policy, m.drafter_spec, k_max=r.k_max, max_batch=r.max_batch)
+        check_vllm_backend(cfg.policy, kind, k_max=r.k_max, max_batch=r.max_batch)
         return
-    check_policy(cfg.policy, m.drafter_names, k_max=r.k_max)
-    if policy_needs_cost(cfg.policy) and cfg.cost_model != "auto" and not priced_from(Path(cfg.cost_model)):
-        raise UserError(f"cost_model: {cfg.cost_model} is neither a `rlsched profile` folder (traces/) nor "
-                        "an earlier run's folder (profile.parquet); give one or 'auto'")
+    parse_policy(cfg.policy).check(drafter_names(kind), r.k_max, run_words(r.backend))
+    if needs_cost(cfg.policy, r.instances, r.realloc):
+        check_cost_folder(cfg.cost_model, "cost_model")
 
 
 def longest_prompt(source, tokenizer) -> int:
@@ -233,62 +182,21 @@ def typical_context(cfg: RunConfig, source, tokenizer) -> int:
     return int(np.mean([len(encode(tokenizer, i.prompt)) for i in items]) + cfg.rollout.max_tokens / 2)
 
 
-def make_drafter(cfg: RunConfig, m: Models, sampling, longest: int, generator, history=None):
-    """The in-process drafter (None for off); an n-gram drafter gets back its `history`."""
-    from rlsched.executor.drafters import ModelDrafter, NgramDrafter
-
-    r = cfg.rollout
-    if m.drafter_name == "ngram":
-        drafter = NgramDrafter(max_history=2 * r.group_size)
-        if history is not None:
-            drafter.history = history
-        return drafter
-    if m.drafter_name == "model":
-        return ModelDrafter(m.drafter_model, sampling, r.max_batch, drafter_cache_len(longest, r.max_tokens, r.k_max),
-                            generator)
-    return None
-
-
 def make_policy(cfg: RunConfig, m: Models, drafter, sampling, typical_ctx: int, out: Path, log):
     """(policy, cost model, profile records to save): vLLM's is the config's own; rlsched's is
-    built over a cost model when it or a pool's migrations are priced (profiled first when no
-    profile is given)."""
+    built over a cost model when it or a pool's migrations are priced (a given folder's, the
+    run's own start-up profile on resume, or a short profile now)."""
     from rlsched.executor.engine import build_policy
 
     r = cfg.rollout
     if r.backend == "vllm":
         return cfg.policy, None, None
-    cost, records = cost_model(cfg, drafter, sampling, typical_ctx, out, m.actor, log)
-    policy = build_policy(cfg.policy, m.drafter_names, cost, k_max=r.k_max, max_batch=r.max_batch,
-                          typical_ctx=typical_ctx)
+    cost, records = cost_model(cfg.policy, cfg.cost_model, m.target, drafter, sampling, instances=r.instances,
+                               realloc=r.realloc, max_batch=r.max_batch, k_max=r.k_max, typical_ctx=typical_ctx,
+                               seed=cfg.seed, saved=out / PROFILE, log=log)
+    policy = build_policy(cfg.policy, m.drafter_names, cost, run_words(r.backend), k_max=r.k_max,
+                          max_batch=r.max_batch, typical_ctx=typical_ctx)
     return policy, cost, records
-
-
-def cost_model(cfg: RunConfig, drafter, sampling, typical_ctx: int, out: Path, actor, log):
-    """(MeasuredCostModel, profile records to save) when the policy or a pool's migrations
-    are priced, else (None, None): a given folder's, the run's own profile on resume, or a
-    short profile now."""
-    from rlsched.costs.measured import MeasuredCostModel
-    from rlsched.executor.engine import policy_needs_cost
-
-    r = cfg.rollout
-    if not (policy_needs_cost(cfg.policy) or (r.instances > 1 and r.realloc != "none")):
-        return None, None
-    if cfg.cost_model != "auto":
-        from rlsched.traces.reader import read_trace
-
-        given = Path(cfg.cost_model)
-        if priced_from(given) == "run":  # price steps as that run did: its repeat takes the same decisions
-            return MeasuredCostModel(pd.read_parquet(given / PROFILE)), None
-        return MeasuredCostModel(read_trace(given / "traces", "steps")), None
-    saved = out / PROFILE
-    if saved.is_file():  # the run's own profile: a resumed run prices steps as before
-        return MeasuredCostModel(pd.read_parquet(saved)), None
-    from rlsched.executor.profiler import policy_profile
-
-    records = policy_profile(actor, drafter, policy=cfg.policy, max_batch=r.max_batch, k_max=r.k_max,
-                             typical_ctx=typical_ctx, sampling=sampling, seed=cfg.seed, log=log)
-    return MeasuredCostModel(records), records
 
 
 # --- the rollout backend -------------------------------------------------------------------------
@@ -299,26 +207,18 @@ def make_backend(cfg: RunConfig, m: Models, drafter, sampling, policy, cost, gen
     rollout.instances of them on Ray, each with the actor's current weights and its own copy
     of the policy, or its `states` entry restored), or vLLM's."""
     r = cfg.rollout
-    capacity, drafter_len = r.max_batch * (longest + r.max_tokens), drafter_cache_len(longest, r.max_tokens, r.k_max)
     if r.backend == "vllm":
         from rlsched.executor.vllm_backend import VllmRolloutEngine
 
-        return VllmRolloutEngine(m.target_dir, m.drafter_spec, sampling, cfg.policy, max_batch=r.max_batch,
+        drafter_spec = m.drafter_dir if m.drafter_name == "model" else m.drafter_name  # a folder, or a name
+        return VllmRolloutEngine(m.target_dir, drafter_spec, sampling, cfg.policy, max_batch=r.max_batch,
                                  k_max=r.k_max, max_len=longest + r.max_tokens + r.k_max + 1,
                                  trace_dir=out / "traces", seed=cfg.seed, threads=cfg.threads, dtype=cfg.dtype)
-    if r.instances > 1:
-        from rlsched.executor.pool import InstancePool, InstanceSpec
-
-        threads = max(1, (cfg.threads or os.cpu_count() or 1) // r.instances)  # the instances share the cores
-        spec = InstanceSpec(str(m.target_dir), m.drafter_name, None if m.drafter_dir is None else str(m.drafter_dir),
-                            sampling, policy, capacity, r.max_batch, r.k_max, drafter_len, str(out / "traces"),
-                            cfg.device, cfg.dtype, threads, 2 * r.group_size, r.share_prompts, r.probe_every)
-        return InstancePool(r.instances, spec, realloc=r.realloc, threshold=r.realloc_threshold, cost=cost,
-                            seed=cfg.seed, target_state=m.actor.state_dict(),
-                            drafter_state=None if m.drafter_model is None else m.drafter_model.state_dict(),
-                            states=states, log=log)
-    from rlsched.executor.engine import RolloutEngine
-
-    return RolloutEngine(m.actor, drafter, capacity, r.max_batch, sampling, policy, estimator,
-                         trace_dir=out / "traces", k_max=r.k_max, generator=generator,
-                         share_prompts=r.share_prompts, probe_every=r.probe_every)
+    threads = max(1, (cfg.threads or os.cpu_count() or 1) // r.instances)  # the instances share the cores
+    return start_engine(m, drafter, sampling, policy, instances=r.instances,
+                        capacity=r.max_batch * (longest + r.max_tokens), max_batch=r.max_batch, k_max=r.k_max,
+                        drafter_len=drafter_cache_len(longest, r.max_tokens, r.k_max), trace_dir=out / "traces",
+                        generator=generator, device=cfg.device, dtype=cfg.dtype, threads=threads,
+                        realloc=r.realloc, threshold=r.realloc_threshold, cost=cost, seed=cfg.seed,
+                        ngram_history=2 * r.group_size, share_prompts=r.share_prompts, probe_every=r.probe_every,
+                        estimator=estimator, send_weights=True, states=states, log=log)

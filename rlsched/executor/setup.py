@@ -1,0 +1,170 @@
+"""What `rlsched generate` and `rlsched run` set up alike, from their own options or config.
+
+- the drafter's kind from its argument (`drafter_kind`, `drafter_names`), known before any
+  model is loaded, so the policy is checked first;
+- the target and drafter models (`load_models`) and the in-process drafter (`make_drafter`);
+- the cost model that prices the policy or a pool's migrations (`cost_model`): a given
+  folder's, or a short profile at start;
+- rlsched's own engine, in this process or as a Ray pool (`start_engine`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlsched.errors import UserError
+from rlsched.policies.probe import PROBE_EVERY
+from rlsched.policies.registry import parse_policy
+
+PROFILE = "profile.parquet"  # the step costs a run profiled at its start
+
+
+# --- the drafter -------------------------------------------------------------------------------
+
+def drafter_kind(drafter: str) -> str:
+    """What a drafter argument is: off, ngram, or model (builtin or a model folder)."""
+    return drafter if drafter in ("off", "ngram") else "model"
+
+
+def drafter_names(kind: str) -> tuple[str, ...]:
+    """The drafters a policy may name, for a drafter of this kind."""
+    return () if kind == "off" else (kind,)
+
+
+# --- models --------------------------------------------------------------------------------------
+
+@dataclass
+class Models:
+    """The loaded target and model drafter."""
+
+    target_dir: Path
+    target: Any  # the target Transformer (an RL run's actor)
+    tokenizer: Any
+    eos: int | None
+    pad_id: int
+    drafter_name: str  # off, ngram or model
+    drafter_dir: Path | None  # a model drafter's folder
+    drafter_model: Any  # a model drafter's Transformer, else None
+
+    @property
+    def drafter_names(self) -> tuple[str, ...]:
+        return drafter_names(self.drafter_name)
+
+
+def load_models(model: str, drafter: str, *, device: str, dtype: str, log=None) -> Models:
+    """The target (with a tokenizer: prompts are encoded with it) and, for a model drafter, the
+    drafter, checked to share the target's vocabulary. UserError, one line, otherwise."""
+    from rlsched.executor.folders import check_drafter_vocab, eos_id, pad_id, resolve_model_dir
+    from rlsched.executor.loading import load_model
+
+    target_dir = resolve_model_dir(model, "target", log)
+    target = load_model(target_dir, device=device, dtype=dtype)
+    if target.tokenizer is None:
+        raise UserError(f"model folder {target_dir} has no tokenizer.json, needed to encode the prompts")
+    kind, d_dir, d_model = drafter_kind(drafter), None, None
+    if kind == "model":
+        d_dir = resolve_model_dir(drafter, "drafter", log)
+        d = load_model(d_dir, device=device, dtype=dtype)
+        check_drafter_vocab(target, d, target_dir, d_dir)
+        d_model = d.model
+    return Models(target_dir, target.model, target.tokenizer, eos_id(target_dir), pad_id(target_dir), kind, d_dir,
+                  d_model)
+
+
+def make_drafter(m: Models, sampling, max_batch: int, max_len: int, generator, *, ngram_history: int | None = None,
+                 history=None):
+    """The in-process drafter (None for off): a model drafter with caches of `max_len`, or an
+    n-gram drafter remembering `ngram_history` samples (given back its `history`)."""
+    from rlsched.executor.drafters import ModelDrafter, NgramDrafter
+
+    if m.drafter_name == "ngram":
+        drafter = NgramDrafter(max_history=ngram_history)
+        if history is not None:
+            drafter.history = history
+        return drafter
+    if m.drafter_name == "model":
+        return ModelDrafter(m.drafter_model, sampling, max_batch, max_len, generator)
+    return None
+
+
+# --- the cost model ------------------------------------------------------------------------------
+
+def needs_cost(policy: str, instances: int, realloc: str) -> bool:
+    """Whether the run prices steps: a priced policy, or a pool that migrates samples."""
+    return parse_policy(policy).priced or (instances > 1 and realloc != "none")
+
+
+def priced_from(folder: Path) -> str | None:
+    """What a cost model folder is: a `rlsched profile` output ("profile"), an earlier run
+    that profiled at its start ("run"), or neither (None)."""
+    if (folder / PROFILE).is_file():  # (a run's folder also holds traces/: its own)
+        return "run"
+    if (folder / "traces").is_dir():
+        return "profile"
+    return None
+
+
+def check_cost_folder(given: str, what: str) -> None:
+    """Refuse a cost model folder (option or field `what`) that holds no step costs."""
+    if given != "auto" and not priced_from(Path(given)):
+        raise UserError(f"{what}: {given} is neither a `rlsched profile` folder (traces/) nor an earlier run's "
+                        "folder (profile.parquet); give one or 'auto'")
+
+
+def cost_model(policy: str, given: str, target, drafter, sampling, *, instances: int, realloc: str, max_batch: int,
+               k_max: int, typical_ctx: int, seed: int, saved: Path | None = None, log=None):
+    """(MeasuredCostModel, profile records to save) when the run prices steps (`needs_cost`),
+    else (None, None): the `given` folder's (an earlier run's start-up profile, so a rerun
+    decides alike, or a `rlsched profile` folder's traces), the `saved` profile of a resumed
+    run, or a short profile now ('auto')."""
+    import pandas as pd
+
+    from rlsched.costs.measured import MeasuredCostModel
+
+    if not needs_cost(policy, instances, realloc):
+        return None, None
+    if given != "auto":
+        from rlsched.traces.reader import read_trace
+
+        folder = Path(given)
+        if priced_from(folder) == "run":
+            return MeasuredCostModel(pd.read_parquet(folder / PROFILE)), None
+        return MeasuredCostModel(read_trace(folder / "traces", "steps")), None
+    if saved is not None and saved.is_file():
+        return MeasuredCostModel(pd.read_parquet(saved)), None
+    from rlsched.executor.profiler import policy_profile
+
+    records = policy_profile(target, drafter, policy=policy, max_batch=max_batch, k_max=k_max,
+                             typical_ctx=typical_ctx, sampling=sampling, seed=seed, log=log)
+    return MeasuredCostModel(records), records
+
+
+# --- the engine ----------------------------------------------------------------------------------
+
+def start_engine(m: Models, drafter, sampling, policy, *, instances: int, capacity: int, max_batch: int, k_max: int,
+                 drafter_len: int, trace_dir: Path, generator, device: str, dtype: str, threads: int,
+                 realloc: str = "none", threshold: int = 8, cost=None, seed: int = 0,
+                 ngram_history: int | None = None, share_prompts: bool = True,
+                 probe_every: int | None = PROBE_EVERY, estimator=None, send_weights: bool = False, states=None,
+                 log=None):
+    """rlsched's own engine with a KV budget of `capacity` tokens and `max_batch` rows: one in
+    this process (over `drafter`, with `estimator` restored), or `instances` Ray actors (each
+    loading the models from their folders, then the current weights when `send_weights`, on
+    `threads` threads, with its own copy of the policy or its `states` entry restored)."""
+    if instances > 1:
+        from rlsched.executor.pool import InstancePool, InstanceSpec
+
+        spec = InstanceSpec(str(m.target_dir), m.drafter_name, None if m.drafter_dir is None else str(m.drafter_dir),
+                            sampling, policy, capacity, max_batch, k_max, drafter_len, str(trace_dir), device, dtype,
+                            threads, ngram_history, share_prompts, probe_every)
+        weights = dict(target_state=m.target.state_dict(),
+                       drafter_state=None if m.drafter_model is None else m.drafter_model.state_dict()) \
+            if send_weights else {}
+        return InstancePool(instances, spec, realloc=realloc, threshold=threshold, cost=cost, seed=seed,
+                            states=states, log=log, **weights)
+    from rlsched.executor.engine import RolloutEngine
+
+    return RolloutEngine(m.target, drafter, capacity, max_batch, sampling, policy, estimator, trace_dir=trace_dir,
+                         k_max=k_max, generator=generator, share_prompts=share_prompts, probe_every=probe_every)
