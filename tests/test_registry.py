@@ -64,8 +64,9 @@ def test_each_command_refuses_in_its_own_words():
         parse_policy("static:2:eagle").check(("model",), 6, GENERATE)
     with pytest.raises(UserError, match=r"true acceptance; it runs in `rlsched simulate`"):
         parse_policy("oracle").check(("model",), 6, GENERATE)
-    with pytest.raises(UserError, match=r"cannot run on vLLM"):
-        parse_policy("twostate").check(("model",), 6, run_words("vllm"))  # it solves over a cost model
+    with pytest.raises(UserError, match=r"true acceptance; it runs in `rlsched simulate`"):
+        parse_policy("oracle").check(("model",), 6, run_words("vllm"))
+    parse_policy("goodput").check(("model",), 6, run_words("vllm"))  # rlsched's policies run inside vLLM
     parse_policy("static:0").check((), 6, GENERATE)  # plain decoding needs no drafter
     parse_policy("oracle").check(("model",), 6, SIMULATOR)
 
@@ -73,8 +74,8 @@ def test_each_command_refuses_in_its_own_words():
 def test_usage_lists_what_each_engine_runs():
     assert "oracle" in usage("simulator") and "oracle" not in usage("local")
     vllm = usage("vllm")
-    assert all(name in vllm for name in ("off", "static:K", "twostate", "table:FILE"))
-    assert not any(name in vllm for name in ("goodput", "bandit", "oracle"))
+    assert all(name in vllm for name in ("off", "static:K", "twostate", "table:FILE", "goodput", "bandit"))
+    assert "oracle" not in vllm
 
 
 def test_the_builder_follows_the_spec():

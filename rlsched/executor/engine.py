@@ -273,9 +273,8 @@ class RolloutEngine:
     def _compact(self) -> None:
         """Running rows in cache slots 0..n-1, in slot order, so that every layer reads the
         cache as views: rows finish (or leave) at different times, and the holes they leave
-        made every step gather all rows' keys and values in every layer (~1 ms a step at
-        batch 64 here). A row moves by copying its cached tokens, in the target's cache and
-        in a model drafter's."""
+        would make every step gather all rows' keys and values in every layer. A row moves by
+        copying its cached tokens, in the target's cache and in a model drafter's."""
         running = self._running
         n = len(running)
         movers = sorted(s for s in running if s >= n)

