@@ -4,6 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 SIM_STAMP := $(VENV)/.installed-sim
 ALL_STAMP := $(VENV)/.installed-all
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-rlsched
 
 .PHONY: demo test test-vllm bench bench-rl clean
 
@@ -29,18 +31,18 @@ $(ALL_STAMP): pyproject.toml | $(BIN)/python
 demo: $(SIM_STAMP)
 	$(BIN)/rlsched simulate
 
-# Two workers, each taking whole test files (a file's module fixtures are built once): half
-# the tests wait on subprocesses and imports, not on the cores.
-test: $(ALL_STAMP)
+# Lint, then two workers, each taking whole test files (a file's module fixtures are built
+# once): half the tests wait on subprocesses and imports, not on the cores. Then the vLLM
+# tests (pytest -m vllm) in .venv-vllm, vLLM's CPU build.
+test: $(ALL_STAMP) $(VLLM_STAMP)
+	$(BIN)/ruff check rlsched tests bench
 	$(BIN)/python -m pytest -n 2 --dist loadfile
+	$(VLLM_VENV)/bin/python -m pytest -m vllm -p no:cacheprovider
 
-# The vLLM rollout backend's tests (pytest -m vllm) in .venv-vllm: vLLM's CPU build
-# (bench/peers/setup_vllm.sh, idempotent) plus rlsched installed editable. Everything vLLM
-# already installed (torch 2.13.0+cpu, transformers, tokenizers, safetensors, numpy, ...) is
-# pinned as a constraint, so pip only adds what rlsched needs and replaces nothing. Not in CI:
-# the install alone takes minutes (docs/executor.md).
-VLLM_VENV := .venv-vllm
-VLLM_STAMP := $(VLLM_VENV)/.installed-rlsched
+# .venv-vllm: vLLM's CPU build (bench/peers/setup_vllm.sh, idempotent) plus rlsched installed
+# editable. Everything vLLM already installed (torch 2.13.0+cpu, transformers, tokenizers,
+# safetensors, numpy, ...) is pinned as a constraint, so pip only adds what rlsched needs and
+# replaces nothing. `make test-vllm` runs the vLLM tests alone.
 $(VLLM_STAMP): pyproject.toml bench/peers/setup_vllm.sh
 	bash bench/peers/setup_vllm.sh >/dev/null
 	$(VLLM_VENV)/bin/python -m pip freeze --exclude-editable | grep -v '^rlsched' > $(VLLM_VENV)/constraints.txt

@@ -317,7 +317,7 @@ class VllmRolloutEngine:
     def __init__(self, target_dir: Path, drafter, sampling: SamplingParams, policy: str, *, max_batch: int,
                  k_max: int, max_len: int, trace_dir: Path | None, seed: int, threads: int | None,
                  dtype: str = "float32", cost=None, typical_ctx: int | None = None, instance: int = 0,
-                 probe_every: int | None = PROBE_EVERY, identity: dict | None = None, state=None):
+                 probe_every: int | None = PROBE_EVERY, identity: dict | None = None, state=None, log=None):
         from rlsched.executor import vllm_hook
         from rlsched.policies.acceptance import AcceptanceEstimator
 
@@ -383,20 +383,23 @@ class VllmRolloutEngine:
         self.draft_policy = None if state is None else state[0]
         self.cost, self.calibration_s = cost, 0.0
         if self.plan is not None and not self.plan["native"] and self.draft_policy is None:
-            self.draft_policy = self._make_policy(cost, typical_ctx or max_len // 2, identity or {})
+            self.draft_policy = self._make_policy(cost, typical_ctx or max_len // 2, identity or {}, log)
         self.hook = vllm_hook.StepHook(
             self.draft_policy, self.estimator, names[0] if names else "off", k_max if self.plan else 0,
             instance=instance, record=None if self._steps_w is None else self._steps_w.append,
             prober=None if self.draft_policy is None else prober_for(self.draft_policy, names, probe_every))
         vllm_hook.attach(self.llm, self.hook)
 
-    def _make_policy(self, cost, typical_ctx: int, identity: dict):
+    def _make_policy(self, cost, typical_ctx: int, identity: dict, log=None):
         """rlsched's DraftPolicy for this engine, priced by `cost` or by `calibrate`."""
         from rlsched.policies.draft import PolicyContext
         from rlsched.policies.registry import make_draft_policy
 
         spec = parse_policy(self.policy)
         if spec.priced and cost is None:
+            if log:
+                log(f"measuring step costs through vLLM for the {self.policy} policy "
+                    f"(batch 1..{self.max_batch}, k 0..{self.k_max})")
             t = time.perf_counter()
             cost = self.cost = self.calibrate(typical_ctx)
             self.calibration_s = time.perf_counter() - t

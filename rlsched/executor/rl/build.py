@@ -73,15 +73,15 @@ def build(cfg: RunConfig, out: Path, *, resume: bool = False, log=None) -> Setup
     reference = copy.deepcopy(m.target) if cfg.algorithm.kl_coef > 0 else None
     state = new_state(cfg, m.target, m.drafter_model)
     start_step, saved = restore(out, cfg.model_dump(), state) if resume else (0, None)
-    one = r.backend == "local" and r.instances == 1  # rlsched's engine in this process
+    one = r.instances == 1  # one engine in this process: rlsched's, or vLLM's (its policy_state is alike)
     restored, estimator, history = saved if one and saved is not None else (None, None, None)
     longest = longest_prompt(source, m.tokenizer)
     drafter = make_drafter(m, sampling, r.max_batch, drafter_cache_len(longest, r.max_tokens, r.k_max),
                            state.generator, ngram_history=2 * r.group_size, history=history)
     policy, cost, profile = restored, None, None
+    typical = typical_context(cfg, source, m.tokenizer)
     if restored is None:
-        policy, cost, profile = make_policy(cfg, m, drafter, sampling, typical_context(cfg, source, m.tokenizer),
-                                            out, log)
+        policy, cost, profile = make_policy(cfg, m, drafter, sampling, typical, out, log)
     if resume:
         rewind_out(out, start_step)
         log(f"resuming {out} at step {start_step}")
@@ -92,7 +92,7 @@ def build(cfg: RunConfig, out: Path, *, resume: bool = False, log=None) -> Setup
 
         write_table(out / PROFILE, pa.Table.from_pandas(profile, preserve_index=False))
     backend = make_backend(cfg, m, drafter, sampling, policy, cost, state.generator, longest, out, log,
-                           estimator=estimator, states=None if one else saved)
+                           estimator=estimator, states=None if one else saved, typical_ctx=typical)
     return Setup(source, reward_fn, m.tokenizer, m.eos, m.pad_id, m.drafter_name, state, reference,
                  start_step, longest, backend)
 
@@ -183,14 +183,19 @@ def typical_context(cfg: RunConfig, source, tokenizer) -> int:
 
 
 def make_policy(cfg: RunConfig, m: Models, drafter, sampling, typical_ctx: int, out: Path, log):
-    """(policy, cost model, profile records to save): vLLM's is the config's own; rlsched's is
-    built over a cost model when it or a pool's migrations are priced (a given folder's, the
-    run's own start-up profile on resume, or a short profile now)."""
+    """(policy, cost model, profile records to save): rlsched's engine's policy, built over a
+    cost model when it or a pool's migrations are priced (a given folder's, the run's own
+    start-up profile on resume, or a short profile now); for vLLM the policy's name and a
+    given folder's cost model (without one, vLLM's engine measures its own at start-up)."""
     from rlsched.executor.engine import build_policy
 
     r = cfg.rollout
     if r.backend == "vllm":
-        return cfg.policy, None, None
+        given = cfg.cost_model != "auto" and parse_policy(cfg.policy).priced
+        cost = cost_model(cfg.policy, cfg.cost_model, None, None, sampling, instances=1, realloc="none",
+                          max_batch=r.max_batch, k_max=r.k_max, typical_ctx=typical_ctx, seed=cfg.seed)[0] if given \
+            else None
+        return cfg.policy, cost, None
     cost, records = cost_model(cfg.policy, cfg.cost_model, m.target, drafter, sampling, instances=r.instances,
                                realloc=r.realloc, max_batch=r.max_batch, k_max=r.k_max, typical_ctx=typical_ctx,
                                seed=cfg.seed, saved=out / PROFILE, log=log)
@@ -202,18 +207,22 @@ def make_policy(cfg: RunConfig, m: Models, drafter, sampling, typical_ctx: int, 
 # --- the rollout backend -------------------------------------------------------------------------
 
 def make_backend(cfg: RunConfig, m: Models, drafter, sampling, policy, cost, generator, longest: int, out: Path,
-                 log, *, estimator=None, states=None) -> RolloutBackend:
+                 log, *, estimator=None, states=None, typical_ctx: int | None = None) -> RolloutBackend:
     """rlsched's own engine (one in this process, with `estimator` restored; or
     rollout.instances of them on Ray, each with the actor's current weights and its own copy
-    of the policy, or its `states` entry restored), or vLLM's."""
+    of the policy, or its `states` entry restored), or vLLM's (with `policy` the policy's name,
+    or on resume the restored (policy, estimator, history))."""
     r = cfg.rollout
     if r.backend == "vllm":
         from rlsched.executor.vllm_backend import VllmRolloutEngine
 
         drafter_spec = m.drafter_dir if m.drafter_name == "model" else m.drafter_name  # a folder, or a name
+        restored = None if estimator is None else (None if isinstance(policy, str) else policy, estimator, None)
         return VllmRolloutEngine(m.target_dir, drafter_spec, sampling, cfg.policy, max_batch=r.max_batch,
                                  k_max=r.k_max, max_len=longest + r.max_tokens + r.k_max + 1,
-                                 trace_dir=out / "traces", seed=cfg.seed, threads=cfg.threads, dtype=cfg.dtype)
+                                 trace_dir=out / "traces", seed=cfg.seed, threads=cfg.threads, dtype=cfg.dtype,
+                                 cost=cost, typical_ctx=typical_ctx, probe_every=r.probe_every, state=restored,
+                                 log=log)
     threads = max(1, (cfg.threads or os.cpu_count() or 1) // r.instances)  # the instances share the cores
     return start_engine(m, drafter, sampling, policy, instances=r.instances,
                         capacity=r.max_batch * (longest + r.max_tokens), max_batch=r.max_batch, k_max=r.k_max,
