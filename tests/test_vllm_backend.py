@@ -308,3 +308,23 @@ def test_a_policy_vllm_cannot_run_is_one_line_exit_2(tmp_path):
     lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and "policy 'oracle' reads the simulator's true acceptance" in lines[0]
     assert "Traceback" not in proc.stderr and not (tmp_path / "r").exists()
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_run_with_rlsched_policies_inside_vllm(pair, tmp_path):
+    """seqgoodput on vLLM: step costs measured through vLLM at start-up, every request its own
+    draft length each step (ragged verifies in the step records), weights synced every step."""
+    from rlsched.traces.reader import read_trace
+
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(RUN.format(steps=2, policy="seqgoodput", drafter="builtin"))
+    out = tmp_path / "run"
+    proc = ok(rlsched("run", "--config", str(cfg), "--out", str(out), "--json", cwd=tmp_path, timeout=600))
+    assert json.loads(proc.stdout)["steps"] == 2 and "measuring step costs through vLLM" in proc.stderr
+    steps = read_trace(out / "traces", "steps")
+    sd = steps[(steps.kind == "decode") & (steps.drafted > 0)]
+    assert sorted(set(steps.rl_step)) == [0, 1] and len(sd) and (sd.draft_ms > 0).all()
+    assert (sd.accepted <= sd.drafted).all() and (sd.k <= 3).all()
+    rl = read_trace(out / "traces", "rl_steps")
+    assert rl.drafted.sum() == steps.drafted.sum() and rl.accepted.sum() == steps.accepted.sum()

@@ -36,6 +36,7 @@ from rlsched.executor.rl.config import RunConfig
 from rlsched.executor.rl.data import prompt_key
 from rlsched.executor.rl.records import step_record, write_rollout, write_summary
 from rlsched.executor.seeds import derive_seed as _seed
+from rlsched.executor.setup import drafter_names
 
 
 class RewardFailures(UserError):
@@ -51,7 +52,7 @@ class Trainer:
         self.source, self.reward_fn, self.tokenizer, self.eos, self.pad_id = (b.source, b.reward_fn, b.tokenizer,
                                                                               b.eos, b.pad_id)
         self.drafter_name = b.drafter_name
-        self.drafter_names = () if b.drafter_name == "off" else (b.drafter_name,)
+        self.drafter_names = drafter_names(b.drafter_name)
         self.state, self.reference, self.backend = b.state, b.reference, b.backend
         self.start_step, self._longest = b.start_step, b.longest
 
