@@ -53,6 +53,7 @@ import gc
 import json
 import os
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -201,6 +202,32 @@ def patch_cpu_rejection_sampler() -> bool:
     return True
 
 
+def rebind_kernels_past_llvmlite() -> bool:
+    """vLLM rebinds its kernel overrides by scanning every module in sys.modules at engine
+    start; once numba has compiled (the n-gram proposer), an llvmlite function wrapper in one
+    of those modules breaks the scan (AttributeError), so a second engine in the process
+    fails to start. The scan is run with llvmlite's and numba's modules set aside (they hold
+    no vLLM kernels). Returns whether a patch was applied."""
+    from vllm.triton_utils import dispatcher
+
+    if getattr(dispatcher._rebind_kernels, "_rlsched_patch", False):
+        return False
+    original = dispatcher._rebind_kernels
+
+    def _rebind_kernels(overrides):
+        aside = {n: m for n, m in sys.modules.items() if n.partition(".")[0] in ("llvmlite", "numba")}
+        for n in aside:
+            del sys.modules[n]
+        try:
+            return original(overrides)
+        finally:
+            sys.modules.update(aside)
+
+    _rebind_kernels._rlsched_patch = True
+    dispatcher._rebind_kernels = _rebind_kernels
+    return True
+
+
 def _quiet_chat_warmup() -> None:
     """vLLM warms up chat-template rendering at start-up, which needs a tokenizer; the engine
     runs on token ids (skip_tokenizer_init), so that fails by design and vLLM logs a traceback
@@ -263,6 +290,7 @@ def start_llm(target_dir, spec: dict | None, *, max_batch: int, max_model_len: i
     from vllm.platforms import current_platform
 
     _quiet_chat_warmup()
+    rebind_kernels_past_llvmlite()
     kwargs = {}
     if current_platform.is_cpu():
         patch_cpu_rejection_sampler()
