@@ -18,7 +18,7 @@ The arms run in turn, round after round (a slow spell of the shared machine hits
 REPS rounds; each arm's rollout time is the median of its rounds, quoted as a ratio to off.
 The hook's own cost is measured per step (choosing, learning, recording) beside the step.
 
-Run: python bench/vllm_adaptive.py [--reps 3] [--prompts 6] [--group 8] [--median 48] [--max-batch 32]
+Run: python bench/vllm_adaptive.py [--reps 5] [--prompts 8] [--group 16] [--median 64] [--max-batch 64]
 Needs vLLM (`make test-vllm` sets up .venv-vllm). Results: bench/results/vllm_adaptive.{json,txt}.
 """
 
@@ -39,12 +39,12 @@ from realloc import workload  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--prompts", type=int, default=6)
-    ap.add_argument("--group", type=int, default=8)
-    ap.add_argument("--median", type=int, default=48, help="median token budget of a prompt's samples")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--group", type=int, default=16)
+    ap.add_argument("--median", type=int, default=64, help="median token budget of a prompt's samples")
     ap.add_argument("--sigma", type=float, default=0.8)
-    ap.add_argument("--max-batch", type=int, default=32)
+    ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--k-max", type=int, default=6)
     ap.add_argument("--static", default="1,2,3,4")
     ap.add_argument("--adaptive", default="goodput,seqgoodput,bandit")
@@ -85,7 +85,7 @@ def main() -> None:
     accept = warm.stats["accepted"] / max(1, warm.stats["drafted"])
     two = TwoStatePolicy.solve(PolicyContext(cost, ("model",), k_max=args.k_max, max_batch=args.max_batch,
                                              typical_ctx=typical, acceptance_prior={"model": accept}))
-    table_policy = f"twostate:{max(1, two.max_batch_on)}:{two.k}"
+    table_policy = f"twostate:{two.max_batch_on}:{two.k}"  # (max_batch_on 0: SD never pays, plain)
     arms[f"table ({table_policy})"] = engine(table_policy)
     if adaptive:
         arms[adaptive[0]] = first
