@@ -635,8 +635,8 @@ RUN_HELP = (
 @app.command(help=RUN_HELP)
 def run(
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="Run config file (YAML or TOML)."),
-    policy: Optional[str] = typer.Option(None, "--policy", help=f"Drafting policy (overrides the config): "
-                                         f"{policy_usage('local')}; with --backend vllm: {policy_usage('vllm')}."),
+    policy: Optional[str] = typer.Option(None, "--policy", help=f"Drafting policy (overrides the config), on "
+                                         f"either backend: {policy_usage('local')}."),
     sets: list[str] = typer.Option([], "--set", help="Override a config field: path.to.field=value."),
     out: Path = typer.Option(Path("runs/run/latest"), "--out", "-o", help="Run folder."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --out from its last checkpoint."),
