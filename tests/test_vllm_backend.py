@@ -18,7 +18,7 @@ pytest.importorskip("torch")
 import torch  # noqa: E402
 
 from rlsched.errors import UserError  # noqa: E402
-from rlsched.executor.vllm_backend import TABLE_FIELD, speculative_plan  # noqa: E402
+from rlsched.executor.vllm_backend import TABLE_FIELD, check_vllm_backend, speculative_plan  # noqa: E402
 from support import ok, rlsched  # noqa: E402
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
@@ -68,12 +68,14 @@ def test_bad_tables_and_a_drafting_policy_without_drafter(tmp_path):
             speculative_plan(f"table:{bad}", Path("d"), k_max=4, max_batch=16)
     with pytest.raises(UserError, match="drafter is off"):
         speculative_plan("static:2", "off", k_max=4, max_batch=16)
+    with pytest.raises(UserError, match=r"policy 'goodput' prices steps, and with the ngram drafter.*cost_model"):
+        check_vllm_backend("goodput", "ngram", k_max=4, max_batch=16)
 
 
 @pytest.mark.skipif(HAVE_VLLM, reason="vllm is importable here")
 def test_without_vllm_the_engine_says_how_to_get_it(tmp_path):
     from rlsched.executor.sampling import SamplingParams
-    from rlsched.executor.vllm_backend import VllmRolloutEngine, check_vllm_backend
+    from rlsched.executor.vllm_backend import VllmRolloutEngine
 
     with pytest.raises(UserError, match=r"needs vLLM, which is not installed here.*make test-vllm"):
         check_vllm_backend("static:2", "ngram", k_max=2, max_batch=4)

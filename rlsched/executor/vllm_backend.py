@@ -150,14 +150,20 @@ def speculative_plan(policy: str, drafter, *, k_max: int, max_batch: int) -> dic
     return {"k": k, "table": None if all(e[2] == k for e in table) else table, "drafter": have, "native": True}
 
 
-def check_vllm_backend(policy: str, drafter, *, k_max: int, max_batch: int) -> dict | None:
+def check_vllm_backend(policy: str, drafter, *, k_max: int, max_batch: int, cost_model: str = "auto") -> dict | None:
     """Everything a vLLM rollout needs that can be checked without starting vLLM (for a caller
-    that must refuse bad input before writing anything): the policy's plan, and that vllm is
-    importable. UserError otherwise, one line."""
+    that must refuse bad input before writing anything): the policy's plan, that a priced
+    policy can be priced (step costs are measured at start-up with a model drafter only: an
+    n-gram drafter's drafts are as long as its matches), and that vllm is importable.
+    UserError otherwise, one line."""
     import importlib.util
 
     plan = speculative_plan(policy, drafter if isinstance(drafter, str) else "model", k_max=k_max,
                             max_batch=max_batch)
+    if (plan is not None and plan["drafter"] == "ngram" and cost_model == "auto"
+            and parse_policy(policy).priced):
+        raise UserError(f"policy '{policy}' prices steps, and with the ngram drafter vLLM's step costs cannot be "
+                        "measured at start-up; set cost_model to a folder (`rlsched fit` of a vLLM run)")
     if importlib.util.find_spec("vllm") is None:
         raise UserError(f"rollout.backend vllm needs vLLM, which is not installed here; {INSTALL_HINT}")
     return plan

@@ -162,7 +162,7 @@ def check_policy_inputs(cfg: RunConfig) -> None:
     if r.backend == "vllm":
         from rlsched.executor.vllm_backend import check_vllm_backend
 
-        check_vllm_backend(cfg.policy, kind, k_max=r.k_max, max_batch=r.max_batch)
+        check_vllm_backend(cfg.policy, kind, k_max=r.k_max, max_batch=r.max_batch, cost_model=cfg.cost_model)
         return
     parse_policy(cfg.policy).check(drafter_names(kind), r.k_max, run_words(r.backend))
     if needs_cost(cfg.policy, r.instances, r.realloc):
