@@ -105,3 +105,11 @@ def test_generate_refuses_what_it_cannot_run(tmp_path, args, message):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], proc.stderr
     assert not (tmp_path / "g").exists()
+
+
+def test_an_unknown_name_lists_what_the_engine_runs():
+    with pytest.raises(UserError, match=r"unknown policy 'nosuch'; choose from off,.*oracle") as sim:
+        parse_policy("nosuch")
+    with pytest.raises(UserError, match=r"unknown policy 'nosuch'; choose from off,.*goodput") as run:
+        parse_policy("nosuch", "vllm")
+    assert "oracle" in str(sim.value) and "oracle" not in str(run.value)

@@ -114,7 +114,7 @@ class Setup:
 def prepare(a: GenerateArgs, out: Path | None, log=None) -> Setup:
     _check_numbers(a)
     # the policy and its cost model folder first: the drafter's kind is known from --drafter alone
-    parse_policy(a.policy).check(drafter_names(drafter_kind(a.drafter)), a.k_max, GENERATE)
+    parse_policy(a.policy, "local").check(drafter_names(drafter_kind(a.drafter)), a.k_max, GENERATE)
     if needs_cost(a.policy, a.instances, a.realloc):
         check_cost_folder(a.cost_model, "--cost-model")
     if a.threads:

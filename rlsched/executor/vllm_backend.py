@@ -131,7 +131,7 @@ def speculative_plan(policy: str, drafter, *, k_max: int, max_batch: int) -> dic
     K, a batch-size table); else rlsched's policy chooses it every step (`vllm_hook`) up to
     k = k_max. UserError (naming `policy`) for what cannot run here."""
     have = "off" if drafter == "off" else ("ngram" if drafter == "ngram" else "model")
-    p = parse_policy(policy).check(() if have == "off" else (have,), k_max, run_words("vllm"))
+    p = parse_policy(policy, "vllm").check(() if have == "off" else (have,), k_max, run_words("vllm"))
     if not p.drafts:
         return None
     if p.family == "static":

@@ -128,8 +128,9 @@ def _whole(text: str, spec: str, what: str, example: str, least: int = 0) -> int
     return int(text)
 
 
-def parse_policy(text) -> PolicySpec:
-    """The spec a policy name stands for; UserError, one line naming it, for a malformed one."""
+def parse_policy(text, engine: str = "simulator") -> PolicySpec:
+    """The spec a policy name stands for; UserError, one line naming it (and the names
+    `engine` runs), for a malformed one."""
     spec = str(text).strip()
     if spec.endswith(".json") and ":" not in spec:
         return PolicySpec(spec, None, file=spec)
@@ -170,7 +171,7 @@ def parse_policy(text) -> PolicySpec:
         return PolicySpec(spec, name, file=arg)
     if name == "oracle" and arg in ("", "seq"):
         return PolicySpec(spec, name, per_row=arg == "seq")
-    raise UserError(f"unknown policy '{spec}'; choose from {usage()}")
+    raise UserError(f"unknown policy '{spec}'; choose from {usage(engine)}")
 
 
 def make_draft_policy(spec, ctx, words: Words = SIMULATOR):

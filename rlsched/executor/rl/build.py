@@ -164,7 +164,7 @@ def check_policy_inputs(cfg: RunConfig) -> None:
 
         check_vllm_backend(cfg.policy, kind, k_max=r.k_max, max_batch=r.max_batch, cost_model=cfg.cost_model)
         return
-    parse_policy(cfg.policy).check(drafter_names(kind), r.k_max, run_words(r.backend))
+    parse_policy(cfg.policy, r.backend).check(drafter_names(kind), r.k_max, run_words(r.backend))
     if needs_cost(cfg.policy, r.instances, r.realloc):
         check_cost_folder(cfg.cost_model, "cost_model")
 
