@@ -16,20 +16,29 @@ PACKAGE = Path(__file__).resolve().parents[1] / "rlsched"
 def _imported(path: Path) -> set[str]:
     """Every module `path` imports, anywhere in it, as absolute dotted names (for `from a
     import b` both `a` and `a.b`, since b may be a module)."""
-    module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    names = set()
+    package = _package_of(path)
+    names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join(parent + ([base] if base else []))
-            names.add(base)
-            names.update(f"{base}.{a.name}" for a in node.names)
+        _add_import(node, package, names)
     return names
+
+
+def _package_of(path: Path) -> str:
+    module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return module if path.name == "__init__.py" else module.rpartition(".")[0]
+
+
+def _add_import(node, package: str, names: set[str]) -> None:
+    """The absolute names an import statement in `package` brings in, added to `names`."""
+    if isinstance(node, ast.Import):
+        names.update(a.name for a in node.names)
+    elif isinstance(node, ast.ImportFrom):
+        base = node.module or ""
+        if node.level:
+            parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+            base = ".".join(parent + ([base] if base else []))
+        names.add(base)
+        names.update(f"{base}.{a.name}" for a in node.names)
 
 
 def test_only_the_cli_imports_the_generate_command():
@@ -73,8 +82,7 @@ def test_importing_costs_loads_neither_torch_nor_matplotlib():
 def _module_level_imports(path: Path) -> set[str]:
     """What importing `path` imports at once: top-level import statements, including those
     in top-level try/if blocks, but not `if TYPE_CHECKING:` blocks or function bodies."""
-    module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    package = _package_of(path)
     names: set[str] = set()
 
     def visit(body):
@@ -86,15 +94,8 @@ def _module_level_imports(path: Path) -> set[str]:
                 visit(node.orelse)
                 for h in getattr(node, "handlers", []):
                     visit(h.body)
-            elif isinstance(node, ast.Import):
-                names.update(a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    parent = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    base = ".".join(parent + ([base] if base else []))
-                names.add(base)
-                names.update(f"{base}.{a.name}" for a in node.names)
+            else:
+                _add_import(node, package, names)
 
     visit(ast.parse(path.read_text(), str(path)).body)
     return names
