@@ -47,7 +47,7 @@ $(VLLM_STAMP): pyproject.toml bench/peers/setup_vllm.sh
 	bash bench/peers/setup_vllm.sh >/dev/null
 	$(VLLM_VENV)/bin/python -m pip freeze --exclude-editable | grep -v '^rlsched' > $(VLLM_VENV)/constraints.txt
 	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check -c $(VLLM_VENV)/constraints.txt \
-		-e '.[dev]' safetensors tokenizers 'transformers>=5.0'
+		-e '.[dev,distributed]' safetensors tokenizers 'transformers>=5.0'
 	$(VLLM_VENV)/bin/python -c "import torch, vllm, rlsched; assert torch.__version__ == '2.13.0+cpu', torch.__version__"
 	touch $(VLLM_STAMP)
 

@@ -40,9 +40,13 @@ def hf_config(c: ModelConfig, **extra) -> dict:
 
 def hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
     """The model's weights under HF names (fused qkv and gate_up split back)."""
-    state = model.state_dict()
+    return hf_weights(model.state_dict(), model.config)
+
+
+def hf_weights(state: dict, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """A state dict of `Transformer(config)` under HF names."""
     out = {}
-    for mine, parts in weight_map(model.config).items():
+    for mine, parts in weight_map(config).items():
         sizes = [shape[0] for _, shape in parts]
         for (name, _), t in zip(parts, state[mine].split(sizes, dim=0)):
             out[name] = t.detach().to("cpu").contiguous()

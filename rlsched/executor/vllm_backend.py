@@ -38,13 +38,17 @@ Log-probs: vLLM returns the sampled token's log-prob under the processed distrib
 
 Traces (`trace_dir`): one step record per engine step from the hook (draft and verify timed
 apart; `vllm_hook` says how), tagged with the run's `rl_step`, so `rlsched fit` and `replay`
-read vLLM runs as they read local ones. Per sample: vLLM (0.32) exposes per-request speculative
-metrics (`per_request_spec_decode_metrics="detailed"`: drafts proposed and accepted in each of
-the request's verify steps), so the sample records hold its chain trials exactly (drafted,
-accepted, rejected = verify steps that ended in a rejection) and `acceptance_<drafter>`, the
-per-token acceptance from those trials (shrunk towards the rollout's rate, as `replay` does);
-`finish_s` is the request's last-token time, preemptions are vLLM's per request. vLLM counts
-drafts accepted past a stop token too, so a sample's accepted may exceed what it kept.
+read vLLM runs as they read local ones. Per sample: the hook counts each request's chain trials
+(drafted, accepted, rejected = verify steps that ended in a rejection), so the sample records
+hold them exactly, migrations included, and `acceptance_<drafter>`, the per-token acceptance
+from those trials (shrunk towards the estimator's prior, as rlsched's engine writes it);
+`finish_s` is the request's last-token time, preemptions are vLLM's per request.
+
+Rollouts run one engine step at a time (`LLMEngine.add_request` and `step`, outputs as
+deltas), so a pool instance (`executor/pool.py`) can drive this engine as it drives rlsched's:
+a sample that moves is aborted here and resubmitted there with its prompt and partial response
+(prefix caching makes the prompt's part of that re-prefill free where its group already runs;
+the cache is reset after every weight update, since its blocks hold the old weights' keys).
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ import os
 import random
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -63,6 +68,7 @@ import torch
 from rlsched.errors import UserError
 from rlsched.executor.engine import RolloutResult, SampleResult, check_requests
 from rlsched.executor.sampling import SamplingParams
+from rlsched.executor.seeds import derive_seed
 from rlsched.policies.probe import PROBE_EVERY, prober_for
 from rlsched.policies.registry import parse_policy, run_words
 
@@ -315,9 +321,8 @@ def start_llm(target_dir, spec: dict | None, *, max_batch: int, max_model_len: i
         return LLM(model=str(target_dir), dtype=dtype, enforce_eager=True, max_num_seqs=max_batch,
                    max_model_len=max_model_len, max_num_batched_tokens=max(2048, min(max_batch * max_model_len, 16384)),
                    distributed_executor_backend="uni", skip_tokenizer_init=True, seed=seed,
-                   enable_prefix_caching=False, disable_log_stats=not log_stats, speculative_config=spec,
-                   logprobs_mode="processed_logprobs",
-                   per_request_spec_decode_metrics="detailed" if spec is not None else "none", **kwargs)
+                   enable_prefix_caching=True, disable_log_stats=not log_stats, speculative_config=spec,
+                   logprobs_mode="processed_logprobs", **kwargs)
     except UserError:
         raise
     except Exception as e:  # vLLM's own refusal of a config: one line
@@ -330,14 +335,19 @@ def start_llm(target_dir, spec: dict | None, *, max_batch: int, max_model_len: i
         random.setstate(states[2])
 
 
+@dataclass
+class _Live:
+    """A sample this engine is generating: its request and what it has made so far."""
+
+    index: int
+    req: object
+    tokens: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    migrations: int = 0
+    request_id: str = ""
+
+
 _ENGINES = 0  # engines made in this process: each serves its own model_name, so its metrics are its own
-
-
-def _seed(*parts) -> int:
-    import hashlib
-
-    h = hashlib.blake2b(json.dumps(parts).encode(), digest_size=8).digest()
-    return int.from_bytes(h, "little") & (2 ** 63 - 1)
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -351,7 +361,8 @@ class VllmRolloutEngine:
     def __init__(self, target_dir: Path, drafter, sampling: SamplingParams, policy: str, *, max_batch: int,
                  k_max: int, max_len: int, trace_dir: Path | None, seed: int, threads: int | None,
                  dtype: str = "float32", cost=None, typical_ctx: int | None = None, instance: int = 0,
-                 probe_every: int | None = PROBE_EVERY, identity: dict | None = None, state=None, log=None):
+                 probe_every: int | None = PROBE_EVERY, identity: dict | None = None, state=None,
+                 trace_tag: str = "", log=None):
         from rlsched.executor import vllm_hook
         from rlsched.policies.acceptance import AcceptanceEstimator
 
@@ -405,13 +416,15 @@ class VllmRolloutEngine:
         except UserError as e:
             raise UserError(f"{e}; policy '{policy}', drafter {drafter}") from e.__cause__
         self.startup_s = time.perf_counter() - t
+        self._adds, self._live, self._done, self._max_running = 0, {}, {}, 0
         self.trace_dir = None if trace_dir is None else Path(trace_dir)
         self._steps_w = self._samples_w = None
         if self.trace_dir is not None:
             from rlsched.traces.writer import TraceWriter
 
-            self._steps_w = TraceWriter(self.trace_dir, "steps", flush_every=256, journal=True)
-            self._samples_w = TraceWriter(self.trace_dir, "samples", flush_every=256, journal=True)
+            for kind in ("steps", "samples"):  # instances of a pool share the folder: parts tagged by instance
+                setattr(self, f"_{kind}_w", TraceWriter(self.trace_dir, kind, flush_every=256, journal=True,
+                                                        tag=trace_tag))
         names = () if self.plan is None else (self.plan["drafter"],)
         self.estimator = AcceptanceEstimator(names) if state is None else state[1]
         self.draft_policy = None if state is None else state[0]
@@ -463,7 +476,7 @@ class VllmRolloutEngine:
         vocab = int(json.loads((self.target_dir / "config.json").read_text())["vocab_size"])
         params = VP(temperature=1.0, max_tokens=new, ignore_eos=True, detokenize=False, seed=None)
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(_seed(self.seed, "vllm-calibrate"))
+            torch.manual_seed(derive_seed(self.seed, "vllm-calibrate"))
             for b in sizes:
                 hook.begin(np.arange(b))
                 prompts = [TokensPrompt(prompt_token_ids=rng.integers(1, vocab, prompt_len).tolist())
@@ -474,72 +487,170 @@ class VllmRolloutEngine:
 
     # --- the rollout ---------------------------------------------------------------------
 
-    def _params(self, r, seed: int | None = None):
+    def _params(self, r, max_tokens: int):
         from vllm import SamplingParams as VP
+        from vllm.sampling_params import RequestOutputKind
 
         s = self.sampling
-        return VP(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, max_tokens=r.max_new_tokens,
+        return VP(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, max_tokens=max_tokens,
                   logprobs=0, ignore_eos=True, stop_token_ids=[] if r.eos_id is None else [r.eos_id],
-                  detokenize=False, seed=seed)
+                  detokenize=False, output_kind=RequestOutputKind.DELTA)
 
     def run(self, requests: list) -> RolloutResult:
-        """Generate every request (one vLLM generate call; its scheduler batches up to
-        max_batch at once); results in request order, with overall stats."""
-        from vllm.inputs import TokensPrompt
-
+        """Generate every request (vLLM's scheduler batches up to max_batch at once); results in
+        request order, with overall stats."""
         check_requests(requests, 2 ** 62)  # empty prompts, budgets < 1
-        for r in requests:
-            if len(r.prompt) + r.max_new_tokens > self.max_model_len:
-                raise UserError(f"sample {r.sample_id}: prompt + max_new_tokens ({len(r.prompt) + r.max_new_tokens} "
-                                f"tokens) exceed vLLM's max_model_len ({self.max_model_len}), fixed when the engine "
-                                "started; lower rollout.max_tokens")
-        prompts = [TokensPrompt(prompt_token_ids=list(r.prompt)) for r in requests]
-        params = [self._params(r) for r in requests]
         prompt_index: dict = {}
-        self.hook.begin(np.array([prompt_index.setdefault(r.prompt_id, len(prompt_index)) for r in requests],
-                                 dtype=np.int64), self.rl_step)
-        t0, t0m = time.perf_counter(), time.monotonic()
+        prompt_of = np.array([prompt_index.setdefault(r.prompt_id, len(prompt_index)) for r in requests],
+                             dtype=np.int64)
+        results: list = [None] * len(requests)
         # vLLM samples from torch's global generator in this process: seeded per (seed, RL step),
         # and forked, so the trainer's own random state is left as it was
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(_seed(self.seed, "vllm-rollout", self.rl_step))
-            outs = self.llm.generate(prompts, params, use_tqdm=False) if requests else []
-        seconds = time.perf_counter() - t0
+            self.begin(prompt_of, seed=derive_seed(self.seed, "vllm-rollout", self.rl_step))
+            self.submit(list(enumerate(requests)))
+            while self.has_work:
+                for i, res in self.work():
+                    results[i] = res
+        seconds = time.perf_counter() - self._t0
         self.hook.end()
-        results, extra, verify_total = [], [], 0
-        for r, o in zip(requests, outs):
-            c = o.outputs[0]
-            toks = list(c.token_ids)
-            lps = [next(iter(d.values())).logprob if d else float("nan") for d in (c.logprobs or [])]
-            lps = [float(lp) for lp in lps] + [float("nan")] * (len(toks) - len(lps))
-            if r.eos_id is not None and r.eos_id in toks:  # cut at eos like the local engine (vLLM stops there)
-                cut = toks.index(r.eos_id) + 1
-                toks, lps = toks[:cut], lps[:cut]
-            toks, lps = toks[:r.max_new_tokens], lps[:r.max_new_tokens]
-            sd = c.spec_decode_metrics
-            drafted = int(sd.num_draft_tokens) if sd is not None else 0
-            accepted = int(sum(j * n for j, n in enumerate(sd.histogram))) if sd is not None else 0
-            verify_steps = int(sum(sd.histogram)) if sd is not None else 0
-            verify_total += verify_steps
-            # steps: the prefill step (it makes the first token), the verify steps, the plain steps
-            steps = max(1 + verify_steps, len(toks) - accepted) if toks else 0
-            m = getattr(o, "metrics", None)
-            finish_s = (m.last_token_ts - t0m) if m is not None and getattr(m, "last_token_ts", 0) else seconds
-            res = SampleResult(r.prompt_id, r.sample_id, toks, lps, finish_s, steps, drafted, accepted)
-            results.append(res)
-            rejected = sum(a < d for a, d in zip(sd.per_step_accepted, sd.per_step_drafted)) if sd is not None else 0
-            extra.append((r, res, rejected, m))
-        self._record_samples(extra)
+        t = self.totals
         tokens = sum(len(x.tokens) for x in results)
         stats = dict(samples=len(results), tokens=tokens, seconds=seconds,
-                     tokens_per_s=tokens / seconds if seconds > 0 else 0.0,
-                     steps=self.hook.step, hook_s=self.hook.hook_s,
-                     drafted=sum(x.drafted for x in results), accepted=sum(x.accepted for x in results),
-                     rejected=sum(e[2] for e in extra), sd_rows=int(verify_total),
-                     mean_accept_len=1 + sum(x.accepted for x in results) / verify_total if verify_total else 1.0,
-                     kv_peak_tokens=self._kv_peak(requests, results),
-                     max_running=min(len(requests), self.max_batch))
+                     tokens_per_s=tokens / seconds if seconds > 0 else 0.0, steps=t["steps"], hook_s=self.hook.hook_s,
+                     drafted=t["drafted"], accepted=t["accepted"], rejected=t["rejected"], sd_rows=t["sd_rows"],
+                     mean_accept_len=t["sd_emitted"] / t["sd_rows"] if t["sd_rows"] else 1.0,
+                     kv_peak_tokens=self._kv_peak(requests, results), max_running=t["max_running"])
         return RolloutResult(results, stats)
+
+    # --- the rollout one step at a time (what `run` and a pool instance drive) ---------------
+
+    def begin(self, prompt_of: np.ndarray, longest_reserve: int = 0, seed: int | None = None) -> None:
+        """Start a rollout of len(prompt_of) samples (dense indices, sample i of prompt
+        prompt_of[i]); this instance may get any of them (`submit`, `import_rows`). `seed`
+        seeds torch's global generator, which vLLM samples from."""
+        if seed is not None:
+            torch.manual_seed(seed)
+        self.hook.begin(prompt_of, self.rl_step)
+        self._live: dict[str, _Live] = {}  # vLLM's request id (ours) -> the sample's state here
+        self._done: dict[int, tuple] = {}  # finished samples' chain counts (for the totals)
+        self._max_running = 0
+        self._t0, self._t0m = time.perf_counter(), time.monotonic()
+
+    def submit(self, items: list) -> None:
+        """Queue requests (their dense rollout index, the Request)."""
+        for i, r in items:
+            self._add(_Live(int(i), r))
+
+    def _add(self, live: "_Live") -> None:
+        """Hand vLLM the sample: its prompt, plus what it has generated so far (a migrated
+        sample, re-prefilled here; prefix caching reuses the blocks its prompt already has)."""
+        from vllm.inputs import TokensPrompt
+
+        r = live.req
+        prompt = list(r.prompt) + live.tokens
+        left = r.max_new_tokens - len(live.tokens)
+        if len(r.prompt) + r.max_new_tokens > self.max_model_len:
+            raise UserError(f"sample {r.sample_id}: prompt + max_new_tokens ({len(r.prompt) + r.max_new_tokens} "
+                            f"tokens) exceed vLLM's max_model_len ({self.max_model_len}), fixed when the engine "
+                            "started; lower rollout.max_tokens")
+        self._adds += 1
+        live.request_id = f"{live.index}.{self._adds}"
+        self.hook.expect(live.index)
+        self.llm.llm_engine.add_request(live.request_id, TokensPrompt(prompt_token_ids=prompt),
+                                        self._params(r, left))
+        self._live[live.request_id] = live
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._live)
+
+    def work(self) -> list:
+        """One engine step; the samples that finished, as (dense index, SampleResult)."""
+        outs = self.llm.llm_engine.step()
+        self._max_running = max(self._max_running, len(self._scheduler().running))
+        done = []
+        for o in outs:
+            live = self._live.get(o.request_id)
+            if live is None:
+                continue
+            c = o.outputs[0]
+            live.tokens += list(c.token_ids)
+            live.logprobs += [float(next(iter(d.values())).logprob) if d else float("nan") for d in (c.logprobs or [])]
+            live.logprobs += [float("nan")] * (len(live.tokens) - len(live.logprobs))
+            if o.finished:
+                del self._live[o.request_id]
+                done.append((live.index, self._finish(live, o)))
+        return done
+
+    def _finish(self, live: "_Live", out) -> SampleResult:
+        r, toks, lps = live.req, live.tokens, live.logprobs
+        if r.eos_id is not None and r.eos_id in toks:  # cut at eos like the local engine (vLLM stops there)
+            cut = toks.index(r.eos_id) + 1
+            toks, lps = toks[:cut], lps[:cut]
+        toks, lps = toks[:r.max_new_tokens], lps[:r.max_new_tokens]
+        drafted, accepted, rejected, verify_steps = self.hook.take_counts(live.index)
+        # steps: the prefill step (it makes the first token), the verify steps, the plain steps
+        steps = max(1 + verify_steps, len(toks) - accepted) if toks else 0
+        m = getattr(out, "metrics", None)
+        finish_s = (m.last_token_ts - self._t0m) if m is not None and getattr(m, "last_token_ts", 0) \
+            else time.perf_counter() - self._t0
+        res = SampleResult(r.prompt_id, r.sample_id, toks, lps, finish_s, steps, drafted, accepted)
+        self._done[live.index] = (drafted, accepted, rejected, verify_steps)
+        self._record_sample(r, res, rejected, live.migrations, int(getattr(m, "num_preemptions", 0) or 0))
+        return res
+
+    def _scheduler(self):
+        core = self.llm.llm_engine.engine_core
+        return getattr(core, "engine_core", core).scheduler
+
+    @property
+    def totals(self) -> dict:
+        """The rollout's running totals (as rlsched's engine keeps them): steps, drafts, chains."""
+        c = np.array(list(self.hook.counts.values()) + list(self._done.values()), dtype=np.int64).reshape(-1, 4)
+        drafted, accepted, rejected, rows = (int(x) for x in c.sum(axis=0))
+        return dict(steps=self.hook.step, drafted=drafted, accepted=accepted, rejected=rejected,
+                    sd_emitted=accepted + rows, sd_rows=rows, kv_peak_tokens=0, max_running=self._max_running)
+
+    def view(self) -> dict:
+        """What a reallocation policy sees of this instance (InstanceView's fields): vLLM's
+        running and waiting requests, and its free KV blocks as tokens."""
+        sched, index_of = self._scheduler(), self.hook.index_of
+        running = [r for r in sched.running if r.request_id in index_of]
+        return dict(running_ids=np.array([index_of[r.request_id] for r in running], dtype=np.int64),
+                    running_ctx=np.array([r.num_tokens for r in running], dtype=np.int64),
+                    waiting_ids=[index_of[r.request_id] for r in sched.waiting if r.request_id in index_of],
+                    kv_free_tokens=int(sched.kv_cache_manager.block_pool.get_num_free_blocks() * sched.block_size),
+                    max_batch=self.max_batch)
+
+    # --- migration: samples leave with their tokens, and are re-prefilled elsewhere ----------
+
+    def export_rows(self, indices, with_kv=frozenset()) -> list[dict]:
+        """Take these samples off this instance (those still here): each is aborted in vLLM
+        and leaves as a dict (its request, tokens, log-probs, chain and acceptance counts).
+        KV rows never travel (`with_kv` is ignored): the destination re-prefills."""
+        want = {int(i) for i in indices}
+        leaving = [live for live in self._live.values() if live.index in want]
+        if leaving:
+            self.llm.llm_engine.abort_request([live.request_id for live in leaving])
+        self.estimator.retire(self.hook._ids)  # apply pending acceptance counts before reading them
+        out = []
+        for live in leaving:
+            del self._live[live.request_id]
+            out.append(dict(req=live.req, index=live.index, tokens=live.tokens, logprobs=live.logprobs,
+                            migrations=live.migrations + 1, chain=self.hook.take_counts(live.index),
+                            counts={d: self.estimator.take_sample_counts(d, live.index)
+                                    for d in self.estimator.drafters}, kv=None))
+        return out
+
+    def import_rows(self, moved: list[dict]) -> None:
+        """Samples from another instance: queued here with their prompt and partial response."""
+        for m in moved:
+            for d, (succ, fail) in m["counts"].items():
+                if d in self.estimator.drafters:
+                    self.estimator.add_sample_counts(d, m["index"], succ, fail)
+            self.hook.add_counts(m["index"], m["chain"])
+            self._add(_Live(m["index"], m["req"], list(m["tokens"]), list(m["logprobs"]), m["migrations"]))
 
     def _kv_peak(self, requests, results) -> int:
         """An upper estimate (vLLM allocates KV blocks as rows grow): the max_batch longest
@@ -549,26 +660,22 @@ class VllmRolloutEngine:
 
     # --- traces ----------------------------------------------------------------------------
 
-    def _record_samples(self, rows: list) -> None:
-        """One sample record per request: its chain trials (drafted, accepted, rejected: verify
-        steps that ended in a rejection, from vLLM's per-request metrics) and, with a drafter,
-        acceptance_<drafter>: its per-token acceptance accepted / (accepted + rejected), shrunk
-        towards the rollout's rate with 4 trials (as `replay` reads trials), the rollout's rate
-        for a sample that never drafted."""
+    def _record_sample(self, r, res: SampleResult, rejected: int, migrations: int, preemptions: int) -> None:
+        """One sample record: its chain trials (drafted, accepted, rejected: verify steps that
+        ended in a rejection, counted by the hook) and, with a drafter, acceptance_<drafter>:
+        the sample's per-token acceptance accepted / (accepted + rejected), shrunk towards the
+        estimator's prior with its sample strength (as `replay` reads trials)."""
         if self._samples_w is None:
             return
-        acc = sum(res.accepted for _, res, _, _ in rows)
-        rej = sum(rejected for _, _, rejected, _ in rows)
-        rate = acc / (acc + rej) if acc + rej else float("nan")
-        for r, res, rejected, m in rows:
-            rec = dict(rl_step=self.rl_step, sample_id=r.sample_id, prompt_id=r.prompt_id, instance=self.instance,
-                       prompt_len=len(r.prompt), response_len=len(res.tokens), finish_s=res.finish_s,
-                       preemptions=int(getattr(m, "num_preemptions", 0) or 0), migrations=0,
-                       drafted=res.drafted, accepted=res.accepted, rejected=int(rejected))
-            if self.plan is not None:
-                rec[f"acceptance_{self.plan['drafter']}"] = (
-                    (res.accepted + rate * 4.0) / (res.accepted + rejected + 4.0) if acc + rej else float("nan"))
-            self._samples_w.append(rec)
+        rec = dict(rl_step=self.rl_step, sample_id=r.sample_id, prompt_id=r.prompt_id, instance=self.instance,
+                   prompt_len=len(r.prompt), response_len=len(res.tokens), finish_s=res.finish_s,
+                   preemptions=preemptions, migrations=migrations, drafted=res.drafted, accepted=res.accepted,
+                   rejected=int(rejected))
+        if self.plan is not None:
+            e = self.estimator
+            rec[f"acceptance_{self.plan['drafter']}"] = (
+                (res.accepted + e.prior_mean * e.sample_strength) / (res.accepted + rejected + e.sample_strength))
+        self._samples_w.append(rec)
 
     # --- weights ---------------------------------------------------------------------------
 
@@ -585,8 +692,12 @@ class VllmRolloutEngine:
         """Load the trainer's actor (and drafter) weights into vLLM's models in place."""
         from rlsched.executor.saving import hf_state_dict
 
-        target = hf_state_dict(model)
-        draft = hf_state_dict(drafter_model) if drafter_model is not None and self.method == "draft_model" else None
+        self.load_weights(hf_state_dict(model), None if drafter_model is None else hf_state_dict(drafter_model))
+
+    def load_weights(self, target: dict, draft: dict | None = None) -> None:
+        """Weights under HF names (`saving.hf_weights`) into vLLM's target (and draft) model;
+        the prefix cache is emptied (its blocks hold keys and values of the old weights)."""
+        draft = draft if self.method == "draft_model" else None
 
         def load(worker, target, draft):
             runner = worker.model_runner
@@ -599,6 +710,7 @@ class VllmRolloutEngine:
 
         on_cpu = self.on_cpu
         self.llm.collective_rpc(load, args=(target, draft))
+        self.llm.reset_prefix_cache()
 
     def close(self) -> None:
         """Write the last trace parts and shut vLLM's engine down."""

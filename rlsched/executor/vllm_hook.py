@@ -48,7 +48,9 @@ class StepHook:
         self.instance, self.prober, self.record = instance, prober, record
         self.needs_acceptance = policy is None or getattr(policy, "needs_acceptance", True)
         self.observes = policy is not None and getattr(policy, "observes", True)
-        self.index_of: dict[str, int] = {}
+        self.index_of: dict[str, int] = {}  # vLLM's request id -> the sample's index in the rollout
+        self._expect: int | None = None
+        self.counts: dict[int, list[int]] = {}  # per sample: drafted, accepted, rejected, verify steps
         self.step = 0
         self.draft_s = 0.0  # the runner's propose call of the current step (install_draft_clock)
         self._ids = np.zeros(0, dtype=np.int64)
@@ -68,6 +70,7 @@ class StepHook:
         self.estimator.retire(self._ids)
         self.estimator.begin_rollout(len(prompt_of), np.asarray(prompt_of, dtype=np.int64))
         self.index_of.clear()
+        self.counts.clear()
         self._ids = np.zeros(0, dtype=np.int64)
         self._k_of, self._pending = {}, None
         self.rl_step, self.step, self.hook_s, self._t0 = rl_step, 0, 0.0, time.perf_counter()
@@ -75,8 +78,24 @@ class StepHook:
     def end(self) -> None:
         self.estimator.retire(self._ids)
 
+    def expect(self, index: int) -> None:
+        """The next request vLLM admits is sample `index` (else requests are numbered in the
+        order they arrive)."""
+        self._expect = index
+
     def admit(self, request) -> None:
-        self.index_of.setdefault(request.request_id, len(self.index_of))
+        index = len(self.index_of) if self._expect is None else self._expect
+        self.index_of.setdefault(request.request_id, index)
+        self._expect = None
+
+    def take_counts(self, index: int) -> list[int]:
+        """Sample `index`'s chain counts (drafted, accepted, rejected, verify steps), removed."""
+        return self.counts.pop(index, [0, 0, 0, 0])
+
+    def add_counts(self, index: int, counts) -> None:
+        mine = self.counts.setdefault(index, [0, 0, 0, 0])
+        for j, c in enumerate(counts):
+            mine[j] += int(c)
 
     # --- one engine step -------------------------------------------------------------------
 
@@ -148,6 +167,8 @@ class StepHook:
         emitted = sum(len(sampled[index[q]]) for q in rows)
         prev, self._pending = self._pending, (*self._next, self.draft_s)
         drafted, n_acc = int(dk.sum()), int(acc.sum())
+        for q, d, a in zip(verified, dk.tolist(), acc.tolist()):
+            self.add_counts(self.index_of[q], (d, a, int(a < d), 1))
         if prev is not None and drafted:
             state, strategy, draft_s = prev
             ids = np.array([self.index_of[q] for q in verified], dtype=np.int64)
