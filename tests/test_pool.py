@@ -146,12 +146,16 @@ def test_killed_instance_samples_finish_on_the_other(pair):
     p.on_report = kill_one
     try:
         result = p.run(requests)
+        again = p.run(requests)  # the instance was started again: both run the next rollout
     finally:
         p.close()
     assert killed and killed[0] > 0  # it held unfinished samples when it died
     st = result.stats
-    assert st["instances_died"] == 1 and st["instances_alive"] == 1 and st["requeued"] >= killed[0]
+    assert st["instances_died"] == 1 and st["requeued"] >= killed[0] and p.restarts == [0, 1]
     check_exactly_once(requests, result, reference(pair, requests))
+    assert again.stats["instances_alive"] == 2 and again.stats["instances_died"] == 0
+    assert set(again.stats["instance_finish_s"]) == {"0", "1"}
+    check_exactly_once(requests, again, reference(pair, requests))
 
 
 def test_new_weights_reach_every_instance(pair, pool):
@@ -265,7 +269,7 @@ def test_an_instance_dead_before_the_rollout_leaves_its_share_to_the_others(pair
         result = p.run(requests)
     finally:
         p.close()
-    assert result.stats["instances_died"] == 1 and result.stats["instances_alive"] == 1
+    assert result.stats["instances_died"] == 1 and p.restarts == [1, 0]
     check_exactly_once(requests, result, reference(pair, requests))
 
 

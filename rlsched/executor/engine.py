@@ -248,6 +248,11 @@ class RolloutEngine:
     def has_work(self) -> bool:
         return bool(self._queue or self._running)
 
+    @property
+    def totals(self) -> dict:
+        """The rollout's running totals: steps, drafts, chains, KV peak, largest batch."""
+        return dict(self._totals)
+
     def work(self) -> list[tuple[int, SampleResult]]:
         """One engine step (admissions, one decode or speculative step, retirements); returns
         the samples that finished, with their dense indices."""

@@ -1,8 +1,9 @@
 """Several rollout instances as Ray actors, with live sample reallocation and failover.
 
-Each instance is one `RolloutEngine` in its own Ray worker process (its own threads; its own
-device in real use), writing its traces as before (parts tagged by instance). The driver
-holds the rollout's bookkeeping:
+Each instance is one engine in its own Ray worker process (its own threads; its own device in
+real use): rlsched's `RolloutEngine`, or a `VllmRolloutEngine` (`spec.backend = "vllm"`),
+writing its traces as before (parts tagged by instance). The driver holds the rollout's
+bookkeeping:
 
 - it assigns the samples (a prompt's G samples to one instance, prompts round-robin), then
   lets every instance run a few engine steps at a time (`work`), each call answering with the
@@ -10,10 +11,13 @@ holds the rollout's bookkeeping:
 - after every answer it runs the ReallocPolicy from `policies/` on the live views, exactly
   as the simulator does (events 'finished', 'drained' below the threshold, 'idle'), and
   carries the migrations out between the two instances' steps: a running sequence leaves with
-  its tokens and log-probs and either its KV-cache rows (instances on one host) or nothing,
-  to be re-prefilled at the destination, whichever the cost model prices cheaper;
+  its tokens and log-probs and either its KV-cache rows (rlsched's engines on one host) or
+  nothing, to be re-prefilled at the destination, whichever the cost model prices cheaper (a
+  vLLM sample is aborted at its source and resubmitted with prompt + partial response);
 - an instance that dies (its process gone: `ray.kill`, a crash, an out-of-memory kill) has
-  every sample it held and had not yet reported re-queued on the others, from the prompt.
+  every sample it held and had not yet reported re-queued on the others, from the prompt, and
+  is started again (up to `max_restarts` times) with the current weights; once up it joins the
+  rollout under way as an idle instance (the ReallocPolicy may hand it work).
 
 A sample is reported by exactly one instance exactly once: the driver refuses a second
 report, and checks at the end that every request came back.
@@ -73,19 +77,38 @@ class InstanceSpec:
     ngram_max_history: int | None = None
     share_prompts: bool = True
     probe_every: int | None = PROBE_EVERY
+    backend: str = "local"  # local: rlsched's RolloutEngine; vllm: VllmRolloutEngine (the fields below)
+    max_len: int = 0  # vLLM: the longest prompt + max_tokens + k_max + 1 it is sized for
+    seed: int = 0
+    typical_ctx: int | None = None
+    cost: object = None  # vLLM: the cost model a priced policy runs on (None: measured at start-up)
 
 
 class InstanceWorker:
     """One rollout instance (the body of a Ray actor)."""
 
-    def __init__(self, idx: int, spec: InstanceSpec, target_state=None, drafter_state=None, estimator=None,
-                 ngram_history=None):
+    def __init__(self, idx: int, spec: InstanceSpec, target_state=None, drafter_state=None, state=None):
+        """state: (policy, estimator, n-gram history) restored from a checkpoint, or None."""
+        torch.set_num_threads(spec.threads)
+        self.idx, self.spec = idx, spec
+        self.generator = None
+        if spec.backend == "vllm":
+            self._start_vllm(target_state, drafter_state, state)
+        else:
+            self._start_local(target_state, drafter_state, state or (spec.policy, None, None))
+        freeze_long_lived()
+        # `work` runs in the actor's main thread; migrations arrive on a second one (their own
+        # concurrency group) and take the engine between two steps: the step loop lets a
+        # waiting command in before its next step, so a move lands within one step.
+        self._lock, self._count_lock, self._commands, self.seq = threading.Lock(), threading.Lock(), 0, 0
+
+    def _start_local(self, target_state, drafter_state, state) -> None:
         from rlsched.executor.drafters import ModelDrafter, NgramDrafter
         from rlsched.executor.engine import RolloutEngine
         from rlsched.executor.loading import load_model
 
-        torch.set_num_threads(spec.threads)
-        self.idx, self.spec = idx, spec
+        spec, idx = self.spec, self.idx
+        policy, estimator, ngram_history = state
         self.model = load_model(Path(spec.target_dir), device=spec.device, dtype=spec.dtype).model
         if target_state is not None:
             self.model.load_state_dict(target_state)
@@ -102,15 +125,34 @@ class InstanceWorker:
             drafter = ModelDrafter(self.drafter_model, spec.sampling, spec.max_batch, spec.drafter_max_len,
                                    self.generator)
         self.engine = RolloutEngine(self.model, drafter, spec.cache_capacity, spec.max_batch, spec.sampling,
-                                    spec.policy, estimator, trace_dir=spec.trace_dir and Path(spec.trace_dir),
+                                    policy, estimator, trace_dir=spec.trace_dir and Path(spec.trace_dir),
                                     k_max=spec.k_max, instance=idx, generator=self.generator,
                                     trace_tag=f"i{idx}", share_prompts=spec.share_prompts,
                                     probe_every=spec.probe_every)
-        freeze_long_lived()
-        # `work` runs in the actor's main thread; migrations arrive on a second one (their own
-        # concurrency group) and take the engine between two steps: the step loop lets a
-        # waiting command in before its next step, so a move lands within one step.
-        self._lock, self._count_lock, self._commands, self.seq = threading.Lock(), threading.Lock(), 0, 0
+
+    def _start_vllm(self, target_state, drafter_state, state) -> None:
+        from rlsched.executor.vllm_backend import VllmRolloutEngine
+
+        spec, idx = self.spec, self.idx
+        drafter = spec.drafter_dir if spec.drafter == "model" else spec.drafter
+        self.engine = VllmRolloutEngine(Path(spec.target_dir), drafter, spec.sampling, spec.policy,
+                                        max_batch=spec.max_batch, k_max=spec.k_max,
+                                        max_len=spec.max_len, trace_dir=spec.trace_dir and Path(spec.trace_dir),
+                                        seed=spec.seed, threads=spec.threads, dtype=spec.dtype, cost=spec.cost,
+                                        typical_ctx=spec.typical_ctx, instance=idx, probe_every=spec.probe_every,
+                                        state=state, trace_tag=f"i{idx}")
+        self._load_vllm_weights(target_state, drafter_state)
+
+    def _load_vllm_weights(self, target_state, drafter_state) -> None:
+        from rlsched.executor.loading import load_config
+        from rlsched.executor.saving import hf_weights
+
+        if target_state is None:
+            return
+        draft = None
+        if drafter_state is not None and self.spec.drafter == "model":
+            draft = hf_weights(drafter_state, load_config(Path(self.spec.drafter_dir)))
+        self.engine.load_weights(hf_weights(target_state, load_config(Path(self.spec.target_dir))), draft)
 
     def _command(self, fn):
         """Run fn on the engine between two steps (from the migration thread)."""
@@ -135,11 +177,15 @@ class InstanceWorker:
         self.seq += 1
         return dict(self.engine.view(), seq=self.seq)
 
-    def begin(self, rl_step: int, prompt_of: np.ndarray, longest_reserve: int, seed: int) -> None:
+    def begin(self, rl_step: int, prompt_of: np.ndarray, longest_reserve: int, seed: int) -> dict:
         with self._lock:
             self.engine.rl_step = rl_step
-            self.generator.manual_seed(seed)
-            self.engine.begin(prompt_of, longest_reserve)
+            if self.generator is not None:
+                self.generator.manual_seed(seed)
+                self.engine.begin(prompt_of, longest_reserve)
+            else:  # vLLM samples from torch's global generator (this process is the instance's own)
+                self.engine.begin(prompt_of, longest_reserve, seed=seed)
+            return self._view()
 
     def submit(self, items: list[tuple[int, Request]]) -> dict:
         with self._lock:
@@ -158,7 +204,7 @@ class InstanceWorker:
                 finished += self.engine.work()
         with self._lock:
             e = self.engine
-            return dict(finished=finished, view=self._view(), totals=dict(e._totals),
+            return dict(finished=finished, view=self._view(), totals=e.totals,
                         accept_means={d: e.estimator.mean(d) for d in e.estimator.drafters})
 
     def export_rows(self, indices, with_kv) -> dict:
@@ -179,6 +225,15 @@ class InstanceWorker:
 
         return self._command(land)
 
+    def measured_cost(self):
+        """The cost model this (vLLM) instance's steps are priced by: its policy's, else
+        measured through it now (`VllmRolloutEngine.calibrate`)."""
+        with self._lock:
+            e = self.engine
+            if e.cost is None:
+                e.cost = e.calibrate(self.spec.typical_ctx or self.spec.max_len // 2)
+            return e.cost
+
     def echo(self, payload) -> int:
         """Receive a payload (the driver times KV transfers with it)."""
         return int(getattr(payload, "nbytes", 0))
@@ -190,6 +245,9 @@ class InstanceWorker:
 
     def sync_weights(self, target_state, drafter_state) -> None:
         with self._lock:
+            if self.spec.backend == "vllm":
+                self._load_vllm_weights(target_state, drafter_state)
+                return
             self.model.load_state_dict(target_state)
             if drafter_state is not None and self.drafter_model is not None:
                 self.drafter_model.load_state_dict(drafter_state)
@@ -248,17 +306,20 @@ class InstancePool:
 
     spec: how each instance is built; realloc: a ReallocPolicy name; threshold: the load
     below which an instance reports 'drained'; cost: the base CostModel migrations are priced
-    by (a MeasuredCostModel; needed for realloc other than 'none'); states: per-instance
-    (policy, estimator, n-gram history) to restore from a checkpoint."""
+    by (a MeasuredCostModel; needed for realloc other than 'none', except on vLLM, whose first
+    instance measures its own); states: per-instance (policy, estimator, n-gram history) to
+    restore from a checkpoint; max_restarts: how often one instance is started again after
+    dying."""
 
     def __init__(self, n: int, spec: InstanceSpec, *, realloc: str = "none", threshold: int = 8, cost=None,
-                 seed: int = 0, target_state=None, drafter_state=None, states=None, log=None):
+                 seed: int = 0, target_state=None, drafter_state=None, states=None, max_restarts: int = 3,
+                 log=None):
         from rlsched.policies.realloc import make_realloc_policy
 
         if n < 1:
             raise UserError(f"instances must be >= 1 (got {n})")
         self.realloc = make_realloc_policy(realloc)
-        if self.realloc.name != "none" and cost is None:
+        if self.realloc.name != "none" and cost is None and spec.backend != "vllm":
             raise UserError(f"reallocation '{realloc}' needs a cost model (a profile of the instances' steps)")
         ray = require_ray()
         self.ray, self.n, self.spec, self.threshold, self.seed = ray, n, spec, threshold, seed
@@ -278,17 +339,20 @@ class InstancePool:
                                 "lower --instances or add GPUs")
             remote = remote.options(num_gpus=1)
             spec = replace(spec, device="cuda")
-        t_ref = None if target_state is None else ray.put(_cpu(target_state))
-        d_ref = None if drafter_state is None else ray.put(_cpu(drafter_state))
-        self.actors = []
-        for i in range(n):
-            st = states[i] if states else None  # (policy, estimator, n-gram history)
-            self.actors.append(remote.remote(i, spec if st is None else replace(spec, policy=st[0]), t_ref, d_ref,
-                                             None if st is None else st[1], None if st is None else st[2]))
+        self._remote, self._actor_spec = remote, spec
+        self._weights = (None if target_state is None else ray.put(_cpu(target_state)),
+                         None if drafter_state is None else ray.put(_cpu(drafter_state)))
+        self.actors = [remote.remote(i, spec, *self._weights, states[i] if states else None) for i in range(n)]
         self.alive = set(range(n))
+        self.max_restarts, self.restarts = max_restarts, [0] * n
+        self.starting: dict = {}  # instance -> its `begin` call, while a restarted instance starts
+        self._begin_args = (np.zeros(0, dtype=np.int64), 1)
         self._reset_rollout([], np.zeros(0, dtype=np.int64))
         # started (and the models loaded) before timing anything
         self.node_of = [node for _, node in ray.get([a.where.remote() for a in self.actors])]
+        self.kv_moves = spec.backend == "local"  # vLLM's samples move as tokens and are re-prefilled
+        if cost is None and self.realloc.name != "none":  # vLLM: step costs measured by the first instance
+            cost = ray.get(self.actors[0].measured_cost.remote())
         self.cost = None if cost is None else self._host_cost(cost)
         self.rl_step = 0
         self.estimator = _Means()
@@ -331,17 +395,18 @@ class InstancePool:
         prompt_of = np.array([prompt_index.setdefault(r.prompt_id, len(prompt_index)) for r in requests],
                              dtype=np.int64)
         longest = max((reserve(r) for r in requests), default=1)
+        self._await_starting()
         live = sorted(self.alive)
         if not live:
             raise RuntimeError("every rollout instance has died")
+        self._begin_args = (prompt_of, longest)
         self._reset_rollout(requests, np.array([live[p % len(live)] for p in prompt_of], dtype=np.int64))
         assigned = {i: np.flatnonzero(self.location == i) for i in live}  # before any failover moves some
         # every instance begins before any gets work (a failover may send it some)
-        begun = {i: self.actors[i].begin.remote(self.rl_step, prompt_of, longest,
-                                                _seed(self.seed, "instance", self.rl_step, i)) for i in live}
+        begun = {i: self._begin(i) for i in live}
         for i, ref in begun.items():
             if i in self.alive:
-                self._call(i, ref)
+                self._call(i, ref, self._set_view)
         for i in live:
             if i in self.alive:
                 self._call(i, self.actors[i].submit.remote([(j, requests[j]) for j in assigned[i]]), self._set_view)
@@ -353,11 +418,15 @@ class InstancePool:
                     queue.append(self.actors[i].work.remote(STEPS_PER_CALL))
             oldest = {q[0]: k for k, q in self.inflight.items() if q}
             landing = {m.import_ref: m for m in self.moves}
-            if not oldest and not landing:
+            starting = {ref: k for k, ref in self.starting.items()}
+            if not oldest and not landing and not starting:
                 raise RuntimeError(f"rollout stalled with {n - self._done} samples unfinished")
-            ready, _ = ray.wait([*oldest, *landing], num_returns=1)
+            ready, _ = ray.wait([*oldest, *landing, *starting], num_returns=1)
             if ready[0] in landing:
                 self._settle(landing[ready[0]])
+                continue
+            if ready[0] in starting:
+                self._started(starting[ready[0]])
                 continue
             i = oldest[ready[0]]
             report = self._collect(i)
@@ -377,7 +446,7 @@ class InstancePool:
         self.views: dict[int, InstanceView] = {}
         self.totals: dict[int, dict] = {}
         self.counts = dict(migrated=0, migrated_kv=0, migrated_reprefill=0, migrations=0, requeued=0,
-                           instances_died=0)
+                           instances_died=0, restarted=0)
         self.inflight: dict[int, list] = {}  # per instance, its queued `work` calls, oldest first
         self.view_seq: dict[int, int] = {}
         self.moves: list[_Move] = []  # migrations under way (export, then import, queued on the instances)
@@ -447,13 +516,17 @@ class InstancePool:
         self.alive.discard(i)
         self.inflight.pop(i, None)
         self.views.pop(i, None)
+        self.view_seq.pop(i, None)  # a restarted instance numbers its views afresh
         self.counts["instances_died"] += 1
         for m in [m for m in self.moves if i in (m.src, m.dst)]:  # where each moving sample now is
             self._settle(m)
         lost = [j for j in np.flatnonzero(self.location == i) if self.results[j] is None]
+        self._restart(i)
+        if not self.alive:  # no other instance can take them: wait for this one to be back
+            self._await_starting()
         live = sorted(self.alive)
         self.log(f"rollout instance {i} died; re-queuing its {len(lost)} unfinished samples on "
-                 f"{len(live)} other instance(s)")
+                 f"{len(live)} instance(s)")
         if not live:
             raise RuntimeError("every rollout instance has died; the rollout cannot complete")
         by_prompt: dict[int, list[int]] = {}
@@ -461,6 +534,44 @@ class InstancePool:
             by_prompt.setdefault(self.requests[j].prompt_id, []).append(int(j))
         for group in by_prompt.values():
             self._requeue(group)
+
+    def _begin(self, i: int):
+        """Queue instance i's `begin` of the rollout under way (its answer: the view)."""
+        prompt_of, longest = self._begin_args
+        return self.actors[i].begin.remote(self.rl_step, prompt_of, longest,
+                                           _seed(self.seed, "instance", self.rl_step, i, self.restarts[i]))
+
+    def _restart(self, i: int) -> None:
+        """Start instance i again (the current weights, a fresh policy), without waiting: it
+        joins once its `begin` answers (`_started`)."""
+        if self.restarts[i] >= self.max_restarts:
+            self.log(f"rollout instance {i} died {self.restarts[i] + 1} times; not restarting it")
+            return
+        self.restarts[i] += 1
+        self.actors[i] = self._remote.remote(i, self._actor_spec, *self._weights, None)
+        self.starting[i] = self._begin(i)
+        self.log(f"restarting rollout instance {i}")
+
+    def _started(self, i: int) -> None:
+        """A restarted instance answered its `begin`: it is live, idle, in the rollout under way."""
+        ref = self.starting.pop(i)
+        try:
+            view = self.ray.get(ref)
+        except (self.ray.exceptions.RayActorError, self.ray.exceptions.RayTaskError) as e:
+            self.log(f"rollout instance {i} failed to start again ({type(e).__name__})")
+            self._restart(i)
+            return
+        self.alive.add(i)
+        self.counts["restarted"] += 1
+        self.finish_s.setdefault(i, 0.0)
+        self._set_view(i, view)
+        if self.realloc.name != "none" and self.requests:
+            self._event(i, "idle")
+
+    def _await_starting(self) -> None:
+        """Wait for the instances being restarted (before a rollout or a weight update)."""
+        while self.starting:
+            self._started(next(iter(self.starting)))
 
     def _requeue(self, group: list[int]) -> None:
         """Send these samples (from the prompt) to the least loaded live instance."""
@@ -488,6 +599,10 @@ class InstancePool:
             kind = "drained" if load < self.threshold else "finished"
         else:
             return
+        self._event(i, kind)
+
+    def _event(self, i: int, kind: str) -> None:
+        """Ask the ReallocPolicy what to move after instance i's event; start those moves."""
         views = [self.views[k] for k in sorted(self.alive) if k in self.views]
         event = ReallocEvent(kind, i, time.perf_counter() - self._t0, views)
         for m in self.realloc.on_event(event, self.cost):
@@ -511,7 +626,7 @@ class InstancePool:
         ctx_of = dict(zip(v.running_ids.tolist(), v.running_ctx.tolist()))
         running = sorted((j for j in ids if j in ctx_of), key=lambda j: ctx_of[j])
         with_kv: list[int] = []
-        if running and m.mode != "reprefill" and self.node_of[src] == self.node_of[dst]:
+        if running and m.mode != "reprefill" and self.kv_moves and self.node_of[src] == self.node_of[dst]:
             ctx = np.array([ctx_of[j] for j in running], dtype=np.int64)
             cut = 0 if m.mode == "kv" else split_kv_reprefill(self.cost, ctx)
             with_kv = running[cut:]
@@ -592,19 +707,24 @@ class InstancePool:
 
     def sync_weights(self, model, drafter_model=None) -> None:
         """The trainer's new weights to every instance (one copy in the object store)."""
+        self._await_starting()
         t_ref = self.ray.put(_cpu(model.state_dict()))
         d_ref = None if drafter_model is None else self.ray.put(_cpu(drafter_model.state_dict()))
+        self._weights = (t_ref, d_ref)  # what an instance started again loads
         for i in sorted(self.alive):
             self._call(i, self.actors[i].sync_weights.remote(t_ref, d_ref))
 
     def policy_state(self) -> list:
         """Per instance its engine's `policy_state()` (None for a dead one), for checkpoints:
         given back as `states` when the pool is rebuilt."""
+        self._await_starting()
         return [self._call(i, self.actors[i].policy_state.remote()) if i in self.alive else None
                 for i in range(self.n)]
 
     def close(self) -> None:
         """Write the instances' last trace parts and end their processes."""
+        self.max_restarts = 0
+        self.starting.clear()
         for i in sorted(self.alive):
             self._call(i, self.actors[i].flush.remote())
         for a in self.actors:

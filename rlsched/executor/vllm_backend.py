@@ -375,6 +375,7 @@ class VllmRolloutEngine:
         self.plan = speculative_plan(policy, drafter if isinstance(drafter, str) else "model", k_max=k_max,
                                      max_batch=max_batch)
         raw = json.loads((self.target_dir / "config.json").read_text())
+        self.vocab_size = int(raw["vocab_size"])
         limit = int(raw.get("max_position_embeddings") or max_len)
         if max_len > limit:
             raise UserError(f"rollout: the longest prompt + max_tokens + k_max ({max_len} tokens) exceed the model's "
@@ -554,6 +555,9 @@ class VllmRolloutEngine:
             raise UserError(f"sample {r.sample_id}: prompt + max_new_tokens ({len(r.prompt) + r.max_new_tokens} "
                             f"tokens) exceed vLLM's max_model_len ({self.max_model_len}), fixed when the engine "
                             "started; lower rollout.max_tokens")
+        if min(r.prompt) < 0 or max(r.prompt) >= self.vocab_size:
+            raise UserError(f"sample {r.sample_id}: the prompt holds token ids outside the model's vocabulary "
+                            f"(0..{self.vocab_size - 1}); encode prompts with the model's own tokenizer")
         self._adds += 1
         live.request_id = f"{live.index}.{self._adds}"
         self.hook.expect(live.index)
