@@ -95,3 +95,54 @@ def test_a_killed_vllm_instance_is_restarted_and_the_rollout_completes(vpool):
     again = pool.run(requests)  # the restarted instance takes its share of the next rollout
     assert again.stats["instances_alive"] == 2 and again.stats["instances_died"] == 0
     check_exactly_once(requests, again)
+
+
+RUN = """
+steps: 4
+seed: 1
+threads: 2
+policy: goodput
+drafter: builtin
+checkpoint_every: 1
+data: builtin:count,repeat
+rollout: {prompts_per_step: 4, group_size: 4, max_tokens: 16, max_batch: 16, k_max: 3, backend: vllm,
+          instances: 2, realloc: rebalance, realloc_threshold: 6}
+algorithm: {minibatches: 1, lr: 0.003}
+drafter_update: {every: 1, steps: 2, batch: 8, schedule: every}
+"""
+
+
+def test_run_on_two_vllm_instances_killed_and_resumed_loses_nothing(tmp_path):
+    """`rlsched run` with two vLLM instances and rebalance, killed (-9) in its third step and
+    resumed: every step once, every sample once, the instances' policies restored."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from support import ok, rlsched
+
+    config = tmp_path / "run.yaml"
+    config.write_text(RUN)
+    out = tmp_path / "cut"
+    proc = subprocess.Popen([sys.executable, "-m", "rlsched", "run", "--config", str(config), "--out", str(out)],
+                            cwd=tmp_path, env=dict(os.environ, COLUMNS="400"), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    journal = out / "traces" / "rl_steps"
+    deadline = time.time() + 400
+    while time.time() < deadline and proc.poll() is None:  # killed in its third step
+        if journal.is_dir() and sum(p.read_text().count("\n") for p in journal.glob("*.jsonl")) >= 2:
+            break
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)  # the driver and everything it started (Ray, the instances)
+    proc.wait()
+    assert not (out / "summary.json").exists()
+    done = ok(rlsched("run", "--out", str(out), "--resume", cwd=tmp_path, timeout=600))
+    assert "resuming" in done.stderr
+    rl = read_trace(out / "traces", "rl_steps")
+    assert sorted(rl.rl_step) == [0, 1, 2, 3]  # no step lost or duplicated
+    samples = read_trace(out / "traces", "samples")
+    per_step = samples.groupby("rl_step").sample_id.agg(["nunique", "size"])
+    assert (per_step["nunique"] == 16).all() and (per_step["size"] == 16).all()
+    assert set(samples.instance) == {0, 1} and "migrated" in rl

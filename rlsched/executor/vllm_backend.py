@@ -458,7 +458,8 @@ class VllmRolloutEngine:
     def calibrate(self, typical_ctx: int):
         """Step costs measured through this engine (a few seconds): one KSweep rollout per batch
         size up to max_batch, every request alike (a prompt of about `typical_ctx` random
-        tokens, 2 sweeps of k = 0..k_max long), priced as a MeasuredCostModel."""
+        tokens, 2 sweeps of k = 0..k_max long; k = 0 only without a model drafter: an n-gram
+        drafter finds nothing to draft in random tokens), priced as a MeasuredCostModel."""
         import pandas as pd
         from vllm import SamplingParams as VP
         from vllm.inputs import TokensPrompt
@@ -466,8 +467,9 @@ class VllmRolloutEngine:
         from rlsched.costs.measured import MeasuredCostModel
         from rlsched.executor import vllm_hook
 
-        drafter, k = self.plan["drafter"], self.k_max
-        new = 2 * (k + 1) * (k + 2) // 2 + k + 2  # two sweeps at full acceptance, and room for the last
+        drafter = "off" if self.plan is None else self.plan["drafter"]
+        k = self.k_max if drafter == "model" else 0
+        new = max(16, 2 * (k + 1) * (k + 2) // 2 + k + 2)  # two sweeps at full acceptance, and room for the last
         prompt_len = max(8, min(typical_ctx, self.max_model_len - new - 1))
         sizes = sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < self.max_batch} | {self.max_batch})
         records: list[dict] = []
@@ -484,6 +486,8 @@ class VllmRolloutEngine:
                            for _ in range(b)]
                 self.llm.generate(prompts, [params] * b, use_tqdm=False)
                 hook.end()
+        if getattr(self, "hook", None) is not None:  # the engine's own hook back in place
+            vllm_hook.attach(self.llm, self.hook)
         return MeasuredCostModel(pd.DataFrame(vllm_hook.cost_records(records, prompt_len + new // 2, sizes)))
 
     # --- the rollout ---------------------------------------------------------------------

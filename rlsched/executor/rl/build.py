@@ -191,8 +191,8 @@ def make_policy(cfg: RunConfig, m: Models, drafter, sampling, typical_ctx: int, 
 
     r = cfg.rollout
     if r.backend == "vllm":
-        given = cfg.cost_model != "auto" and parse_policy(cfg.policy).priced
-        cost = cost_model(cfg.policy, cfg.cost_model, None, None, sampling, instances=1, realloc="none",
+        given = cfg.cost_model != "auto" and needs_cost(cfg.policy, r.instances, r.realloc)
+        cost = cost_model(cfg.policy, cfg.cost_model, None, None, sampling, instances=r.instances, realloc=r.realloc,
                           max_batch=r.max_batch, k_max=r.k_max, typical_ctx=typical_ctx, seed=cfg.seed)[0] if given \
             else None
         return cfg.policy, cost, None
@@ -211,8 +211,21 @@ def make_backend(cfg: RunConfig, m: Models, drafter, sampling, policy, cost, gen
     """rlsched's own engine (one in this process, with `estimator` restored; or
     rollout.instances of them on Ray, each with the actor's current weights and its own copy
     of the policy, or its `states` entry restored), or vLLM's (with `policy` the policy's name,
-    or on resume the restored (policy, estimator, history))."""
+    or on resume the restored (policy, estimator, history); several on Ray alike)."""
     r = cfg.rollout
+    threads = max(1, (cfg.threads or os.cpu_count() or 1) // r.instances)  # the instances share the cores
+    if r.backend == "vllm" and r.instances > 1:
+        from rlsched.executor.pool import InstancePool, InstanceSpec
+
+        spec = InstanceSpec(str(m.target_dir), m.drafter_name, None if m.drafter_dir is None else str(m.drafter_dir),
+                            sampling, cfg.policy, r.max_batch * (longest + r.max_tokens), r.max_batch, r.k_max, 0,
+                            str(out / "traces"), cfg.device, cfg.dtype, threads, probe_every=r.probe_every,
+                            backend="vllm", max_len=longest + r.max_tokens + r.k_max + 1, seed=cfg.seed,
+                            typical_ctx=typical_ctx, cost=cost)
+        return InstancePool(r.instances, spec, realloc=r.realloc, threshold=r.realloc_threshold, cost=cost,
+                            seed=cfg.seed, target_state=m.target.state_dict(),
+                            drafter_state=None if m.drafter_model is None else m.drafter_model.state_dict(),
+                            states=states, log=log)
     if r.backend == "vllm":
         from rlsched.executor.vllm_backend import VllmRolloutEngine
 
@@ -223,7 +236,6 @@ def make_backend(cfg: RunConfig, m: Models, drafter, sampling, policy, cost, gen
                                  trace_dir=out / "traces", seed=cfg.seed, threads=cfg.threads, dtype=cfg.dtype,
                                  cost=cost, typical_ctx=typical_ctx, probe_every=r.probe_every, state=restored,
                                  log=log)
-    threads = max(1, (cfg.threads or os.cpu_count() or 1) // r.instances)  # the instances share the cores
     return start_engine(m, drafter, sampling, policy, instances=r.instances,
                         capacity=r.max_batch * (longest + r.max_tokens), max_batch=r.max_batch, k_max=r.k_max,
                         drafter_len=drafter_cache_len(longest, r.max_tokens, r.k_max), trace_dir=out / "traces",

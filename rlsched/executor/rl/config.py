@@ -48,12 +48,6 @@ class RolloutConfig(_Strict):
             raise ValueError(f"unknown reallocation policy '{v}'; choose from {REALLOC_POLICIES}")
         return v.strip()
 
-    @model_validator(mode="after")
-    def _backend(self):
-        if self.backend == "vllm" and self.instances > 1:
-            raise ValueError("backend vllm runs one instance here (instances: 1)")
-        return self
-
 
 class AlgorithmConfig(_Strict):
     """The RL update: GRPO (group-normalised advantages) or PPO (a critic and GAE), both with
