@@ -206,3 +206,33 @@ def test_a_reward_model_folder_scores_the_samples(pair, tmp_path):
                "--out", str(out), "--json", cwd=tmp_path, timeout=300))
     roll = pd.read_parquet(out / "rollouts" / "step-000000.parquet")
     assert roll.reward.notna().all() and roll.reward.nunique() > 4  # real scores, not 0/1
+
+
+def test_a_policy_file_learned_for_another_model_is_refused(pair, tmp_path):
+    """A table learned in the simulator for qwen2.5-7b does not run on the built-in pair: exit
+    2, one line, nothing written; the same table learned for the pair's architecture runs."""
+    from rlsched.config import load_config
+    from rlsched.executor.loading import load_config as model_config
+    from rlsched.sim.learn import Learner
+
+    cfg = load_config("default", overrides=["workload.prompts=16", "rl.steps=1", "model=qwen2.5-7b",
+                                     "speculation.k_max=3"])
+    pf, _ = Learner(cfg, [0], evaluate=lambda jobs: [1.0] * len(jobs), log=lambda *_: None).learn("table")
+    data = json.loads(pf.model_dump_json())
+    assert data["learned_on"]["model_shape"]["hidden"] == 3584
+    other = tmp_path / "qwen.json"
+    other.write_text(json.dumps(data))
+    out = tmp_path / "bad"
+    proc = rlsched("run", "--config", str(_config(tmp_path, steps=1)), "--policy", f"table:{other}", "--out", str(out),
+                   cwd=tmp_path, timeout=300)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "was learned for another model" in proc.stderr and "hidden 3584" in proc.stderr
+    assert "Traceback" not in proc.stderr and not out.exists()
+    mine = tmp_path / "mine.json"  # as if learned on costs fitted to the pair: its shape recorded
+    data["learned_on"]["model_shape"] = model_config(builtin_pair().target).shape
+    mine.write_text(json.dumps(data))
+    out = tmp_path / "good"
+    ok(rlsched("run", "--config", str(_config(tmp_path, steps=1)), "--policy", f"table:{mine}", "--out", str(out),
+               "--json", cwd=tmp_path, timeout=300))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["model_shape"] == data["learned_on"]["model_shape"]  # a run records what it ran

@@ -196,7 +196,8 @@ class FittedCostModel(MeasuredCostModel):
     def describe(self) -> dict:
         src = self.data.get("source", {})
         return {"kind": self.kind, "file": str(self.path) if self.path else None, "sha256": self.data.get("_sha256"),
-                "source": src.get("path"), "model": src.get("model"), "machine": src.get("machine"),
+                "source": src.get("path"), "model": src.get("model"), "model_shape": src.get("model_shape"),
+                "machine": src.get("machine"),
                 "ops": {key: entry["used"] for key, entry in self._entries()},
                 "kv_and_memory_from": self.base.describe() if self.base is not None and hasattr(self.base, "describe")
                 else None}

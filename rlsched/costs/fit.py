@@ -114,8 +114,8 @@ def read_records(path) -> tuple[pd.DataFrame, dict]:
             except (json.JSONDecodeError, UnicodeDecodeError):
                 meta = {}
             if isinstance(meta, dict):
-                source.update({k: meta[k] for k in ("model", "drafter", "drafters", "device", "dtype", "threads",
-                                                    "machine", "created_utc") if k in meta})
+                source.update({k: meta[k] for k in ("model", "model_shape", "drafter", "drafters", "device", "dtype",
+                                                    "threads", "machine", "created_utc") if k in meta})
             source["kind"] = "profile" if name == "profile.json" else "run"
             break
     else:

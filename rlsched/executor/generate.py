@@ -29,8 +29,8 @@ from rlsched.errors import UserError
 from rlsched.executor.folders import prepare_out
 from rlsched.executor.gcfreeze import freeze_long_lived
 from rlsched.executor.prompts import Prompt, load_prompts
-from rlsched.executor.setup import Models, check_cost_folder, cost_model, drafter_kind, drafter_names, load_models, \
-    make_drafter, needs_cost, start_engine
+from rlsched.executor.setup import Models, check_cost_folder, check_policy_model, cost_model, drafter_kind, \
+    drafter_names, load_models, make_drafter, needs_cost, start_engine
 from rlsched.policies.registry import GENERATE, parse_policy
 
 MARKER = "summary.json"
@@ -121,6 +121,7 @@ def prepare(a: GenerateArgs, out: Path | None, log=None) -> Setup:
         torch.set_num_threads(a.threads)
     sampling = _sampling(a)
     m = load_models(a.model, a.drafter, device=a.device, dtype=a.dtype, log=log)
+    check_policy_model(a.policy, m.target_dir, m.target.config)
     prompts = load_prompts(a.prompts, m.tokenizer)
     if a.compile:  # after every check: compiling takes a while
         from rlsched.executor.compiled import compile_for_engine

@@ -48,6 +48,13 @@ class ModelConfig:
     sliding_window: int | None = None  # declared by the model, not implemented (see above)
     model_type: str = "llama"
 
+    @property
+    def shape(self) -> dict:
+        """The architecture numbers a policy file is checked against (`policyfile.SHAPE_KEYS`,
+        named as in the simulator's model presets)."""
+        return dict(hidden=self.hidden_size, layers=self.num_layers, heads=self.num_heads,
+                    kv_heads=self.num_kv_heads, vocab=self.vocab_size)
+
     def new_cache(self, max_batch: int, max_len: int, *, device="cpu",
                   dtype: torch.dtype = torch.float32) -> KVCache:
         return KVCache(self.num_layers, self.num_kv_heads, self.head_dim, max_batch, max_len,

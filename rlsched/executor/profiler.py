@@ -283,7 +283,8 @@ def run_profile(*, model: str, drafters: list[str], batch_sizes: list[int], k_ma
             w.append(r)
         w.close()
         write_text_atomic(tmp / "profile.json", json.dumps({
-            "model": str(target_dir), "drafters": list(timed), "batch_sizes": batch_sizes, "k_max": k_max,
+            "model": str(target_dir), "model_shape": target.model.config.shape, "drafters": list(timed),
+            "batch_sizes": batch_sizes, "k_max": k_max,
             "contexts": contexts, "prefill_contexts": sorted({*contexts, *prefill_midpoints(contexts)}),
             "repeats": repeats, "passes": passes, "statistic": statistic, "device": device, "dtype": dtype,
             "compiled": compile,

@@ -21,6 +21,26 @@ from rlsched.policies.registry import parse_policy
 PROFILE = "profile.parquet"  # the step costs a run profiled at its start
 
 
+# --- the policy ---------------------------------------------------------------------------------
+
+def check_policy_model(policy: str, model_dir: Path, config) -> None:
+    """A policy file (`table:FILE`, `twostate:FILE`) learned for a model of another
+    architecture than the one in `model_dir` (its ModelConfig `config`) is refused, one line."""
+    import json
+
+    from rlsched.policies.policyfile import FORMAT, check_model_shape, load_policy_file
+
+    file = parse_policy(policy).file
+    if file is None or not Path(file).is_file():
+        return
+    try:
+        data = json.loads(Path(file).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return  # refused with its own message where the policy is built
+    if isinstance(data, dict) and data.get("format") == FORMAT:  # (not a vLLM batch-size table)
+        check_model_shape(load_policy_file(file, kinds=("table", "twostate")), file, config.shape, str(model_dir))
+
+
 # --- the drafter -------------------------------------------------------------------------------
 
 def drafter_kind(drafter: str) -> str:

@@ -71,12 +71,11 @@ class TwoStatePolicy:
         return cls(ctx, best[1], best[2], best[3])
 
     @classmethod
-    def from_file(cls, pf, ctx: PolicyContext) -> "TwoStatePolicy":
+    def from_file(cls, pf, ctx: PolicyContext, k_max_name: str = "speculation.k_max") -> "TwoStatePolicy":
         if pf.drafter not in ctx.drafters:
             raise UserError(f"two-state policy drafts with '{pf.drafter}', which this config lacks")
         if pf.params["k"] > ctx.k_max:
-            raise UserError(f"two-state policy uses k = {pf.params['k']}, above this config's "
-                            f"speculation.k_max = {ctx.k_max}")
+            raise UserError(f"two-state policy uses k = {pf.params['k']}, above {k_max_name} = {ctx.k_max}")
         return cls(ctx, pf.drafter, pf.params["max_batch_on"], pf.params["k"])
 
     def choose(self, state: EngineState) -> Strategy:
@@ -145,8 +144,11 @@ class TablePolicy:
                    ctx_edges=ctx_edges)
 
     @classmethod
-    def from_file(cls, pf, ctx: PolicyContext) -> "TablePolicy":
+    def from_file(cls, pf, ctx: PolicyContext, k_max_name: str = "speculation.k_max") -> "TablePolicy":
         p = pf.params
+        top = max(x for plane in (p["k"] if p.get("ctx_edges") else [p["k"]]) for row in plane for x in row)
+        if top > ctx.k_max:
+            raise UserError(f"table policy uses k up to {top}, above {k_max_name} = {ctx.k_max}")
         return cls(ctx, pf.drafter, p["batch_edges"], p["accept_edges"], p["k"], ctx_edges=p.get("ctx_edges"))
 
     def params(self) -> dict:

@@ -20,6 +20,7 @@ from rlsched.errors import UserError, describe_validation_error
 FORMAT = "rlsched-policy"
 VERSION = 1
 IDENTITY_KEYS = ("model", "hardware", "tp")
+SHAPE_KEYS = ("hidden", "layers", "heads", "kv_heads", "vocab")  # a model's architecture, for the executor
 
 
 class ReallocSettings(BaseModel):
@@ -118,6 +119,31 @@ def load_policy_file(path, identity: dict | None = None, kinds=("table", "twosta
             raise UserError(f"policy file '{path}' drafts with '{pf.drafter}', which this config lacks "
                             f"(drafters: {', '.join(drafters) or 'none'})")
     return pf
+
+
+def learned_shape(pf: PolicyFile) -> dict | None:
+    """The architecture of the model a policy file was learned for: with a fitted cost model,
+    the one it was measured on (a profile or a run records it), else the simulated model's;
+    None where the file does not say."""
+    cost = pf.learned_on.get("cost_model") or {}
+    shape = cost.get("model_shape") if cost.get("kind") == "fitted" else pf.learned_on.get("model_shape")
+    return {k: shape.get(k) for k in SHAPE_KEYS} if isinstance(shape, dict) else None
+
+
+def check_model_shape(pf: PolicyFile, path, shape: dict, model: str) -> None:
+    """Refuse a policy file learned for a model of another architecture than `model` (a
+    folder the executor runs, of architecture `shape`); files that record none pass."""
+    theirs = learned_shape(pf)
+    mine = {k: shape.get(k) for k in SHAPE_KEYS}
+    if theirs is not None and theirs != mine:
+        name = pf.learned_on.get("model")
+        raise UserError(f"policy file '{path}' was learned for another model ({_shape(theirs)}"
+                        f"{f', {name}' if name else ''}) than {model} ({_shape(mine)}); re-learn it with "
+                        "`rlsched learn --cost` on costs fitted to this model (`rlsched fit`)")
+
+
+def _shape(shape: dict) -> str:
+    return " ".join(f"{k} {shape.get(k)}" for k in SHAPE_KEYS)
 
 
 def _describe(ident: dict) -> str:

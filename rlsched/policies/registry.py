@@ -201,4 +201,4 @@ def make_draft_policy(spec, ctx, words: Words = SIMULATOR):
     from rlsched.policies.policyfile import load_policy_file  # (pydantic: only for policy files)
 
     pf = load_policy_file(p.file, ctx.identity, kinds=(p.family,) if p.family else ("table", "twostate"))
-    return (TablePolicy if pf.kind == "table" else TwoStatePolicy).from_file(pf, ctx)
+    return (TablePolicy if pf.kind == "table" else TwoStatePolicy).from_file(pf, ctx, words.k_max)

@@ -20,6 +20,7 @@ from rlsched.config import SimConfig
 from rlsched.policies.lookup import TablePolicy, TwoStatePolicy, batch_grid
 from rlsched.policies.policyfile import FORMAT, VERSION, PolicyFile, ReallocSettings, save_policy_file
 from rlsched.costs.choose import cost_model_for
+from rlsched.policies.policyfile import SHAPE_KEYS
 from rlsched.sim.simulate import config_identity, policy_context
 
 ACCEPT_EDGES = [0.0, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
@@ -91,6 +92,7 @@ class Learner:
                           realloc=realloc or ReallocSettings(policy=self.realloc,
                                                              threshold=self.cfg.cluster.realloc_threshold),
                           learned_on={**config_identity(self.cfg), "cost_model": self.cost.describe(),
+                                      "model_shape": {k: getattr(self.cfg.model, k) for k in SHAPE_KEYS},
                                       "workload": self.cfg.workload.model_dump(mode="json"),
                                       "config_name": self.cfg.name},
                           created={"rlsched": __version__, "seeds": self.seeds,

@@ -28,8 +28,8 @@ from rlsched.executor.drafters import drafter_cache_len
 from rlsched.executor.prompts import encode
 from rlsched.executor.rl.checkpoint import SUMMARY, TrainState, restore, rewind_out
 from rlsched.executor.rl.config import RunConfig
-from rlsched.executor.setup import PROFILE, Models, check_cost_folder, cost_model, drafter_kind, drafter_names, \
-    load_models, make_drafter, needs_cost, start_engine
+from rlsched.executor.setup import PROFILE, Models, check_cost_folder, check_policy_model, cost_model, \
+    drafter_kind, drafter_names, load_models, make_drafter, needs_cost, start_engine
 from rlsched.policies.registry import parse_policy, run_words
 
 
@@ -43,6 +43,7 @@ class Setup:
     eos: int | None
     pad_id: int
     drafter_name: str  # off, ngram or model
+    model_dir: Path  # the target's folder
     state: TrainState  # restored on resume
     reference: torch.nn.Module | None  # the KL penalty's frozen start model
     start_step: int
@@ -69,6 +70,7 @@ def build(cfg: RunConfig, out: Path, *, resume: bool = False, log=None) -> Setup
     source = make_source(cfg.data, cfg.seed)
     reward_fn = resolve_reward(cfg.reward, device=cfg.device)
     m = load_models(cfg.model, cfg.drafter, device=cfg.device, dtype=cfg.dtype, log=log)
+    check_policy_model(cfg.policy, m.target_dir, m.target.config)
     sampling = SamplingParams(temperature=r.temperature)
     reference = copy.deepcopy(m.target) if cfg.algorithm.kl_coef > 0 else None
     state = new_state(cfg, m.target, m.drafter_model)
@@ -93,7 +95,7 @@ def build(cfg: RunConfig, out: Path, *, resume: bool = False, log=None) -> Setup
         write_table(out / PROFILE, pa.Table.from_pandas(profile, preserve_index=False))
     backend = make_backend(cfg, m, drafter, sampling, policy, cost, state.generator, longest, out, log,
                            estimator=estimator, states=None if one else saved, typical_ctx=typical)
-    return Setup(source, reward_fn, m.tokenizer, m.eos, m.pad_id, m.drafter_name, state, reference,
+    return Setup(source, reward_fn, m.tokenizer, m.eos, m.pad_id, m.drafter_name, m.target_dir, state, reference,
                  start_step, longest, backend)
 
 

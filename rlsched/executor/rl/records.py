@@ -61,10 +61,11 @@ def write_rollout(out: Path, s: int, items, requests, group, result, texts, rb) 
     write_table(out / "rollouts" / f"step-{s:06d}.parquet", pa.Table.from_pandas(df, preserve_index=False))
 
 
-def write_summary(out: Path, cfg, drafter_name: str) -> dict:
+def write_summary(out: Path, cfg, drafter_name: str, model_dir: Path) -> dict:
     """summary.json and the plots, from the RL-step trace. Returns the summary."""
-    from rlsched.traces.reader import read_trace
     from rlsched.atomic import write_text_atomic
+    from rlsched.executor.loading import load_config
+    from rlsched.traces.reader import read_trace
 
     df = read_trace(out / "traces", "rl_steps").sort_values("rl_step")
     head, tail = df.head(max(1, len(df) // 5)), df.tail(max(1, len(df) // 5))
@@ -75,7 +76,8 @@ def write_summary(out: Path, cfg, drafter_name: str) -> dict:
         seconds=float(df["total_s"].sum()),
         stage_s={k: float(df[f"{k}_s"].sum()) for k in STAGES},
         tokens_per_s=float(df["response_tokens"].sum() / df["generation_s"].sum()),
-        policy=cfg.policy, drafter=drafter_name, algorithm=cfg.algorithm.name,
+        policy=cfg.policy, drafter=drafter_name, algorithm=cfg.algorithm.name, model=str(model_dir),
+        model_shape=load_config(model_dir).shape,
         seed=cfg.seed, machine=platform.node(), threads=torch.get_num_threads(),
         created_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), out=str(out),
         traces=str(out / "traces"))

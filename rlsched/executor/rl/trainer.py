@@ -51,7 +51,7 @@ class Trainer:
         b = build(cfg, self.out, resume=resume, log=self.log)
         self.source, self.reward_fn, self.tokenizer, self.eos, self.pad_id = (b.source, b.reward_fn, b.tokenizer,
                                                                               b.eos, b.pad_id)
-        self.drafter_name = b.drafter_name
+        self.drafter_name, self.model_dir = b.drafter_name, b.model_dir
         self.drafter_names = drafter_names(b.drafter_name)
         self.state, self.reference, self.backend = b.state, b.reference, b.backend
         self.start_step, self._longest = b.start_step, b.longest
@@ -244,4 +244,4 @@ class Trainer:
 
     def finish(self) -> dict:
         """summary.json and the plots, from the RL-step trace. Returns the summary."""
-        return write_summary(self.out, self.cfg, self.drafter_name)
+        return write_summary(self.out, self.cfg, self.drafter_name, self.model_dir)
