@@ -40,13 +40,15 @@ def table(headers: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
-def write_result(name: str, payload: dict, text: str) -> Path:
-    """bench/results/NAME.json (machine, date, numbers) and NAME.txt (the printed table)."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
+def write_result(name: str, payload: dict, text: str, folder: Path | None = None) -> Path:
+    """bench/results/NAME.json (machine, date, numbers) and NAME.txt (the printed table), or
+    in `folder`."""
+    folder = RESULTS if folder is None else Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
     payload = {"machine": machine(), **payload}
-    (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2))
-    (RESULTS / f"{name}.txt").write_text(f"{payload['machine']}\n\n{text}\n")
-    return RESULTS / f"{name}.json"
+    (folder / f"{name}.json").write_text(json.dumps(payload, indent=2))
+    (folder / f"{name}.txt").write_text(f"{payload['machine']}\n\n{text}\n")
+    return folder / f"{name}.json"
 
 
 def lockstep(trainers: list, steps: int) -> None:

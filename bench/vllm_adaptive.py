@@ -18,13 +18,25 @@ The arms run in turn, round after round (a slow spell of the shared machine hits
 REPS rounds; each arm's rollout time is the median of its rounds, quoted as a ratio to off.
 The hook's own cost is measured per step (choosing, learning, recording) beside the step.
 
+`--models planted` runs the same arms at a real size, for a GPU (bench/gpu_vllm.sh): the
+Qwen2.5-1.5B configuration as target and 4 layers of the Qwen2.5-0.5B one as drafter, random
+weights built on the spot, written as HF folders vLLM loads. Acceptance is planted (see
+`planted_pair`): both models echo their input token, and the drafter splits its probability
+evenly between the token and m_t stand-ins the target never emits, m_t drawn per token from
+0..3, so a request whose prompt ends in token t accepts each draft with probability
+1 / (1 + m_t): per-request acceptance of 1, 1/2, 1/3 or 1/4. `--smoke` builds the planted pair
+at the built-in pair's shapes, so the path runs on vLLM's CPU build.
+
 Run: python bench/vllm_adaptive.py [--reps 5] [--prompts 8] [--group 16] [--median 64] [--max-batch 64]
-Needs vLLM (`make test-vllm` sets up .venv-vllm). Results: bench/results/vllm_adaptive.{json,txt}.
+     [--models builtin|planted] [--smoke]
+Needs vLLM (`make test-vllm` sets up .venv-vllm). Results: bench/results/vllm_adaptive.{json,txt}
+(`_planted`, `_planted_smoke` added to the name; in $OUT instead when OUT is set).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -35,6 +47,44 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import table, write_result  # noqa: E402
 from realloc import workload  # noqa: E402
+
+
+def planted_pair(folder: Path, smoke: bool, seed: int, prompt_vocab: int) -> tuple[Path, Path]:
+    """Target and drafter folders with planted acceptance (the module docstring). Both are
+    echo models (`gpu_drain.echo_target`: blocks that add nothing to the residual stream, read
+    out with the embedding); the final norms are scaled so that the echoed token leads every
+    other by about 40 logits at any width. The drafter's output rows of m_t stand-ins (ids
+    above the prompts' vocabulary, never emitted) are set to token t's embedding, for each
+    prompt token t below `prompt_vocab`."""
+    import torch
+
+    from gpu_drain import builtin_shapes, echo_target
+    from gpu_engine import QWEN_0_5B, QWEN_1_5B
+    from rlsched.executor.saving import save_model
+
+    if smoke:  # (a vocabulary with room for the stand-ins)
+        target_cfg, drafter_cfg = builtin_shapes()
+        target_cfg = dict(target_cfg, vocab_size=1024)
+    else:
+        target_cfg, drafter_cfg = dict(QWEN_1_5B), dict(QWEN_0_5B, num_layers=4)
+    target_cfg = dict(target_cfg, max_position_embeddings=4096 if not smoke else target_cfg["max_position_embeddings"])
+    drafter_cfg = dict(drafter_cfg, tie_word_embeddings=False, vocab_size=target_cfg["vocab_size"],
+                       max_position_embeddings=target_cfg["max_position_embeddings"])
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    out = []
+    for name, cfg in (("target", target_cfg), ("drafter", drafter_cfg)):
+        m = echo_target(cfg, "cpu", torch.float32 if smoke else torch.bfloat16)
+        with torch.no_grad():
+            m.norm.weight.fill_(40.0 / (cfg["hidden_size"] * 0.02))
+            if name == "drafter":
+                vocab = cfg["vocab_size"]
+                spare = iter(rng.permutation(np.arange(prompt_vocab, vocab)).tolist())
+                for t in range(prompt_vocab):
+                    for _ in range(int(rng.integers(0, 4))):
+                        m.lm_head.weight[next(spare)] = m.embed.weight[t]
+        out.append(save_model(m, folder / name))
+    return out[0], out[1]
 
 
 def main() -> None:
@@ -50,6 +100,8 @@ def main() -> None:
     ap.add_argument("--adaptive", default="goodput,seqgoodput,bandit")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--models", choices=("builtin", "planted"), default="builtin")
+    ap.add_argument("--smoke", action="store_true", help="planted models at the built-in pair's shapes")
     args = ap.parse_args()
 
     from rlsched.executor.builtin import builtin_pair
@@ -60,18 +112,25 @@ def main() -> None:
     from rlsched.policies.lookup import TwoStatePolicy
 
     pair = builtin_pair()
-    requests = workload(load_model(pair.target).tokenizer, args.prompts, args.group, args.seed, args.median,
-                        args.sigma, 4 * args.median)
+    tokenizer = load_model(pair.target).tokenizer
+    requests = workload(tokenizer, args.prompts, args.group, args.seed, args.median, args.sigma, 4 * args.median)
     longest = max(len(r.prompt) + r.max_new_tokens for r in requests)
     typical = int(np.mean([len(r.prompt) + r.max_new_tokens / 2 for r in requests]))
     work = Path(tempfile.mkdtemp(prefix="vllm-adaptive-"))
     sampling = SamplingParams(1.0)
+    target, drafter, result_name, dtype = pair.target, pair.drafter, "vllm_adaptive", "float32"
+    if args.models == "planted":
+        t = time.perf_counter()
+        target, drafter = planted_pair(work / "models", args.smoke, args.seed, tokenizer.get_vocab_size())
+        print(f"planted pair built in {time.perf_counter() - t:.1f} s: {target}, {drafter}", file=sys.stderr)
+        result_name += "_planted" + ("_smoke" if args.smoke else "")
+        dtype = "float32" if args.smoke else "bfloat16"
 
     def engine(policy: str, cost=None):
-        return VllmRolloutEngine(pair.target, "off" if policy == "off" else pair.drafter, sampling, policy,
+        return VllmRolloutEngine(target, "off" if policy == "off" else drafter, sampling, policy,
                                  max_batch=args.max_batch, k_max=args.k_max, max_len=longest + args.k_max + 1,
                                  trace_dir=work / policy.replace(":", "_"), seed=args.seed, threads=args.threads,
-                                 cost=cost, typical_ctx=typical)
+                                 cost=cost, typical_ctx=typical, dtype=dtype)
 
     arms: dict[str, VllmRolloutEngine] = {"off": engine("off")}
     for k in args.static.split(","):
@@ -118,7 +177,9 @@ def main() -> None:
         rows.append([name, sec, off / sec, steps, step_ms, hook_ms, acc])
     statics = {n: v for n, v in out.items() if n.startswith("static:")}
     best = min(statics, key=lambda n: statics[n]["seconds"]) if statics else None
-    text = (f"vLLM {arms and next(iter(arms.values())).vllm_version} on the built-in pair: {len(requests)} samples "
+    models = "the built-in pair" if args.models == "builtin" else (
+        "the planted pair" + (" (built-in shapes)" if args.smoke else " (Qwen2.5-1.5B, 4 layers of 0.5B)"))
+    text = (f"vLLM {arms and next(iter(arms.values())).vllm_version} on {models}: {len(requests)} samples "
             f"({args.prompts} prompts x {args.group}), long-tailed budgets (median {args.median}), "
             f"max_batch {args.max_batch}, k_max {args.k_max}; median of {args.reps} interleaved rounds\n"
             f"step costs measured through vLLM in {calibration_s:.1f} s at start-up; best static after the fact: "
@@ -129,8 +190,9 @@ def main() -> None:
             f"{n} {statics[best]['seconds'] / v['seconds']:.3f}x" for n, v in out.items()
             if not n.startswith(("static:", "off")))
     print(text)
-    write_result("vllm_adaptive", {"args": vars(args), "arms": out, "best_static": best,
-                                   "table_policy": table_policy, "calibration_s": calibration_s}, text)
+    write_result(result_name, {"args": vars(args), "arms": out, "best_static": best, "table_policy": table_policy,
+                               "calibration_s": calibration_s}, text,
+                 folder=os.environ.get("OUT") or None)  # a lent machine brings back what is under $OUT
 
 
 if __name__ == "__main__":

@@ -87,7 +87,9 @@ CHECKS = {
     "Measured: GRPO run, adaptive SD over SD off, end to end":
         ("rl_e2e.json", lambda: _rl("goodput+builtin", "speedup total"), 1),
     "Measured: two Ray instances, `rebalance` cut of the generation stage":
-        ("realloc.json", lambda: _load("realloc.json")["cut_paired_mean"], 100),
+        ("realloc.json", lambda: _load("realloc.json")["cuts"]["local"]["cut_paired_mean"], 100),
+    "Measured: two vLLM instances on Ray, `rebalance` cut of the generation stage":
+        ("realloc.json", lambda: _load("realloc.json")["cuts"]["vllm"]["cut_paired_mean"], 100),
     "Measured: real runs replayed in the simulator, per-step MAPE":
         ("fidelity.json", _fidelity_mape, 1),
 }

@@ -1,6 +1,7 @@
 """bench/gpu_engine.py is run on a lent GPU only; its --smoke mode runs the same code on the
 CPU with tiny shapes, so that the prepared script is known to work before device time is spent."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -130,3 +131,20 @@ def test_gpu_drain_script_smoke_runs_on_cpu(tmp_path):
     assert 1.4 < by["static:1"]["mean_accept_len"] < 2.0, by["static:1"]
     assert by["static:3"]["mean_accept_len"] > by["static:1"]["mean_accept_len"]
     assert "held out" in (tmp_path / "gpu_drain_cpu.txt").read_text()
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is importable only in .venv-vllm")
+def test_gpu_vllm_path_runs_on_vllms_cpu_build(tmp_path):
+    """bench/gpu_vllm.sh's benchmark with the planted pair at the built-in pair's shapes:
+    every arm runs, and drafts are accepted at a planted rate (per request 1, 1/2, 1/3 or 1/4)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "vllm_adaptive.py"), "--models", "planted", "--smoke",
+                           "--reps", "1", "--prompts", "3", "--group", "4", "--median", "12", "--max-batch", "8",
+                           "--k-max", "3", "--static", "2", "--adaptive", "seqgoodput", "--threads", "1"],
+                          env=dict(os.environ, OUT=str(tmp_path)), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "vllm_adaptive_planted_smoke.json").read_text())
+    assert set(result["arms"]) >= {"off", "static:2", "seqgoodput"}
+    acc = result["arms"]["static:2"]["acceptance"]
+    assert 0.15 <= acc <= 1.0 and all(a["tokens"] > 0 for a in result["arms"].values())
+    assert "planted pair (built-in shapes)" in (tmp_path / "vllm_adaptive_planted_smoke.txt").read_text()
