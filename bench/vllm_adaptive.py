@@ -192,7 +192,7 @@ def main() -> None:
     print(text)
     write_result(result_name, {"args": vars(args), "arms": out, "best_static": best, "table_policy": table_policy,
                                "calibration_s": calibration_s}, text,
-                 folder=os.environ.get("OUT") or None)  # a lent machine brings back what is under $OUT
+                 folder=os.environ.get("OUT") or None)  # a GPU machine's results go to $OUT
 
 
 if __name__ == "__main__":
