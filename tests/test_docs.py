@@ -86,6 +86,8 @@ CHECKS = {
         ("rl_e2e.json", lambda: _rl("goodput+builtin", "speedup gen"), 1),
     "Measured: GRPO run, adaptive SD over SD off, end to end":
         ("rl_e2e.json", lambda: _rl("goodput+builtin", "speedup total"), 1),
+    "Measured: GRPO on vLLM, reward over the last 20% of 40 steps, from 0.235 (rlsched's engine: 0.497)":
+        ("vllm_rl.json", lambda: _load("vllm_rl.json")["backends"]["vllm"]["reward_end"], 1),
     "Measured: two Ray instances, `rebalance` cut of the generation stage":
         ("realloc.json", lambda: _load("realloc.json")["cuts"]["local"]["cut_paired_mean"], 100),
     "Measured: two vLLM instances on Ray, `rebalance` cut of the generation stage":
