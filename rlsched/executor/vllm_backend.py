@@ -375,7 +375,6 @@ class VllmRolloutEngine:
         self.plan = speculative_plan(policy, drafter if isinstance(drafter, str) else "model", k_max=k_max,
                                      max_batch=max_batch)
         raw = json.loads((self.target_dir / "config.json").read_text())
-        self.vocab_size = int(raw["vocab_size"])
         limit = int(raw.get("max_position_embeddings") or max_len)
         if max_len > limit:
             raise UserError(f"rollout: the longest prompt + max_tokens + k_max ({max_len} tokens) exceed the model's "
@@ -385,6 +384,7 @@ class VllmRolloutEngine:
         self.max_model_len = min(limit, max(2 * max_len, 256))
         vllm = _import_vllm()
         self.vllm_version = vllm.__version__
+        self.vocab_size = int(raw["vocab_size"])  # (vLLM refuses a config.json without it as it starts)
         from vllm.config import SpeculativeConfig
         from vllm.platforms import current_platform
 
