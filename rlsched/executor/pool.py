@@ -154,8 +154,16 @@ class InstanceWorker:
             draft = hf_weights(drafter_state, load_config(Path(self.spec.drafter_dir)))
         self.engine.load_weights(hf_weights(target_state, load_config(Path(self.spec.target_dir))), draft)
 
+    def _threads(self) -> None:
+        """This thread's OpenMP and torch thread counts set to the instance's: Ray runs the
+        actor's calls in threads of its own, which start from the process default (vLLM's CPU
+        attention checks that the count it planned with is the count it runs with)."""
+        if torch.get_num_threads() != self.spec.threads:
+            torch.set_num_threads(self.spec.threads)
+
     def _command(self, fn):
         """Run fn on the engine between two steps (from the migration thread)."""
+        self._threads()
         with self._count_lock:
             self._commands += 1
         try:
@@ -178,6 +186,7 @@ class InstanceWorker:
         return dict(self.engine.view(), seq=self.seq)
 
     def begin(self, rl_step: int, prompt_of: np.ndarray, longest_reserve: int, seed: int) -> dict:
+        self._threads()
         with self._lock:
             self.engine.rl_step = rl_step
             if self.generator is not None:
@@ -194,6 +203,7 @@ class InstanceWorker:
 
     def work(self, max_steps: int) -> dict:
         """Up to max_steps engine steps; the finished samples, the view, the running totals."""
+        self._threads()
         finished = []
         for _ in range(max_steps):
             while self._commands:  # a migration is waiting: let it in first
@@ -228,6 +238,7 @@ class InstanceWorker:
     def measured_cost(self):
         """The cost model this (vLLM) instance's steps are priced by: its policy's, else
         measured through it now (`VllmRolloutEngine.calibrate`)."""
+        self._threads()
         with self._lock:
             e = self.engine
             if e.cost is None:
@@ -244,6 +255,7 @@ class InstanceWorker:
             self.engine.resize(cache_capacity, drafter_max_len)
 
     def sync_weights(self, target_state, drafter_state) -> None:
+        self._threads()
         with self._lock:
             if self.spec.backend == "vllm":
                 self._load_vllm_weights(target_state, drafter_state)
