@@ -97,8 +97,8 @@ class InstanceWorker:
         else:
             self._start_local(target_state, drafter_state, state or (spec.policy, None, None))
         freeze_long_lived()
-        # `work` runs in the actor's main thread; migrations arrive on a second one (their own
-        # concurrency group) and take the engine between two steps: the step loop lets a
+        # `work` runs in the actor's default concurrency group; migrations arrive on a thread of
+        # their own group and take the engine between two steps: the step loop lets a
         # waiting command in before its next step, so a move lands within one step.
         self._lock, self._count_lock, self._commands, self.seq = threading.Lock(), threading.Lock(), 0, 0
 
