@@ -88,7 +88,9 @@ def test_a_killed_vllm_instance_is_restarted_and_the_rollout_completes(vpool):
     finally:
         pool.on_report = None
     st = result.stats
-    assert killed and killed[0] > 0 and st["instances_died"] == 1 and st["requeued"] >= killed[0], st
+    # (what it held then, less what rebalance moved off it before it died, starts again elsewhere)
+    assert killed and killed[0] > 0 and st["instances_died"] == 1 and st["requeued"] > 0, st
+    assert st["requeued"] + st["migrated"] >= killed[0], st
     check_exactly_once(requests, result)
     assert pool.restarts == [0, 1]
     pool.rl_step = 2
