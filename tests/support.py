@@ -15,6 +15,27 @@ def rlsched(*args: str, cwd: Path, env_extra: dict | None = None, timeout: float
                           text=True, timeout=timeout)
 
 
+def run_then_kill(config: Path, out: Path, cwd: Path, steps_recorded: int, timeout: float,
+                  checkpoint: bool = False) -> None:
+    """`rlsched run --config config --out out`, killed (-9, with everything it started: Ray,
+    vLLM) once `steps_recorded` RL-step records are written (and a checkpoint, if asked)."""
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "rlsched", "run", "--config", str(config), "--out", str(out)],
+                            cwd=cwd, env=dict(os.environ, COLUMNS="400"), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    journal = out / "traces" / "rl_steps"
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if ((not checkpoint or (out / "checkpoint.pt").is_file()) and journal.is_dir()
+                and sum(p.read_text().count("\n") for p in journal.glob("*.jsonl")) >= steps_recorded):
+            break
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     assert "Traceback" not in proc.stderr

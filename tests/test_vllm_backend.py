@@ -342,29 +342,13 @@ def test_a_vllm_run_killed_and_resumed_restores_its_policy_and_loses_nothing(pai
     """goodput on one vLLM engine, killed (-9) once a checkpoint is written and resumed: every
     step once, every sample once, and the resumed engine runs on the checkpoint's estimator
     and policy (no start-up calibration the second time)."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
     from rlsched.traces.reader import read_trace
+    from support import run_then_kill
 
     cfg = tmp_path / "run.yaml"
     cfg.write_text(RUN.format(steps=4, policy="goodput", drafter="builtin"))
     out = tmp_path / "cut"
-    proc = subprocess.Popen([sys.executable, "-m", "rlsched", "run", "--config", str(cfg), "--out", str(out)],
-                            cwd=tmp_path, env=dict(os.environ, COLUMNS="400"), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    journal = out / "traces" / "rl_steps"
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        if (out / "checkpoint.pt").is_file() and journal.is_dir() and sum(
-                p.read_text().count("\n") for p in journal.glob("*.jsonl")) >= 2:
-            break
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    run_then_kill(cfg, out, tmp_path, steps_recorded=2, timeout=300, checkpoint=True)
     assert not (out / "summary.json").exists()
     done = ok(rlsched("run", "--out", str(out), "--resume", cwd=tmp_path, timeout=600))
     assert "resuming" in done.stderr and " at step 0" not in done.stderr

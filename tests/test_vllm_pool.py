@@ -117,28 +117,12 @@ drafter_update: {every: 1, steps: 2, batch: 8, schedule: every}
 def test_run_on_two_vllm_instances_killed_and_resumed_loses_nothing(tmp_path):
     """`rlsched run` with two vLLM instances and rebalance, killed (-9) in its third step and
     resumed: every step once, every sample once, the instances' policies restored."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    from support import ok, rlsched
+    from support import ok, rlsched, run_then_kill
 
     config = tmp_path / "run.yaml"
     config.write_text(RUN)
     out = tmp_path / "cut"
-    proc = subprocess.Popen([sys.executable, "-m", "rlsched", "run", "--config", str(config), "--out", str(out)],
-                            cwd=tmp_path, env=dict(os.environ, COLUMNS="400"), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    journal = out / "traces" / "rl_steps"
-    deadline = time.time() + 400
-    while time.time() < deadline and proc.poll() is None:  # killed in its third step
-        if journal.is_dir() and sum(p.read_text().count("\n") for p in journal.glob("*.jsonl")) >= 2:
-            break
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)  # the driver and everything it started (Ray, the instances)
-    proc.wait()
+    run_then_kill(config, out, tmp_path, steps_recorded=2, timeout=400)  # in its third step
     assert not (out / "summary.json").exists()
     done = ok(rlsched("run", "--out", str(out), "--resume", cwd=tmp_path, timeout=600))
     assert "resuming" in done.stderr
