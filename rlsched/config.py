@@ -63,12 +63,17 @@ class HardwareSpec(Strict):
     peak_tflops: Positive
     mem_bw_gbs: Positive
     memory_gib: Positive
-    compute_efficiency: OpenFraction = 0.6
-    memory_efficiency: OpenFraction = 0.8
+    compute_efficiency: OpenFraction = 0.66  # of peak, large matmuls
+    memory_efficiency: OpenFraction = 0.84  # of peak bandwidth, matmuls reading their weights
+    linear_floor_us: NonNeg = 7.7  # per matmul kernel
+    elementwise_efficiency: OpenFraction = 0.58  # of peak bandwidth: norms, rope, activation, residual add
+    elementwise_floor_us: NonNeg = 2.5  # per element-wise kernel
+    attention_efficiency: OpenFraction = 0.75  # of peak bandwidth, reading the KV cache
+    attention_floor_us: NonNeg = 15.9  # per attention kernel
     step_overhead_ms: NonNeg = 0.3  # per engine step: scheduling, sampling, launch
     forward_overhead_ms: NonNeg = 0.08  # per extra forward inside a step (draft forwards)
-    nvlink_gbs: Positive = 450.0  # per-GPU all-reduce bandwidth inside a TP group
-    allreduce_latency_us: NonNeg = 8.0
+    nvlink_gbs: Positive = 339.0  # per-GPU all-reduce bus bandwidth inside a TP group
+    allreduce_latency_us: NonNeg = 28.0
     migrate_link_gbs: Positive = 25.0  # between instances, for KV-cache migration
     migrate_latency_ms: NonNeg = 2.0
     host_draft_us_per_seq: NonNeg = 4.0  # n-gram/suffix drafting on the host

@@ -80,18 +80,19 @@ class OpCosts:
         return asdict(self)
 
 
+def linear_time(c: OpCosts, params: float, io: float, tokens, dtype_bytes: int = 2) -> np.ndarray:
+    """Seconds of one matmul of `params` weights over `tokens` new tokens, reading and writing
+    `io` activation elements per token."""
+    t = np.asarray(tokens, dtype=float)
+    compute = 2.0 * t * params / (c.peak_tflops * 1e12 * c.compute_eff)
+    memory = (params + t * io) * dtype_bytes / (c.mem_bw_gbs * 1e9 * c.memory_eff)
+    return np.maximum(compute, memory) + c.linear_floor_us * 1e-6
+
+
 def linear_times(c: OpCosts, s: Shape, tokens, tp: int = 1) -> dict[str, np.ndarray]:
     """Seconds of each linear group of one layer over `tokens` new tokens (array-like)."""
-    t = np.asarray(tokens, dtype=float)
-    flops_rate = c.peak_tflops * 1e12 * c.compute_eff
-    bw = c.mem_bw_gbs * 1e9 * c.memory_eff
     io = s.linear_io(tp)
-    out = {}
-    for g, p in s.linear_params(tp).items():
-        compute = 2.0 * t * p / flops_rate
-        memory = (p + t * io[g]) * s.dtype_bytes / bw
-        out[g] = np.maximum(compute, memory) + c.linear_floor_us * 1e-6
-    return out
+    return {g: linear_time(c, p, io[g], tokens, s.dtype_bytes) for g, p in s.linear_params(tp).items()}
 
 
 def elementwise_time(c: OpCosts, s: Shape, tokens, tp: int = 1, kernels: int | None = None) -> np.ndarray:

@@ -1,12 +1,15 @@
-"""Analytic roofline cost model of one forward pass, and of the pieces of an engine step.
+"""Analytic cost model of one forward pass, op group by op group, and of an engine step.
 
-A forward over `q` new tokens for each of `batch` sequences whose contexts sum to `ctx`:
-  FLOPs = 2 * matmul_params * batch * q  +  4 * layers * attn_dim * q * ctx   (QK^T and PV)
-  bytes = weights + KV read (ctx tokens) + KV written (batch * q tokens)
-  time  = max(FLOPs / (tp * peak * eff_c), bytes / (tp * bw * eff_m)) + TP all-reduces
-Verify adds the per-step overhead; draft forwards add a smaller per-forward overhead.
-Small batches are memory-bound (extra tokens nearly free); large ones compute-bound
-(cost grows with q) - the physics that makes the best draft length depend on the batch.
+A forward over `q` new tokens for each of `batch` sequences whose contexts sum to `ctx`, on one
+GPU of a TP group, is per layer the sum of its op groups (`costs/ops.py`), each on its own
+roofline with a floor: the QKV, O, MLP up and MLP down matmuls (memory-bound on their weights
+at few tokens, compute-bound at many, each turning at its own token count), the element-wise
+kernels, attention (the KV cache it reads, or its products in prefill) and two all-reduces
+when tp > 1; the LM head once. Efficiencies and floors are the hardware preset's, calibrated
+on measured GPU kernel timings (data/vidur, bench/gpu_costs.py). Verify adds the per-step
+overhead; draft forwards add a smaller per-forward overhead. Small batches are memory-bound
+(extra tokens nearly free); large ones compute-bound (cost grows with q): the physics that
+makes the best draft length depend on the batch.
 """
 
 from __future__ import annotations
@@ -14,40 +17,55 @@ from __future__ import annotations
 import numpy as np
 
 from rlsched.config import DrafterSpec, HardwareSpec, ModelSpec, SimConfig, eagle_head
+from rlsched.costs.ops import OpCosts, Shape, allreduce_time, attention_time, elementwise_time, linear_time, \
+    linear_times
+
+
+def op_costs(hw: HardwareSpec) -> OpCosts:
+    """The per-op efficiencies and floors of a hardware preset."""
+    return OpCosts(hw.peak_tflops, hw.mem_bw_gbs, compute_eff=hw.compute_efficiency, memory_eff=hw.memory_efficiency,
+                   linear_floor_us=hw.linear_floor_us, elementwise_eff=hw.elementwise_efficiency,
+                   elementwise_floor_us=hw.elementwise_floor_us, attention_eff=hw.attention_efficiency,
+                   attention_floor_us=hw.attention_floor_us, allreduce_latency_us=hw.allreduce_latency_us,
+                   allreduce_bus_gbs=hw.nvlink_gbs)
 
 
 class _Forward:
-    """Precomputed roofline coefficients of one model on one TP group."""
+    """One model's forward on one GPU of a TP group of `tp`, priced per op group."""
 
     def __init__(self, hw: HardwareSpec, m: ModelSpec, tp: int):
-        flops_rate = tp * hw.peak_tflops * 1e12 * hw.compute_efficiency
-        bw = tp * hw.mem_bw_gbs * 1e9 * hw.memory_efficiency
-        self.c_tok = 2.0 * m.matmul_params / flops_rate  # s per new token
-        self.c_attn = 4.0 * m.layers * m.attn_dim / flops_rate  # s per (new token x context token)
-        self.m_weights = m.weight_bytes / bw
-        self.m_kv = m.kv_bytes_per_token / bw  # s per KV token read or written
-        if tp > 1:
-            ring = 2.0 * (tp - 1) / tp
-            self.ar_fixed = 2 * m.layers * hw.allreduce_latency_us * 1e-6
-            self.ar_tok = 2 * m.layers * ring * m.hidden * m.dtype_bytes / (hw.nvlink_gbs * 1e9)
-        else:
-            self.ar_fixed = self.ar_tok = 0.0
+        self.c, self.tp, self.layers = op_costs(hw), tp, m.layers
+        self.shape = Shape(m.hidden, m.heads, m.kv_heads, m.head_dim, m.intermediate, True, m.dtype_bytes)
+        self.head_params, self.hidden, self.vocab = m.vocab * m.hidden / tp, m.hidden, m.vocab
+
+    def _tokens_part(self, tokens):
+        """Everything that depends on the new tokens alone: the layers' matmuls, element-wise
+        kernels and all-reduces, and the LM head."""
+        s, c, tp = self.shape, self.c, self.tp
+        layer = sum(linear_times(c, s, tokens, tp).values()) + elementwise_time(c, s, tokens, tp) \
+            + 2 * allreduce_time(c, np.asarray(tokens, dtype=float) * s.hidden * s.dtype_bytes, tp)
+        head = linear_time(c, self.head_params, self.hidden + self.vocab / tp, tokens, s.dtype_bytes)
+        return self.layers * layer + head
 
     def time(self, batch: int, q, ctx_tokens: int):
         """Seconds for one forward; `q` or `ctx_tokens` may be arrays (then an array comes back)."""
-        tokens = batch * q
-        compute = self.c_tok * tokens + self.c_attn * q * (ctx_tokens + 0.5 * tokens)
-        memory = self.m_weights + self.m_kv * (ctx_tokens + tokens)
-        core = np.maximum(compute, memory) if isinstance(compute, np.ndarray) else max(compute, memory)
-        return core + self.ar_fixed + self.ar_tok * tokens
+        tokens = batch * np.asarray(q, dtype=float)
+        # each new token attends to the cached context and, causally, to half the new ones
+        attn = attention_time(self.c, self.shape, q, np.asarray(ctx_tokens, dtype=float) + 0.5 * tokens, self.tp)
+        out = self._tokens_part(tokens) + self.layers * attn
+        return out if isinstance(out, np.ndarray) and out.ndim else float(out)
 
     def prefill(self, n_tokens: int, sum_sq_tokens: int | None) -> float:
         """Seconds for one forward over prompts totalling n_tokens (attention quadratic in
         each length: sum_sq_tokens, the sum of squared lengths; default one sequence)."""
         sq = n_tokens * n_tokens if sum_sq_tokens is None else sum_sq_tokens
-        compute = self.c_tok * n_tokens + 0.5 * self.c_attn * sq
-        memory = self.m_weights + self.m_kv * n_tokens
-        return max(compute, memory) + self.ar_fixed + self.ar_tok * n_tokens
+        s, c = self.shape, self.c
+        # causal attention: QK^T and PV over half the square, and the keys and values written
+        flops = 2.0 * sq * s.heads * s.head_dim / self.tp
+        kv_bytes = n_tokens * 2 * s.kv_heads * s.head_dim / self.tp * s.dtype_bytes
+        attn = max(flops / (c.peak_tflops * 1e12 * c.compute_eff), kv_bytes / (c.mem_bw_gbs * 1e9 * c.attention_eff)) \
+            + c.attention_floor_us * 1e-6
+        return float(self._tokens_part(n_tokens) + self.layers * attn)
 
 
 class RooflineCostModel:

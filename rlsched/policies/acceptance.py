@@ -118,24 +118,25 @@ class AcceptanceEstimator:
 
     def update_many(self, drafter: str, ids: np.ndarray, accepted: np.ndarray, k: int) -> None:
         """Record several chain steps over the same batch: `accepted` is (steps, batch).
-        Exactly the same as that many `update` calls."""
+        Exactly the same as that many `update` calls, to the last bit (the decayed sums are
+        accumulated step by step, as `update` does)."""
         key = (id(ids), drafter)
-        succ, fail = accepted.sum(axis=0), (accepted < k).sum(axis=0)
-        recent = [None, None]
-        if self.sample_decay < 1.0:  # the last step at full weight, each earlier one decayed once more
-            w = self.sample_decay ** np.arange(len(accepted) - 1, -1, -1, dtype=float)[:, None]
-            recent = [(w * accepted).sum(axis=0), (w * (accepted < k)).sum(axis=0)]
+        fails = accepted < k
         p = self._pending.get(key)
         if p is None:
-            self._pending[key] = [ids, drafter, succ, fail, len(accepted), *recent]
+            self.update(drafter, ids, accepted[0], k)
+            if len(accepted) > 1:
+                self.update_many(drafter, ids, accepted[1:], k)
             return
-        p[2] += succ
-        p[3] += fail
-        if p[5] is not None:
-            keep = self.sample_decay ** len(accepted)
-            p[5] = keep * p[5] + recent[0]
-            p[6] = keep * p[6] + recent[1]
+        p[2] += accepted.sum(axis=0)
+        p[3] += fails.sum(axis=0)
         p[4] += len(accepted)
+        if p[5] is not None:  # the steps pending forget as the applied ones do
+            for a, f in zip(accepted, fails):
+                p[5] *= self.sample_decay
+                p[5] += a
+                p[6] *= self.sample_decay
+                p[6] += f
 
     def _flush(self, entry=None) -> None:
         """Apply one pending entry, or (no argument) all of them."""

@@ -224,7 +224,9 @@ class Instance:
 
     def _steady_run(self, strat, n: int, learn_acceptance: bool, record):
         """n steps of one strategy over an unchanged batch, priced and drawn in one go; the
-        random draws are consumed in the same order as n single steps would."""
+        random draws are consumed in the same order as n single steps would. The acceptance
+        outcomes reach the shared estimator when the run ends: other instances reading it in
+        between see them later than step by step."""
         st, cost, env, b = self.stage, self.stage.cost, self.env, self.batch
         t0 = env.now
         if strat.drafter is None:
