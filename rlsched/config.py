@@ -94,6 +94,10 @@ class ModelSpec(Strict):
     vocab: PosInt
     tied_embeddings: bool = False
     dtype_bytes: PosInt = 2
+    # another model's hidden states taken in (an EAGLE-3 head fuses 3 of its target's layers):
+    # a projection of fused_inputs x hidden to hidden per token, and a first layer whose QKV
+    # reads the token's embedding beside it (2 x hidden)
+    fused_inputs: Annotated[int, Field(ge=0)] = 0
 
     @cached_property
     def layer_params(self) -> int:
@@ -101,15 +105,23 @@ class ModelSpec(Strict):
         return h * attn + 2 * h * kv + attn * h + 3 * h * self.intermediate
 
     @cached_property
+    def fusion_params(self) -> int:
+        """The weights that take in another model's hidden states (`fused_inputs`)."""
+        if not self.fused_inputs:
+            return 0
+        return self.fused_inputs * self.hidden * self.hidden + self.hidden * (self.heads + 2 * self.kv_heads) * \
+            self.head_dim
+
+    @cached_property
     def matmul_params(self) -> int:
         """Weights touched by matrix multiplies each forward: all layers and the LM head."""
-        return self.layers * self.layer_params + self.vocab * self.hidden
+        return self.layers * self.layer_params + self.fusion_params + self.vocab * self.hidden
 
     @cached_property
     def params(self) -> int:
         """Total parameters, embeddings included once when tied."""
         embed = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
-        return self.layers * self.layer_params + embed
+        return self.layers * self.layer_params + self.fusion_params + embed
 
     @cached_property
     def weight_bytes(self) -> int:
@@ -125,10 +137,14 @@ class ModelSpec(Strict):
 
 
 
-def eagle_head(target: ModelSpec) -> ModelSpec:
-    """A one-layer EAGLE-style draft head on top of the target's features."""
-    data = target.model_dump() | {"name": f"{target.name}-eagle", "layers": 1, "tied_embeddings": True,
-                                  "description": f"one-layer EAGLE-style head for {target.name}"}
+def eagle_head(target: ModelSpec, draft_vocab: int = 32000) -> ModelSpec:
+    """An EAGLE-3 draft head for `target`: one decoder layer of the target's shape fed three of
+    the target's hidden states (fused to one) beside the token's embedding, and an LM head over
+    a reduced draft vocabulary (the embedding is the target's, read by row, not multiplied)."""
+    data = target.model_dump() | {
+        "name": f"{target.name}-eagle3", "layers": 1, "tied_embeddings": True, "fused_inputs": 3,
+        "vocab": min(draft_vocab, target.vocab),
+        "description": f"EAGLE-3 head for {target.name}, {draft_vocab} draft tokens"}
     return ModelSpec.model_validate(data)  # not model_copy: that would keep the target's cached sizes
 
 
@@ -139,6 +155,10 @@ class AcceptanceSpec(Strict):
     mean: Fraction
     prompt_concentration: Positive | None = 20.0
     sample_concentration: Positive | None = 50.0
+    # for draft trees: the share of what the drafter's top candidates miss that its next
+    # candidate at the same depth catches (policies/tree.py); the top-r hit rate is
+    # 1 - (1 - mean)(1 - tree_gain)^(r - 1)
+    tree_gain: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.25
 
 
 class DrafterSpec(Strict):
@@ -146,6 +166,9 @@ class DrafterSpec(Strict):
     kind: Literal["model", "eagle", "ngram"]
     model: ModelSpec | None = None  # required for kind=model
     acceptance: AcceptanceSpec
+    # kind=eagle: the head's draft vocabulary (EAGLE-3 heads draft over the target's most
+    # frequent tokens: 32000 in the published Llama-3.1-8B and Qwen heads)
+    draft_vocab: PosInt = 32000
 
     @field_validator("model", mode="before")
     @classmethod
@@ -222,6 +245,11 @@ class SpeculationSpec(Strict):
     # once (`policies/probe.py`); None: never. The executor probes by default (every 64):
     # `replay` sets what the run did.
     probe_every: Annotated[int, Field(ge=1)] | None = None
+    # draft trees (policies/tree.py): policies that choose also consider trees up to this
+    # width (SGLang's topk; 1: chains only, as vLLM and the local engine draft) and up to
+    # nodes_max draft tokens (SGLang's num_draft_tokens - 1), k_max deep
+    width_max: Annotated[int, Field(ge=1, le=16)] = 1
+    nodes_max: Annotated[int, Field(ge=2, le=256)] = 32
 
 
 class RLSpec(Strict):
@@ -239,6 +267,9 @@ class RLSpec(Strict):
     overlap_drafter_update: bool = True
     distill_fraction: OpenFraction = 1.0  # share of the last rollout's tokens distilled on
     reference: bool = True
+    # the actor's own forward over each rollout for the old-policy log-probs of the PPO/GRPO ratio
+    # (verl's actor.compute_log_prob, "old_log_prob"), in the inference stage beside the reference's
+    recompute_old_logprobs: bool = True
     critic: bool = False
     reward_model: ModelSpec | None = None  # None: verifiable rewards (no forward)
     infer_efficiency: OpenFraction = 0.5

@@ -42,7 +42,7 @@ def test_twostate_solve_turns_sd_off_at_large_batch(ctx):
              "workload.response_len={dist: fixed, value: 128}"]  # short contexts: compute-bound at large batch
     big = policy_context(load_config("default", overrides=short), ctx.cost)
     pol = TwoStatePolicy.solve(big)
-    assert 1 <= pol.max_batch_on < big.max_batch and pol.k >= 2
+    assert 1 <= pol.max_batch_on < big.max_batch and pol.k >= 1
     assert pol.choose(state(1)) == Strategy("model", pol.k)
     assert pol.choose(state(pol.max_batch_on + 1)) == OFF
     assert make_draft_policy("twostate:32:3", ctx).choose(state(32)) == Strategy("model", 3)

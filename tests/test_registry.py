@@ -9,7 +9,8 @@ from rlsched.policies.registry import FAMILIES, GENERATE, SIMULATOR, make_draft_
 from support import rlsched
 
 EXAMPLES = {"off": "off", "static": "static:3", "goodput": "goodput:drain", "seqgoodput": "seqgoodput:4",
-            "twostate": "twostate:16:2", "bandit": "bandit:0.2", "table": "table:p.json", "oracle": "oracle:seq"}
+            "twostate": "twostate:16:2", "bandit": "bandit:0.2", "table": "table:p.json", "oracle": "oracle:seq",
+            "tree": "tree:6:4:24"}
 
 
 def test_every_family_has_an_example_and_parses_to_itself():

@@ -37,6 +37,7 @@ class _Forward:
         self.c, self.tp, self.layers = op_costs(hw), tp, m.layers
         self.shape = Shape(m.hidden, m.heads, m.kv_heads, m.head_dim, m.intermediate, True, m.dtype_bytes)
         self.head_params, self.hidden, self.vocab = m.vocab * m.hidden / tp, m.hidden, m.vocab
+        self.fusion_params = m.fusion_params / tp
 
     def _tokens_part(self, tokens):
         """Everything that depends on the new tokens alone: the layers' matmuls, element-wise
@@ -45,6 +46,8 @@ class _Forward:
         layer = sum(linear_times(c, s, tokens, tp).values()) + elementwise_time(c, s, tokens, tp) \
             + 2 * allreduce_time(c, np.asarray(tokens, dtype=float) * s.hidden * s.dtype_bytes, tp)
         head = linear_time(c, self.head_params, self.hidden + self.vocab / tp, tokens, s.dtype_bytes)
+        if self.fusion_params:  # (an EAGLE-3 head's projection of the target's hidden states)
+            head = head + linear_time(c, self.fusion_params, 4 * self.hidden, tokens, s.dtype_bytes)
         return self.layers * layer + head
 
     def time(self, batch: int, q, ctx_tokens: int):
@@ -81,7 +84,7 @@ class RooflineCostModel:
         self._drafters: dict[str, tuple[str, _Forward | None]] = {}
         self._drafter_weight_bytes = 0
         for d in drafters:
-            spec = d.model if d.kind == "model" else eagle_head(model) if d.kind == "eagle" else None
+            spec = d.model if d.kind == "model" else eagle_head(model, d.draft_vocab) if d.kind == "eagle" else None
             self._drafters[d.name] = (d.kind, _Forward(hardware, spec, tp) if spec is not None else None)
             self._drafter_weight_bytes += spec.weight_bytes if spec is not None else 0
         self._host_base = hardware.host_draft_base_us * 1e-6

@@ -116,6 +116,9 @@ def _table_from_file(policy: str, path: str, max_batch: int) -> list[list[int]] 
         pf = load_policy_file(p)
         if pf.kind != "twostate":
             return None  # a learned table (by acceptance, context): rlsched's policy, through the hook
+        if "width" in pf.params:
+            raise UserError(f"policy '{policy}': '{path}' drafts a tree {pf.params['width']} wide; vLLM drafts "
+                            "chains here: learn a chain policy (speculation.width_max: 1)")
         return _twostate_table(pf.params["max_batch_on"], pf.params["k"], max_batch)
     if isinstance(data, dict) and TABLE_FIELD in data:
         data = data[TABLE_FIELD]

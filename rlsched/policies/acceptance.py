@@ -93,19 +93,25 @@ class AcceptanceEstimator:
         sample finishes, so an engine pays two array ops per step, not a scatter. `ids` must
         not be modified in place afterwards (engines replace their id array when the batch
         changes, and retire the old one)."""
+        self.update_trials(drafter, ids, accepted, (accepted < k).astype(np.int64))
+
+    def update_trials(self, drafter: str, ids: np.ndarray, hits: np.ndarray, misses: np.ndarray) -> None:
+        """Record one step's Bernoulli trials of the drafter's first choice per sample: a chain's
+        accepted drafts and its rejection, or what a tree's accepted path showed of rank 1
+        (`policies/tree.draw_tree`). Pending as `update` says."""
         key = (id(ids), drafter)
         p = self._pending.get(key)
-        fail = (accepted < k).astype(np.int64)
+        fail = np.array(misses, dtype=np.int64)
         if p is None:
-            recent = [accepted.astype(float), fail.astype(float)] if self.sample_decay < 1.0 else [None, None]
-            self._pending[key] = [ids, drafter, accepted.astype(np.int64), fail, 1, *recent]
+            recent = [hits.astype(float), fail.astype(float)] if self.sample_decay < 1.0 else [None, None]
+            self._pending[key] = [ids, drafter, hits.astype(np.int64), fail, 1, *recent]
             return
-        p[2] += accepted
+        p[2] += hits
         p[3] += fail
         p[4] += 1
         if p[5] is not None:  # the steps pending forget as the applied ones do
             p[5] *= self.sample_decay
-            p[5] += accepted
+            p[5] += hits
             p[6] *= self.sample_decay
             p[6] += fail
 

@@ -9,6 +9,7 @@ from typing import Callable
 import numpy as np
 
 from rlsched.errors import UserError
+from rlsched.policies.tree import TREE_GAIN, TreeShape, TreeTable, tree_options, tree_shape
 from rlsched.policies.types import NEVER_CHANGES, OFF, CostModel, EngineState, StepOutcome, Strategy
 
 
@@ -23,6 +24,9 @@ class PolicyContext:
     max_batch: int = 256
     typical_ctx: int = 1024  # a sequence's typical context length while it decodes
     acceptance_prior: dict[str, float] = field(default_factory=dict)  # drafter -> expected acceptance
+    tree_gain: dict[str, float] = field(default_factory=dict)  # drafter -> its trees' gain (policies/tree.py)
+    width_max: int = 1  # widest draft tree a policy may choose (1: chains only)
+    nodes_max: int = 8  # most draft tokens of a tree
     seed: int = 0
     identity: dict = field(default_factory=dict)  # model, hardware, drafters: checked against policy files
     true_acceptance: Callable[[str, np.ndarray], np.ndarray] | None = None  # the simulator's truth (oracle only)
@@ -34,6 +38,23 @@ class PolicyContext:
 
     def prior(self, drafter: str) -> float:
         return self.acceptance_prior.get(drafter, 0.6)
+
+    def tree(self, drafter: str, strategy: "Strategy") -> TreeShape:
+        """The shape of a tree strategy of this drafter (built for its expected acceptance)."""
+        return tree_shape(strategy.k, strategy.width, strategy.nodes, round(self.prior(drafter), 3),
+                          self.tree_gain.get(drafter, TREE_GAIN))
+
+    def trees(self, drafter: str) -> tuple[list[Strategy], TreeTable] | None:
+        """The tree strategies a policy may choose for `drafter` and their table (None: chains
+        only), shared by the policies built from this context."""
+        options = tree_options(self.k_max, self.width_max, self.nodes_max)
+        if not options:
+            return None
+        key = ("trees", drafter, self.k_max, self.width_max, self.nodes_max)
+        if key not in self.shared:
+            table = TreeTable(options, round(self.prior(drafter), 3), self.tree_gain.get(drafter, TREE_GAIN))
+            self.shared[key] = ([Strategy(drafter, k, w, n) for k, w, n in options], table)
+        return self.shared[key]
 
 
 def expected_tokens(acceptance: np.ndarray, k_max: int) -> np.ndarray:
@@ -89,14 +110,14 @@ class OffPolicy:
 
 
 class StaticPolicy:
-    """The same drafter and k every step, whatever the batch."""
+    """The same drafter and k (or tree) every step, whatever the batch."""
 
     needs_acceptance = False
     observes = False
 
-    def __init__(self, drafter: str, k: int):
-        self.strategy = Strategy(drafter, k)
-        self.name = f"static:{k}"
+    def __init__(self, drafter: str, k: int, width: int = 1, nodes: int = 0):
+        self.strategy = Strategy(drafter, k, width, nodes)
+        self.name = f"tree:{k}:{width}:{self.strategy.nodes}" if width > 1 else f"static:{k}"
 
     def choose(self, state: EngineState) -> Strategy:
         return self.strategy
@@ -167,6 +188,8 @@ class GoodputPolicy:
         self._ones = np.ones(self.k_max + 1)  # (read only)
         self._feed: dict[str, float] = {}  # drafter -> seconds to feed it one token (catch-up)
         self._priced = None  # (batch, verify at q = 1, verify at q = 2.., {drafter: draft at k = 1..})
+        self._drain = drain
+        self._trees = {d: t for d in self.drafters if (t := ctx.trees(d)) is not None}
 
     def choose(self, state: EngineState) -> Strategy:
         last = self._last
@@ -192,6 +215,13 @@ class GoodputPolicy:
             j = self._explore(b, rates, int(np.argmax(rates))) if self.calibrate else int(np.argmax(rates))
             if rates[j] > best_rate:
                 best, best_rate = Strategy(d, int(self._ks[j])), float(rates[j])
+            if d in self._trees:  # (uncalibrated: the executor drafts chains)
+                options, table = self._trees[d]
+                tokens = table.tokens(self._acceptance(state, d), self._drain)
+                rates = tokens / self._tree_prices(d, b, state.ctx_tokens)
+                j = int(np.argmax(rates))
+                if rates[j] > best_rate:
+                    best, best_rate = options[j], float(rates[j])
         if self.calibrate:
             self._priced = (b, v1, vk, drafts)
         return best
@@ -210,6 +240,22 @@ class GoodputPolicy:
                 return hit
         v = self.cost.verify_time(b, np.arange(1, self.k_max + 2), ctx_tokens)
         out = (float(v[0]), v[1:], {d: self.cost.draft_time(d, b, self._ks, ctx_tokens) for d in self.drafters})
+        if key is not None:
+            self._price_cache[key] = out
+        return out
+
+    def _tree_prices(self, drafter: str, b: int, ctx_tokens: int) -> np.ndarray:
+        """Draft + verify seconds of each tree option of `drafter` for b rows, cached as `_prices`."""
+        key = None if self.ctx_tolerance <= 0 else (
+            "trees", drafter, b, round(math.log(max(ctx_tokens / max(b, 1), 1.0)) / math.log1p(self.ctx_tolerance)))
+        if key is not None and (hit := self._price_cache.get(key)) is not None:
+            return hit
+        options, _ = self._trees[drafter]
+        k = np.array([s.k for s in options])
+        width = np.array([s.width for s in options])
+        out = self.cost.verify_time(b, 1 + np.array([s.nodes for s in options]), ctx_tokens)
+        for w in np.unique(width):
+            out[width == w] += self.cost.draft_time(drafter, b, k[width == w], ctx_tokens, int(w))
         if key is not None:
             self._price_cache[key] = out
         return out
@@ -315,9 +361,10 @@ class SeqGoodputPolicy(GoodputPolicy):
     """rlsched's rule: every sequence gets its own draft length (a ragged verify), so likely
     sequences draft long and unlikely ones short or not at all. For a given number of draft
     tokens the most expected tokens come from the largest marginal gains a_i^j, so the
-    candidates are thresholds tau (k_i = how many j <= k_max have a_i^j >= tau), plus the
-    uniform k's; each is priced by the cost model (ragged drafting, verify of sum(k_i + 1)
-    tokens) and the best rate against plain decoding wins."""
+    candidates are thresholds tau (k_i = how many j <= k_max have a_i^j >= tau), each also
+    under every cap on the longest draft (whose drafter forwards every row waits for), plus
+    the uniform k's; each is priced by the cost model (ragged drafting, verify of
+    sum(k_i + 1) tokens) and the best rate against plain decoding wins."""
 
     name = "seqgoodput"
     _LOG_TAUS = np.log(np.geomspace(0.02, 0.98, 24))[:, None]
@@ -335,7 +382,9 @@ class SeqGoodputPolicy(GoodputPolicy):
         for d in self.drafters:
             a = np.clip(self._acceptance(state, d), 1e-6, 1 - 1e-6)
             by_tau = np.clip(np.floor(self._LOG_TAUS / np.log(a)), 0, self.k_max).astype(np.int64)
-            ks = np.concatenate((by_tau, np.repeat(self._ks[:, None], b, axis=1)))  # (candidates, batch)
+            # each threshold under every cap (the longest draft sets the drafter forwards), and the uniform k's
+            capped = np.minimum(by_tau[None], self._ks[:, None, None]).reshape(-1, b)
+            ks = np.concatenate((capped, np.repeat(self._ks[:, None], b, axis=1)))  # (candidates, batch)
             tokens = ((1 - a ** (ks + 1)) / (1 - a)).sum(axis=1)
             times = self.cost.draft_time_per_row(d, ks, ctx) + self.cost.verify_time(b, 1 + ks.mean(axis=1), ctx)
             rates = tokens / np.maximum(times, 1e-12)

@@ -36,6 +36,21 @@ def rates(ctx: PolicyContext, drafter: str, batch: int, acceptance: float, per_r
     return tokens / times
 
 
+def tree_rates(ctx: PolicyContext, drafter: str, batch: int, acceptance: float,
+               per_row: int | None = None) -> tuple[list[Strategy], np.ndarray]:
+    """The tree strategies `ctx` allows for `drafter` and their expected tokens/s, as `rates`
+    (none when it allows chains only)."""
+    trees = ctx.trees(drafter)
+    if trees is None:
+        return [], np.zeros(0)
+    options, table = trees
+    ctx_tokens = batch * (ctx.typical_ctx if per_row is None else per_row)
+    times = ctx.cost.verify_time(batch, 1 + np.array([s.nodes for s in options]), ctx_tokens)
+    for s_i, s in enumerate(options):
+        times[s_i] += ctx.cost.draft_time(drafter, batch, s.k, ctx_tokens, s.width)
+    return options, table.tokens(np.full(batch, acceptance)) / times
+
+
 class TwoStatePolicy:
     """ReSpec's two-state scheduler: speculation off while the batch is above a threshold;
     at or below it, one draft length."""
@@ -44,31 +59,36 @@ class TwoStatePolicy:
     needs_acceptance = False
     observes = False
 
-    def __init__(self, ctx: PolicyContext, drafter: str, max_batch_on: int, k: int):
-        self.drafter, self.max_batch_on, self.k = drafter, max_batch_on, k
-        self._on = Strategy(drafter, k)
+    def __init__(self, ctx: PolicyContext, drafter: str, max_batch_on: int, k: int, width: int = 1, nodes: int = 0):
+        self.drafter, self.max_batch_on = drafter, max_batch_on
+        self._on = Strategy(drafter, k, width, nodes)
+        self.k = k
 
     @classmethod
     def solve(cls, ctx: PolicyContext, drafter: str | None = None) -> "TwoStatePolicy":
-        """The offline solve over the cost model: the k with the largest gain over the batch
-        sizes where speculation pays, each batch size weighted by its tokens per step (a
-        rollout makes most of its tokens at large batch), then the largest batch where that k
-        still beats off."""
+        """The offline solve over the cost model: the strategy (a chain's k, or a tree where the
+        context allows them) with the largest gain over the batch sizes where speculation pays,
+        each batch size weighted by its tokens per step (a rollout makes most of its tokens at
+        large batch), then the largest batch where it still beats off."""
         if ctx.cost is None:
             return cls(ctx, drafter or ctx.drafters[0], 0, 1)  # a placeholder for name checks only
         best = None
         for d in ([drafter] if drafter else ctx.drafters):
             grid = batch_grid(ctx.max_batch)
             r = np.array([rates(ctx, d, b, ctx.prior(d)) for b in grid])  # (batches, k_max + 1)
-            gain = r[:, 1:] / r[:, :1]
+            trees = [tree_rates(ctx, d, b, ctx.prior(d)) for b in grid]
+            options = [Strategy(d, k) for k in range(1, ctx.k_max + 1)] + trees[0][0]
+            gain = np.concatenate((r[:, 1:], np.array([t[1] for t in trees]).reshape(len(grid), -1)), axis=1) \
+                / r[:, :1]
             weight = np.asarray(grid, dtype=float)[:, None]
-            k = int(np.argmax((weight * np.log(np.maximum(gain, 1))).sum(axis=0))) + 1
-            pays = [b for b, g in zip(grid, gain[:, k - 1]) if g > 1]
+            j = int(np.argmax((weight * np.log(np.maximum(gain, 1))).sum(axis=0)))
+            pays = [b for b, g in zip(grid, gain[:, j]) if g > 1]
             threshold = max(pays) if pays else 0
-            score = float((weight[:, 0] * np.log(np.maximum(gain[:, k - 1], 1))).sum())
+            score = float((weight[:, 0] * np.log(np.maximum(gain[:, j], 1))).sum())
             if best is None or score > best[0]:
-                best = (score, d, threshold, k)
-        return cls(ctx, best[1], best[2], best[3])
+                best = (score, d, threshold, options[j])
+        s = best[3]
+        return cls(ctx, best[1], best[2], s.k, s.width, s.nodes)
 
     @classmethod
     def from_file(cls, pf, ctx: PolicyContext, k_max_name: str = "speculation.k_max") -> "TwoStatePolicy":
@@ -76,7 +96,11 @@ class TwoStatePolicy:
             raise UserError(f"two-state policy drafts with '{pf.drafter}', which this config lacks")
         if pf.params["k"] > ctx.k_max:
             raise UserError(f"two-state policy uses k = {pf.params['k']}, above {k_max_name} = {ctx.k_max}")
-        return cls(ctx, pf.drafter, pf.params["max_batch_on"], pf.params["k"])
+        width = pf.params.get("width", 1)
+        if width > ctx.width_max:
+            raise UserError(f"two-state policy drafts a tree {width} wide; this engine drafts chains "
+                            "(the simulator trees up to speculation.width_max)")
+        return cls(ctx, pf.drafter, pf.params["max_batch_on"], pf.params["k"], width, pf.params.get("nodes", 0))
 
     def choose(self, state: EngineState) -> Strategy:
         return self._on if state.batch <= self.max_batch_on else OFF
@@ -88,7 +112,10 @@ class TwoStatePolicy:
         pass
 
     def params(self) -> dict:
-        return {"max_batch_on": self.max_batch_on, "k": self.k}
+        out = {"max_batch_on": self.max_batch_on, "k": self.k}
+        if self._on.is_tree:
+            out |= {"width": self._on.width, "nodes": self._on.nodes}
+        return out
 
 
 class TablePolicy:

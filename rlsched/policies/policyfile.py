@@ -47,6 +47,8 @@ class PolicyFile(BaseModel):
         if self.kind == "twostate":
             if not (_whole(p.get("max_batch_on"), 0) and _whole(p.get("k"), 1, 32)):
                 raise ValueError("twostate params need whole numbers max_batch_on >= 0 and k in 1..32")
+            if "width" in p and not (_whole(p["width"], 2, 16) and _whole(p.get("nodes"), p["k"], 256)):
+                raise ValueError("a twostate tree needs whole numbers width in 2..16 and nodes in k..256")
         else:
             be, ae, k = p.get("batch_edges"), p.get("accept_edges"), p.get("k")
             if not (isinstance(be, list) and be and all(_whole(b, 1) for b in be) and be[0] == 1

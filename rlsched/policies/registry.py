@@ -26,11 +26,14 @@ class Family:
     priced: bool = False  # needs a cost model (twostate: only when it solves, i.e. without arguments)
     simulator_only: bool = False  # reads the simulator's true acceptance
     native: bool = False  # vLLM's own speculative_config says it (a fixed k, or k by batch size)
+    trees: bool = False  # drafts trees: the simulator's (the engines draft chains)
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("off", "off", "plain decoding", native=True),
     Family("static", "static:K[:DRAFTER]", "K drafts every step (static:0 is off)", native=True),
+    Family("tree", "tree:K:W:N[:DRAFTER]", "the same draft tree every step: K levels, W candidates a branch, "
+           "the best N drafts verified (SGLang's steps, topk, num_draft_tokens - 1)", trees=True),
     Family("goodput", "goodput[:REFRESH|:drain]", "the (drafter, k) with the most expected tokens per second "
            "of draft + verify, from the cost model and each row's acceptance", priced=True),
     Family("seqgoodput", "seqgoodput[:REFRESH]", "every row its own draft length, priced by the cost model",
@@ -91,6 +94,8 @@ class PolicySpec:
     epsilon: float = 0.1
     file: str | None = None
     per_row: bool = False  # oracle:seq
+    width: int = 1  # tree's
+    nodes: int = 0  # tree's
 
     @property
     def drafts(self) -> bool:
@@ -111,12 +116,15 @@ class PolicySpec:
         if fam is not None and fam.simulator_only and words.engine != "simulator":
             raise UserError(f"policy '{self.text}' reads the simulator's true acceptance; it runs in "
                             "`rlsched simulate`, `compare` and `learn` only")
+        if fam is not None and fam.trees and words.engine != "simulator":
+            raise UserError(f"policy '{self.text}' drafts a tree; the {words.engine} engine drafts chains: "
+                            "use static:K")
         if self.drafts and not drafters:
             raise UserError(f"policy '{self.text}' drafts, but {words.no_drafter}")
         if self.drafter is not None and self.drafter not in drafters:
             raise UserError(f"policy '{self.text}': unknown drafter '{self.drafter}'; {words.drafters} "
                             f"{', '.join(drafters)}")
-        if self.family in ("static", "twostate") and self.k > k_max:
+        if self.family in ("static", "twostate", "tree") and self.k > k_max:
             raise UserError(f"policy '{self.text}': K = {self.k} is above {words.k_max} = {k_max}; lower K or "
                             f"raise {words.k_max}")
         return self
@@ -140,6 +148,19 @@ def parse_policy(text, engine: str = "simulator") -> PolicySpec:
     if name == "static":
         k_text, _, drafter = arg.partition(":")
         return PolicySpec(spec, "static", k=_whole(k_text, spec, "K", "static:4"), drafter=drafter or None)
+    if name == "tree":
+        parts = arg.split(":")
+        example = "tree:6:4:24"
+        if len(parts) not in (3, 4):
+            raise UserError(f"policy '{spec}': expected tree:K:W:N[:DRAFTER] (depth, width, drafts verified), "
+                            f"as in {example}")
+        k = _whole(parts[0], spec, "K (the depth)", example, 1)
+        w = _whole(parts[1], spec, "W (candidates a branch)", example, 2)
+        most = w * (w ** k - 1) // (w - 1)  # the full tree
+        n = _whole(parts[2], spec, "N (drafts verified)", example, k)
+        if n > most:
+            raise UserError(f"policy '{spec}': a tree {k} deep and {w} wide holds at most {most} drafts; lower N")
+        return PolicySpec(spec, name, k=k, width=w, nodes=n, drafter=parts[3] if len(parts) == 4 else None)
     if name in ("goodput", "seqgoodput"):
         if name == "goodput" and arg == "drain":
             return PolicySpec(spec, name, drain=True)
@@ -189,8 +210,8 @@ def make_draft_policy(spec, ctx, words: Words = SIMULATOR):
     if p.family in ("goodput", "seqgoodput"):
         return SeqGoodputPolicy(ctx, refresh=p.refresh) if p.family == "seqgoodput" else \
             GoodputPolicy(ctx, refresh=p.refresh, drain=p.drain)
-    if p.family == "static":
-        return StaticPolicy(p.drafter or ctx.drafters[0], p.k)
+    if p.family in ("static", "tree"):
+        return StaticPolicy(p.drafter or ctx.drafters[0], p.k, p.width, p.nodes)
     if p.family == "oracle":
         return SeqOraclePolicy(ctx) if p.per_row else OraclePolicy(ctx)
     if p.family == "bandit":

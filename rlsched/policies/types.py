@@ -12,14 +12,19 @@ from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
+from rlsched.policies.tree import max_nodes
+
 if TYPE_CHECKING:
     from rlsched.policies.acceptance import AcceptanceEstimator
 
 
 @dataclass(frozen=True, slots=True)
 class Strategy:
-    """What one engine step does: plain decoding (`drafter=None`) or `k` draft tokens from a
-    named drafter, as a chain (width 1) or a tree of `width` candidates per level.
+    """What one engine step does: plain decoding (`drafter=None`) or drafts from a named
+    drafter: a chain of `k` tokens (width 1), or a tree `k` levels deep whose drafter forwards
+    extend each branch by its `width` likeliest tokens, of which the best `nodes` go to the
+    target (SGLang's steps, topk and num_draft_tokens - 1; `policies/tree.py`). `nodes` 0
+    means all k x width.
 
     `k_per_row`, when given, is each running sequence's own draft length (aligned with the
     EngineState's sample_ids; 0 drafts nothing for that row) and `k` is their maximum: the
@@ -28,6 +33,7 @@ class Strategy:
     drafter: str | None = None
     k: int = 0
     width: int = 1
+    nodes: int = 0
     k_per_row: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
@@ -35,13 +41,22 @@ class Strategy:
             raise ValueError("a strategy drafts k >= 1 tokens with a drafter, or is off (no drafter, k = 0)")
         if self.k < 0 or self.width < 1:
             raise ValueError("k must be >= 0 and width >= 1")
+        if self.nodes == 0:
+            object.__setattr__(self, "nodes", self.k * self.width)
+        elif not self.k <= self.nodes <= max_nodes(self.k, self.width):
+            raise ValueError(f"a tree of depth {self.k} and width {self.width} verifies {self.k} to "
+                             f"{max_nodes(self.k, self.width)} nodes, not {self.nodes}; a chain verifies k")
         if self.k_per_row is not None and (self.width != 1 or int(self.k_per_row.max(initial=0)) != self.k):
             raise ValueError("per-sequence draft lengths are chains whose maximum is k")
 
     @property
+    def is_tree(self) -> bool:
+        return self.width > 1
+
+    @property
     def drafted_per_row(self) -> float:
-        """Mean draft tokens per sequence."""
-        return float(self.k_per_row.mean()) if self.k_per_row is not None else float(self.width * self.k)
+        """Mean draft tokens the target verifies per sequence."""
+        return float(self.k_per_row.mean()) if self.k_per_row is not None else float(self.nodes)
 
     @property
     def is_off(self) -> bool:
@@ -50,7 +65,7 @@ class Strategy:
     @property
     def tokens_per_row(self) -> float:
         """Tokens the target verifies per sequence (mean): the last token plus the draft."""
-        return 1 + self.drafted_per_row if self.k_per_row is not None else 1 + self.width * self.k
+        return 1 + self.drafted_per_row
 
     @property
     def label(self) -> str:
@@ -58,7 +73,7 @@ class Strategy:
             return "off"
         if self.k_per_row is not None:
             return f"{self.drafter}:~{self.drafted_per_row:.1f}"
-        return f"{self.drafter}:{self.k}" + (f"x{self.width}" if self.width > 1 else "")
+        return f"{self.drafter}:{self.k}" + (f"x{self.width}:{self.nodes}" if self.is_tree else "")
 
 
 OFF = Strategy()

@@ -25,6 +25,7 @@ from rlsched.config import SimConfig
 from rlsched.errors import UserError
 from rlsched.policies.acceptance import AcceptanceEstimator
 from rlsched.policies.realloc import split_kv_reprefill
+from rlsched.policies.tree import TreeShape, tree_shape
 from rlsched.policies.types import CostModel, InstanceView, Migration, ReallocEvent
 from rlsched.sim.instance import Instance
 from rlsched.sim.timeline import Timeline
@@ -55,6 +56,10 @@ class GenerationStage:
         with np.errstate(divide="ignore"):
             self.ninv = -1.0 / np.log(np.clip(rollout.acceptance, 0.0, 1.0 - 1e-12))
         self.drafter_idx = {name: j for j, name in enumerate(rollout.drafters)}
+        # tree shapes are built for each drafter's configured acceptance, as policies build them
+        specs = [cfg.drafter(name) for name in rollout.drafters]
+        self.tree_ref = [round(d.acceptance.mean, 3) for d in specs]
+        self.tree_gain = [d.acceptance.tree_gain for d in specs]
         self.t_finish = np.full(n, np.nan)
         self.instance_of = np.full(n, -1, dtype=np.int32)
         self.preemptions = np.zeros(n, dtype=np.int32)
@@ -105,6 +110,10 @@ class GenerationStage:
         """GPU-seconds of instances freed before the stage ended: sum of (end - freed) x tp."""
         freed = self.freed_at[~np.isnan(self.freed_at)]
         return float(np.clip(self.makespan - freed, 0.0, None).sum() * self.tp)
+
+    def tree(self, d: int, strategy) -> TreeShape:
+        """The shape of a tree strategy of drafter d."""
+        return tree_shape(strategy.k, strategy.width, strategy.nodes, self.tree_ref[d], self.tree_gain[d])
 
     # ------------------------------------------------------------------ events from instances
     def finished(self, inst: Instance, ids: np.ndarray) -> None:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from rlsched.policies.probe import prober_for
+from rlsched.policies.tree import draw_tree
 from rlsched.policies.types import EngineState, StepOutcome
 from rlsched.sim.timeline import KIND_DECODE, KIND_PREFILL
 
@@ -77,15 +78,22 @@ class Instance:
         self._exp_pos += n
         return out
 
-    def _draw_accepted(self, d: int, k, width: int, n: int) -> np.ndarray:
-        """Accepted drafts of each row for n steps, shape (n, batch); `k` is one draft length
-        or one per row."""
-        ninv = self.ninv[:, d]
-        if width > 1:  # a tree level passes if any of `width` candidates is accepted
-            ninv = -1.0 / np.log1p(-np.exp(width * np.log1p(-np.exp(-1.0 / np.maximum(ninv, 1e-300)))))
-        acc = (self._exp_draws(n * self.batch).reshape(n, -1) * ninv).astype(np.int64)
+    def _draw_accepted(self, d: int, k, n: int) -> np.ndarray:
+        """Accepted drafts of each row of a chain for n steps, shape (n, batch); `k` is one
+        draft length or one per row."""
+        acc = (self._exp_draws(n * self.batch).reshape(n, -1) * self.ninv[:, d]).astype(np.int64)
         np.minimum(acc, k, out=acc)
         return acc
+
+    def _draw_tree(self, d: int, strat, n: int):
+        """A tree strategy's n steps: accepted drafts (n, batch), and the rank-1 trials each row
+        showed (hits, misses), summed over the steps (`policies/tree.draw_tree`)."""
+        shape = self.stage.tree(d, strat)
+        a = np.exp(-1.0 / np.maximum(self.ninv[:, d], 1e-300))
+        u = np.exp(-self._exp_draws(n * self.batch * shape.k)).reshape(shape.k, -1)  # uniforms
+        acc, hits, misses = draw_tree(shape, np.tile(a, n), self.stage.tree_gain[d], u)
+        b = self.batch
+        return acc.reshape(n, b), hits.reshape(n, b).sum(axis=0), misses.reshape(n, b).sum(axis=0)
 
     def receive(self, ids, front: bool = False) -> None:
         """Queue sequences on this instance (initial assignment, migration, preemption)."""
@@ -240,7 +248,10 @@ class Instance:
         else:
             d = st.drafter_idx[strat.drafter]
             ks = strat.k if strat.k_per_row is None else strat.k_per_row
-            acc = self._draw_accepted(d, ks, strat.width, n)
+            if strat.is_tree:
+                acc, hits, misses = self._draw_tree(d, strat, n)
+            else:
+                acc = self._draw_accepted(d, ks, n)
             emitted = acc.sum(axis=1) + b
             ctx_at = self.ctx_sum + np.concatenate(([0], np.cumsum(emitted[:-1])))
             if strat.k_per_row is None:
@@ -259,8 +270,11 @@ class Instance:
         total = float(dt.sum())
         yield env.timeout(total)
         self.ctx += advance
-        if strat.drafter is not None and learn_acceptance and strat.width == 1:  # outcomes known only now
-            self.stage.estimator.update_many(strat.drafter, self.sid, acc, ks)
+        if strat.drafter is not None and learn_acceptance:  # outcomes known only now
+            if strat.is_tree:
+                self.stage.estimator.update_trials(strat.drafter, self.sid, hits, misses)
+            else:
+                self.stage.estimator.update_many(strat.drafter, self.sid, acc, ks)
         self.busy += total
         self.ctx_sum += int(emitted.sum())
         self.min_rem -= n * (strat.k + 1)
@@ -338,19 +352,26 @@ class Instance:
                 k, w, ks = strat.k, strat.width, strat.k_per_row
                 d = drafter_idx[strat.drafter]
                 if ks is None:
-                    t_draft, drafted, ks = cost.draft_time(strat.drafter, b, k, ctx_sum, w), b * k * w, k
+                    t_draft, drafted, ks = cost.draft_time(strat.drafter, b, k, ctx_sum, w), b * strat.nodes, k
                 else:
                     t_draft, drafted = float(cost.draft_time_per_row(strat.drafter, ks, ctx_sum)), int(add(ks))
                 if self.current != d:
                     t_feed, caught = self._catch_up(d)
                     t_draft += t_feed
                 t_verify = cost.verify_time(b, strat.tokens_per_row, ctx_sum)
-                acc = self._draw_accepted(d, ks, w, 1)[0]
+                if w > 1:
+                    acc, hits, misses = self._draw_tree(d, strat, 1)
+                    acc = acc[0]
+                else:
+                    acc = self._draw_accepted(d, ks, 1)[0]
                 if st.chains is not None:
                     st.chains += (drafted, acc.sum(), (acc < ks).sum(), b)
                 yield env.timeout(t_draft + t_verify)
-                if learn_acceptance and w == 1:  # tree outcomes are per level, not per token
-                    est.update(strat.drafter, sid, acc, ks)
+                if learn_acceptance:
+                    if w > 1:
+                        est.update_trials(strat.drafter, sid, hits, misses)
+                    else:
+                        est.update(strat.drafter, sid, acc, ks)
                 adv = acc + 1
                 self.ctx += adv  # may overshoot a row's end; trimmed below when it finishes
                 emitted, max_adv = int(add(adv)), k + 1

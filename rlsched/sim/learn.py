@@ -102,7 +102,9 @@ class Learner:
         self._n += 1
         path = self._dir / f"cand-{self._n}.json"
         save_policy_file(path, self._policy_file(kind, params))
-        return f"{kind}:{path}" if kind == "table" else f"twostate:{params['max_batch_on']}:{params['k']}"
+        if kind == "table" or "width" in params:  # (a twostate tree has no spelling but its file)
+            return f"{kind}:{path}"
+        return f"twostate:{params['max_batch_on']}:{params['k']}"
 
     def score(self, specs: list[str], thresholds: list[int] | None = None) -> list[float]:
         """Mean generation time over the seeds of each candidate policy name."""
@@ -124,6 +126,8 @@ class Learner:
         grid = [0] + batch_grid(self.cfg.cluster.max_batch)
         ks = range(1, min(self.cfg.speculation.k_max, 6) + 1)
         cands = [{"max_batch_on": t, "k": k} for t in grid for k in ks]
+        if "width" in start.params():  # the solved tree, at every threshold
+            cands += [{**start.params(), "max_batch_on": t} for t in grid]
         times = self.score([self._spec("twostate", c) for c in cands])
         i = int(np.argmin(times))
         self.log(f"twostate: analytic {start.params()} -> simulated best {cands[i]} ({times[i]:.2f} s)")

@@ -127,7 +127,9 @@ def policy_context(cfg: SimConfig, cost=None, true_acceptance=None) -> PolicyCon
         cost=cost, drafters=tuple(d.name for d in cfg.drafters), k_max=cfg.speculation.k_max,
         max_batch=cfg.cluster.max_batch, typical_ctx=int(prompt + response / 2),
         acceptance_prior={d.name: d.acceptance.mean for d in cfg.drafters}, seed=cfg.seed,
-        identity=config_identity(cfg), true_acceptance=true_acceptance)
+        tree_gain={d.name: d.acceptance.tree_gain for d in cfg.drafters},
+        width_max=cfg.speculation.width_max, nodes_max=cfg.speculation.nodes_max, identity=config_identity(cfg),
+        true_acceptance=true_acceptance)
 
 
 def config_identity(cfg: SimConfig) -> dict:
