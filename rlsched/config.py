@@ -63,11 +63,13 @@ class HardwareSpec(Strict):
     peak_tflops: Positive
     mem_bw_gbs: Positive
     memory_gib: Positive
-    compute_efficiency: OpenFraction = 0.66  # of peak, large matmuls
-    memory_efficiency: OpenFraction = 0.84  # of peak bandwidth, matmuls reading their weights
-    linear_floor_us: NonNeg = 7.7  # per matmul kernel
-    elementwise_efficiency: OpenFraction = 0.58  # of peak bandwidth: norms, rope, activation, residual add
-    elementwise_floor_us: NonNeg = 2.5  # per element-wise kernel
+    compute_efficiency: OpenFraction = 0.74  # of peak, large matmuls
+    memory_efficiency: OpenFraction = 0.94  # of peak bandwidth, matmuls reading their weights
+    linear_floor_us: NonNeg = 4.2  # per matmul kernel
+    linear_knee: Annotated[float, Field(ge=1.0)] = 1.34  # sharpness of a matmul's memory-to-compute turn
+    elementwise_efficiency: OpenFraction = 0.54  # of peak bandwidth: norms, rope, activation, residual add
+    elementwise_floor_us: NonNeg = 1.3  # per element-wise kernel
+    elementwise_row_gbs: Positive = 11.7  # one token's row in one thread block (few tokens)
     attention_efficiency: OpenFraction = 0.75  # of peak bandwidth, reading the KV cache
     attention_floor_us: NonNeg = 15.9  # per attention kernel
     step_overhead_ms: NonNeg = 0.3  # per engine step: scheduling, sampling, launch

@@ -359,7 +359,7 @@ def sim_config_from_run(rundir, cost_file=None, steps: int = 3) -> dict:
                     "share_prompts": shares_prompts(cfg)},
         "speculation": {"policy": "goodput" if drafters else "off", "k_max": int(r["k_max"]),
                         "probe_every": probes_every(cfg)},
-        "rl": {"steps": steps},
+        "rl": {"steps": steps, "recompute_old_logprobs": False},
         "seed": int(cfg.get("seed", 0)),
     }
     if cost_file is not None:

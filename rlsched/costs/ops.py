@@ -3,11 +3,16 @@
 One forward over T new tokens on one GPU of a tensor-parallel group of `tp` is, per layer:
 
 - four linear groups (QKV, O, MLP up with its gate, MLP down), each
-  max(2 T P / (peak * compute_eff), (P + T (in + out)) * bytes / (bw * memory_eff)) + linear_floor,
-  P the group's weights on this GPU: small T reads the weights (memory-bound), large T is
+  smax(2 T' P / (peak * compute_eff), (P + T (in + out)) * bytes / (bw * memory_eff)) + linear_floor,
+  P the group's weights on this GPU, T' the tokens rounded up to whole GEMM tiles of
+  `linear_tile` rows (a tile computes all its rows however few are used), smax(a, b) =
+  (a^k + b^k)^(1/k) a smooth max of sharpness k = `linear_knee` (weight loads and tensor-core
+  math overlap imperfectly near the turn): small T reads the weights (memory-bound), large T is
   compute-bound, and the groups turn at their own T;
 - the element-wise kernels (two norms, rope, the MLP activation, the residual add), each a
-  floor plus its bytes read and written at `elementwise_eff` of the bandwidth;
+  floor, plus the larger of their bytes read and written at `elementwise_eff` of the bandwidth
+  and one token's row at `elementwise_row_gbs`: these kernels give each token's row to one
+  thread block, so a few tokens leave the GPU idle and the widest row sets the time;
 - attention, memory-bound on the KV cache it reads in decode, compute-bound in prefill, plus
   a floor; it adds to the linears, it does not hide behind them;
 - two all-reduces when tp > 1, each a latency plus its bytes over the bus bandwidth.
@@ -71,6 +76,9 @@ class OpCosts:
     elementwise_eff: float = 0.4
     elementwise_floor_us: float = 3.0
     elementwise_kernels: int = 5
+    elementwise_row_gbs: float = 8.0  # bandwidth of one token's row, in one thread block
+    linear_knee: float = 1.6  # sharpness of the memory-to-compute turn (large: a plain max)
+    linear_tile: int = 32  # tokens per GEMM tile: compute runs on whole tiles
     attention_eff: float = 0.6  # of the bandwidth, reading the KV cache
     attention_floor_us: float = 10.0
     allreduce_latency_us: float = 20.0
@@ -82,11 +90,14 @@ class OpCosts:
 
 def linear_time(c: OpCosts, params: float, io: float, tokens, dtype_bytes: int = 2) -> np.ndarray:
     """Seconds of one matmul of `params` weights over `tokens` new tokens, reading and writing
-    `io` activation elements per token."""
+    `io` activation elements per token: the smooth max of computing whole tiles of tokens and
+    reading the weights and activations, plus a floor."""
     t = np.asarray(tokens, dtype=float)
-    compute = 2.0 * t * params / (c.peak_tflops * 1e12 * c.compute_eff)
+    tiled = np.ceil(t / c.linear_tile) * c.linear_tile
+    compute = 2.0 * tiled * params / (c.peak_tflops * 1e12 * c.compute_eff)
     memory = (params + t * io) * dtype_bytes / (c.mem_bw_gbs * 1e9 * c.memory_eff)
-    return np.maximum(compute, memory) + c.linear_floor_us * 1e-6
+    hi, lo = np.maximum(compute, memory), np.minimum(compute, memory)
+    return hi * (1.0 + (lo / hi) ** c.linear_knee) ** (1.0 / c.linear_knee) + c.linear_floor_us * 1e-6
 
 
 def linear_times(c: OpCosts, s: Shape, tokens, tp: int = 1) -> dict[str, np.ndarray]:
@@ -96,11 +107,13 @@ def linear_times(c: OpCosts, s: Shape, tokens, tp: int = 1) -> dict[str, np.ndar
 
 
 def elementwise_time(c: OpCosts, s: Shape, tokens, tp: int = 1, kernels: int | None = None) -> np.ndarray:
-    """Seconds of one layer's element-wise kernels over `tokens` new tokens."""
+    """Seconds of one layer's element-wise kernels over `tokens` new tokens: a floor each, plus
+    the larger of one token's row in one thread block and all rows at the bandwidth."""
     t = np.asarray(tokens, dtype=float)
     n = c.elementwise_kernels if kernels is None else kernels
-    return n * c.elementwise_floor_us * 1e-6 + t * s.elementwise_elements(tp) * s.dtype_bytes / (
-        c.mem_bw_gbs * 1e9 * c.elementwise_eff)
+    row = s.elementwise_elements(tp) * s.dtype_bytes
+    return n * c.elementwise_floor_us * 1e-6 + np.maximum(row / (c.elementwise_row_gbs * 1e9),
+                                                          t * row / (c.mem_bw_gbs * 1e9 * c.elementwise_eff))
 
 
 def attention_time(c: OpCosts, s: Shape, q, ctx_tokens, tp: int = 1) -> np.ndarray:
@@ -134,13 +147,18 @@ def layer_time(c: OpCosts, s: Shape, tokens, tp: int = 1, q=1, ctx_tokens=0) -> 
 
 # ----------------------------------------------------------------------------- calibration
 
-FITTED = ("compute_eff", "memory_eff", "linear_floor_us", "elementwise_eff", "elementwise_floor_us")
+# the fields fit_op_costs fits, and their ranges (`linear_tile` is the kernels' own and stays fixed)
+BOUNDS = {"compute_eff": (0.05, 1.0), "memory_eff": (0.05, 1.0), "linear_floor_us": (0.05, 200.0),
+          "linear_knee": (1.0, 50.0), "elementwise_eff": (0.01, 1.0), "elementwise_floor_us": (0.05, 200.0),
+          "elementwise_row_gbs": (0.5, 1000.0)}
+FITTED = tuple(BOUNDS)
 
 
 def fit_op_costs(base: OpCosts, rows: list[tuple[Shape, int, np.ndarray, dict[str, np.ndarray], np.ndarray,
                                                  int]]) -> OpCosts:
-    """The linear and element-wise efficiencies and floors that minimise the relative error
-    (in log space) of the linear groups' and element-wise times of `rows`: per measured model
+    """The linear and element-wise efficiencies, floors and shapes (the fields of BOUNDS) that
+    minimise the relative error (in log space, each token count weighted by its share of the
+    log-token axis) of the linear groups' and element-wise times of `rows`: per measured model
     and TP degree, (shape, tp, tokens, {group: measured seconds}, measured element-wise
     seconds, element-wise kernels measured)."""
     from scipy.optimize import least_squares
@@ -149,16 +167,26 @@ def fit_op_costs(base: OpCosts, rows: list[tuple[Shape, int, np.ndarray, dict[st
         c = _with(base, x)
         res = []
         for s, tp, tokens, linears, elem, kernels in rows:
+            w = np.sqrt(_log_share(tokens))
             pred = linear_times(c, s, tokens, tp)
             for g in LINEARS:
-                res.append(np.log(pred[g] / linears[g]))
-            res.append(np.log(elementwise_time(c, s, tokens, tp, kernels) / elem))
+                res.append(w * np.log(pred[g] / linears[g]))
+            res.append(w * np.log(elementwise_time(c, s, tokens, tp, kernels) / elem))
         return np.concatenate(res)
 
     x0 = np.log([getattr(base, f) for f in FITTED])
-    fit = least_squares(residuals, x0, bounds=(np.log([0.05, 0.05, 0.05, 0.01, 0.05]),
-                                               np.log([1.0, 1.0, 200.0, 1.0, 200.0])))
+    lo, hi = np.log([BOUNDS[f] for f in FITTED]).T
+    fit = least_squares(residuals, np.clip(x0, lo + 1e-9, hi - 1e-9), bounds=(lo, hi))
     return _with(base, fit.x)
+
+
+def _log_share(tokens) -> np.ndarray:
+    """Each token count's share of the log-token axis it samples, so that a grid dense at large
+    counts weighs decode and prefill alike."""
+    x = np.log(np.asarray(tokens, dtype=float))
+    if len(x) < 2:
+        return np.ones_like(x)
+    return np.gradient(x)
 
 
 def _with(base: OpCosts, x) -> OpCosts:

@@ -24,8 +24,9 @@ from rlsched.costs.ops import OpCosts, Shape, allreduce_time, attention_time, el
 def op_costs(hw: HardwareSpec) -> OpCosts:
     """The per-op efficiencies and floors of a hardware preset."""
     return OpCosts(hw.peak_tflops, hw.mem_bw_gbs, compute_eff=hw.compute_efficiency, memory_eff=hw.memory_efficiency,
-                   linear_floor_us=hw.linear_floor_us, elementwise_eff=hw.elementwise_efficiency,
-                   elementwise_floor_us=hw.elementwise_floor_us, attention_eff=hw.attention_efficiency,
+                   linear_floor_us=hw.linear_floor_us, linear_knee=hw.linear_knee,
+                   elementwise_eff=hw.elementwise_efficiency, elementwise_floor_us=hw.elementwise_floor_us,
+                   elementwise_row_gbs=hw.elementwise_row_gbs, attention_eff=hw.attention_efficiency,
                    attention_floor_us=hw.attention_floor_us, allreduce_latency_us=hw.allreduce_latency_us,
                    allreduce_bus_gbs=hw.nvlink_gbs)
 

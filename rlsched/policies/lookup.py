@@ -61,7 +61,7 @@ class TwoStatePolicy:
 
     def __init__(self, ctx: PolicyContext, drafter: str, max_batch_on: int, k: int, width: int = 1, nodes: int = 0):
         self.drafter, self.max_batch_on = drafter, max_batch_on
-        self._on = Strategy(drafter, k, width, nodes)
+        self.on = Strategy(drafter, k, width, nodes)  # the strategy at or below the threshold
         self.k = k
 
     @classmethod
@@ -103,7 +103,7 @@ class TwoStatePolicy:
         return cls(ctx, pf.drafter, pf.params["max_batch_on"], pf.params["k"], width, pf.params.get("nodes", 0))
 
     def choose(self, state: EngineState) -> Strategy:
-        return self._on if state.batch <= self.max_batch_on else OFF
+        return self.on if state.batch <= self.max_batch_on else OFF
 
     def steady_steps(self, state: EngineState, strategy: Strategy, max_growth: int) -> int:
         return NEVER_CHANGES  # depends on the batch size only
@@ -113,8 +113,8 @@ class TwoStatePolicy:
 
     def params(self) -> dict:
         out = {"max_batch_on": self.max_batch_on, "k": self.k}
-        if self._on.is_tree:
-            out |= {"width": self._on.width, "nodes": self._on.nodes}
+        if self.on.is_tree:
+            out |= {"width": self.on.width, "nodes": self.on.nodes}
         return out
 
 

@@ -1,6 +1,7 @@
-"""The RL step around generation, as a SimPy process: generation, inference (reference,
-reward and critic forwards), training, and an optional drafter update, over M RL steps with
-acceptance drift. Inference and training run on all GPUs of the cluster (colocated)."""
+"""The RL step around generation, as a SimPy process: generation, inference (the actor's
+old log-probs, reference, reward and critic forwards), training, and an optional drafter
+update, over M RL steps with acceptance drift. Inference and training run on all GPUs of the
+cluster (colocated)."""
 
 from __future__ import annotations
 
@@ -40,8 +41,10 @@ class StageCosts:
         self.infer_rate = gpus * hw.peak_tflops * 1e12 * rl.infer_efficiency
         self.train_rate = gpus * hw.peak_tflops * 1e12 * rl.train_efficiency
         p = cfg.model.params
-        self.infer_params = (p if rl.reference else 0) + (p if rl.critic else 0) + \
-            (rl.reward_model.params if rl.reward_model is not None else 0)
+        # forwards over every rollout token: the actor's old log-probs (verl's compute_log_prob),
+        # the reference's log-probs, the critic's values and the reward model's scores
+        self.infer_params = (p if rl.recompute_old_logprobs else 0) + (p if rl.reference else 0) + \
+            (p if rl.critic else 0) + (rl.reward_model.params if rl.reward_model is not None else 0)
         self.train_params = p + (p if rl.critic else 0)
         learned = [d for d in cfg.drafters if d.kind in ("model", "eagle")]
         self.drafter_params = sum((d.model.params if d.kind == "model" else eagle_head(cfg.model).params)
