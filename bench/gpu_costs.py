@@ -4,8 +4,8 @@ Data: Microsoft Vidur's public per-layer profiles (data/vidur: A100 and H100, pe
 of one transformer layer for T = 1..4096 new tokens at TP 1-8; all-reduce times per TP degree;
 decode attention for one head layout on A100). Two models of one layer are compared with it:
 
-- roofline: the simulator's analytic cost model as it prices a forward today (one max of total
-  compute and total memory over the layer's matmuls, no floors), per layer;
+- roofline: a whole-forward roofline, one max of total compute and total memory over the
+  layer's matmuls, no floors, at textbook efficiencies (`ROOFLINE`), per layer;
 - per-op: `rlsched/costs/ops.py`, each linear group and the element-wise kernels on their own
   roofline with a floor (linears: whole GEMM tiles of tokens, a smooth memory-to-compute turn;
   element-wise: one token's row per thread block at few tokens), efficiencies, floors and
@@ -48,6 +48,9 @@ COLUMNS = {"qkv": "attn_pre_proj", "o": "attn_post_proj", "up": "mlp_up_proj", "
 ELEMENTWISE = ("input_layernorm", "attn_rope", "post_attention_layernorm", "mlp_act", "add")
 REGIMES = {"decode small": (1, 16), "decode large": (32, 512), "prefill": (2048, 4096)}
 Q_RATIO = 1.25
+# the whole-forward roofline's efficiencies: 0.6 of peak compute, 0.8 of peak bandwidth, an 8 us
+# all-reduce at NVLink's bus bandwidth
+ROOFLINE = {"compute_efficiency": 0.6, "memory_efficiency": 0.8, "allreduce_latency_us": 8.0, "nvlink_gbs": 450.0}
 
 
 def read_model(path: Path) -> tuple[Shape, dict[int, pd.DataFrame]]:
@@ -70,10 +73,10 @@ def measured_parts(g: pd.DataFrame) -> tuple[np.ndarray, dict, np.ndarray, int]:
 
 
 def roofline_layer(hw: dict, s: Shape, tokens, tp: int) -> np.ndarray:
-    """The simulator's roofline today, for one layer's matmuls: max(compute, memory), no floors."""
+    """The whole-forward roofline for one layer's matmuls: max(compute, memory), no floors."""
     params = sum(s.linear_params(tp).values())
-    compute = 2.0 * np.asarray(tokens, float) * params / (hw["peak_tflops"] * 1e12 * hw.get("compute_efficiency", 0.6))
-    memory = params * s.dtype_bytes / (hw["mem_bw_gbs"] * 1e9 * hw.get("memory_efficiency", 0.8))
+    compute = 2.0 * np.asarray(tokens, float) * params / (hw["peak_tflops"] * 1e12 * ROOFLINE["compute_efficiency"])
+    memory = params * s.dtype_bytes / (hw["mem_bw_gbs"] * 1e9 * ROOFLINE["memory_efficiency"])
     return np.maximum(compute, memory)
 
 
@@ -133,8 +136,8 @@ def main() -> None:
         # all-reduce on TP 4 at decode message sizes (T x hidden x 2 bytes, T <= 512, hidden 4096-8192)
         tp4 = net[(net.num_workers == 4) & (net["size"] <= 512 * 8192 * 2)]
         ar_meas = tp4["time_stats.all_reduce.median"].to_numpy(float) * 1e-3
-        old_ar = OpCosts(hw["peak_tflops"], hw["mem_bw_gbs"], allreduce_latency_us=hw.get("allreduce_latency_us", 8.0),
-                         allreduce_bus_gbs=hw.get("nvlink_gbs", 450.0))
+        old_ar = OpCosts(hw["peak_tflops"], hw["mem_bw_gbs"], allreduce_latency_us=ROOFLINE["allreduce_latency_us"],
+                         allreduce_bus_gbs=ROOFLINE["nvlink_gbs"])
         per_regime["roofline"]["TP all-reduce"] = mape(allreduce_time(old_ar, tp4["size"], 4), ar_meas)
         per_regime["per-op"]["TP all-reduce"] = mape(allreduce_time(c_ar, tp4["size"], 4), ar_meas)
         # the same form fitted on the reported rows themselves: how close the data lets it come
@@ -150,9 +153,9 @@ def main() -> None:
             c_att = fit_attention(c, s, 2, fit_part.batch_size, fit_part.kv_cache_size,
                                   fit_part["time_stats.attn_decode.median"] * 1e-3)
             meas = test["time_stats.attn_decode.median"].to_numpy(float) * 1e-3
-            # today's roofline prices attention as KV bytes inside the whole forward's max (no floor)
+            # the whole-forward roofline prices attention as KV bytes inside its max (no floor)
             kv_bytes = test.batch_size * test.kv_cache_size * 2 * 8 * 128 / 2 * 2
-            old = kv_bytes / (hw["mem_bw_gbs"] * 1e9 * hw.get("memory_efficiency", 0.8))
+            old = kv_bytes / (hw["mem_bw_gbs"] * 1e9 * ROOFLINE["memory_efficiency"])
             per_regime["roofline"]["long-context attention"] = mape(old, meas)
             per_regime["per-op"]["long-context attention"] = mape(
                 attention_time(c_att, s, 1, test.batch_size * test.kv_cache_size, 2), meas)
@@ -188,7 +191,7 @@ def main() -> None:
         for regime in per_regime["per-op"]:
             rows.append([gpu, regime, per_regime["roofline"][regime], per_regime["per-op"][regime],
                          in_sample.get(regime, "-")])
-    text = ("Vidur's measured per-layer kernel times (data/vidur) against the roofline today and the calibrated "
+    text = ("Vidur's measured per-layer kernel times (data/vidur) against a whole-forward roofline and the calibrated "
             "per-op model, on held-out models (MAPE %)\n\n"
             + table(["gpu", "regime", "roofline MAPE %", "per-op MAPE %", "per-op fitted on these rows"], rows)
             + f"\n\nbatch where verifying q tokens per sequence costs {Q_RATIO}x plain decoding (TP 1, layer "

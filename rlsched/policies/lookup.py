@@ -15,6 +15,9 @@ from rlsched.policies.draft import PolicyContext, expected_tokens
 from rlsched.policies.types import NEVER_CHANGES, OFF, EngineState, StepOutcome, Strategy
 
 
+SMALL_BATCH = 8  # twostate's solve picks the strategy that gains most up to this batch size
+
+
 def batch_grid(max_batch: int) -> list[int]:
     """Powers of two up to max_batch: the lower edges of the batch-size buckets."""
     edges, b = [], 1
@@ -66,10 +69,9 @@ class TwoStatePolicy:
 
     @classmethod
     def solve(cls, ctx: PolicyContext, drafter: str | None = None) -> "TwoStatePolicy":
-        """The offline solve over the cost model: the strategy (a chain's k, or a tree where the
-        context allows them) with the largest gain over the batch sizes where speculation pays,
-        each batch size weighted by its tokens per step (a rollout makes most of its tokens at
-        large batch), then the largest batch where it still beats off."""
+        """ReSpec's offline solve over the cost model: the strategy (a chain's k, or a tree where
+        the context allows them) that gains most at small batch (the mean log gain over batch
+        sizes up to SMALL_BATCH), then the largest batch where it still beats off."""
         if ctx.cost is None:
             return cls(ctx, drafter or ctx.drafters[0], 0, 1)  # a placeholder for name checks only
         best = None
@@ -80,11 +82,11 @@ class TwoStatePolicy:
             options = [Strategy(d, k) for k in range(1, ctx.k_max + 1)] + trees[0][0]
             gain = np.concatenate((r[:, 1:], np.array([t[1] for t in trees]).reshape(len(grid), -1)), axis=1) \
                 / r[:, :1]
-            weight = np.asarray(grid, dtype=float)[:, None]
-            j = int(np.argmax((weight * np.log(np.maximum(gain, 1))).sum(axis=0)))
+            small = np.log(np.maximum(gain[np.asarray(grid) <= SMALL_BATCH], 1)).mean(axis=0)
+            j = int(np.argmax(small))
             pays = [b for b, g in zip(grid, gain[:, j]) if g > 1]
             threshold = max(pays) if pays else 0
-            score = float((weight[:, 0] * np.log(np.maximum(gain[:, j], 1))).sum())
+            score = float(small[j])
             if best is None or score > best[0]:
                 best = (score, d, threshold, options[j])
         s = best[3]
