@@ -66,7 +66,7 @@ def anchor() -> tuple[str, dict]:
         ctx = policy_context(load_config("default", overrides=["drafters.0.kind=eagle",
                                                                f"drafters.0.acceptance.mean={a}"]), cost)
         ctx = type(ctx)(**{**ctx.__dict__, "drafters": ("eagle",), "acceptance_prior": {"eagle": a},
-                           "tree_gain": {"eagle": 0.25}, "typical_ctx": ANCHOR_CONTEXT})
+                           "tree_gain": {"eagle": 0.25}, "tree_top1": {}, "typical_ctx": ANCHOR_CONTEXT})
         s = Strategy("eagle", *SGLANG_DEFAULT)
         return {b: step_rate(ctx, s, b) / step_rate(ctx, Strategy(), b) for b in ANCHOR}
 
@@ -88,7 +88,7 @@ def step_rate(ctx, strategy: Strategy, batch: int) -> float:
     if strategy.is_off:
         return batch / cost.verify_time(batch, 1, ctx_tokens)
     shape = ctx.tree(drafter, strategy)
-    a = np.full(batch, ctx.prior(drafter))
+    a = np.full(batch, ctx.top1(drafter, ctx.prior(drafter)))
     tokens = batch + shape.expected_accepted(a, ctx.tree_gain[drafter]).sum()
     t = cost.draft_time(drafter, batch, strategy.k, ctx_tokens, strategy.width) + \
         cost.verify_time(batch, strategy.tokens_per_row, ctx_tokens)

@@ -2,8 +2,9 @@
 
 For each preset: a table policy is learned on seed 0 (`rlsched learn`), then off, static k,
 goodput, twostate, bandit, the learned table and the oracle are compared on 5 other seeds
-(ratios per seed against off and against the best static k chosen after the fact). The
-uneven-load preset is also run with and without reallocation.
+(ratios per seed against off and against the best static setting chosen after the fact: a
+static k, or on presets that draft trees also a fixed tree). The uneven-load preset is also
+run with and without reallocation.
 
 Usage: python bench/policies.py [--seeds N] [--workers N] [--presets a,b]
 """
@@ -24,8 +25,11 @@ from rlsched.sim.learn import Learner, parallel_evaluator
 
 STATIC = "static:1,static:2,static:3,static:4,static:6"
 ADAPTIVE = "goodput,seqgoodput,twostate,bandit,{table},oracle"
+TREES = "tree:5:4:7,tree:5:8:31"  # fixed trees where the preset drafts trees: SGLang's default, a wide one
 PRESETS = {"longtail-grpo": "none", "low-acceptance": "none", "uneven-load": "none,rebalance", "default": "none",
-           "ngram-llama8b": "none", "eagle-h200-14b": "none"}  # every shipped rollout preset
+           "ngram-llama8b": "none", "eagle-h200-14b": "none", "respec-qwen2.5-3b": "none",
+           "respec-qwen2.5-7b": "none", "respec-qwen2.5-14b": "none",
+           "rlhfspec-llama3.1-8b-ppo": "none"}  # every shipped rollout preset
 
 
 def run_preset(name: str, realloc: str, seeds: int, workers: int) -> dict:
@@ -34,7 +38,8 @@ def run_preset(name: str, realloc: str, seeds: int, workers: int) -> dict:
     pf, _ = learner.learn("table")
     path = RESULTS / f"policy-{name}.json"
     save_policy_file(path, pf)
-    policies = f"off,{STATIC},{ADAPTIVE.format(table=f'table:{path}')}"
+    static = f"{STATIC},{TREES}" if cfg.speculation.width_max > 1 else STATIC
+    policies = f"off,{static},{ADAPTIVE.format(table=f'table:{path}')}"
     plan = cmp.make_plan(cfg, policies, realloc, seeds, 1)
     results = cmp.run_jobs(cfg, plan.jobs(), workers)
     report = cmp.aggregate(cfg, plan, results)

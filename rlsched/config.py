@@ -161,6 +161,11 @@ class AcceptanceSpec(Strict):
     # candidate at the same depth catches (policies/tree.py); the top-r hit rate is
     # 1 - (1 - mean)(1 - tree_gain)^(r - 1)
     tree_gain: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.25
+    # a tree's candidates are the drafter's top tokens, not samples from it: its rank-1 child is
+    # taken with probability tree_top1 x mean. 1 under greedy decoding (the same token); below 1
+    # when sampling, where a sampled chain draft is accepted with sum_x min(p, q), more than the
+    # target's probability of the drafter's top token (bench/tree_hits.py measures both)
+    tree_top1: OpenFraction = 1.0
 
 
 class DrafterSpec(Strict):

@@ -79,17 +79,20 @@ def test_a_broken_draw_fails_the_same_check():
     assert stats.chisquare(np.bincount(acc, minlength=k + 1), expected * rows).pvalue < 1e-6
 
 
-def test_the_simulator_emits_what_the_model_expects():
+@pytest.mark.parametrize("top1", [1.0, 0.8])
+def test_the_simulator_emits_what_the_model_expects(top1):
     over = ["workload.prompts=8", "workload.samples_per_prompt=4", "workload.prompt_len={dist: fixed, value: 64}",
             "workload.response_len={dist: fixed, value: 6000}", "drafters.0.acceptance.mean=0.65",
             "drafters.0.acceptance.prompt_concentration=null", "drafters.0.acceptance.sample_concentration=null",
-            "cluster.instances=1", "drafters.0.acceptance.tree_gain=0.3", "rl.steps=1"]
+            "cluster.instances=1", "drafters.0.acceptance.tree_gain=0.3", "rl.steps=1",
+            f"drafters.0.acceptance.tree_top1={top1}"]
     cfg = load_config("default", overrides=over)
     tl = simulate(cfg, "tree:5:2:12").timeline_frame()
     dec = tl[(tl.kind == "decode") & (tl.batch == 32)]
     per_row = (dec.emitted - dec.batch).sum() / dec.batch.sum()
-    shape = tree_shape(5, 2, 12, 0.65, 0.3)
-    want = shape.expected_accepted(np.array([0.65]), 0.3)[0]
+    a = 0.65 * top1  # the rank-1 child's rate
+    shape = tree_shape(5, 2, 12, round(a, 3), 0.3)
+    want = shape.expected_accepted(np.array([a]), 0.3)[0]
     # (rows finishing mid-step emit less: the last steps of a 6000-token answer, well inside the tolerance)
     assert per_row == pytest.approx(want, rel=0.02)
     assert (dec.width == 2).all() and (dec.drafted == 12 * dec.batch).all()

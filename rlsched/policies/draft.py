@@ -25,6 +25,7 @@ class PolicyContext:
     typical_ctx: int = 1024  # a sequence's typical context length while it decodes
     acceptance_prior: dict[str, float] = field(default_factory=dict)  # drafter -> expected acceptance
     tree_gain: dict[str, float] = field(default_factory=dict)  # drafter -> its trees' gain (policies/tree.py)
+    tree_top1: dict[str, float] = field(default_factory=dict)  # drafter -> its rank-1 rate / its chain acceptance
     width_max: int = 1  # widest draft tree a policy may choose (1: chains only)
     nodes_max: int = 8  # most draft tokens of a tree
     seed: int = 0
@@ -39,9 +40,13 @@ class PolicyContext:
     def prior(self, drafter: str) -> float:
         return self.acceptance_prior.get(drafter, 0.6)
 
+    def top1(self, drafter: str, acceptance):
+        """The rate a tree's rank-1 child is taken at, for a chain's `acceptance` (policies/tree.py)."""
+        return acceptance * self.tree_top1.get(drafter, 1.0)
+
     def tree(self, drafter: str, strategy: "Strategy") -> TreeShape:
         """The shape of a tree strategy of this drafter (built for its expected acceptance)."""
-        return tree_shape(strategy.k, strategy.width, strategy.nodes, round(self.prior(drafter), 3),
+        return tree_shape(strategy.k, strategy.width, strategy.nodes, round(self.top1(drafter, self.prior(drafter)), 3),
                           self.tree_gain.get(drafter, TREE_GAIN))
 
     def trees(self, drafter: str) -> tuple[list[Strategy], TreeTable] | None:
@@ -52,7 +57,8 @@ class PolicyContext:
             return None
         key = ("trees", drafter, self.k_max, self.width_max, self.nodes_max)
         if key not in self.shared:
-            table = TreeTable(options, round(self.prior(drafter), 3), self.tree_gain.get(drafter, TREE_GAIN))
+            table = TreeTable(options, round(self.top1(drafter, self.prior(drafter)), 3),
+                              self.tree_gain.get(drafter, TREE_GAIN))
             self.shared[key] = ([Strategy(drafter, k, w, n) for k, w, n in options], table)
         return self.shared[key]
 
@@ -190,6 +196,7 @@ class GoodputPolicy:
         self._priced = None  # (batch, verify at q = 1, verify at q = 2.., {drafter: draft at k = 1..})
         self._drain = drain
         self._trees = {d: t for d in self.drafters if (t := ctx.trees(d)) is not None}
+        self._ctx = ctx
 
     def choose(self, state: EngineState) -> Strategy:
         last = self._last
@@ -217,7 +224,7 @@ class GoodputPolicy:
                 best, best_rate = Strategy(d, int(self._ks[j])), float(rates[j])
             if d in self._trees:  # (uncalibrated: the executor drafts chains)
                 options, table = self._trees[d]
-                tokens = table.tokens(self._acceptance(state, d), self._drain)
+                tokens = table.tokens(self._ctx.top1(d, self._acceptance(state, d)), self._drain)
                 rates = tokens / self._tree_prices(d, b, state.ctx_tokens)
                 j = int(np.argmax(rates))
                 if rates[j] > best_rate:

@@ -51,7 +51,7 @@ def tree_rates(ctx: PolicyContext, drafter: str, batch: int, acceptance: float,
     times = ctx.cost.verify_time(batch, 1 + np.array([s.nodes for s in options]), ctx_tokens)
     for s_i, s in enumerate(options):
         times[s_i] += ctx.cost.draft_time(drafter, batch, s.k, ctx_tokens, s.width)
-    return options, table.tokens(np.full(batch, acceptance)) / times
+    return options, table.tokens(np.full(batch, ctx.top1(drafter, acceptance))) / times
 
 
 class TwoStatePolicy:

@@ -58,7 +58,8 @@ class GenerationStage:
         self.drafter_idx = {name: j for j, name in enumerate(rollout.drafters)}
         # tree shapes are built for each drafter's configured acceptance, as policies build them
         specs = [cfg.drafter(name) for name in rollout.drafters]
-        self.tree_ref = [round(d.acceptance.mean, 3) for d in specs]
+        self.tree_top1 = [d.acceptance.tree_top1 for d in specs]
+        self.tree_ref = [round(d.acceptance.mean * d.acceptance.tree_top1, 3) for d in specs]
         self.tree_gain = [d.acceptance.tree_gain for d in specs]
         self.t_finish = np.full(n, np.nan)
         self.instance_of = np.full(n, -1, dtype=np.int32)

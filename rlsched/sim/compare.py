@@ -7,7 +7,7 @@ or in which order the runs ran.
 
 Ratios are formed per seed, then averaged over seeds:
 - speedup over `off` = off's generation-stage time / the policy's, same seed and realloc;
-- ratio against the best static k = the fastest `static:K` policy's time on that seed and
+- ratio against the best static k = the fastest `static:K` (or fixed `tree:K:W:N`) policy's time on that seed and
   realloc (chosen after the fact) / the policy's time. Above 1 means faster than the best static.
 """
 
@@ -30,9 +30,10 @@ BASELINE = "off"
 # ----------------------------------------------------------------------------- plan
 
 def policy_kind(name: str) -> str:
-    """'off', 'static' (named static:K...) or 'adaptive' (every other policy)."""
+    """'off', 'static' (a fixed setting: static:K, or a fixed tree tree:K:W:N) or 'adaptive'
+    (every other policy)."""
     family = parse_policy(name).family
-    return family if family in ("off", "static") else "adaptive"
+    return "static" if family == "tree" else family if family in ("off", "static") else "adaptive"
 
 
 @dataclass

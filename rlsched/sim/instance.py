@@ -89,7 +89,7 @@ class Instance:
         """A tree strategy's n steps: accepted drafts (n, batch), and the rank-1 trials each row
         showed (hits, misses), summed over the steps (`policies/tree.draw_tree`)."""
         shape = self.stage.tree(d, strat)
-        a = np.exp(-1.0 / np.maximum(self.ninv[:, d], 1e-300))
+        a = np.exp(-1.0 / np.maximum(self.ninv[:, d], 1e-300)) * self.stage.tree_top1[d]  # rank 1's rate
         u = np.exp(-self._exp_draws(n * self.batch * shape.k)).reshape(shape.k, -1)  # uniforms
         acc, hits, misses = draw_tree(shape, np.tile(a, n), self.stage.tree_gain[d], u)
         b = self.batch

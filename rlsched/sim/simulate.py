@@ -128,6 +128,7 @@ def policy_context(cfg: SimConfig, cost=None, true_acceptance=None) -> PolicyCon
         max_batch=cfg.cluster.max_batch, typical_ctx=int(prompt + response / 2),
         acceptance_prior={d.name: d.acceptance.mean for d in cfg.drafters}, seed=cfg.seed,
         tree_gain={d.name: d.acceptance.tree_gain for d in cfg.drafters},
+        tree_top1={d.name: d.acceptance.tree_top1 for d in cfg.drafters},
         width_max=cfg.speculation.width_max, nodes_max=cfg.speculation.nodes_max, identity=config_identity(cfg),
         true_acceptance=true_acceptance)
 
