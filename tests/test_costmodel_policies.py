@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlsched.config import load_config
+from rlsched.config import eagle_head, load_config
 from rlsched.errors import UserError
 from rlsched.policies import (OFF, AcceptanceEstimator, EngineState, PolicyContext, Strategy, expected_tokens,
                               make_draft_policy)
@@ -26,6 +26,25 @@ def test_verify_is_nearly_free_at_small_batch_and_linear_at_large(cost):
     large = cost.verify_time(512, 9, 512 * 1000) / cost.verify_time(512, 1, 512 * 1000)
     assert small < 1.1
     assert large > 3.0
+
+
+def test_an_eagle3_head_is_priced_with_its_real_shapes():
+    cfg = load_config("default", overrides=["drafters.0.kind=eagle"])
+    head, m = eagle_head(cfg.model, 32000), cfg.model
+    # one decoder layer, the projection of three fused hidden states, a QKV over 2 x hidden, a 32k LM head
+    fused = 3 * m.hidden * m.hidden + m.hidden * (m.heads + 2 * m.kv_heads) * m.head_dim
+    assert head.params == m.layer_params + fused + 32000 * m.hidden
+    assert 0.3e9 < head.params < 0.45e9  # for Qwen2.5-7B: not a 0.78B full-vocabulary head
+    eagle = RooflineCostModel.from_config(cfg)
+    model = RooflineCostModel.from_config(load_config("default"))
+    for b in (1, 64):
+        # a draft forward of the head costs less than one of the 0.5B draft model, far less than the target's
+        assert eagle.draft_time("model", b, 1, b * 1000) < model.draft_time("model", b, 1, b * 1000)
+        assert eagle.draft_time("model", b, 1, b * 1000) < 0.25 * eagle.verify_time(b, 1, b * 1000)
+    # a smaller draft vocabulary is cheaper at many tokens, where the LM head's compute counts
+    big = load_config("default", overrides=["drafters.0.kind=eagle", "drafters.0.draft_vocab=152064"])
+    assert RooflineCostModel.from_config(big).draft_time("model", 256, 1, 256 * 1000) > \
+        eagle.draft_time("model", 256, 1, 256 * 1000)
 
 
 def test_array_and_scalar_prices_agree(cost):
