@@ -296,6 +296,9 @@ def learn(
     cfg = _with_cost(load_config(preset, config, list(set_)), cost)
     if not cfg.drafters:
         raise UserError("learn needs at least one drafter in the config (drafters: [...])")
+    if vllm_table is not None and cfg.speculation.width_max > 1:
+        raise UserError("--vllm-table: vLLM's table holds chain lengths, and this config lets the policy draft trees "
+                        "(speculation.width_max > 1); add --set speculation.width_max=1")
     n_workers = workers or cmp.default_workers()
 
     first = cfg.seed

@@ -12,10 +12,14 @@ from scipy import stats
 from rlsched.config import load_config
 from rlsched.costs.roofline import RooflineCostModel
 from rlsched.errors import UserError
-from rlsched.policies import AcceptanceEstimator, EngineState, Strategy, make_draft_policy
+from rlsched.policies import AcceptanceEstimator, EngineState, PolicyContext, Strategy, make_draft_policy
+from rlsched.policies.lookup import TablePolicy
+from rlsched.policies.policyfile import FORMAT, VERSION, PolicyFile, save_policy_file
 from rlsched.policies.registry import GENERATE, parse_policy
 from rlsched.policies.tree import GRID, TreeTable, draw_tree, max_nodes, rank_probs, tree_options, tree_shape
+from rlsched.sim.learn import ACCEPT_EDGES, Learner, ctx_edges
 from rlsched.sim.simulate import policy_context, simulate
+from support import rlsched
 
 GAIN = 0.25
 
@@ -140,3 +144,43 @@ def test_fixed_tree_spelling():
             parse_policy(bad)
     with pytest.raises(UserError, match="drafts a tree; the local engine drafts chains"):
         parse_policy("tree:3:2:6").check(("model",), 8, GENERATE)
+
+
+def test_a_learned_table_holds_trees_where_they_pay(tmp_path):
+    cfg = load_config("respec-qwen2.5-7b")
+    ctx = policy_context(cfg, RooflineCostModel.from_config(cfg))
+    table = TablePolicy.analytic(ctx, "eagle", ACCEPT_EDGES, ctx_edges(ctx.typical_ctx))
+    row = table.params()["k"][table._row(0.65)][2]  # acceptance 0.6-0.7, a middle context
+    assert isinstance(row[0], list) and row[0][1] > 1  # a tree at batch 1
+    assert not isinstance(row[-1], list)  # a chain or off at the largest batch
+    # the file round-trips, and an engine that drafts chains refuses it in one line
+    learner = Learner(load_config("respec-qwen2.5-7b", overrides=["workload.prompts=4"]), [0], None)
+    path = tmp_path / "p.json"
+    save_policy_file(path, learner._policy_file("table", table.params()))
+    assert make_draft_policy(f"table:{path}", ctx).choose(_state_eagle(1)).is_tree
+    chains = PolicyContext(cost=ctx.cost, drafters=("eagle",), identity=ctx.identity)
+    with pytest.raises(UserError, match="drafts trees 8 wide; this engine drafts chains"):
+        make_draft_policy(f"table:{path}", chains)
+    # a coordinate pass tries a tree one level shallower and deeper
+    assert learner._neighbours([3, 8, 24]) == [[2, 8, 24], [4, 8, 24]]
+    assert learner._neighbours([1, 2, 2]) == [[2, 2, 2]] and learner._neighbours(0) == [1]
+
+
+def test_a_tree_cell_is_checked_in_a_policy_file():
+    params = {"batch_edges": [1, 2], "accept_edges": [0.0, 1.0], "k": [[[3, 1, 5], 2]]}
+    with pytest.raises(ValueError, match=r"\[k, width, nodes\]"):
+        PolicyFile(format=FORMAT, version=VERSION, kind="table", drafter="eagle", params=params)
+    PolicyFile(format=FORMAT, version=VERSION, kind="table", drafter="eagle",
+               params={**params, "k": [[[3, 2, 5], 2]]})
+
+
+def test_learn_refuses_a_vllm_table_for_a_tree_policy(tmp_path):
+    proc = rlsched("learn", "-p", "respec-qwen2.5-7b", "--out", "p.json", "--vllm-table", "v.json", cwd=tmp_path)
+    assert proc.returncode == 2 and "speculation.width_max=1" in proc.stderr
+    assert not (tmp_path / "p.json").exists() and not (tmp_path / "v.json").exists()
+
+
+def _state_eagle(batch):
+    est = AcceptanceEstimator(["eagle"], prior_mean=0.65)
+    est.begin_rollout(batch, np.arange(batch))
+    return EngineState(0, 0, 0.0, np.arange(batch), np.full(batch, 700), batch * 700, 0, 10**6, est)

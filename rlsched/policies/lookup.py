@@ -120,13 +120,26 @@ class TwoStatePolicy:
         return out
 
 
+def cell_strategy(drafter: str, cell) -> Strategy:
+    """A table cell's strategy: a chain's k (0: off) or a tree [k, width, nodes]."""
+    if isinstance(cell, list):
+        return Strategy(drafter, *cell)
+    return OFF if cell == 0 else Strategy(drafter, cell)
+
+
+def strategy_cell(s: Strategy):
+    """The table cell of a strategy (inverse of `cell_strategy`)."""
+    return [s.k, s.width, s.nodes] if s.is_tree else s.k
+
+
 class TablePolicy:
-    """A lookup table (acceptance bucket x context bucket x batch-size bucket) -> draft length,
-    as written by `rlsched learn`. The acceptance bucket is that of the batch's mean estimated
-    acceptance, re-read when the batch changes or every `refresh` steps; the context bucket is
-    that of the batch's mean context per sequence (at one batch size, verification is
-    compute-bound while contexts are short and memory-bound, nearly free, once they are long).
-    A table without `ctx_edges` has one context bucket (files written before it had one)."""
+    """A lookup table (acceptance bucket x context bucket x batch-size bucket) -> draft length (or
+    a draft tree where the context allows trees), as written by `rlsched learn`. The
+    acceptance bucket is that of the batch's mean estimated acceptance, re-read when the
+    batch changes or every `refresh` steps; the context bucket is that of the batch's mean
+    context per sequence (at one batch size, verification is compute-bound while contexts
+    are short and memory-bound, nearly free, once they are long). A table without
+    `ctx_edges` has one context bucket (files written before it had one)."""
 
     name = "table"
     observes = False
@@ -138,22 +151,27 @@ class TablePolicy:
                             f"({', '.join(ctx.drafters)})")
         self.ctx_edges = [0] if ctx_edges is None else list(ctx_edges)
         self.k = [[row] for row in k] if ctx_edges is None else k  # [acceptance][context][batch]
-        top = max(x for plane in self.k for row in plane for x in row)
+        cells = [cell_strategy(drafter, x) for plane in self.k for row in plane for x in row]
+        top = max(s.k for s in cells)
         if top > ctx.k_max:
             raise UserError(f"table policy uses k up to {top}, above this config's speculation.k_max = {ctx.k_max}")
+        wide = max(s.width for s in cells)
+        if wide > ctx.width_max:
+            raise UserError(f"table policy drafts trees {wide} wide; this engine drafts chains (the simulator trees "
+                            "up to speculation.width_max)")
         self.drafter, self.batch_edges, self.accept_edges = drafter, list(batch_edges), list(accept_edges)
         self.refresh = refresh
         self.needs_acceptance = len(accept_edges) > 2
-        self._strategies = [[[OFF if kk == 0 else Strategy(drafter, kk) for kk in row] for row in plane]
-                            for plane in self.k]
+        self._strategies = [[[cell_strategy(drafter, x) for x in row] for row in plane] for plane in self.k]
         self._acc_row = self._row(ctx.prior(drafter))
         self._last = None  # (batch, step) of the last acceptance read
 
     @classmethod
     def analytic(cls, ctx: PolicyContext, drafter: str, accept_edges=(0.0, 1.0),
                  ctx_edges: list[int] | None = None) -> "TablePolicy":
-        """Each bucket's best k by the cost model at its middle batch, acceptance and context
-        per sequence (without `ctx_edges`: the typical context)."""
+        """Each bucket's best k (or tree, where the context allows trees) by the cost model at its
+        middle batch, acceptance and context per sequence (without `ctx_edges`: the typical
+        context)."""
         edges = batch_grid(ctx.max_batch)
         mids = [ctx.typical_ctx] if ctx_edges is None else [
             max(1, round((lo * hi) ** 0.5)) if lo else hi // 2
@@ -166,7 +184,11 @@ class TablePolicy:
                 row = []
                 for i, b in enumerate(edges):
                     top = edges[i + 1] - 1 if i + 1 < len(edges) else ctx.max_batch
-                    row.append(int(np.argmax(rates(ctx, drafter, max(1, round((b * top) ** 0.5)), a, per_row))))
+                    mid = max(1, round((b * top) ** 0.5))
+                    chain = rates(ctx, drafter, mid, a, per_row)
+                    trees, tree = tree_rates(ctx, drafter, mid, a, per_row)
+                    j = int(np.argmax(np.concatenate((chain, tree))))
+                    row.append(j if j < len(chain) else strategy_cell(trees[j - len(chain)]))
                 plane.append(row)
             table.append(plane)
         return cls(ctx, drafter, edges, list(accept_edges), table if ctx_edges else [p[0] for p in table],
@@ -175,7 +197,8 @@ class TablePolicy:
     @classmethod
     def from_file(cls, pf, ctx: PolicyContext, k_max_name: str = "speculation.k_max") -> "TablePolicy":
         p = pf.params
-        top = max(x for plane in (p["k"] if p.get("ctx_edges") else [p["k"]]) for row in plane for x in row)
+        top = max(cell_strategy(pf.drafter, x).k
+                  for plane in (p["k"] if p.get("ctx_edges") else [p["k"]]) for row in plane for x in row)
         if top > ctx.k_max:
             raise UserError(f"table policy uses k up to {top}, above {k_max_name} = {ctx.k_max}")
         return cls(ctx, pf.drafter, p["batch_edges"], p["accept_edges"], p["k"], ctx_edges=p.get("ctx_edges"))

@@ -61,8 +61,9 @@ class PolicyFile(BaseModel):
             if ce is None:  # one context bucket: k is acceptance x batch
                 if not (isinstance(k, list) and len(k) == len(ae) - 1
                         and all(isinstance(r, list) and len(r) == len(be) for r in k)
-                        and all(_whole(x, 0, 32) for r in k for x in r)):
-                    raise ValueError(f"table params.k must be {len(ae) - 1} rows of {len(be)} whole numbers in 0..32")
+                        and all(_cell(x) for r in k for x in r)):
+                    raise ValueError(f"table params.k must be {len(ae) - 1} rows of {len(be)} cells: whole numbers "
+                                     "in 0..32 (a chain's k) or [k, width, nodes] (a tree)")
             else:
                 if not (isinstance(ce, list) and ce and all(_whole(c, 0) for c in ce) and ce[0] == 0
                         and all(a < b for a, b in zip(ce, ce[1:]))):
@@ -70,10 +71,18 @@ class PolicyFile(BaseModel):
                 if not (isinstance(k, list) and len(k) == len(ae) - 1
                         and all(isinstance(pl, list) and len(pl) == len(ce) for pl in k)
                         and all(isinstance(r, list) and len(r) == len(be) for pl in k for r in pl)
-                        and all(_whole(x, 0, 32) for pl in k for r in pl for x in r)):
+                        and all(_cell(x) for pl in k for r in pl for x in r)):
                     raise ValueError(f"table params.k must be {len(ae) - 1} x {len(ce)} rows of {len(be)} "
-                                     "whole numbers in 0..32 (acceptance x context x batch)")
+                                     "cells (acceptance x context x batch): whole numbers in 0..32 (a chain's k) "
+                                     "or [k, width, nodes] (a tree)")
         return self
+
+
+def _cell(x) -> bool:
+    """A table cell: a chain's k (0: off) or a tree [k, width, nodes]."""
+    if isinstance(x, list):
+        return len(x) == 3 and _whole(x[0], 1, 32) and _whole(x[1], 2, 16) and _whole(x[2], x[0], 256)
+    return _whole(x, 0, 32)
 
 
 def _whole(x, lo: int, hi: int | None = None) -> bool:

@@ -18,6 +18,7 @@ import numpy as np
 from rlsched import __version__
 from rlsched.config import SimConfig
 from rlsched.policies.lookup import TablePolicy, TwoStatePolicy, batch_grid
+from rlsched.policies.tree import max_nodes
 from rlsched.policies.policyfile import FORMAT, VERSION, PolicyFile, ReallocSettings, save_policy_file
 from rlsched.costs.choose import cost_model_for
 from rlsched.policies.policyfile import SHAPE_KEYS
@@ -148,7 +149,7 @@ class Learner:
         for row in rows:
             for cc, col in self._visited_cells(params):  # under the table as refined so far
                 k = params["k"][row][cc][col]
-                trial = [kk for kk in (k - 1, k + 1) if 0 <= kk <= self.cfg.speculation.k_max]
+                trial = self._neighbours(k)
                 cands = []
                 for kk in trial:
                     p = {**params, "k": [[list(r) for r in plane] for plane in params["k"]]}
@@ -161,6 +162,15 @@ class Learner:
                     self.log(f"table: acceptance >= {ACCEPT_EDGES[row]}, batch >= {params['batch_edges'][col]}, "
                              f"context >= {params['ctx_edges'][cc]}: k {k} -> {trial[j]} ({best:.2f} s)")
         return params, best
+
+    def _neighbours(self, cell) -> list:
+        """The cells a coordinate pass tries instead of `cell`: a chain one draft shorter and
+        longer (0: off), a tree one level shallower and deeper with its width and nodes."""
+        k_max = self.cfg.speculation.k_max
+        if isinstance(cell, list):
+            k, w, n = cell
+            return [[kk, w, n] for kk in (k - 1, k + 1) if 1 <= kk <= min(k_max, n) and n <= max_nodes(kk, w)]
+        return [kk for kk in (cell - 1, cell + 1) if 0 <= kk <= k_max]
 
     def _visited_cells(self, params: dict, min_share: float = 0.005) -> list[tuple[int, int]]:
         """(context bucket, batch bucket) cells holding at least `min_share` of the engine time
