@@ -175,10 +175,10 @@ def main():
     t0 = time.perf_counter()
     anchor_text, anchored = anchor()
     gap_text, gap = gap1(cfgs["7b"])
-    ts_text, ts = twostate(cfgs)
     all_cfgs = dict(cfgs)
     if not args.smoke:
         all_cfgs["rlhfspec"] = load_config(RLHFSPEC_PRESET)
+    ts_text, ts = twostate(all_cfgs)
     share_text, e2e_text, e2e = end_to_end(all_cfgs, {s: RESPEC[s][1] for s in sizes})
     text = "\n\n".join([
         "Anchor: EAGLE-3's SGLang throughput over plain decoding (Llama-3.1-8B, one H100, SGLang's default tree)",
