@@ -72,10 +72,13 @@ CHECKS = {
         ("paper_tables.json", lambda: _load("paper_tables.json")["end_to_end"]["7b"]["goodput"]["e2e"], 1),
     "Cost model against Vidur's measured H100 kernel times, held-out models, decode at 32-512 tokens: MAPE":
         ("gpu_costs.json", lambda: _load("gpu_costs.json")["gpus"]["h100"]["mape"]["per-op"]["decode large"], 1),
-    "Simulated, long-tail GRPO: `goodput` over the best static k":
-        ("policies.json", lambda: _policy_agg("longtail-grpo", "goodput", "ratio_vs_best_static"), 1),
+    "Simulated, long-tail GRPO, Qwen2.5-7B + 0.5B drafter: `goodput` over the best static k":
+        ("sim_effects.json", lambda: sum(d["goodput_vs_best_static"] for d in _load("sim_effects.json")["long_tail"]
+                                         .values()) / len(_load("sim_effects.json")["long_tail"]), 1),
     "Simulated, EAGLE on H200, Qwen2.5-14B: `goodput` over plain decoding":
         ("policies.json", lambda: _policy_agg("eagle-h200-14b", "goodput", "speedup_vs_off"), 1),
+    "Simulated, ReSpec-shaped GRPO, Qwen2.5-7B + EAGLE-3 with trees: `goodput` over the best static setting":
+        ("policies.json", lambda: _policy_agg("respec-qwen2.5-7b", "goodput", "ratio_vs_best_static"), 1),
     "Simulator speed: 64 instances, 8,192 samples, `goodput`, one core":
         ("sim_speed.json", lambda: _sim_speed("cluster-64x8192-16k", "goodput"), 1),
     "Measured: plain decoding over `transformers` generate at 64 rows":
