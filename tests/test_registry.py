@@ -74,6 +74,7 @@ def test_each_command_refuses_in_its_own_words():
 
 def test_usage_lists_what_each_engine_runs():
     assert "oracle" in usage("simulator") and "oracle" not in usage("local")
+    assert "tree:K:W:N" in usage("simulator") and "tree:" not in usage("local")  # the engines draft chains
     vllm = usage("vllm")
     assert all(name in vllm for name in ("off", "static:K", "twostate", "table:FILE", "goodput", "bandit"))
     assert "oracle" not in vllm

@@ -52,7 +52,7 @@ ENGINES = ("simulator", "local", "vllm")
 def usage(engine: str = "simulator") -> str:
     """The policy names one engine runs, comma-separated (the CLI's help and error messages)."""
     names = [f.usage for f in FAMILIES.values()
-             if engine == "simulator" or not f.simulator_only]
+             if engine == "simulator" or not (f.simulator_only or f.trees)]
     return ", ".join(names) + ", or a policy file (PATH.json)"
 
 
