@@ -63,12 +63,9 @@ class _Forward:
         """Seconds for one forward over prompts totalling n_tokens (attention quadratic in
         each length: sum_sq_tokens, the sum of squared lengths; default one sequence)."""
         sq = n_tokens * n_tokens if sum_sq_tokens is None else sum_sq_tokens
-        s, c = self.shape, self.c
-        # causal attention: QK^T and PV over half the square, and the keys and values written
-        flops = 2.0 * sq * s.heads * s.head_dim / self.tp
-        kv_bytes = n_tokens * 2 * s.kv_heads * s.head_dim / self.tp * s.dtype_bytes
-        attn = max(flops / (c.peak_tflops * 1e12 * c.compute_eff), kv_bytes / (c.mem_bw_gbs * 1e9 * c.attention_eff)) \
-            + c.attention_floor_us * 1e-6
+        # causal attention over n_tokens keys and values, each token against sq / (2 n_tokens)
+        # of them on average (QK^T and PV over half of each prompt's square)
+        attn = attention_time(self.c, self.shape, sq / (2.0 * n_tokens), n_tokens, self.tp)
         return float(self._tokens_part(n_tokens) + self.layers * attn)
 
 

@@ -9,7 +9,7 @@ from typing import Callable
 import numpy as np
 
 from rlsched.errors import UserError
-from rlsched.policies.tree import TREE_GAIN, TreeShape, TreeTable, tree_options, tree_shape
+from rlsched.policies.tree import TREE_GAIN, TreeShape, TreeTable, reference_acceptance, tree_options, tree_shape
 from rlsched.policies.types import NEVER_CHANGES, OFF, CostModel, EngineState, StepOutcome, Strategy
 
 
@@ -46,8 +46,11 @@ class PolicyContext:
 
     def tree(self, drafter: str, strategy: "Strategy") -> TreeShape:
         """The shape of a tree strategy of this drafter (built for its expected acceptance)."""
-        return tree_shape(strategy.k, strategy.width, strategy.nodes, round(self.top1(drafter, self.prior(drafter)), 3),
+        return tree_shape(strategy.k, strategy.width, strategy.nodes, self._tree_reference(drafter),
                           self.tree_gain.get(drafter, TREE_GAIN))
+
+    def _tree_reference(self, drafter: str) -> float:
+        return reference_acceptance(self.prior(drafter), self.tree_top1.get(drafter, 1.0))
 
     def trees(self, drafter: str) -> tuple[list[Strategy], TreeTable] | None:
         """The tree strategies a policy may choose for `drafter` and their table (None: chains
@@ -57,10 +60,20 @@ class PolicyContext:
             return None
         key = ("trees", drafter, self.k_max, self.width_max, self.nodes_max)
         if key not in self.shared:
-            table = TreeTable(options, round(self.top1(drafter, self.prior(drafter)), 3),
-                              self.tree_gain.get(drafter, TREE_GAIN))
+            table = TreeTable(options, self._tree_reference(drafter), self.tree_gain.get(drafter, TREE_GAIN))
             self.shared[key] = ([Strategy(drafter, k, w, n) for k, w, n in options], table)
         return self.shared[key]
+
+
+def tree_times(cost: CostModel, drafter: str, options: list[Strategy], batch: int, ctx_tokens) -> np.ndarray:
+    """Draft + verify seconds of each tree strategy in `options` over `batch` rows: k drafter
+    forwards of the tree's width, and a verify of 1 + nodes tokens a row."""
+    k = np.array([s.k for s in options])
+    width = np.array([s.width for s in options])
+    out = cost.verify_time(batch, 1 + np.array([s.nodes for s in options]), ctx_tokens)
+    for w in np.unique(width):
+        out[width == w] += cost.draft_time(drafter, batch, k[width == w], ctx_tokens, int(w))
+    return out
 
 
 def expected_tokens(acceptance: np.ndarray, k_max: int) -> np.ndarray:
@@ -257,12 +270,7 @@ class GoodputPolicy:
             "trees", drafter, b, round(math.log(max(ctx_tokens / max(b, 1), 1.0)) / math.log1p(self.ctx_tolerance)))
         if key is not None and (hit := self._price_cache.get(key)) is not None:
             return hit
-        options, _ = self._trees[drafter]
-        k = np.array([s.k for s in options])
-        width = np.array([s.width for s in options])
-        out = self.cost.verify_time(b, 1 + np.array([s.nodes for s in options]), ctx_tokens)
-        for w in np.unique(width):
-            out[width == w] += self.cost.draft_time(drafter, b, k[width == w], ctx_tokens, int(w))
+        out = tree_times(self.cost, drafter, self._trees[drafter][0], b, ctx_tokens)
         if key is not None:
             self._price_cache[key] = out
         return out

@@ -11,7 +11,7 @@ from bisect import bisect_right
 import numpy as np
 
 from rlsched.errors import UserError
-from rlsched.policies.draft import PolicyContext, expected_tokens
+from rlsched.policies.draft import PolicyContext, expected_tokens, tree_times
 from rlsched.policies.types import NEVER_CHANGES, OFF, EngineState, StepOutcome, Strategy
 
 
@@ -47,10 +47,7 @@ def tree_rates(ctx: PolicyContext, drafter: str, batch: int, acceptance: float,
     if trees is None:
         return [], np.zeros(0)
     options, table = trees
-    ctx_tokens = batch * (ctx.typical_ctx if per_row is None else per_row)
-    times = ctx.cost.verify_time(batch, 1 + np.array([s.nodes for s in options]), ctx_tokens)
-    for s_i, s in enumerate(options):
-        times[s_i] += ctx.cost.draft_time(drafter, batch, s.k, ctx_tokens, s.width)
+    times = tree_times(ctx.cost, drafter, options, batch, batch * (ctx.typical_ctx if per_row is None else per_row))
     return options, table.tokens(np.full(batch, ctx.top1(drafter, acceptance))) / times
 
 
@@ -65,7 +62,10 @@ class TwoStatePolicy:
     def __init__(self, ctx: PolicyContext, drafter: str, max_batch_on: int, k: int, width: int = 1, nodes: int = 0):
         self.drafter, self.max_batch_on = drafter, max_batch_on
         self.on = Strategy(drafter, k, width, nodes)  # the strategy at or below the threshold
-        self.k = k
+
+    @property
+    def k(self) -> int:
+        return self.on.k
 
     @classmethod
     def solve(cls, ctx: PolicyContext, drafter: str | None = None) -> "TwoStatePolicy":

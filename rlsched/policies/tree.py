@@ -75,6 +75,12 @@ class TreeShape:
         return self.node_probs(a, gain).sum(axis=1)
 
 
+def reference_acceptance(mean: float, top1: float) -> float:
+    """The rank-1 rate a drafter's tree shapes are built for: its mean chain acceptance times
+    `tree_top1`, rounded so that policies and the simulator build the very same shape."""
+    return round(mean * top1, 3)
+
+
 def max_nodes(k: int, width: int) -> int:
     """Nodes of the full tree k deep and width wide."""
     return k if width == 1 else width * (width ** k - 1) // (width - 1)

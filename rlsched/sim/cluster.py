@@ -25,7 +25,7 @@ from rlsched.config import SimConfig
 from rlsched.errors import UserError
 from rlsched.policies.acceptance import AcceptanceEstimator
 from rlsched.policies.realloc import split_kv_reprefill
-from rlsched.policies.tree import TreeShape, tree_shape
+from rlsched.policies.tree import TreeShape, reference_acceptance, tree_shape
 from rlsched.policies.types import CostModel, InstanceView, Migration, ReallocEvent
 from rlsched.sim.instance import Instance
 from rlsched.sim.timeline import Timeline
@@ -59,7 +59,7 @@ class GenerationStage:
         # tree shapes are built for each drafter's configured acceptance, as policies build them
         specs = [cfg.drafter(name) for name in rollout.drafters]
         self.tree_top1 = [d.acceptance.tree_top1 for d in specs]
-        self.tree_ref = [round(d.acceptance.mean * d.acceptance.tree_top1, 3) for d in specs]
+        self.tree_ref = [reference_acceptance(d.acceptance.mean, d.acceptance.tree_top1) for d in specs]
         self.tree_gain = [d.acceptance.tree_gain for d in specs]
         self.t_finish = np.full(n, np.nan)
         self.instance_of = np.full(n, -1, dtype=np.int32)

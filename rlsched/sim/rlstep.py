@@ -47,7 +47,7 @@ class StageCosts:
             (p if rl.critic else 0) + (rl.reward_model.params if rl.reward_model is not None else 0)
         self.train_params = p + (p if rl.critic else 0)
         learned = [d for d in cfg.drafters if d.kind in ("model", "eagle")]
-        self.drafter_params = sum((d.model.params if d.kind == "model" else eagle_head(cfg.model).params)
+        self.drafter_params = sum((d.model.params if d.kind == "model" else eagle_head(cfg.model, d.draft_vocab).params)
                                   for d in learned)
         self.target_params = p
         self.distill_fraction = rl.distill_fraction
