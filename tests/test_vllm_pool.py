@@ -20,7 +20,7 @@ from rlsched.executor.pool import InstancePool, InstanceSpec  # noqa: E402
 from rlsched.executor.sampling import SamplingParams  # noqa: E402
 from rlsched.traces.reader import read_trace  # noqa: E402
 
-SHORT, LONG = 4, 48
+SHORT, LONG = 8, 48
 
 
 def drain_requests(n_prompts: int = 8, group: int = 3, seed: int = 0) -> list[Request]:
@@ -56,8 +56,9 @@ def vpool(tmp_path_factory):
 
 
 def test_rebalance_moves_samples_between_vllm_instances(vpool):
+    """Each instance gets one full batch and no queue, so what moves is running, tokens and all."""
     pool, trace_dir = vpool
-    requests = drain_requests()
+    requests = drain_requests(n_prompts=4, group=4)
     pool.rl_step = 0
     result = pool.run(requests)
     st = result.stats
