@@ -1,0 +1,128 @@
+"""A suffix drafter: drafts from what followed the same context in a prompt's earlier rollouts
+and in the row itself, from counts kept up to date token by token.
+
+RL samples every prompt again and again (G samples a step, every epoch), and a prompt's
+answers repeat one another (DAS, SPEC-RL). For each prompt the drafter keeps, for every context
+of 1..`depth` tokens seen in its newest `max_history` rollouts, how often each token followed
+it; each running row keeps the same counts over its own tokens. A draft walks forward from the
+row's end: at each position the longest context (up to `depth` tokens) that either index has
+seen picks the token that followed it most often, and the walk goes on while the product of
+those tokens' shares stays at or above `min_confidence`, so a well-worn path drafts long and a
+fork stops it: the budget grows with the match's length and frequency.
+
+Adding a rollout costs its length x depth updates; evicting the oldest subtracts the same;
+drafting costs k x depth lookups however many rollouts a prompt has.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Hashable
+
+import torch
+
+from rlsched.executor.speculative import Seq
+
+
+class SuffixCounts:
+    """Next-token counts after every context of 1..depth tokens of the sequences added."""
+
+    def __init__(self, depth: int):
+        self.depth = depth
+        self.counts: dict[tuple[int, ...], dict[int, int]] = {}
+
+    def add(self, tokens: list[int], start: int = 1, sign: int = 1) -> None:
+        """Count (or with sign -1 uncount) the token at each position >= start after the
+        contexts ending just before it."""
+        for i in range(max(start, 1), len(tokens)):
+            nxt = tokens[i]
+            for n in range(1, min(self.depth, i) + 1):
+                key = tuple(tokens[i - n:i])
+                c = self.counts.get(key)
+                if c is None:
+                    c = self.counts[key] = {}
+                v = c.get(nxt, 0) + sign
+                if v > 0:
+                    c[nxt] = v
+                else:
+                    c.pop(nxt, None)
+                    if not c:
+                        del self.counts[key]
+
+    def longest(self, context: list[int]) -> tuple[int, dict[int, int] | None]:
+        """The longest suffix of `context` (up to depth tokens) seen here: its length and counts."""
+        for n in range(min(self.depth, len(context)), 0, -1):
+            c = self.counts.get(tuple(context[-n:]))
+            if c:
+                return n, c
+        return 0, None
+
+    def __len__(self) -> int:
+        return sum(len(c) for c in self.counts.values())
+
+
+class SuffixDrafter:
+    name = "suffix"
+
+    def __init__(self, depth: int = 8, max_history: int = 64, min_confidence: float = 0.3):
+        if depth < 1 or max_history < 1 or not 0.0 < min_confidence <= 1.0:
+            raise ValueError("suffix drafter needs depth >= 1, max_history >= 1 and 0 < min_confidence <= 1")
+        self.depth, self.max_history, self.min_confidence = depth, max_history, min_confidence
+        self.history: dict[Hashable, tuple[SuffixCounts, deque]] = {}
+        self._rows: dict[int, tuple[Seq, SuffixCounts, list[int]]] = {}  # id(seq) -> (seq, counts, [indexed])
+
+    def add_history(self, prompt_id: Hashable, tokens: list[int]) -> None:
+        """An earlier rollout (prompt + response) of `prompt_id`; only the newest
+        `max_history` per prompt are counted."""
+        counts, kept = self.history.setdefault(prompt_id, (SuffixCounts(self.depth), deque()))
+        tokens = list(tokens)
+        counts.add(tokens)
+        kept.append(tokens)
+        if len(kept) > self.max_history:
+            counts.add(kept.popleft(), sign=-1)
+
+    def _own(self, seq: Seq) -> SuffixCounts:
+        """The row's own counts, brought up to its current tokens."""
+        entry = self._rows.get(id(seq))
+        if entry is None or entry[0] is not seq:
+            entry = self._rows[id(seq)] = (seq, SuffixCounts(self.depth), [0])
+        _, counts, indexed = entry
+        counts.add(seq.tokens, start=indexed[0])
+        indexed[0] = len(seq.tokens)
+        return counts
+
+    def draft_one(self, seq: Seq, k: int) -> list[int]:
+        own = self._own(seq)
+        past = self.history.get(seq.prompt_id, (None,))[0] if seq.prompt_id is not None else None
+        context, out, confidence = list(seq.tokens), [], 1.0
+        while len(out) < k:
+            n_own, c_own = own.longest(context)
+            n_past, c_past = past.longest(context) if past is not None else (0, None)
+            if n_own == n_past == 0:
+                break
+            # the longer match speaks; at equal length both do
+            counts = dict(c_own if n_own >= n_past else c_past)
+            if n_own == n_past:
+                for t, v in c_past.items():
+                    counts[t] = counts.get(t, 0) + v
+            token, best = max(counts.items(), key=lambda tv: tv[1])
+            confidence *= best / sum(counts.values())
+            if confidence < self.min_confidence:
+                break
+            out.append(token)
+            context.append(token)
+        return out
+
+    def propose(self, rows, k):
+        live = {id(s) for s in rows}
+        for key in [key for key in self._rows if key not in live]:  # rows that left
+            del self._rows[key]
+        b = len(rows)
+        tokens = torch.zeros((b, k), dtype=torch.long)
+        kr = torch.zeros(b, dtype=torch.long)
+        for r, seq in enumerate(rows):
+            d = self.draft_one(seq, k) if k > 0 else []
+            if d:
+                tokens[r, :len(d)] = torch.tensor(d)
+                kr[r] = len(d)
+        return tokens, None, kr
