@@ -12,6 +12,8 @@ processed with the same `SamplingParams` as the target.
   before, in the row itself (prompt and generated text) or in earlier rollouts of the same
   prompt given with `add_history` (RL samples each prompt again every epoch); the tokens
   that followed it are the draft. Most recent occurrence first, the row itself before history.
+- `suffix`: counts of what followed each recent context in the prompt's earlier rollouts and
+  in the row (`executor/suffix.py`); drafts while it stays confident.
 - `model`: a small LM with the same vocabulary and its own KV cache, sampling its drafts.
 """
 
@@ -235,11 +237,15 @@ def drafter_cache_len(longest_prompt: int, max_new_tokens: int, k_max: int) -> i
     return 2 * longest_prompt + max_new_tokens + 2 * k_max + 8
 
 
-def make_drafter(name: str, **kwargs) -> OffDrafter | NgramDrafter | ModelDrafter:
+def make_drafter(name: str, **kwargs):
     if name == "off":
         return OffDrafter()
     if name == "ngram":
         return NgramDrafter(**kwargs)
+    if name == "suffix":
+        from rlsched.executor.suffix import SuffixDrafter
+
+        return SuffixDrafter(**kwargs)
     if name == "model":
         return ModelDrafter(**kwargs)
-    raise ValueError(f"unknown drafter {name!r}; known: off, ngram, model")
+    raise ValueError(f"unknown drafter {name!r}; known: off, ngram, suffix, model")
