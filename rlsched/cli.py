@@ -338,7 +338,8 @@ GENERATE_HELP = (
     "Batched speculative rollouts of a prompts file with the rollout engine.\n\n"
     "--model and --drafter take a local HF folder (config.json, *.safetensors, tokenizer.json); 'builtin' is "
     "the built-in tiny pair (trained on first use, then cached). --drafter also takes ngram (matches in the "
-    "prompt and earlier samples of the same prompt) or off. --prompts is a JSONL file with a 'prompt' string "
+    "prompt and earlier samples of the same prompt), suffix (what most often followed the same context in earlier "
+    "samples of the prompt, drafted while confident) or off. --prompts is a JSONL file with a 'prompt' string "
     "(and optional 'id', 'answer') per line; without it, 32 built-in task prompts. Policies that price steps "
     "(goodput, seqgoodput, twostate) use --cost-model: 'auto' profiles this machine for a few seconds first, "
     "or give a `rlsched profile` folder.\n\n"
@@ -351,8 +352,8 @@ GENERATE_HELP = (
 @app.command(help=GENERATE_HELP)
 def generate(
     model: str = typer.Option("builtin", "--model", "-m", help="Target model folder, or builtin."),
-    drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help="Drafter model folder, builtin, ngram or off "
-                                          "(default: builtin with the built-in model, else ngram)."),
+    drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help="Drafter model folder, builtin, ngram, suffix "
+                                          "or off (default: builtin with the built-in model, else ngram)."),
     policy: str = typer.Option("goodput", "--policy", help=f"Drafting policy: {policy_usage('local')}."),
     prompts: Optional[Path] = typer.Option(None, "--prompts",
                                            help="JSONL prompts file (default: built-in task prompts)."),
@@ -419,7 +420,7 @@ def generate(
 def profile(
     model: str = typer.Option("builtin", "--model", "-m", help="Target model folder, or builtin."),
     drafter: list[str] = typer.Option(["builtin"], "--drafter", "-d", help="Drafter(s) to time: a model "
-                                      "folder, builtin, or ngram (repeatable; 'off' for none)."),
+                                      "folder, builtin, ngram or suffix (repeatable; 'off' for none)."),
     batch_sizes: str = typer.Option("1,2,4,8,16,32,64", "--batch-sizes", help="Comma-separated batch sizes."),
     k_max: int = typer.Option(6, "--k-max", help="Draft lengths 0..k_max."),
     contexts: str = typer.Option("64,192", "--contexts", help="Comma-separated context lengths per row: their mean "

@@ -124,6 +124,20 @@ def test_generate_with_ngram_and_auto_profile(pair, tmp_path):
     assert summary["drafter"] == "ngram" and summary["tokens"] > 0
 
 
+def test_generate_with_the_suffix_drafter_on_revisited_prompts(pair, tmp_path):
+    """Many samples of one prompt: the suffix drafter drafts from the earlier ones and gets
+    tokens accepted."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "repeat: abcabc ="}) + "\n")
+    out = tmp_path / "gen"
+    summary = json.loads(ok(rlsched("generate", "--drafter", "suffix", "--policy", "static:3", "--prompts",
+                                    str(prompts), "--n", "12", "--max-tokens", "24", "--max-batch", "4",
+                                    "--k-max", "3", "--out", str(out), "--json", cwd=tmp_path)).stdout)
+    assert summary["drafter"] == "suffix" and summary["tokens"] > 0
+    steps = read_trace(out / "traces", "steps")
+    assert steps.accepted.sum() > 0 and steps.drafted.sum() > 0
+
+
 def test_kill_minus_nine_keeps_completed_steps_readable(pair, tmp_path):
     out = tmp_path / "gen"
     env = dict(os.environ, COLUMNS="400")

@@ -53,7 +53,7 @@ def test_memory_is_bounded_per_prompt():
     rollouts = [[rng.randrange(50) for _ in range(100)] for _ in range(40)]
     for r in rollouts:
         d.add_history("p", r)
-    counts, kept = d.history["p"]
+    counts, kept = d._past["p"]
     assert len(kept) == 8
     fresh = SuffixCounts(4)
     for r in rollouts[-8:]:
@@ -68,3 +68,17 @@ def test_rows_that_leave_are_forgotten():
     assert len(d._rows) == 3
     d.propose(rows[:1], 2)
     assert len(d._rows) == 1
+
+
+def test_history_round_trips_through_a_checkpoint():
+    """`history` is what a checkpoint keeps (as for the n-gram drafter): set back, the drafts match."""
+    import pickle
+
+    d = SuffixDrafter(depth=3, max_history=2)
+    for t in ([1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 3, 4, 6]):
+        d.add_history("p", t)
+    again = SuffixDrafter(depth=3, max_history=2)
+    again.history = pickle.loads(pickle.dumps(d.history))
+    assert again.history == {"p": [[1, 2, 3, 5], [1, 2, 3, 4, 6]]}  # the newest two
+    seq = Seq(tokens=[1, 2], slot=0, prompt_id="p")
+    assert again.draft_one(seq, 4) == d.draft_one(Seq(tokens=[1, 2], slot=0, prompt_id="p"), 4)

@@ -71,6 +71,8 @@ def test_bad_tables_and_a_drafting_policy_without_drafter(tmp_path):
         speculative_plan("static:2", "off", k_max=4, max_batch=16)
     with pytest.raises(UserError, match=r"policy 'goodput' prices steps, and with the ngram drafter.*cost_model"):
         check_vllm_backend("goodput", "ngram", k_max=4, max_batch=16)
+    with pytest.raises(UserError, match=r"drafter suffix runs on the local backend only.*backend local"):
+        speculative_plan("static:2", "suffix", k_max=4, max_batch=16)
 
 
 @pytest.mark.skipif(HAVE_VLLM, reason="vllm is importable here")

@@ -617,7 +617,8 @@ class RolloutEngine:
     def policy_state(self) -> tuple:
         """(policy, estimator, n-gram history or None), for checkpoints: what the engine
         learnt while generating, handed back when it is rebuilt."""
-        return self.policy, self.estimator, getattr(self.drafters.get("ngram"), "history", None)
+        host = next((d for d in self.drafters.values() if hasattr(d, "add_history")), None)
+        return self.policy, self.estimator, getattr(host, "history", None)
 
     def close(self) -> None:
         """Write the last trace parts (the journals hold every record until then)."""

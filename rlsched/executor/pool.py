@@ -39,6 +39,7 @@ from rlsched.errors import UserError
 from rlsched.executor.engine import Request, RolloutResult, check_requests, reserve
 from rlsched.executor.gcfreeze import freeze_long_lived
 from rlsched.executor.seeds import derive_seed as _seed
+from rlsched.executor.setup import HOST_DRAFTERS, history_size
 from rlsched.policies.probe import PROBE_EVERY
 from rlsched.policies.types import InstanceView, Migration, ReallocEvent
 
@@ -62,7 +63,7 @@ class InstanceSpec:
     acceptance estimates and bandits are per instance) and the engine's sizes."""
 
     target_dir: str
-    drafter: str  # off, ngram or model
+    drafter: str  # off, ngram, suffix or model
     drafter_dir: str | None
     sampling: object
     policy: object  # a DraftPolicy or a name
@@ -103,7 +104,7 @@ class InstanceWorker:
         self._lock, self._count_lock, self._commands, self.seq = threading.Lock(), threading.Lock(), 0, 0
 
     def _start_local(self, target_state, drafter_state, state) -> None:
-        from rlsched.executor.drafters import ModelDrafter, NgramDrafter
+        from rlsched.executor.drafters import ModelDrafter, make_drafter
         from rlsched.executor.engine import RolloutEngine
         from rlsched.executor.loading import load_model
 
@@ -114,8 +115,8 @@ class InstanceWorker:
             self.model.load_state_dict(target_state)
         self.generator = torch.Generator(device=spec.device)
         self.drafter_model, drafter = None, None
-        if spec.drafter == "ngram":
-            drafter = NgramDrafter(max_history=spec.ngram_max_history)
+        if spec.drafter in HOST_DRAFTERS:
+            drafter = make_drafter(spec.drafter, **history_size(spec.ngram_max_history))
             if ngram_history is not None:
                 drafter.history = ngram_history
         elif spec.drafter == "model":

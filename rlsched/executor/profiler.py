@@ -234,7 +234,8 @@ def run_profile(*, model: str, drafters: list[str], batch_sizes: list[int], k_ma
     import pandas as pd
     from rich.table import Table
 
-    from rlsched.executor.drafters import ModelDrafter, NgramDrafter
+    from rlsched.executor.drafters import ModelDrafter, make_drafter
+    from rlsched.executor.setup import HOST_DRAFTERS
     from rlsched.executor.folders import check_drafter_vocab, prepare_out, resolve_model_dir
     from rlsched.executor.loading import load_model
     from rlsched.atomic import atomic_folder, write_text_atomic
@@ -257,8 +258,8 @@ def run_profile(*, model: str, drafters: list[str], batch_sizes: list[int], k_ma
     for spec in drafters:
         if spec == "off":
             continue
-        if spec == "ngram":
-            timed["ngram"] = NgramDrafter()
+        if spec in HOST_DRAFTERS:
+            timed[spec] = make_drafter(spec)
             continue
         folder = resolve_model_dir(spec, "drafter", log)
         d = load_model(folder, device=device, dtype=dtype)

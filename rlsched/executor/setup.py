@@ -43,9 +43,12 @@ def check_policy_model(policy: str, model_dir: Path, config) -> None:
 
 # --- the drafter -------------------------------------------------------------------------------
 
+HOST_DRAFTERS = ("ngram", "suffix")  # drafters without a model: they draft from earlier text
+
+
 def drafter_kind(drafter: str) -> str:
-    """What a drafter argument is: off, ngram, or model (builtin or a model folder)."""
-    return drafter if drafter in ("off", "ngram") else "model"
+    """What a drafter argument is: off, ngram, suffix, or model (builtin or a model folder)."""
+    return drafter if drafter in ("off",) + HOST_DRAFTERS else "model"
 
 
 def drafter_names(kind: str) -> tuple[str, ...]:
@@ -64,7 +67,7 @@ class Models:
     tokenizer: Any
     eos: int | None
     pad_id: int
-    drafter_name: str  # off, ngram or model
+    drafter_name: str  # off, ngram, suffix or model
     drafter_dir: Path | None  # a model drafter's folder
     drafter_model: Any  # a model drafter's Transformer, else None
 
@@ -96,17 +99,24 @@ def load_models(model: str, drafter: str, *, device: str, dtype: str, log=None) 
 def make_drafter(m: Models, sampling, max_batch: int, max_len: int, generator, *, ngram_history: int | None = None,
                  history=None):
     """The in-process drafter (None for off): a model drafter with caches of `max_len`, or an
-    n-gram drafter remembering `ngram_history` samples (given back its `history`)."""
-    from rlsched.executor.drafters import ModelDrafter, NgramDrafter
+    n-gram or suffix drafter remembering `ngram_history` samples a prompt (given back its
+    `history`)."""
+    from rlsched.executor.drafters import ModelDrafter, make_drafter
 
-    if m.drafter_name == "ngram":
-        drafter = NgramDrafter(max_history=ngram_history)
+    if m.drafter_name in HOST_DRAFTERS:
+        drafter = make_drafter(m.drafter_name, **history_size(ngram_history))
         if history is not None:
             drafter.history = history
         return drafter
     if m.drafter_name == "model":
         return ModelDrafter(m.drafter_model, sampling, max_batch, max_len, generator)
     return None
+
+
+def history_size(samples: int | None) -> dict:
+    """The keyword that bounds a host drafter's memory of earlier rollouts (None: the drafter's
+    own default)."""
+    return {} if samples is None else {"max_history": samples}
 
 
 # --- the cost model ------------------------------------------------------------------------------

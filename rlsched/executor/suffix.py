@@ -68,18 +68,30 @@ class SuffixDrafter:
         if depth < 1 or max_history < 1 or not 0.0 < min_confidence <= 1.0:
             raise ValueError("suffix drafter needs depth >= 1, max_history >= 1 and 0 < min_confidence <= 1")
         self.depth, self.max_history, self.min_confidence = depth, max_history, min_confidence
-        self.history: dict[Hashable, tuple[SuffixCounts, deque]] = {}
+        self._past: dict[Hashable, tuple[SuffixCounts, deque]] = {}
         self._rows: dict[int, tuple[Seq, SuffixCounts, list[int]]] = {}  # id(seq) -> (seq, counts, [indexed])
 
     def add_history(self, prompt_id: Hashable, tokens: list[int]) -> None:
         """An earlier rollout (prompt + response) of `prompt_id`; only the newest
         `max_history` per prompt are counted."""
-        counts, kept = self.history.setdefault(prompt_id, (SuffixCounts(self.depth), deque()))
+        counts, kept = self._past.setdefault(prompt_id, (SuffixCounts(self.depth), deque()))
         tokens = list(tokens)
         counts.add(tokens)
         kept.append(tokens)
         if len(kept) > self.max_history:
             counts.add(kept.popleft(), sign=-1)
+
+    @property
+    def history(self) -> dict[Hashable, list[list[int]]]:
+        """The rollouts counted, per prompt (what a checkpoint keeps, as the n-gram drafter's)."""
+        return {pid: list(kept) for pid, (_, kept) in self._past.items()}
+
+    @history.setter
+    def history(self, value: dict[Hashable, list[list[int]]]) -> None:
+        self._past = {}
+        for pid, rollouts in value.items():
+            for tokens in rollouts:
+                self.add_history(pid, tokens)
 
     def _own(self, seq: Seq) -> SuffixCounts:
         """The row's own counts, brought up to its current tokens."""
@@ -93,7 +105,7 @@ class SuffixDrafter:
 
     def draft_one(self, seq: Seq, k: int) -> list[int]:
         own = self._own(seq)
-        past = self.history.get(seq.prompt_id, (None,))[0] if seq.prompt_id is not None else None
+        past = self._past.get(seq.prompt_id, (None,))[0] if seq.prompt_id is not None else None
         context, out, confidence = list(seq.tokens), [], 1.0
         while len(out) < k:
             n_own, c_own = own.longest(context)
@@ -105,7 +117,7 @@ class SuffixDrafter:
             if n_own == n_past:
                 for t, v in c_past.items():
                     counts[t] = counts.get(t, 0) + v
-            token, best = max(counts.items(), key=lambda tv: tv[1])
+            token, best = max(counts.items(), key=lambda tv: (tv[1], -tv[0]))  # ties: the lower id
             confidence *= best / sum(counts.values())
             if confidence < self.min_confidence:
                 break

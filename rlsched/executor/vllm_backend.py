@@ -139,6 +139,9 @@ def speculative_plan(policy: str, drafter, *, k_max: int, max_batch: int) -> dic
     "model" | "ngram", "native": bool}. Native: vLLM's own config says the draft length (static
     K, a batch-size table); else rlsched's policy chooses it every step (`vllm_hook`) up to
     k = k_max. UserError (naming `policy`) for what cannot run here."""
+    if drafter == "suffix":
+        raise UserError("drafter suffix runs on the local backend only (vLLM's own suffix method needs the "
+                        "arctic-inference package); set rollout.backend local or drafter ngram")
     have = "off" if drafter == "off" else ("ngram" if drafter == "ngram" else "model")
     p = parse_policy(policy, "vllm").check(() if have == "off" else (have,), k_max, run_words("vllm"))
     if not p.drafts:
