@@ -82,3 +82,23 @@ def test_history_round_trips_through_a_checkpoint():
     assert again.history == {"p": [[1, 2, 3, 5], [1, 2, 3, 4, 6]]}  # the newest two
     seq = Seq(tokens=[1, 2], slot=0, prompt_id="p")
     assert again.draft_one(seq, 4) == d.draft_one(Seq(tokens=[1, 2], slot=0, prompt_id="p"), 4)
+
+
+def test_ngram_index_finds_what_a_scan_of_the_newest_rollouts_finds():
+    """The index answers as scanning the newest `max_history` rollouts, newest first and the
+    last occurrence in each, would: for every pattern, across evictions."""
+    from rlsched.executor.drafters import _find
+    from rlsched.executor.suffix import NgramIndex
+
+    rng = random.Random(1)
+    index = NgramIndex(1, 3, max_history=5)
+    kept = []
+    for _ in range(30):
+        t = [rng.randrange(6) for _ in range(rng.randrange(1, 25))]
+        index.add(t)
+        kept = (kept + [t])[-5:]
+        for _ in range(20):
+            pattern = [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
+            scan = next((f for h in reversed(kept) if (f := _find(h, pattern, 4, len(h)))), [])
+            assert index.continuation(pattern, 4) == scan, (pattern, kept)
+    assert len(index.rollouts) == 5 and all(at for at in index.where.values())

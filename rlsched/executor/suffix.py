@@ -61,6 +61,45 @@ class SuffixCounts:
         return sum(len(c) for c in self.counts.values())
 
 
+class NgramIndex:
+    """Where every n-gram of min_n..max_n tokens occurs in a prompt's newest `max_history`
+    rollouts (None: all), with a token after it: the n-gram drafter's lookup into earlier
+    rollouts, in time independent of how many there are. Occurrences are kept oldest first, so
+    the newest is the last and evicting a rollout pops from the front."""
+
+    def __init__(self, min_n: int, max_n: int, max_history: int | None):
+        self.min_n, self.max_n, self.max_history = min_n, max_n, max_history
+        self.rollouts: deque[list[int]] = deque()
+        self.first = 0  # serial number of rollouts[0]
+        self.where: dict[tuple[int, ...], deque[tuple[int, int]]] = {}
+
+    def _grams(self, tokens: list[int]):
+        for i in range(len(tokens) - 1):  # an occurrence needs a token after it
+            for n in range(self.min_n, min(self.max_n, len(tokens) - 1 - i) + 1):
+                yield tuple(tokens[i:i + n]), i
+
+    def add(self, tokens: list[int]) -> None:
+        serial = self.first + len(self.rollouts)
+        self.rollouts.append(tokens)
+        for gram, i in self._grams(tokens):
+            self.where.setdefault(gram, deque()).append((serial, i))
+        if self.max_history is not None and len(self.rollouts) > self.max_history:
+            for gram, _ in self._grams(self.rollouts.popleft()):
+                at = self.where[gram]
+                at.popleft()
+                if not at:
+                    del self.where[gram]
+            self.first += 1
+
+    def continuation(self, pattern: list[int], k: int) -> list[int]:
+        """Up to k tokens after the newest occurrence of `pattern` ([] if none)."""
+        at = self.where.get(tuple(pattern))
+        if not at:
+            return []
+        serial, i = at[-1]
+        return self.rollouts[serial - self.first][i + len(pattern):i + len(pattern) + k]
+
+
 class SuffixDrafter:
     name = "suffix"
 
