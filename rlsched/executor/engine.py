@@ -236,7 +236,7 @@ class RolloutEngine:
         self._ids = np.zeros(0, dtype=np.int64)
         self.step_index = 0  # steps count per rollout, as in the simulator
         self._totals = dict(steps=0, drafted=0, accepted=0, rejected=0, sd_emitted=0, sd_rows=0, kv_peak_tokens=0,
-                            max_running=0)
+                            max_running=0, draft_s=0.0)
         self._t0 = time.perf_counter()
 
     def submit(self, items: list[tuple[int, Request]]) -> None:
@@ -503,6 +503,7 @@ class RolloutEngine:
             totals["sd_emitted"] += emitted
             totals["sd_rows"] += len(rows)
             totals["rejected"] += rejected  # chains that stopped short (the estimator's trials)
+            totals["draft_s"] += draft_s
         self._record_step(t, "decode", len(rows), strategy.drafter, strategy.k, strategy.width, drafted, n_acc,
                           draft_s * 1e3, verify_s * 1e3, step_s * 1e3, state.ctx_tokens, emitted)
         self.step_index += 1
@@ -608,7 +609,8 @@ class RolloutEngine:
                     drafted=totals["drafted"], accepted=totals["accepted"], rejected=totals["rejected"],
                     sd_rows=totals["sd_rows"],
                     mean_accept_len=totals["sd_emitted"] / totals["sd_rows"] if totals["sd_rows"] else 1.0,
-                    kv_peak_tokens=totals["kv_peak_tokens"], max_running=totals["max_running"])
+                    kv_peak_tokens=totals["kv_peak_tokens"], max_running=totals["max_running"],
+                    draft_s=totals.get("draft_s", 0.0))
 
     def sync_weights(self, model, drafter_model=None) -> None:
         """New weights after an RL update: nothing to do, this engine runs the trainer's own
