@@ -156,9 +156,78 @@ class ModelDrafter:
     @torch.inference_mode()
     def propose(self, rows, k):
         b = len(rows)
-        dev = self.cache.lengths.device
         if k == 0:
             return torch.zeros((b, 0), dtype=torch.long), None, torch.zeros(b, dtype=torch.long)
+        slots, logits = self._catch_up(rows)
+        toks, dists = [], []
+        for i in range(k):
+            p = self.sampling.probs(logits[:, 0])
+            x = p.argmax(-1) if self.sampling.greedy else sample(p, self.generator)
+            toks.append(x)
+            dists.append(p)
+            if i < k - 1:
+                logits = self.model(x[:, None], self.cache, slots=slots)
+        tokens = torch.stack(toks, 1)
+        for r, s in enumerate(rows):
+            self.cached[s.slot] = (s, s.tokens + tokens[r, :k - 1].tolist(), len(s.tokens))
+        return tokens.cpu(), torch.stack(dists, 1), torch.full((b,), k, dtype=torch.long)
+
+    @torch.inference_mode()
+    def propose_tree(self, rows, tree) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Draft a tree (`tree_verify.DraftTree`, n nodes) per row: the children of each node
+        are drawn without replacement from this model's processed distribution there
+        (`draw_children`; greedy: its top tokens), one forward per depth over the nodes of
+        the depth above, written after the row's context with the tree's attention mask.
+        Returns tokens (B, n), draft_probs (B, n + 1, V) (index 0: the root's; None when
+        greedy) and present (B, n), on this model's device, for `tree_verify`. Afterwards the
+        cache holds each row's tokens only (the next proposal feeds what was accepted); it
+        needs room for the nodes above the deepest level."""
+        from rlsched.executor.tree_verify import draw_children
+
+        b, n = len(rows), tree.n
+        slots, logits = self._catch_up(rows)
+        context = self.cache.lengths[slots].clone()
+        dev = logits.device
+        tokens = torch.zeros((b, n), dtype=torch.long, device=dev)
+        present = torch.zeros((b, n), dtype=torch.bool, device=dev)
+        greedy = self.sampling.greedy
+        dists = None if greedy else torch.zeros((b, n + 1, logits.shape[-1]), device=dev)
+        for d in range(tree.k):
+            if d == 0:
+                parents = [-1]
+            else:  # the nodes of depth d, in one forward, give their children's distributions
+                lo, hi = tree.level(d)
+                parents = list(range(lo, hi))
+                ids = torch.where(present[:, lo:hi], tokens[:, lo:hi], 0)
+                logits = self.model(ids, self.cache, slots=slots, tree=tree.level_mask(d, dev))
+            p = None if greedy else self.sampling.probs(logits)
+            if p is not None:
+                dists[:, parents[0] + 1:parents[-1] + 2] = p
+            by_m: dict[int, list[int]] = {}
+            for i, j in enumerate(parents):
+                if tree.children(j):
+                    by_m.setdefault(len(tree.children(j)), []).append(i)
+            for m, idx in by_m.items():
+                kids = torch.tensor([tree.children(parents[i]) for i in idx], device=dev)  # (P, m)
+                if greedy:
+                    x = logits[:, idx].topk(m, dim=-1).indices
+                    ok = torch.ones_like(x, dtype=torch.bool)
+                else:
+                    x, ok = draw_children(p[:, idx].reshape(-1, p.shape[-1]), m, self.generator)
+                    x, ok = x.view(b, len(idx), m), ok.view(b, len(idx), m)
+                if d > 0:  # an absent node's children are absent
+                    ok = ok & present[:, [parents[i] for i in idx]][..., None]
+                tokens[:, kids] = x
+                present[:, kids] = ok
+        self.cache.trim(slots, context, check=False)
+        for s in rows:
+            self.cached[s.slot] = (s, list(s.tokens), len(s.tokens))
+        return tokens, dists, present
+
+    def _catch_up(self, rows) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' slots and the logits (B, 1, V) after each row's cache holds all its
+        tokens: the part of the row the cache still agrees with is kept, the rest fed."""
+        dev = self.cache.lengths.device
         slots = torch.tensor([s.slot for s in rows], dtype=torch.long, device=dev)
         keep, new = [], []
         for s in rows:
@@ -173,19 +242,7 @@ class ModelDrafter:
             new.append(s.tokens[c:])
         self.cache.trim(slots, torch.tensor(keep, device=dev), check=False)  # keep[i] <= len(have): cached
         self.catch_up = sum(max(0, len(t) - 2) for t in new)
-        logits = self._feed(slots, keep, new)
-        toks, dists = [], []
-        for i in range(k):
-            p = self.sampling.probs(logits[:, 0])
-            x = p.argmax(-1) if self.sampling.greedy else sample(p, self.generator)
-            toks.append(x)
-            dists.append(p)
-            if i < k - 1:
-                logits = self.model(x[:, None], self.cache, slots=slots)
-        tokens = torch.stack(toks, 1)
-        for r, s in enumerate(rows):
-            self.cached[s.slot] = (s, s.tokens + tokens[r, :k - 1].tolist(), len(s.tokens))
-        return tokens.cpu(), torch.stack(dists, 1), torch.full((b,), k, dtype=torch.long)
+        return slots, self._feed(slots, keep, new)
 
     def _feed(self, slots: torch.Tensor, keep: list[int], new: list[list[int]]) -> torch.Tensor:
         """Logits (B, 1, V) after each row takes in its new tokens. Rows that take in the same

@@ -4,7 +4,8 @@ Speculative decoding verifies k+1 tokens per row and then keeps a different numb
 in each row; continuous batching puts new sequences into free rows between steps. Both are
 length bookkeeping here: a forward writes its tokens after each row's length and advances
 it; `trim` moves a row's length back (the dropped entries stay in memory but are masked out
-and overwritten by the next write); `free` empties a row. Nothing is ever copied or compacted.
+and overwritten by the next write); `free` empties a row. Only a draft tree's verification
+moves entries: `keep_path` moves the accepted branch next to the row's context.
 
 Layout: one tensor (layers, 2, max_batch, kv_heads, max_len, head_dim), index 0 = keys,
 1 = values; `lengths` (max_batch,) int64 on the same device.
@@ -105,6 +106,24 @@ class KVCache:
         if check and (bool((new < 0).any()) or bool((new.expand(slots.shape) > self.lengths[slots]).any())):
             raise ValueError("trim can only shorten rows (0 <= new length <= current length)")
         self.lengths[slots] = new
+
+    def keep_path(self, slots, start: torch.Tensor, keep_index: torch.Tensor, n_keep: torch.Tensor) -> None:
+        """After a draft tree's verification: row slots[b] keeps its first start[b] + 1 tokens
+        (its context and the root) and then the accepted nodes, whose entries were written at
+        start[b] + 1 + keep_index[b, j] and move to start[b] + 1 + j, for j < n_keep[b].
+        One gather and one scatter over all layers, keys and values at once."""
+        rows = torch.as_tensor(slots, dtype=torch.long, device=self.lengths.device)
+        start = torch.as_tensor(start, dtype=torch.long, device=rows.device)
+        keep = torch.as_tensor(keep_index, dtype=torch.long, device=rows.device)
+        n = torch.as_tensor(n_keep, dtype=torch.long, device=rows.device).expand(rows.shape)
+        if keep.shape[1]:
+            j = torch.arange(keep.shape[1], device=rows.device)
+            used = j < n[:, None]
+            # unused slots copy the root onto itself: a position no move writes to
+            src = torch.where(used, start[:, None] + 1 + keep, start[:, None])
+            dst = torch.where(used, start[:, None] + 1 + j, start[:, None])
+            self.kv[:, :, rows[:, None], :, dst] = self.kv[:, :, rows[:, None], :, src]
+        self.lengths[rows] = start + 1 + n
 
     def move(self, src: int, dst: int) -> None:
         """Row `src`'s cached tokens into the empty row `dst`; `src` is emptied."""

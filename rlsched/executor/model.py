@@ -5,7 +5,8 @@ gate/up are fused into one matmul each (fewer, larger kernels at small batch), a
 `scaled_dot_product_attention` for one new token per row (from 32 ragged rows two batched
 matmuls) and two batched matmuls for several, with an explicit mask built once per forward
 from the cache rows' lengths, and a forward accepts q >= 1 new tokens per row at per-row
-positions, so the same call does prefill, decode and verification of k drafts (q = k + 1).
+positions, so the same call does prefill, decode and verification of k drafts (q = k + 1),
+and, given a `TreeMask`, of a draft tree's nodes (each sees only its ancestors).
 
 Not implemented: sliding-window attention. Models that declare one (Mistral v0.1,
 Qwen2 with `use_sliding_window`) run with full attention, which is exact as long as a row's
@@ -15,6 +16,7 @@ context stays within the window; a longer context raises rather than silently di
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -81,6 +83,33 @@ class RMSNorm(nn.Module):
             n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
             return x * torch.rsqrt(torch.addcmul(eps, n, n, value=1 / x.shape[-1])) * self.weight
         return rms_norm(x, self.weight, self.eps)
+
+
+class TreeMask(NamedTuple):
+    """The attention of a forward over draft-tree nodes (`tree_verify.DraftTree` makes them).
+
+    The forward's q new tokens are the last q of a tree region of T >= q tokens that starts
+    at cache position R = L + q - T of each row (L: the row's length before the forward): new
+    token j sees the row's cache before R and the region's token t iff visible[j, t], and
+    its rotary position is R + rel[j] (its depth in the tree, not its place in the cache)."""
+
+    visible: torch.Tensor  # (q, T) bool
+    rel: torch.Tensor  # (q,) long
+
+
+def _tree_attention(tree: TreeMask, positions: torch.Tensor, upto: int,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The additive mask (B, 1, q, upto) and rotary positions (B, q) of a tree forward whose
+    new tokens are written at `positions` (B, q) (rows of ragged lengths)."""
+    visible, rel = tree
+    q, t = visible.shape
+    region = positions[:, :1] + (q - t)  # (B, 1): where each row's tree region starts
+    off = torch.arange(upto, device=positions.device) - region  # (B, upto): key's place in the region
+    inside = (off >= 0) & (off < t)
+    seen = visible[:, off.clamp(0, t - 1)].transpose(0, 1) & inside[:, None]  # (B, q, upto)
+    hidden = ~(seen | (off < 0)[:, None])
+    mask = torch.zeros(hidden.shape, dtype=dtype, device=positions.device).masked_fill_(hidden, float("-inf"))
+    return mask[:, None], region + rel
 
 
 @dataclass
@@ -207,7 +236,7 @@ class Transformer(nn.Module):
         return self.config.new_cache(max_batch, max_len, device=w.device, dtype=w.dtype)
 
     def forward(self, ids: torch.Tensor, cache: KVCache | None = None, *, slots=None,
-                n_new=None, last_only: bool = False) -> torch.Tensor:
+                n_new=None, last_only: bool = False, tree: TreeMask | None = None) -> torch.Tensor:
         """Logits (float32) for `ids` (B, q) appended to each row's cached context.
 
         Row b is cache row `slots[b]` (default: b); its tokens go to positions
@@ -217,6 +246,9 @@ class Transformer(nn.Module):
         verifying fewer drafts), computed but dropped. After verification, `cache.trim`
         drops rejected tokens. Without a cache every row is one sequence from position 0.
         `last_only` returns only the logits of each row's last kept token: (B, 1, V).
+        `tree` makes it a forward over draft-tree nodes (`TreeMask`): the tokens are written
+        and kept as above, but each attends only to the row's context and its tree
+        ancestors, at the rotary position of its depth (always eager).
         """
         b, q = ids.shape
         n = None  # every row keeps its q tokens
@@ -225,12 +257,12 @@ class Transformer(nn.Module):
             if bool((n < int(last_only)).any()) or bool((n > q).any()):
                 raise ValueError(f"n_new must lie in [{int(last_only)}, {q}] for every row")
             n = n.to(ids.device)
-        if self.compiled is not None and cache is not None:
+        if self.compiled is not None and cache is not None and tree is None:
             logits = self.compiled(ids, cache, slots, n, last_only)
             if logits is not None:
                 return logits
         embed = self.embed.weight  # (each Module attribute lookup costs time: once a forward)
-        s = self._step(b, q, ids.device, embed.dtype, cache, slots)
+        s = self._step(b, q, ids.device, embed.dtype, cache, slots, tree)
         h = self._trunk(ids, s, embed)
         if last_only:
             h = h[:, -1:] if n is None else h[torch.arange(b, device=h.device), n - 1][:, None]
@@ -255,7 +287,8 @@ class Transformer(nn.Module):
             h = layer.forward(h, i, s)
         return self.norm.forward(h)
 
-    def _step(self, b: int, q: int, device, dtype: torch.dtype, cache: KVCache | None, slots) -> _Step:
+    def _step(self, b: int, q: int, device, dtype: torch.dtype, cache: KVCache | None, slots,
+              tree: TreeMask | None = None) -> _Step:
         # (no shortcut for a single row: a step cost that jumps between batch 1 and 2 is one
         # the cost model's smooth forms cannot fit, and the policies price steps with them.
         # The rows' lengths are read once, as a list: this bookkeeping runs once a forward, and
@@ -278,7 +311,9 @@ class Transformer(nn.Module):
         if window is not None and upto > window:
             raise ValueError(f"context of {upto} tokens exceeds the model's sliding window ({window}),"
                              " which this executor does not implement")
-        if q == 1 and lo == hi:
+        if tree is not None:
+            mask, rotary = _tree_attention(tree, positions, upto, dtype)
+        elif q == 1 and lo == hi:
             mask = None  # one new token per row, every row as long: it sees all it reads
         else:  # additive, built once here: SDPA would convert a bool mask in every layer
             keys = torch.arange(upto, device=device)
@@ -289,5 +324,8 @@ class Transformer(nn.Module):
             first = lo
         if cache is not None and (start is None or first is None):
             flat = cache.flat_index(rows, positions)
-        cos, sin = self.rope.forward(positions, dtype, upto, first)
+        if tree is None:
+            cos, sin = self.rope.forward(positions, dtype, upto, first)
+        else:
+            cos, sin = self.rope.forward(rotary, dtype, upto)
         return _Step(cache, rows, start, first, positions, upto, mask, flat, cos, sin)

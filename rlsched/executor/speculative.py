@@ -12,6 +12,7 @@ Cache convention of `step`: each row's cache holds its context except the last t
 is passed as `last`; one forward over [last, d_1..d_k] (ragged: n_new = k_b + 1) gives p at
 k + 1 positions; afterwards the row keeps last + the accepted drafts (`KVCache.trim`), and the
 newly emitted last token is fed by the next step. A plain decode step is the same with k = 0.
+`tree_step` is the step of a draft tree (`tree_verify.py`), leaving the cache the same way.
 """
 
 from __future__ import annotations
@@ -227,6 +228,29 @@ def step(model, cache: KVCache, slots, last: torch.Tensor, sampling: SamplingPar
     p = sampling.probs(logits)
     out = _verify(p, drafts, draft_probs, kr, generator, sampling.greedy)
     cache.trim(slots, start + 1 + out.accepted, check=False)  # at most the k + 1 just written
+    return out
+
+
+@torch.no_grad()
+def tree_step(model, cache: KVCache, slots, last: torch.Tensor, sampling: SamplingParams, tree,
+              tokens: torch.Tensor, draft_probs: torch.Tensor | None, present: torch.Tensor,
+              generator: torch.Generator | None = None):
+    """One engine step over a draft tree (`tree_verify.DraftTree`, n nodes): ONE target forward
+    over [last, node tokens] per row with the tree's attention mask, `tree_verify`, and the
+    cache left holding last + the accepted path (`KVCache.keep_path`), as `step` leaves it for
+    a chain. tokens and present (B, n), draft_probs (B, n + 1, V) or None: see `tree_verify`.
+    Every row needs n + 1 free cache positions. Returns a `TreeVerifyResult`."""
+    from rlsched.executor.tree_verify import tree_verify
+
+    dev = cache.lengths.device
+    slots = torch.as_tensor(slots, dtype=torch.long, device=dev)
+    b = slots.shape[0]
+    tokens, present = tokens.to(dev).long(), present.to(dev).bool()
+    ids = torch.cat([last.to(dev).long().reshape(b, 1), torch.where(present, tokens, 0)], 1)
+    start = cache.lengths[slots].clone()
+    logits = model(ids, cache, slots=slots, tree=tree.target_mask(dev))
+    out = tree_verify(tree, sampling.probs(logits), tokens, draft_probs, present, generator, sampling.greedy)
+    cache.keep_path(slots, start, out.path.clamp_min(0), out.accepted)
     return out
 
 
