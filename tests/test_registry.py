@@ -74,7 +74,8 @@ def test_each_command_refuses_in_its_own_words():
 
 def test_usage_lists_what_each_engine_runs():
     assert "oracle" in usage("simulator") and "oracle" not in usage("local")
-    assert "tree:K:W:N" in usage("simulator") and "tree:" not in usage("local")  # the engines draft chains
+    assert "tree:K:W:N" in usage("simulator") and "tree:K:W:N" in usage("local")
+    assert "tree:" not in usage("vllm")  # vLLM drafts chains
     vllm = usage("vllm")
     assert all(name in vllm for name in ("off", "static:K", "twostate", "table:FILE", "goodput", "bandit"))
     assert "oracle" not in vllm

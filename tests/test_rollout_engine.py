@@ -17,6 +17,7 @@ from rlsched.executor.drafters import ModelDrafter, NgramDrafter  # noqa: E402
 from rlsched.executor.engine import Request, RolloutEngine, build_policy  # noqa: E402
 from rlsched.executor.sampling import GREEDY, SamplingParams  # noqa: E402
 from rlsched.executor.speculative import generate  # noqa: E402
+from rlsched.executor.suffix import SuffixDrafter  # noqa: E402
 from rlsched.policies.acceptance import AcceptanceEstimator  # noqa: E402
 from rlsched.policies.types import OFF, Strategy  # noqa: E402
 from rlsched.traces import read_trace  # noqa: E402
@@ -42,6 +43,8 @@ def requests(n_per_prompt: int = 2, max_new: int = 20, eos: int | None = None) -
 def make_drafter(pair, kind: str, sampling=GREEDY, max_batch: int = 4):
     if kind == "ngram":
         return NgramDrafter(max_n=3)
+    if kind == "suffix":
+        return SuffixDrafter(depth=4)
     return ModelDrafter(pair[1], sampling, max_batch=max_batch, max_len=64)
 
 
@@ -89,6 +92,40 @@ def test_greedy_static_equals_off_and_reference(pair, kind):
     assert [s.tokens for s in off.samples] == want
     assert [s.tokens for s in sd.samples] == want
     assert sd.stats["accepted"] > 0 and sd.stats["mean_accept_len"] > 1.0
+
+
+@pytest.mark.parametrize("kind, policy", [("model", "tree:3:2:6"), ("model", "tree:2:3:6"), ("suffix", "tree:3:2:6")])
+def test_greedy_trees_equal_off(pair, kind, policy):
+    """Draft trees verified in the engine (continuous batching, rows joining and leaving) emit
+    exactly greedy decoding's tokens."""
+    reqs = requests(3, 20)  # 18 requests, 4 rows at a time
+    want, _, _ = generate(pair[0], [r.prompt for r in reqs], 20, GREEDY)
+    sd = engine(pair, kind, policy).run(reqs)
+    assert [s.tokens for s in sd.samples] == want
+    assert sd.stats["accepted"] > 0 and sd.stats["mean_accept_len"] > 1.0
+
+
+def test_a_tree_step_shows_the_estimator_rank_1_trials():
+    """Root -> node 0 (rank 1) -> node 2 (rank 1); root -> node 1 (rank 2). Accepted nodes are
+    hits (rank 1) or misses; where the walk stopped, a present rank-1 child is a miss."""
+    from rlsched.executor.engine import _rank1_trials
+    from rlsched.executor.tree_verify import DraftTree
+
+    tree = DraftTree(parent=(-1, -1, 0), rank=(1, 2, 1), depth=(1, 1, 2))
+    path = torch.tensor([[0, 2], [1, -1], [-1, -1], [0, -1], [0, -1]])
+    present = torch.tensor([[True] * 3] * 4 + [[True, True, False]])
+    hits, misses = _rank1_trials(tree, path, present)
+    assert hits.tolist() == [2, 0, 0, 1, 1] and misses.tolist() == [0, 1, 1, 1, 0]
+
+
+def test_sampled_trees_run_and_a_chain_drafter_is_refused_a_tree(pair):
+    sampling = SamplingParams(temperature=1.0)
+    res = engine(pair, "model", "tree:3:2:6", sampling=sampling).run(requests(2, 16))
+    assert all(len(s.tokens) == 16 and max(s.logprobs) <= 0 for s in res.samples)
+    with pytest.raises(UserError, match="drafter 'ngram' drafts chains only"):
+        engine(pair, "ngram", "tree:3:2:6").run(requests(1, 8))
+    with pytest.raises(UserError, match="verifies 6 drafts a row, more than the engine's k_max = 4"):
+        engine(pair, "model", "tree:3:2:6", k_max=4).run(requests(1, 8))
 
 
 def test_compiled_engine_equals_eager_greedy(pair):

@@ -15,7 +15,7 @@ from rlsched.errors import UserError
 from rlsched.policies import AcceptanceEstimator, EngineState, PolicyContext, Strategy, make_draft_policy
 from rlsched.policies.lookup import TablePolicy
 from rlsched.policies.policyfile import FORMAT, VERSION, PolicyFile, save_policy_file
-from rlsched.policies.registry import GENERATE, parse_policy
+from rlsched.policies.registry import GENERATE, parse_policy, run_words
 from rlsched.policies.tree import GRID, TreeTable, draw_tree, max_nodes, rank_probs, tree_options, tree_shape
 from rlsched.sim.learn import ACCEPT_EDGES, Learner, ctx_edges
 from rlsched.sim.simulate import policy_context, simulate
@@ -142,8 +142,11 @@ def test_fixed_tree_spelling():
                       ("tree:2:2:9", "at most 6"), ("tree:6:4:3", "N \\(drafts")]:
         with pytest.raises(UserError, match=word):
             parse_policy(bad)
-    with pytest.raises(UserError, match="drafts a tree; the local engine drafts chains"):
-        parse_policy("tree:3:2:6").check(("model",), 8, GENERATE)
+    parse_policy("tree:3:2:6").check(("model",), 8, GENERATE)  # rlsched's engine verifies trees
+    with pytest.raises(UserError, match="N = 6 drafts a row is above --k-max = 4"):
+        parse_policy("tree:3:2:6").check(("model",), 4, GENERATE)  # the cache's room a step
+    with pytest.raises(UserError, match="drafts a tree; the vllm engine drafts chains"):
+        parse_policy("tree:3:2:6").check(("model",), 8, run_words("vllm"))
 
 
 def test_a_learned_table_holds_trees_where_they_pay(tmp_path):

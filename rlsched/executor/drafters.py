@@ -25,6 +25,7 @@ import torch
 
 from rlsched.executor.sampling import SamplingParams, sample
 from rlsched.executor.speculative import Seq, length_groups
+from rlsched.executor.suffix import NgramIndex
 
 
 class Drafter(Protocol):
@@ -59,28 +60,38 @@ class NgramDrafter:
         if not 1 <= min_n <= max_n:
             raise ValueError("ngram drafter needs 1 <= min_n <= max_n")
         self.max_n, self.min_n, self.max_history = max_n, min_n, max_history
-        self.history: dict[Hashable, list[list[int]]] = {}
+        self._past: dict[Hashable, NgramIndex] = {}
 
     def add_history(self, prompt_id: Hashable, tokens: list[int]) -> None:
         """An earlier rollout (prompt + response) of `prompt_id`, searched after the row itself;
         only the newest `max_history` per prompt are kept (the policy moves on: RL)."""
-        past = self.history.setdefault(prompt_id, [])
-        past.append(list(tokens))
-        if self.max_history is not None and len(past) > self.max_history:
-            del past[:len(past) - self.max_history]
+        index = self._past.get(prompt_id)
+        if index is None:
+            index = self._past[prompt_id] = NgramIndex(self.min_n, self.max_n, self.max_history)
+        index.add(list(tokens))
+
+    @property
+    def history(self) -> dict[Hashable, list[list[int]]]:
+        """The rollouts remembered, per prompt (what a checkpoint keeps)."""
+        return {pid: list(index.rollouts) for pid, index in self._past.items()}
+
+    @history.setter
+    def history(self, value: dict[Hashable, list[list[int]]]) -> None:
+        self._past = {}
+        for pid, rollouts in value.items():
+            for tokens in rollouts:
+                self.add_history(pid, tokens)
 
     def draft_one(self, seq: Seq, k: int) -> list[int]:
         t = seq.tokens
-        past = self.history.get(seq.prompt_id, []) if seq.prompt_id is not None else []
+        past = self._past.get(seq.prompt_id) if seq.prompt_id is not None else None
         for n in range(min(self.max_n, len(t)), self.min_n - 1, -1):
             pattern = t[-n:]
             found = _find(t, pattern, k, len(t) - 1)  # not the suffix itself
+            if not found and past is not None:
+                found = past.continuation(pattern, k)  # the newest earlier rollout's, indexed
             if found:
                 return found
-            for h in reversed(past):
-                found = _find(h, pattern, k, len(h))
-                if found:
-                    return found
         return []
 
     def propose(self, rows, k):

@@ -34,7 +34,8 @@ import torch
 
 from rlsched.errors import UserError
 from rlsched.executor.sampling import SamplingParams
-from rlsched.executor.speculative import Seq, decode_step, prefill, step
+from rlsched.executor.speculative import Seq, decode_step, prefill, step, tree_step
+from rlsched.executor.tree_verify import DraftTree
 from rlsched.policies.acceptance import AcceptanceEstimator
 from rlsched.policies.draft import PolicyContext
 from rlsched.policies.probe import PROBE_EVERY, prober_for
@@ -180,6 +181,9 @@ class RolloutEngine:
         self._cache = None
         self.step_index = 0
         self._prober = prober_for(self.policy, names, probe_every)
+        self._tree_ctx = PolicyContext(cost=None, drafters=names)  # the tree shapes, as the policies build them
+        self._trees: dict[Strategy, DraftTree] = {}
+        self._draft_s = 0.0
 
     @property
     def probes(self) -> int:
@@ -459,8 +463,11 @@ class RolloutEngine:
         cache's spare room)."""
         if strategy.is_off:
             return np.zeros(len(rows), dtype=np.int64)
-        if strategy.width != 1:
-            raise UserError(f"strategy {strategy.label}: tree drafting is not supported by the executor yet")
+        if strategy.is_tree:
+            if strategy.nodes > self.k_max:
+                raise UserError(f"strategy {strategy.label} verifies {strategy.nodes} drafts a row, more than the "
+                                f"engine's k_max = {self.k_max}; lower N or raise k_max")
+            return np.full(len(rows), strategy.k, dtype=np.int64)
         want = (np.asarray(strategy.k_per_row, dtype=np.int64) if strategy.k_per_row is not None
                 else np.full(len(rows), strategy.k, dtype=np.int64))
         cap = np.minimum(np.array([r.remaining - 1 for r in rows], dtype=np.int64), self.k_max)
@@ -485,17 +492,22 @@ class RolloutEngine:
             if drafter is None:
                 raise UserError(f"policy chose drafter '{strategy.drafter}', which this engine lacks "
                                 f"(it has: {', '.join(self.drafters) or 'none'})")
-            d, dq, dk = drafter.propose([r.seq for r in rows], k)
-            dk = torch.minimum(dk.cpu(), torch.as_tensor(ks))
-            draft_s = time.perf_counter() - t
-            out = step(self.model, self._cache, slots, last, self.sampling, d, dq, dk, self.generator)
+            if strategy.is_tree:
+                out, dk, trials = self._tree_step(strategy, drafter, rows, slots, last, t)
+                draft_s = self._draft_s
+            else:
+                d, dq, dk = drafter.propose([r.seq for r in rows], k)
+                dk = torch.minimum(dk.cpu(), torch.as_tensor(ks))
+                draft_s = time.perf_counter() - t
+                out = step(self.model, self._cache, slots, last, self.sampling, d, dq, dk, self.generator)
         accepted = out.accepted.cpu()  # waits for the device: the clock below then sees the verify
         verify_s = time.perf_counter() - t - draft_s
         emitted, rejected = self._append(rows, out, dk, accepted)
         step_s = time.perf_counter() - t
         drafted, n_acc = int(dk.sum()), int(accepted.sum())
         catch_up = getattr(drafter, "catch_up", 0) if k > 0 else 0
-        self._learn(state, strategy, rows, dk, accepted, drafted, n_acc, emitted, step_s, draft_s, verify_s, catch_up)
+        self._learn(state, strategy, rows, dk, accepted, drafted, n_acc, emitted, step_s, draft_s, verify_s, catch_up,
+                    trials if strategy.is_tree and k > 0 else None)
         totals["steps"] += 1
         totals["drafted"] += drafted
         totals["accepted"] += n_acc
@@ -507,6 +519,22 @@ class RolloutEngine:
         self._record_step(t, "decode", len(rows), strategy.drafter, strategy.k, strategy.width, drafted, n_acc,
                           draft_s * 1e3, verify_s * 1e3, step_s * 1e3, state.ctx_tokens, emitted)
         self.step_index += 1
+
+    def _tree_step(self, strategy: Strategy, drafter, rows: list[_Row], slots, last, t: float):
+        """A draft tree's step: the drafter's tree (the shape the policies price, `policies/tree.py`),
+        verified in one target forward. Returns the result, the drafts each row verified, and the
+        rank-1 trials its accepted path showed (hits, misses: `_rank1_trials`)."""
+        if not hasattr(drafter, "propose_tree"):
+            raise UserError(f"strategy {strategy.label}: drafter '{strategy.drafter}' drafts chains only; "
+                            "use static:K with it")
+        tree = self._trees.get(strategy)
+        if tree is None:
+            tree = self._trees[strategy] = DraftTree.from_shape(self._tree_ctx.tree(strategy.drafter, strategy))
+        tokens, q, present = drafter.propose_tree([r.seq for r in rows], tree)
+        self._draft_s = time.perf_counter() - t
+        out = tree_step(self.model, self._cache, slots, last, self.sampling, tree, tokens, q, present, self.generator)
+        present = present.cpu()
+        return out, present.sum(1), _rank1_trials(tree, out.path.cpu(), present)
 
     def _append(self, rows: list[_Row], out, dk: torch.Tensor, accepted: torch.Tensor) -> tuple[int, int]:
         """Give each row its new tokens (cut at its budget and at eos) and its chain trial; returns
@@ -535,15 +563,19 @@ class RolloutEngine:
         return emitted, rejected
 
     def _learn(self, state, strategy, rows, dk, accepted, drafted, n_acc, emitted, step_s, draft_s, verify_s,
-               catch_up=0):
-        """Feed the estimator (chain steps that drafted) and the policy's observe."""
+               catch_up=0, trials=None):
+        """Feed the estimator (steps that drafted: a chain's accepted length, a tree's rank-1
+        trials) and the policy's observe."""
         feeds = not strategy.is_off and drafted > 0 and getattr(self.policy, "needs_acceptance", True)
         observes = getattr(self.policy, "observes", True)
         if not (feeds or observes):  # static k, off: nothing to learn, no conversion
             return
         acc = accepted.numpy().astype(np.int64)
         if feeds:
-            self.estimator.update(strategy.drafter, state.sample_ids, acc, dk.numpy().astype(np.int64))
+            if trials is not None:
+                self.estimator.update_trials(strategy.drafter, state.sample_ids, *trials)
+            else:
+                self.estimator.update(strategy.drafter, state.sample_ids, acc, dk.numpy().astype(np.int64))
         if observes:
             self.policy.observe(StepOutcome(self.instance, state.step, strategy, len(rows), drafted, n_acc, emitted,
                                             step_s, draft_s, verify_s, state.sample_ids, acc, catch_up))
@@ -627,3 +659,27 @@ class RolloutEngine:
         for w in (self._steps_w, self._samples_w):
             if w is not None:
                 w.close()
+
+
+def _rank1_trials(tree: DraftTree, path: torch.Tensor, present: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """The Bernoulli trials of the drafter's first choice that one tree step showed, per row
+    (`policies/tree.draw_tree`): each accepted node is a hit if it was its parent's rank-1
+    child and a miss if not, and where the walk stopped, a present rank-1 child was a miss.
+    A rank-1 child is tried first, with the chain's acceptance probability, so these trials
+    update a chain's acceptance estimate."""
+    rank = np.asarray(tree.rank)
+    first = np.full(tree.n + 1, -1, dtype=np.int64)  # each node's rank-1 child (index 0: the root)
+    for j, (parent, r) in enumerate(zip(tree.parent, tree.rank)):
+        if r == 1:
+            first[parent + 1] = j
+    p = path.numpy()
+    on = p >= 0
+    hits = (on & (rank[np.maximum(p, 0)] == 1)).sum(1)
+    misses = (on & (rank[np.maximum(p, 0)] != 1)).sum(1)
+    depth = on.sum(1)
+    stop = np.where(depth > 0, p[np.arange(len(p)), np.maximum(depth - 1, 0)], -1)
+    child = first[stop + 1]
+    pres = present.numpy()
+    misses += (child >= 0) & pres[np.arange(len(p)), np.maximum(child, 0)]
+    return hits.astype(np.int64), misses.astype(np.int64)
+

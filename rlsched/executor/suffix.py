@@ -147,27 +147,45 @@ class SuffixDrafter:
         past = self._past.get(seq.prompt_id, (None,))[0] if seq.prompt_id is not None else None
         context, out, confidence = list(seq.tokens), [], 1.0
         while len(out) < k:
-            n_own, c_own = own.longest(context)
-            n_past, c_past = past.longest(context) if past is not None else (0, None)
-            if n_own == n_past == 0:
+            ranked = _ranked(own, past, context)
+            if not ranked:
                 break
-            # the longer match speaks; at equal length both do
-            counts = dict(c_own if n_own >= n_past else c_past)
-            if n_own == n_past:
-                for t, v in c_past.items():
-                    counts[t] = counts.get(t, 0) + v
-            token, best = max(counts.items(), key=lambda tv: (tv[1], -tv[0]))  # ties: the lower id
-            confidence *= best / sum(counts.values())
+            token, best = ranked[0]
+            confidence *= best / sum(v for _, v in ranked)
             if confidence < self.min_confidence:
                 break
             out.append(token)
             context.append(token)
         return out
 
-    def propose(self, rows, k):
+    def propose_tree(self, rows, tree):
+        """A draft tree per row (`tree_verify.DraftTree`): each node's children are the tokens
+        that most often followed its context, in rank order (deterministic candidates); a node
+        with fewer known continuations than children leaves the rest absent."""
+        self._forget_left(rows)
+        b = len(rows)
+        tokens = torch.zeros((b, tree.n), dtype=torch.long)
+        present = torch.zeros((b, tree.n), dtype=torch.bool)
+        for r, seq in enumerate(rows):
+            own = self._own(seq)
+            past = self._past.get(seq.prompt_id, (None,))[0] if seq.prompt_id is not None else None
+            context = {-1: list(seq.tokens)}
+            for node in [-1, *range(tree.n)]:
+                kids = tree.children(node)
+                if not kids or node not in context:
+                    continue
+                for j, (token, _) in zip(kids, _ranked(own, past, context[node])):
+                    tokens[r, j], present[r, j] = token, True
+                    context[j] = context[node] + [token]
+        return tokens, None, present
+
+    def _forget_left(self, rows) -> None:
         live = {id(s) for s in rows}
         for key in [key for key in self._rows if key not in live]:  # rows that left
             del self._rows[key]
+
+    def propose(self, rows, k):
+        self._forget_left(rows)
         b = len(rows)
         tokens = torch.zeros((b, k), dtype=torch.long)
         kr = torch.zeros(b, dtype=torch.long)
@@ -177,3 +195,18 @@ class SuffixDrafter:
                 tokens[r, :len(d)] = torch.tensor(d)
                 kr[r] = len(d)
         return tokens, None, kr
+
+
+def _ranked(own: SuffixCounts, past: SuffixCounts | None, context: list[int]) -> list[tuple[int, int]]:
+    """The tokens that followed the longest suffix of `context` either index has seen, most
+    frequent first (ties: the lower id), with their counts; at equal match lengths both
+    indexes' counts add up."""
+    n_own, c_own = own.longest(context)
+    n_past, c_past = past.longest(context) if past is not None else (0, None)
+    if n_own == n_past == 0:
+        return []
+    counts = dict(c_own if n_own >= n_past else c_past)
+    if n_own == n_past:
+        for t, v in c_past.items():
+            counts[t] = counts.get(t, 0) + v
+    return sorted(counts.items(), key=lambda tv: (-tv[1], tv[0]))

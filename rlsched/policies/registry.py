@@ -26,7 +26,7 @@ class Family:
     priced: bool = False  # needs a cost model (twostate: only when it solves, i.e. without arguments)
     simulator_only: bool = False  # reads the simulator's true acceptance
     native: bool = False  # vLLM's own speculative_config says it (a fixed k, or k by batch size)
-    trees: bool = False  # drafts trees: the simulator's (the engines draft chains)
+    trees: bool = False  # drafts trees: the simulator and rlsched's engine (vLLM's drafts chains)
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
@@ -52,7 +52,7 @@ ENGINES = ("simulator", "local", "vllm")
 def usage(engine: str = "simulator") -> str:
     """The policy names one engine runs, comma-separated (the CLI's help and error messages)."""
     names = [f.usage for f in FAMILIES.values()
-             if engine == "simulator" or not (f.simulator_only or f.trees)]
+             if engine == "simulator" or not (f.simulator_only or f.trees and engine == "vllm")]
     return ", ".join(names) + ", or a policy file (PATH.json)"
 
 
@@ -116,7 +116,7 @@ class PolicySpec:
         if fam is not None and fam.simulator_only and words.engine != "simulator":
             raise UserError(f"policy '{self.text}' reads the simulator's true acceptance; it runs in "
                             "`rlsched simulate`, `compare` and `learn` only")
-        if fam is not None and fam.trees and words.engine != "simulator":
+        if fam is not None and fam.trees and words.engine == "vllm":
             raise UserError(f"policy '{self.text}' drafts a tree; the {words.engine} engine drafts chains: "
                             "use static:K")
         if self.drafts and not drafters:
@@ -127,6 +127,9 @@ class PolicySpec:
         if self.family in ("static", "twostate", "tree") and self.k > k_max:
             raise UserError(f"policy '{self.text}': K = {self.k} is above {words.k_max} = {k_max}; lower K or "
                             f"raise {words.k_max}")
+        if self.family == "tree" and words.engine != "simulator" and self.nodes > k_max:
+            raise UserError(f"policy '{self.text}': N = {self.nodes} drafts a row is above {words.k_max} = {k_max} "
+                            f"(the cache's room a step); lower N or raise {words.k_max}")
         return self
 
 
