@@ -174,7 +174,7 @@ def per_sample_acceptance(samples: pd.DataFrame, drafter: str, strength: float =
 
 def _drafter_name(cfg: dict) -> str | None:
     d = str(cfg.get("drafter", "off"))
-    return None if d == "off" else (d if d in HOST_DRAFTERS else "model")
+    return None if d == "off" else (d if d in HOST_DRAFTERS + ("eagle",) else "model")
 
 
 def _simulate(rollouts, policy_spec: str, drafter, sim_cost, policy_cost, run_cfg: dict, seed: int) -> list[float]:
@@ -344,7 +344,7 @@ def sim_config_from_run(rundir, cost_file=None, steps: int = 3) -> dict:
     if drafter is not None:
         mean = float(per_sample_acceptance(samples, drafter).mean())
         host = drafter in HOST_DRAFTERS  # drafts on the host from earlier text: priced as the simulator's ngram
-        drafters.append({"name": drafter, "kind": "ngram" if host else "model",
+        drafters.append({"name": drafter, "kind": "ngram" if host else ("eagle" if drafter == "eagle" else "model"),
                          **({} if host else {"model": "qwen2.5-0.5b"}),
                          "acceptance": {"mean": round(min(max(mean, 0.01), 0.99), 4), "prompt_concentration": 20,
                                         "sample_concentration": 50}})

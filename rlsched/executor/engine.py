@@ -181,6 +181,7 @@ class RolloutEngine:
         self._cache = None
         self.step_index = 0
         self._prober = prober_for(self.policy, names, probe_every)
+        self._observers = [d for d in self.drafters.values() if hasattr(d, "observe")]  # they read the target's states
         self._tree_ctx = PolicyContext(cost=None, drafters=names)  # the tree shapes, as the policies build them
         self._trees: dict[Strategy, DraftTree] = {}
         self._draft_s = 0.0
@@ -409,7 +410,12 @@ class RolloutEngine:
         t = time.perf_counter()
         computed, copies = self._plan_prefill(joining)
         if computed:
-            prefill(self.model, self._cache, [r.seq.slot for r in computed], [r.seq.tokens for r in computed])
+            states = {} if self._observers else None
+            prefill(self.model, self._cache, [r.seq.slot for r in computed], [r.seq.tokens for r in computed],
+                    states=states)
+            for i, st in (states or {}).items():
+                for d in self._observers:
+                    d.remember(computed[i].seq.tokens[:-1], st)
         for row, src in copies:
             self._cache.copy_prefix(src, row.seq.slot, len(row.seq.tokens) - 1)
         ms = (time.perf_counter() - t) * 1e3
@@ -503,6 +509,8 @@ class RolloutEngine:
         accepted = out.accepted.cpu()  # waits for the device: the clock below then sees the verify
         verify_s = time.perf_counter() - t - draft_s
         emitted, rejected = self._append(rows, out, dk, accepted)
+        if self._observers:
+            self._observe(rows, out, accepted)
         step_s = time.perf_counter() - t
         drafted, n_acc = int(dk.sum()), int(accepted.sum())
         catch_up = getattr(drafter, "catch_up", 0) if k > 0 else 0
@@ -535,6 +543,18 @@ class RolloutEngine:
         out = tree_step(self.model, self._cache, slots, last, self.sampling, tree, tokens, q, present, self.generator)
         present = present.cpu()
         return out, present.sum(1), _rank1_trials(tree, out.path.cpu(), present)
+
+    def _observe(self, rows: list[_Row], out, accepted: torch.Tensor) -> None:
+        """Hand the drafters that draft from the target's states (EAGLE) the states of the
+        positions each row kept in this step: its last token, then its accepted drafts (a
+        tree's accepted path)."""
+        path = getattr(out, "path", None)
+        if path is None:
+            kept = [list(range(a + 1)) for a in accepted.tolist()]
+        else:
+            kept = [[0] + [j + 1 for j in p[:a]] for p, a in zip(path.cpu().tolist(), accepted.tolist())]
+        for d in self._observers:
+            d.observe([r.seq for r in rows], self.model.captured, kept)
 
     def _append(self, rows: list[_Row], out, dk: torch.Tensor, accepted: torch.Tensor) -> tuple[int, int]:
         """Give each row its new tokens (cut at its budget and at eos) and its chain trial; returns

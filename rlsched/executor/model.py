@@ -221,6 +221,8 @@ class Transformer(nn.Module):
         self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         self.rope = Rope(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings)
         self.compiled = None  # a CompiledForward once `compile_decode` was called
+        self.capture: tuple[int, ...] | None = None  # layer ids whose input every forward keeps (`_trunk_capturing`)
+        self.captured: torch.Tensor | None = None
 
     def compile_decode(self, max_new: int = 8, max_batch: int = 1) -> None:
         """Run cached forwards of up to `max_batch` rows and `max_new` new tokens a row (decode,
@@ -257,7 +259,7 @@ class Transformer(nn.Module):
             if bool((n < int(last_only)).any()) or bool((n > q).any()):
                 raise ValueError(f"n_new must lie in [{int(last_only)}, {q}] for every row")
             n = n.to(ids.device)
-        if self.compiled is not None and cache is not None and tree is None:
+        if self.compiled is not None and cache is not None and tree is None and self.capture is None:
             logits = self.compiled(ids, cache, slots, n, last_only)
             if logits is not None:
                 return logits
@@ -283,8 +285,24 @@ class Transformer(nn.Module):
 
     def _trunk(self, ids: torch.Tensor, s: _Step, embed: torch.Tensor) -> torch.Tensor:
         h = F.embedding(ids, embed)
+        if self.capture is not None:
+            return self._trunk_capturing(h, s)
         for i, layer in enumerate(self.layers):
             h = layer.forward(h, i, s)
+        return self.norm.forward(h)
+
+    def _trunk_capturing(self, h: torch.Tensor, s: _Step) -> torch.Tensor:
+        """`_trunk`, keeping the residual stream entering the layers in `capture` (id L: after
+        the last layer) as `captured` (B, q, len(capture) * hidden): what an EAGLE-3 head
+        drafts from."""
+        got = []
+        for i, layer in enumerate(self.layers):
+            if i in self.capture:
+                got.append(h)
+            h = layer.forward(h, i, s)
+        if len(self.layers) in self.capture:
+            got.append(h)
+        self.captured = torch.cat(got, dim=-1)
         return self.norm.forward(h)
 
     def _step(self, b: int, q: int, device, dtype: torch.dtype, cache: KVCache | None, slots,

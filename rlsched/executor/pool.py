@@ -63,7 +63,7 @@ class InstanceSpec:
     acceptance estimates and bandits are per instance) and the engine's sizes."""
 
     target_dir: str
-    drafter: str  # off, ngram, suffix or model
+    drafter: str  # off, ngram, suffix, eagle or model
     drafter_dir: str | None
     sampling: object
     policy: object  # a DraftPolicy or a name
@@ -125,6 +125,14 @@ class InstanceWorker:
                 self.drafter_model.load_state_dict(drafter_state)
             drafter = ModelDrafter(self.drafter_model, spec.sampling, spec.max_batch, spec.drafter_max_len,
                                    self.generator)
+        elif spec.drafter == "eagle":
+            from rlsched.executor.eagle import load_head
+            from rlsched.executor.eagle_drafter import EagleDrafter
+
+            self.drafter_model = load_head(spec.drafter_dir, self.model)
+            if drafter_state is not None:
+                self.drafter_model.load_state_dict(drafter_state)
+            drafter = EagleDrafter(self.drafter_model, self.model, spec.sampling, self.generator)
         self.engine = RolloutEngine(self.model, drafter, spec.cache_capacity, spec.max_batch, spec.sampling,
                                     policy, estimator, trace_dir=spec.trace_dir and Path(spec.trace_dir),
                                     k_max=spec.k_max, instance=idx, generator=self.generator,

@@ -47,8 +47,9 @@ HOST_DRAFTERS = ("ngram", "suffix")  # drafters without a model: they draft from
 
 
 def drafter_kind(drafter: str) -> str:
-    """What a drafter argument is: off, ngram, suffix, or model (builtin or a model folder)."""
-    return drafter if drafter in ("off",) + HOST_DRAFTERS else "model"
+    """What a drafter argument is: off, ngram, suffix, eagle (the built-in target's EAGLE-3
+    head), or model (builtin or a model folder)."""
+    return drafter if drafter in ("off", "eagle") + HOST_DRAFTERS else "model"
 
 
 def drafter_names(kind: str) -> tuple[str, ...]:
@@ -67,7 +68,7 @@ class Models:
     tokenizer: Any
     eos: int | None
     pad_id: int
-    drafter_name: str  # off, ngram, suffix or model
+    drafter_name: str  # off, ngram, suffix, eagle or model
     drafter_dir: Path | None  # a model drafter's folder
     drafter_model: Any  # a model drafter's Transformer, else None
 
@@ -87,6 +88,8 @@ def load_models(model: str, drafter: str, *, device: str, dtype: str, log=None) 
     if target.tokenizer is None:
         raise UserError(f"model folder {target_dir} has no tokenizer.json, needed to encode the prompts")
     kind, d_dir, d_model = drafter_kind(drafter), None, None
+    if kind == "eagle":
+        d_dir, d_model = eagle_head(model, target_dir, target.model, log)
     if kind == "model":
         d_dir = resolve_model_dir(drafter, "drafter", log)
         d = load_model(d_dir, device=device, dtype=dtype)
@@ -94,6 +97,18 @@ def load_models(model: str, drafter: str, *, device: str, dtype: str, log=None) 
         d_model = d.model
     return Models(target_dir, target.model, target.tokenizer, eos_id(target_dir), pad_id(target_dir), kind, d_dir,
                   d_model)
+
+
+def eagle_head(model: str, target_dir: Path, target, log=None):
+    """The built-in target's EAGLE-3 head (trained on first use, then cached): its folder and
+    the head, reading `target`'s states. UserError for another target."""
+    from rlsched.executor.eagle import builtin_head, load_head
+
+    if model != "builtin":
+        raise UserError(f"drafter eagle is the built-in target's EAGLE-3 head; with model {model} use a model "
+                        "folder, ngram or suffix")
+    folder = builtin_head(log=log).folder
+    return folder, load_head(folder, target)
 
 
 def make_drafter(m: Models, sampling, max_batch: int, max_len: int, generator, *, ngram_history: int | None = None,
@@ -110,6 +125,10 @@ def make_drafter(m: Models, sampling, max_batch: int, max_len: int, generator, *
         return drafter
     if m.drafter_name == "model":
         return ModelDrafter(m.drafter_model, sampling, max_batch, max_len, generator)
+    if m.drafter_name == "eagle":
+        from rlsched.executor.eagle_drafter import EagleDrafter
+
+        return EagleDrafter(m.drafter_model, m.target, sampling, generator)
     return None
 
 

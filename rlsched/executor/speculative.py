@@ -135,11 +135,13 @@ def _verify(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs:
 
 
 @torch.no_grad()
-def prefill(model, cache: KVCache, slots, prompts: list[list[int]], max_tokens: int | None = -1) -> torch.Tensor:
+def prefill(model, cache: KVCache, slots, prompts: list[list[int]], max_tokens: int | None = -1,
+            states: dict | None = None) -> torch.Tensor:
     """Cache every prompt but its last token (ragged) in rows `slots`; returns the last
     tokens (B,), which the first step feeds. Prompts go in forwards of similar lengths
     (`length_groups`) of at most `max_tokens` padded tokens each (default
-    `prefill_token_budget(model)`; None: no limit), a row at least."""
+    `prefill_token_budget(model)`; None: no limit), a row at least. With a model that keeps
+    states (`Transformer.capture`), `states` gets prompt i's (its tokens but the last)."""
     if any(len(p) < 1 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     dev = cache.lengths.device
@@ -157,6 +159,9 @@ def prefill(model, cache: KVCache, slots, prompts: list[list[int]], max_tokens: 
             ids = torch.tensor([prompts[i][:-1] + [0] * (q - n_i) for i, n_i in zip(chunk, n)], device=dev)
             rows = slots if len(chunk) == len(prompts) else slots[torch.tensor(chunk, device=dev)]
             model(ids, cache, slots=rows, n_new=n)
+            if states is not None and model.capture is not None:
+                for j, (i, n_i) in enumerate(zip(chunk, n)):
+                    states[i] = model.captured[j, :n_i]
     return torch.tensor([p[-1] for p in prompts], dtype=torch.long, device=dev)
 
 

@@ -142,6 +142,9 @@ def speculative_plan(policy: str, drafter, *, k_max: int, max_batch: int) -> dic
     if drafter == "suffix":
         raise UserError("drafter suffix runs on the local backend only (vLLM's own suffix method needs the "
                         "arctic-inference package); set rollout.backend local or drafter ngram")
+    if drafter == "eagle":
+        raise UserError("drafter eagle runs on the local backend only; set rollout.backend local or drafter "
+                        "builtin")
     have = "off" if drafter == "off" else ("ngram" if drafter == "ngram" else "model")
     p = parse_policy(policy, "vllm").check(() if have == "off" else (have,), k_max, run_words("vllm"))
     if not p.drafts:

@@ -208,6 +208,13 @@ class Trainer:
         if state.drafter_model is None or not state.schedule.due(s):
             return None
         gen = torch.Generator().manual_seed(_seed(self.cfg.seed, "distill", s))
+        if self.drafter_name == "eagle":
+            from rlsched.executor.eagle import distill_head
+
+            return distill_head(state.actor, state.drafter_model, state.drafter_opt, state.buffer, steps=d.steps,
+                                batch=d.batch, weighting=d.weighting, weight_min=d.weight_min,
+                                weight_max=d.weight_max, temperature=self.cfg.rollout.temperature, generator=gen,
+                                pad_id=self.pad_id)
         return distill(state.actor, state.drafter_model, state.drafter_opt, state.buffer, steps=d.steps, batch=d.batch,
                        weighting=d.weighting, weight_min=d.weight_min, weight_max=d.weight_max,
                        temperature=self.cfg.rollout.temperature, generator=gen, pad_id=self.pad_id)

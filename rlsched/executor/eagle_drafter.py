@@ -1,0 +1,100 @@
+"""The EAGLE-3 head as a drafter of the rollout engine (`--drafter eagle`).
+
+The head drafts from the target's own states: the residual stream entering its low, middle
+and high aux layers at each position of the row (`eagle.py`). The target keeps them while the
+engine runs (`Transformer.capture`), and after every step the engine hands this drafter the
+states of the positions the row kept (`observe`): the last token and the accepted drafts. A
+row's states before that (its prompt, or the tokens a migrated row brings) come from the
+target's prefill (`remember`), or else are computed when the row first drafts, by one
+cache-less target forward over them; the samples of a prompt share them. The head attends to
+the row's last `window` positions (its own context) and then to its own earlier drafts; the
+states of older positions are dropped.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlsched.executor.eagle import EagleHead, draft, target_features
+from rlsched.executor.speculative import Seq
+
+
+class EagleDrafter:
+    name = "eagle"
+
+    def __init__(self, head: EagleHead, target, sampling, generator: torch.Generator | None = None,
+                 window: int = 8):
+        self.head, self.target, self.sampling, self.generator, self.window = head, target, sampling, generator, window
+        target.capture = tuple(head.config.aux_layers)
+        self._rows: dict[int, tuple[Seq, torch.Tensor, int]] = {}  # slot -> (seq, last states, positions covered)
+        self._prompts: dict[tuple, torch.Tensor] = {}  # a prompt's states (its samples share them)
+
+    def reset(self) -> None:
+        self._rows.clear()
+        self._prompts.clear()
+
+    def release(self, rows: list[Seq]) -> None:
+        for s in rows:
+            self._rows.pop(s.slot, None)
+
+    def move(self, src: int, dst: int) -> None:
+        if src in self._rows:
+            self._rows[dst] = self._rows.pop(src)
+
+    @torch.inference_mode()
+    def observe(self, rows: list[Seq], states: torch.Tensor, kept: list[list[int]]) -> None:
+        """After a target forward over [last, drafts or tree nodes] of each row (its states
+        `states` (B, q, A*h)): row b kept the positions kept[b] (its last token first), which
+        now precede the row's new last token. Call after the rows' tokens were extended."""
+        for b, (seq, keep) in enumerate(zip(rows, kept)):
+            entry = self._rows.get(seq.slot)
+            covered = len(seq.tokens) - 1 - len(keep)  # the row's positions before this step
+            if entry is None or entry[0] is not seq or entry[2] != covered:
+                self._rows.pop(seq.slot, None)  # computed afresh when it drafts next
+                continue
+            new = torch.cat([entry[1], states[b, keep]])[-self.window:]
+            self._rows[seq.slot] = (seq, new, covered + len(keep))
+
+    def remember(self, tokens: list[int], states: torch.Tensor) -> None:
+        """The states of a sequence the target just prefilled (`tokens`, (len, A*h)), for the
+        rows that start from it (a prompt's samples)."""
+        if len(self._prompts) > 1024:
+            self._prompts.clear()
+        self._prompts[tuple(tokens)] = states[-self.window:]
+
+    @torch.inference_mode()
+    def _states(self, seq: Seq) -> torch.Tensor:
+        """The row's states at its last `window` positions before its last token."""
+        n = len(seq.tokens) - 1
+        entry = self._rows.get(seq.slot)
+        if entry is not None and entry[0] is seq and entry[2] == n:
+            return entry[1]
+        key = tuple(seq.tokens[:n])
+        states = self._prompts.get(key)
+        if states is None:
+            states, _ = target_features(self.target, torch.tensor([seq.tokens[:n]],
+                                                                  device=self.target.embed.weight.device),
+                                        self.head.config.aux_layers)
+            self.remember(seq.tokens[:n], states[0])
+            states = self._prompts[key]
+        self._rows[seq.slot] = (seq, states, n)
+        return states
+
+    @torch.inference_mode()
+    def propose(self, rows: list[Seq], k: int):
+        b, v = len(rows), self.head.config.vocab_size
+        dev = self.target.embed.weight.device
+        tokens = torch.zeros((b, k), dtype=torch.long, device=dev)
+        probs = torch.zeros((b, k, v), device=dev)
+        if k == 0 or b == 0:
+            return tokens.cpu(), probs, torch.zeros(b, dtype=torch.long)
+        states = [self._states(s) for s in rows]
+        groups: dict[int, list[int]] = {}
+        for i, st in enumerate(states):
+            groups.setdefault(st.shape[0], []).append(i)
+        for t, idx in groups.items():  # rows with as many positions to attend to draft together
+            aux = torch.stack([states[i] for i in idx])
+            nxt = torch.tensor([rows[i].tokens[len(rows[i].tokens) - t:] for i in idx], device=dev)
+            d, q = draft(self.head, aux, nxt, k, self.sampling, self.generator)
+            tokens[idx], probs[idx] = d, q
+        return tokens.cpu(), probs, torch.full((b,), k, dtype=torch.long)

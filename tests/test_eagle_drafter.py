@@ -1,0 +1,76 @@
+"""The EAGLE-3 head drafting in the rollout engine (`executor/eagle_drafter.py`): the target's
+states it keeps per row are the ones a cache-less forward of the row gives, greedy rollouts
+equal plain decoding, and sampled ones run losslessly through the chain verifier."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from rlsched.executor.builtin import EOS, builtin_pair, encode  # noqa: E402
+from rlsched.executor.eagle import builtin_head, load_head, target_features  # noqa: E402
+from rlsched.executor.eagle_drafter import EagleDrafter  # noqa: E402
+from rlsched.executor.engine import Request, RolloutEngine  # noqa: E402
+from rlsched.executor.loading import load_model  # noqa: E402
+from rlsched.executor.sampling import GREEDY, SamplingParams  # noqa: E402
+from rlsched.tasks.synthetic import make_examples  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = load_model(builtin_pair().target, dtype="float32").model
+    return target, load_head(builtin_head().folder, target)
+
+
+def requests(n_prompts=6, group=2, max_new=24):
+    return [Request(encode(e.prompt), p, p * group + i, max_new, EOS)
+            for p, e in enumerate(make_examples(n_prompts, 12345)) for i in range(group)]
+
+
+def engine(models, policy, sampling=GREEDY, drafter=True):
+    target, head = models
+    target.capture = None
+    gen = torch.Generator().manual_seed(0)
+    d = EagleDrafter(head, target, sampling, gen) if drafter else None
+    return RolloutEngine(target, d, 4 * 200, 4, sampling, policy, k_max=4, generator=gen), d
+
+
+def test_the_states_kept_per_row_are_the_targets(models):
+    """After every step (rows joining, drafting, accepting, leaving) each row's kept states are
+    the target's aux states at the row's last positions, as a cache-less forward gives them."""
+    eng, d = engine(models, "static:3")
+    eng.start(requests())
+    checked = 0
+    while eng.has_work and checked < 40:
+        eng.work()
+        for row in eng._running.values():
+            entry = d._rows.get(row.seq.slot)
+            if entry is None or entry[0] is not row.seq:
+                continue
+            n = len(row.seq.tokens) - 1
+            assert entry[2] == n
+            want, _ = target_features(models[0], torch.tensor([row.seq.tokens[:n]]), models[1].config.aux_layers)
+            torch.testing.assert_close(entry[1], want[0, -d.window:], atol=1e-4, rtol=1e-4)
+            checked += 1
+    assert checked >= 20
+
+
+def test_greedy_eagle_rollouts_equal_plain_decoding(models):
+    reqs = requests()
+    off, _ = engine(models, "off", drafter=False)
+    want = [s.tokens for s in off.run(reqs).samples]
+    eng, _ = engine(models, "static:3")
+    got = eng.run(reqs)
+    assert [s.tokens for s in got.samples] == want
+    assert got.stats["accepted"] > 0 and got.stats["mean_accept_len"] > 1.2
+
+
+def test_sampled_eagle_rollouts_complete_with_target_logprobs(models):
+    sampling = SamplingParams(temperature=1.0)
+    eng, _ = engine(models, "static:3", sampling)
+    res = eng.run(requests(4, 2, 16))
+    assert all(0 < len(s.tokens) <= 16 and max(s.logprobs) <= 0 for s in res.samples)
+    assert res.stats["accepted"] > 0
+    with pytest.raises(Exception, match="drafts chains only"):
+        engine(models, "tree:2:2:4")[0].run(requests(1, 1, 8))
