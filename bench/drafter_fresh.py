@@ -1,7 +1,8 @@
 """Drafter staleness and recovery during RL, side by side on the same seed.
 
 The default run (GRPO, built-in pair) with a fixed draft length (static:K, so acceptance is
-comparable from step to step), three ways:
+comparable from step to step), three ways, beside the same run without speculation (`off`,
+whose rewards the others' should match: speculative sampling is lossless):
 - stale: the drafter is never updated (drafter_update.every = 0);
 - plain: distilled from the actor every I steps (schedule every), KL(p_actor || q_drafter) unweighted;
 - reward: the same, each sample weighted by its normalised, clipped reward (ReSpec).
@@ -10,7 +11,8 @@ over the first and last fifth of the steps, the drafter-update time, and a figur
 per RL step (bench/results/drafter_fresh.png). The same seed gives every variant the same
 prompts at every step.
 
-Run: python bench/drafter_fresh.py [--steps 60] [--k 4] [--set algorithm.lr=2e-4].
+Run: python bench/drafter_fresh.py [--steps 60] [--k 4] [--set algorithm.lr=2e-4]; the EAGLE-3
+head instead of the draft model: --set drafter=eagle --name drafter_fresh_eagle.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from rlsched.executor.rl.config import build_run_config  # noqa: E402
 from rlsched.executor.rl.trainer import Trainer  # noqa: E402
 from rlsched.traces.reader import read_trace  # noqa: E402
 
-VARIANTS = {"stale": ["drafter_update.every=0"],
+VARIANTS = {"off": ["policy=off", "drafter_update.every=0"],  # the rewards without speculation
+            "stale": ["drafter_update.every=0"],
             "plain": ["drafter_update.weighting=plain"],
             "reward": ["drafter_update.weighting=reward"]}
 

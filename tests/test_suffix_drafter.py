@@ -53,7 +53,7 @@ def test_memory_is_bounded_per_prompt():
     rollouts = [[rng.randrange(50) for _ in range(100)] for _ in range(40)]
     for r in rollouts:
         d.add_history("p", r)
-    counts, kept = d._past["p"]
+    counts, kept = d._past["p"].counts, d._past["p"].rollouts
     assert len(kept) == 8
     fresh = SuffixCounts(4)
     for r in rollouts[-8:]:

@@ -25,7 +25,7 @@ import torch
 
 from rlsched.executor.sampling import SamplingParams, sample
 from rlsched.executor.speculative import Seq, length_groups
-from rlsched.executor.suffix import NgramIndex
+from rlsched.executor.suffix import HostDrafter, NgramIndex
 
 
 class Drafter(Protocol):
@@ -53,7 +53,7 @@ def _find(hay: list[int], pattern: list[int], k: int, end: int) -> list[int]:
     return []
 
 
-class NgramDrafter:
+class NgramDrafter(HostDrafter):
     name = "ngram"
 
     def __init__(self, max_n: int = 3, min_n: int = 1, max_history: int | None = None):
@@ -70,18 +70,6 @@ class NgramDrafter:
             index = self._past[prompt_id] = NgramIndex(self.min_n, self.max_n, self.max_history)
         index.add(list(tokens))
 
-    @property
-    def history(self) -> dict[Hashable, list[list[int]]]:
-        """The rollouts remembered, per prompt (what a checkpoint keeps)."""
-        return {pid: list(index.rollouts) for pid, index in self._past.items()}
-
-    @history.setter
-    def history(self, value: dict[Hashable, list[list[int]]]) -> None:
-        self._past = {}
-        for pid, rollouts in value.items():
-            for tokens in rollouts:
-                self.add_history(pid, tokens)
-
     def draft_one(self, seq: Seq, k: int) -> list[int]:
         t = seq.tokens
         past = self._past.get(seq.prompt_id) if seq.prompt_id is not None else None
@@ -93,17 +81,6 @@ class NgramDrafter:
             if found:
                 return found
         return []
-
-    def propose(self, rows, k):
-        b = len(rows)
-        tokens = torch.zeros((b, k), dtype=torch.long)
-        kr = torch.zeros(b, dtype=torch.long)
-        for r, seq in enumerate(rows):
-            d = self.draft_one(seq, k) if k > 0 else []
-            if d:
-                tokens[r, :len(d)] = torch.tensor(d)
-                kr[r] = len(d)
-        return tokens, None, kr
 
 
 class ModelDrafter:

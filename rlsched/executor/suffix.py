@@ -100,30 +100,26 @@ class NgramIndex:
         return self.rollouts[serial - self.first][i + len(pattern):i + len(pattern) + k]
 
 
-class SuffixDrafter:
-    name = "suffix"
+class HostDrafter:
+    """What the n-gram and suffix drafters share: a memory of each prompt's earlier rollouts
+    (`_past[prompt_id].rollouts`), handed to checkpoints as `history`, and chains of the
+    tokens `draft_one` proposes for each row."""
 
-    def __init__(self, depth: int = 8, max_history: int = 64, min_confidence: float = 0.3):
-        if depth < 1 or max_history < 1 or not 0.0 < min_confidence <= 1.0:
-            raise ValueError("suffix drafter needs depth >= 1, max_history >= 1 and 0 < min_confidence <= 1")
-        self.depth, self.max_history, self.min_confidence = depth, max_history, min_confidence
-        self._past: dict[Hashable, tuple[SuffixCounts, deque]] = {}
-        self._rows: dict[int, tuple[Seq, SuffixCounts, list[int]]] = {}  # id(seq) -> (seq, counts, [indexed])
+    _past: dict
 
     def add_history(self, prompt_id: Hashable, tokens: list[int]) -> None:
-        """An earlier rollout (prompt + response) of `prompt_id`; only the newest
-        `max_history` per prompt are counted."""
-        counts, kept = self._past.setdefault(prompt_id, (SuffixCounts(self.depth), deque()))
-        tokens = list(tokens)
-        counts.add(tokens)
-        kept.append(tokens)
-        if len(kept) > self.max_history:
-            counts.add(kept.popleft(), sign=-1)
+        raise NotImplementedError
+
+    def draft_one(self, seq: Seq, k: int) -> list[int]:
+        raise NotImplementedError
+
+    def begin(self, rows: list[Seq]) -> None:
+        """Called with the running rows before they draft."""
 
     @property
     def history(self) -> dict[Hashable, list[list[int]]]:
-        """The rollouts counted, per prompt (what a checkpoint keeps, as the n-gram drafter's)."""
-        return {pid: list(kept) for pid, (_, kept) in self._past.items()}
+        """The rollouts remembered, per prompt (what a checkpoint keeps)."""
+        return {pid: list(memory.rollouts) for pid, memory in self._past.items()}
 
     @history.setter
     def history(self, value: dict[Hashable, list[list[int]]]) -> None:
@@ -131,6 +127,48 @@ class SuffixDrafter:
         for pid, rollouts in value.items():
             for tokens in rollouts:
                 self.add_history(pid, tokens)
+
+    def propose(self, rows, k):
+        self.begin(rows)
+        b = len(rows)
+        tokens = torch.zeros((b, k), dtype=torch.long)
+        kr = torch.zeros(b, dtype=torch.long)
+        for r, seq in enumerate(rows):
+            d = self.draft_one(seq, k) if k > 0 else []
+            if d:
+                tokens[r, :len(d)] = torch.tensor(d)
+                kr[r] = len(d)
+        return tokens, None, kr
+
+
+class _Counted:
+    """A prompt's newest rollouts and the counts over them."""
+
+    def __init__(self, depth: int):
+        self.counts, self.rollouts = SuffixCounts(depth), deque()
+
+
+class SuffixDrafter(HostDrafter):
+    name = "suffix"
+
+    def __init__(self, depth: int = 8, max_history: int = 64, min_confidence: float = 0.3):
+        if depth < 1 or max_history < 1 or not 0.0 < min_confidence <= 1.0:
+            raise ValueError("suffix drafter needs depth >= 1, max_history >= 1 and 0 < min_confidence <= 1")
+        self.depth, self.max_history, self.min_confidence = depth, max_history, min_confidence
+        self._past: dict[Hashable, _Counted] = {}
+        self._rows: dict[int, tuple[Seq, SuffixCounts, list[int]]] = {}  # id(seq) -> (seq, counts, [indexed])
+
+    def add_history(self, prompt_id: Hashable, tokens: list[int]) -> None:
+        """An earlier rollout (prompt + response) of `prompt_id`; only the newest
+        `max_history` per prompt are counted."""
+        memory = self._past.get(prompt_id)
+        if memory is None:
+            memory = self._past[prompt_id] = _Counted(self.depth)
+        tokens = list(tokens)
+        memory.counts.add(tokens)
+        memory.rollouts.append(tokens)
+        if len(memory.rollouts) > self.max_history:
+            memory.counts.add(memory.rollouts.popleft(), sign=-1)
 
     def _own(self, seq: Seq) -> SuffixCounts:
         """The row's own counts, brought up to its current tokens."""
@@ -144,7 +182,7 @@ class SuffixDrafter:
 
     def draft_one(self, seq: Seq, k: int) -> list[int]:
         own = self._own(seq)
-        past = self._past.get(seq.prompt_id, (None,))[0] if seq.prompt_id is not None else None
+        past = self._counts_of(seq)
         context, out, confidence = list(seq.tokens), [], 1.0
         while len(out) < k:
             ranked = _ranked(own, past, context)
@@ -162,13 +200,13 @@ class SuffixDrafter:
         """A draft tree per row (`tree_verify.DraftTree`): each node's children are the tokens
         that most often followed its context, in rank order (deterministic candidates); a node
         with fewer known continuations than children leaves the rest absent."""
-        self._forget_left(rows)
+        self.begin(rows)
         b = len(rows)
         tokens = torch.zeros((b, tree.n), dtype=torch.long)
         present = torch.zeros((b, tree.n), dtype=torch.bool)
         for r, seq in enumerate(rows):
             own = self._own(seq)
-            past = self._past.get(seq.prompt_id, (None,))[0] if seq.prompt_id is not None else None
+            past = self._counts_of(seq)
             context = {-1: list(seq.tokens)}
             for node in [-1, *range(tree.n)]:
                 kids = tree.children(node)
@@ -179,22 +217,14 @@ class SuffixDrafter:
                     context[j] = context[node] + [token]
         return tokens, None, present
 
-    def _forget_left(self, rows) -> None:
+    def _counts_of(self, seq: Seq) -> SuffixCounts | None:
+        memory = self._past.get(seq.prompt_id) if seq.prompt_id is not None else None
+        return None if memory is None else memory.counts
+
+    def begin(self, rows) -> None:
         live = {id(s) for s in rows}
         for key in [key for key in self._rows if key not in live]:  # rows that left
             del self._rows[key]
-
-    def propose(self, rows, k):
-        self._forget_left(rows)
-        b = len(rows)
-        tokens = torch.zeros((b, k), dtype=torch.long)
-        kr = torch.zeros(b, dtype=torch.long)
-        for r, seq in enumerate(rows):
-            d = self.draft_one(seq, k) if k > 0 else []
-            if d:
-                tokens[r, :len(d)] = torch.tensor(d)
-                kr[r] = len(d)
-        return tokens, None, kr
 
 
 def _ranked(own: SuffixCounts, past: SuffixCounts | None, context: list[int]) -> list[tuple[int, int]]:
