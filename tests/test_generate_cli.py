@@ -138,6 +138,20 @@ def test_generate_with_the_suffix_drafter_on_revisited_prompts(pair, tmp_path):
     assert steps.accepted.sum() > 0 and steps.drafted.sum() > 0
 
 
+def test_generate_with_the_eagle_head_and_a_draft_tree(pair, tmp_path):
+    out = tmp_path / "gen"
+    summary = json.loads(ok(rlsched("generate", "--drafter", "eagle", "--policy", "static:3", *FAST, "--out",
+                                    str(out), "--json", cwd=tmp_path)).stdout)
+    assert summary["drafter"] == "eagle" and summary["accepted"] > 0
+    tree = json.loads(ok(rlsched("generate", "--policy", "tree:3:2:6", *FAST, "--k-max", "6", "--out",
+                                 str(tmp_path / "tree"), "--json", cwd=tmp_path)).stdout)
+    assert tree["drafter"] == "model" and tree["mean_accept_len"] > 1.0
+    proc = rlsched("generate", "--model", str(pair.target), "--drafter", "eagle", "--policy", "static:2",
+                   "--out", str(tmp_path / "bad"), cwd=tmp_path)
+    assert proc.returncode == 2 and "drafter eagle is the built-in target's EAGLE-3 head" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "bad").exists()
+
+
 def test_kill_minus_nine_keeps_completed_steps_readable(pair, tmp_path):
     out = tmp_path / "gen"
     env = dict(os.environ, COLUMNS="400")
