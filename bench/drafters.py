@@ -21,13 +21,15 @@ Sections:
    drafters remembering every earlier sample: acceptance, and draft time per step in the first
    and the last tenth of the run (flat when lookups do not scan the history).
 
-Run: python bench/drafters.py [--quick] [--sections accept,speedup,revisit] [--rounds 3].
-Results: bench/results/drafters.{json,txt}.
+Run: python bench/drafters.py [--quick] [--sections accept,speedup,revisit] [--rounds 3]
+[--device cuda]. Results: bench/results/drafters.{json,txt} (drafters_cuda.* on a GPU; in $OUT
+when it is set); `bash bench/gpu_drafters.sh` is the prepared GPU run.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -64,10 +66,11 @@ class Drafters:
     """The built-in pair's target and every drafter, each made fresh per engine (the host
     drafters' memories are per contender)."""
 
-    def __init__(self):
+    def __init__(self, device: str = "cpu", dtype: str = "float32"):
         pair = builtin_pair()
-        self.target = load_model(pair.target).model
-        self.draft_model = load_model(pair.drafter).model
+        self.device = device
+        self.target = load_model(pair.target, device=device, dtype=dtype).model
+        self.draft_model = load_model(pair.drafter, device=device, dtype=dtype).model
         self.head = load_head(builtin_head().folder, self.target)
 
     def names(self) -> list[str]:
@@ -86,7 +89,7 @@ class Drafters:
 
 
 def engine(d: Drafters, drafter: str, policy: str, reqs: list[Request], max_batch: int):
-    gen = torch.Generator()
+    gen = torch.Generator(device=d.device)
     d.target.capture = None  # (an EAGLE drafter sets it again: the other contenders' forwards keep no states)
     capacity = max_batch * (max(map(reserve, reqs)) + 8)
     eng = RolloutEngine(d.target, d.make(drafter, reqs, max_batch, gen), capacity, max_batch, SAMPLING, policy,
@@ -173,7 +176,7 @@ def revisit_section(d: Drafters, args) -> tuple[list[dict], str]:
     reqs = requests(1, args.revisit, args.max_tokens, seed=7)
     rows = []
     for name in ("ngram", "suffix"):
-        gen = torch.Generator().manual_seed(0)
+        gen = torch.Generator(device=d.device).manual_seed(0)
         drafter = make_drafter(name, max_history=args.revisit)
         eng = RolloutEngine(d.target, drafter, 8 * (max(map(reserve, reqs)) + 8), 8, SAMPLING, f"static:4:{name}",
                             k_max=K_MAX, generator=gen, probe_every=None)
@@ -201,11 +204,13 @@ def main() -> None:
     ap.add_argument("--revisit", type=int, default=400)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="fewer shapes, prompts and rounds (a smoke run)")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (the models in bfloat16)")
     args = ap.parse_args()
     if args.quick:
         args.prompts, args.group, args.max_tokens, args.rounds, args.revisit = 4, 2, 24, 1, 40
     torch.set_num_threads(args.threads)
-    d = Drafters()
+    gpu = args.device.startswith("cuda")
+    d = Drafters(args.device, "bfloat16" if gpu else "float32")
     payload, texts = {"args": vars(args)}, []
     sections = {"accept": accept_section, "speedup": speedup_section, "revisit": revisit_section}
     for name in args.sections.split(","):
@@ -213,7 +218,8 @@ def main() -> None:
         payload[name] = result
         texts.append(text)
         print(text + "\n", flush=True)
-    write_result("drafters_quick" if args.quick else "drafters", payload, "\n\n".join(texts))
+    name = ("drafters_quick" if args.quick else "drafters") + ("_cuda" if gpu else "")
+    write_result(name, payload, "\n\n".join(texts), os.environ.get("OUT") or None)
 
 
 if __name__ == "__main__":
