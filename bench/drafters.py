@@ -16,7 +16,7 @@ Sections:
 2. `speedup`: rollout speedup over plain decoding at batch 1 (one sample at a time) and over a
    draining batch (all P x G samples start together, rows leave as they finish), for each
    drafter's chain and tree; the contenders take turns in every round (this machine is shared
-   and noisy), and the figure is the median over rounds of the round's ratio.
+   and noisy), and the figure is the median over rounds of the round's ratio of tokens/s.
 3. `revisit`: one prompt sampled `--revisit` times in a row at batch 8, the n-gram and suffix
    drafters remembering every earlier sample: acceptance, and draft time per step in the first
    and the last tenth of the run (flat when lookups do not scan the history).
@@ -138,7 +138,7 @@ def summarise(runs: dict) -> list[dict]:
     off = runs[("off", "off")]
     rows = []
     for (drafter, shape), rs in runs.items():
-        ratio = [o["seconds"] / x["seconds"] for o, x in zip(off, rs)]
+        ratio = [x["tokens_per_s"] / o["tokens_per_s"] for o, x in zip(off, rs)]  # (samples end at eos: tokens vary)
         rows.append(dict(drafter=drafter, shape=shape if drafter != "off" else "-",
                          emitted_per_verify=float(np.mean([x["mean_accept_len"] for x in rs])),
                          draft_ms_per_step=float(np.mean([1e3 * x.get("draft_s", 0.0) / max(1, x["steps"])

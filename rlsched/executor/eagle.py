@@ -570,7 +570,7 @@ def load_head(folder, target: Transformer) -> EagleHead:
     except RuntimeError as e:
         raise UserError(f"EAGLE-3 head folder {folder}: weights do not match its config.json "
                         f"({str(e).splitlines()[-1].strip()})") from None
-    head.to(target.embed.weight.device).eval().requires_grad_(False)
+    head.to(target.embed.weight.device, dtype).eval().requires_grad_(False)  # (floating tensors only)
     return head
 
 
