@@ -391,43 +391,20 @@ def distill_head(actor: Transformer, head: EagleHead, optimizer, buffer, *, step
     `ttt_loss`), w the sample's `reward_weights`. The head reads the actor's states and
     embedding from now on (`attach`). Returns the unweighted KL of the first and the last
     minibatch (mean over the unrolled steps) and the number of samples."""
-    from rlsched.executor.rl.distill import reward_weights
+    from rlsched.executor.rl.distill import distill
 
-    samples = buffer.samples()
-    if not samples:
-        return dict(kl_before=float("nan"), kl_after=float("nan"), samples=0)
     head.attach(actor)
-    weights = torch.as_tensor(reward_weights(np.array([s.reward for s in samples]), weighting,
-                                             weight_min, weight_max), dtype=torch.float32)
-    head.train().requires_grad_(True)
-    kls = []
-    try:
-        for _ in range(steps):
-            rows = torch.randperm(len(samples), generator=generator)[:batch]
-            ids, mask = _pad([samples[i] for i in rows.tolist()], pad_id)
-            with torch.no_grad():
-                aux, logits = target_features(actor, ids, head.config.aux_layers)
-            loss, step_kls = ttt_loss(head, aux, logits, ids, mask, ttt_steps=ttt_steps,
-                                      weights=weights[rows], temperature=temperature)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-            optimizer.step()
-            kls.append(float(np.mean(step_kls)) if step_kls else float("nan"))
-    finally:
-        head.eval().requires_grad_(False)
-    return dict(kl_before=kls[0], kl_after=kls[-1], samples=len(samples))
 
+    def loss_fn(ids, mask, weights):
+        with torch.no_grad():
+            aux, logits = target_features(actor, ids, head.config.aux_layers)
+        loss, step_kls = ttt_loss(head, aux, logits, ids, mask, ttt_steps=ttt_steps, weights=weights,
+                                  temperature=temperature)
+        return loss, float(np.mean(step_kls)) if step_kls else float("nan")
 
-def _pad(samples, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded token rows and the mask of the positions whose next token is a response token."""
-    width = max(len(s.tokens) for s in samples)
-    ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(samples), width - 1), dtype=torch.bool)
-    for i, s in enumerate(samples):
-        ids[i, :len(s.tokens)] = torch.tensor(s.tokens, dtype=torch.long)
-        mask[i, s.prompt_len - 1:len(s.tokens) - 1] = True
-    return ids, mask
+    return distill(actor, head, optimizer, buffer, steps=steps, batch=batch, weighting=weighting,
+                   weight_min=weight_min, weight_max=weight_max, temperature=temperature, generator=generator,
+                   pad_id=pad_id, loss_fn=loss_fn)
 
 
 def target_responses(target: Transformer, prompts: list[list[int]], *, max_new: int, sampling: SamplingParams,

@@ -69,9 +69,11 @@ def _pad(samples: list[ReplaySample], pad_id: int) -> tuple[torch.Tensor, torch.
 
 def distill(actor, drafter, optimizer, buffer: ReplayBuffer, *, steps: int, batch: int, weighting: str,
             weight_min: float, weight_max: float, temperature: float, generator: torch.Generator,
-            pad_id: int) -> dict:
+            pad_id: int, loss_fn=None) -> dict:
     """`steps` optimizer steps of the drafter on minibatches of the buffer. Returns the mean
-    per-token KL(p_actor || q_drafter) of the first and the last minibatch (unweighted)."""
+    per-token KL(p_actor || q_drafter) of the first and the last minibatch (unweighted).
+    `loss_fn(ids, mask, weights) -> (weighted loss, unweighted KL)` replaces the model
+    drafter's per-token KL (an EAGLE head's unrolled loss, `eagle.distill_head`)."""
     samples = buffer.samples()
     if not samples:
         return dict(kl_before=float("nan"), kl_after=float("nan"), samples=0)
@@ -83,17 +85,20 @@ def distill(actor, drafter, optimizer, buffer: ReplayBuffer, *, steps: int, batc
         for _ in range(steps):
             rows = torch.randperm(len(samples), generator=generator)[:batch]
             ids, mask = _pad([samples[i] for i in rows.tolist()], pad_id)
-            with torch.no_grad():
-                p_logits = actor(ids[:, :-1])
-            kl = kl_to(p_logits, drafter(ids[:, :-1]), temperature)  # (b, T-1)
-            m = mask.float()
-            w = weights[rows][:, None] * m
-            loss = (kl * w).sum() / m.sum().clamp(min=1.0)
+            if loss_fn is None:
+                with torch.no_grad():
+                    p_logits = actor(ids[:, :-1])
+                kl = kl_to(p_logits, drafter(ids[:, :-1]), temperature)  # (b, T-1)
+                m = mask.float()
+                loss = (kl * weights[rows][:, None] * m).sum() / m.sum().clamp(min=1.0)
+                kl_value = float((kl.detach() * m).sum() / m.sum().clamp(min=1.0))
+            else:
+                loss, kl_value = loss_fn(ids, mask, weights[rows])
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
             optimizer.step()
-            kls.append(float((kl.detach() * m).sum() / m.sum().clamp(min=1.0)))
+            kls.append(kl_value)
     finally:
         drafter.eval().requires_grad_(False)
     return dict(kl_before=kls[0], kl_after=kls[-1], samples=len(samples))
