@@ -471,7 +471,7 @@ class InstancePool:
         self.inflight: dict[int, list] = {}  # per instance, its queued `work` calls, oldest first
         self.view_seq: dict[int, int] = {}
         self.moves: list[_Move] = []  # migrations under way (export, then import, queued on the instances)
-        self._idle_told: set[int] = set()
+        self._released: set[int] = set()  # idle instances the policy gives nothing more this rollout
         self._t0 = time.perf_counter()
         self.finish_s = {i: 0.0 for i in self.alive}
 
@@ -499,8 +499,6 @@ class InstancePool:
                 have = set(v.running_ids.tolist()) | set(v.waiting_ids)
                 v = self._with(v, [j for j in m.ids if j not in have and self.results[j] is None])
         self.views[i] = v
-        if self.views[i].load > 0:
-            self._idle_told.discard(i)
 
     def _collect(self, i: int) -> dict | None:
         """Instance i's answer to its `work` call: record its finished samples (each once)."""
@@ -608,19 +606,17 @@ class InstancePool:
     # --- reallocation ------------------------------------------------------------------------
 
     def _reallocate(self, i: int, report: dict) -> None:
-        if i not in self.views:
-            return
-        load = self.views[i].load
-        if load == 0:
-            if i in self._idle_told:
-                return
-            self._idle_told.add(i)
-            kind = "idle"
-        elif report["finished"]:
-            kind = "drained" if load < self.threshold else "finished"
-        else:
-            return
-        self._event(i, kind)
+        """Instance i answered: its own event if sequences finished, then every idle instance
+        is offered work again (the views it was offered before may have shown the others'
+        samples still queued, not yet running), unless the policy released it: one that
+        `releases_idle` frees an instance that its first idle event gave nothing."""
+        if i in self.views and self.views[i].load > 0 and report["finished"]:
+            self._event(i, "drained" if self.views[i].load < self.threshold else "finished")
+        for k in sorted(self.alive):
+            if k in self.views and self.views[k].load == 0 and k not in self._released:
+                self._event(k, "idle")
+                if getattr(self.realloc, "releases_idle", False) and self.views[k].load == 0:
+                    self._released.add(k)
 
     def _event(self, i: int, kind: str) -> None:
         """Ask the ReallocPolicy what to move after instance i's event; start those moves."""
