@@ -352,7 +352,8 @@ GENERATE_HELP = (
 @app.command(help=GENERATE_HELP)
 def generate(
     model: str = typer.Option("builtin", "--model", "-m", help="Target model folder, or builtin."),
-    drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help="Drafter model folder, builtin, ngram, suffix "
+    drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help="Drafter: a model folder, builtin, eagle (the "
+                                          "built-in model's EAGLE-3 head) or an EAGLE-3 head's folder, ngram, suffix "
                                           "or off (default: builtin with the built-in model, else ngram)."),
     policy: str = typer.Option("goodput", "--policy", help=f"Drafting policy: {policy_usage('local')}."),
     prompts: Optional[Path] = typer.Option(None, "--prompts",

@@ -33,6 +33,11 @@ def test_policies_map_onto_speculative_config(tmp_path):
     assert plan("off") is None and plan("static:0") is None
     assert plan("static:3") == {"k": 3, "table": None, "drafter": "model", "native": True}
     assert plan("static:4", "ngram") == {"k": 4, "table": None, "drafter": "ngram", "native": True}
+    assert plan("static:2", "eagle") == {"k": 2, "table": None, "drafter": "eagle", "native": True}
+    head = tmp_path / "head"  # a folder holding an EAGLE-3 head (its config.json says so) is served as eagle3
+    head.mkdir()
+    (head / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
+    assert plan("goodput", head)["drafter"] == "eagle"
     with pytest.raises(UserError, match=r"K = 9 is above rollout.k_max = 4"):  # refused, not quietly capped
         plan("static:9", "ngram")
     assert plan("twostate:4:2") == {"k": 2, "table": [[1, 4, 2], [5, 16, 0]], "drafter": "model", "native": True}

@@ -121,3 +121,85 @@ def test_vllm_accepts_what_our_greedy_chain_accepts_with_the_same_head(served):
     assert abs(steps - c["num_drafts"]) <= tolerance
     assert all(abs(ours - theirs) <= tolerance for ours, theirs in zip(per_pos, vllm_per_pos)), (per_pos, vllm_per_pos)
     assert per_pos[0] > 0.5 * steps
+
+
+def test_the_rollout_engine_serves_the_head_and_takes_its_updates_in_place(served):
+    """`VllmRolloutEngine` with the head's folder runs vLLM's eagle3 method (sampled: its
+    probabilistic drafts); `sync_weights` with an EagleHead loads the head into vLLM's drafter
+    in place: a broken head's acceptance collapses, the trained one's comes back."""
+    from rlsched.executor.builtin import EOS
+    from rlsched.executor.eagle import load_head
+    from rlsched.executor.engine import Request
+    from rlsched.executor.loading import load_model
+    from rlsched.executor.sampling import SamplingParams
+    from rlsched.executor.vllm_backend import VllmRolloutEngine
+
+    head = served["head"]
+    target = load_model(head.target).model
+    trained, broken = load_head(head.folder, target), load_head(head.folder, target)
+    with torch.no_grad():
+        w = broken.lm_head.weight
+        w.copy_(torch.randn(w.shape, generator=torch.Generator().manual_seed(0)))
+    requests = [Request(p, i // 2, i, 32, EOS) for i, p in enumerate(served["prompts"])]
+    eng = VllmRolloutEngine(head.target, head.folder, SamplingParams(1.0), "static:3", max_batch=8, k_max=3,
+                            max_len=128, trace_dir=None, seed=0, threads=1)
+
+    def rate():
+        st = eng.run(requests).stats
+        return st["accepted"] / st["drafted"]
+
+    def served_lm_head(worker):
+        return worker.model_runner.drafter.model.lm_head.weight.detach().clone()
+
+    try:
+        assert eng.plan["drafter"] == "eagle" and eng.method == "eagle3"
+        before = rate()
+        eng.sync_weights(target, broken)
+        rows = broken.lm_head.weight.shape[0]
+        assert torch.equal(eng.llm.collective_rpc(served_lm_head)[0][:rows], broken.lm_head.weight)
+        after_broken = rate()
+        eng.sync_weights(target, trained)
+        restored = rate()
+        print(f"\nvLLM eagle3 acceptance: trained {before:.3f}, broken {after_broken:.3f}, restored {restored:.3f}")
+        assert before > 0.25 and after_broken < 0.5 * before and abs(restored - before) < 0.1
+    finally:
+        eng.close()
+
+
+RUN = """
+steps: 2
+seed: 1
+threads: 1
+policy: static:3
+drafter: eagle
+checkpoint_every: 1
+data: builtin:count,repeat
+rollout: {prompts_per_step: 4, group_size: 4, max_tokens: 16, max_batch: 16, k_max: 3, backend: vllm}
+algorithm: {minibatches: 1, lr: 0.003}
+drafter_update: {every: 1, steps: 2, batch: 8, schedule: every}
+"""
+
+
+def test_run_on_vllm_with_the_head_distils_it_every_step(tmp_path):
+    """`rlsched run` on vLLM with drafter eagle: vLLM drafts with the head, the trainer distils
+    the head and hands it back (`sync_weights`) before the next rollout; the traces name its
+    acceptance."""
+    import json
+
+    from support import ok, rlsched
+
+    from rlsched.traces.reader import read_trace
+
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(RUN)
+    out = tmp_path / "run"
+    summary = json.loads(ok(rlsched("run", "--config", str(cfg), "--out", str(out), "--json", cwd=tmp_path,
+                                    timeout=600)).stdout)
+    assert summary["steps"] == 2
+    rl = read_trace(out / "traces", "rl_steps").sort_values("rl_step")
+    assert rl.drafted.sum() > 0 and 0 < rl.accepted.sum() <= rl.drafted.sum()
+    # the head was distilled after the first step (not after the last: no rollout follows it)
+    assert rl.drafter_kl_before.notna().tolist() == [True, False]
+    assert (rl.approx_kl_old.abs() < 1e-4).all()  # vLLM sampled from the synced actor
+    samples = read_trace(out / "traces", "samples")
+    assert samples.acceptance_eagle.between(0, 1).all()

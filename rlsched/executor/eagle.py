@@ -480,21 +480,44 @@ def draft(head: EagleHead, aux: torch.Tensor, tokens: torch.Tensor, k: int,
 
 # --- folders --------------------------------------------------------------------------------
 
-def _vllm_state(head: EagleHead) -> dict[str, torch.Tensor]:
-    c = head.config
+def vllm_weights(state: dict[str, torch.Tensor], config: HeadConfig) -> dict[str, torch.Tensor]:
+    """A head's state_dict (an `EagleHead`'s names) under the names of EAGLE-3 checkpoints, the
+    names vLLM's eagle3 model loads (from a folder, or in place with `load_weights`)."""
+    c = config
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    wq, wk, wv = head.qkv.weight.split([q, kv, kv], dim=0)
-    gate, up = head.mlp.gate_up.weight.chunk(2, dim=0)
+    wq, wk, wv = state["qkv.weight"].split([q, kv, kv], dim=0)
+    gate, up = state["mlp.gate_up.weight"].chunk(2, dim=0)
     m = "midlayer."
-    state = {"fc.weight": head.fc.weight, m + "input_layernorm.weight": head.embed_norm.weight,
-             m + "hidden_norm.weight": head.hidden_norm.weight, m + "self_attn.q_proj.weight": wq,
-             m + "self_attn.k_proj.weight": wk, m + "self_attn.v_proj.weight": wv,
-             m + "self_attn.o_proj.weight": head.o.weight,
-             m + "post_attention_layernorm.weight": head.mlp_norm.weight,
-             m + "mlp.gate_proj.weight": gate, m + "mlp.up_proj.weight": up,
-             m + "mlp.down_proj.weight": head.mlp.down.weight, "norm.weight": head.norm.weight,
-             "lm_head.weight": head.lm_head.weight, "d2t": head.d2t, "t2d": head.t2d}
-    return {name: t.detach().to("cpu").contiguous() for name, t in state.items()}
+    out = {"fc.weight": state["fc.weight"], m + "input_layernorm.weight": state["embed_norm.weight"],
+           m + "hidden_norm.weight": state["hidden_norm.weight"], m + "self_attn.q_proj.weight": wq,
+           m + "self_attn.k_proj.weight": wk, m + "self_attn.v_proj.weight": wv,
+           m + "self_attn.o_proj.weight": state["o.weight"],
+           m + "post_attention_layernorm.weight": state["mlp_norm.weight"],
+           m + "mlp.gate_proj.weight": gate, m + "mlp.up_proj.weight": up,
+           m + "mlp.down_proj.weight": state["mlp.down.weight"], "norm.weight": state["norm.weight"],
+           "lm_head.weight": state["lm_head.weight"], "d2t": state["d2t"], "t2d": state["t2d"]}
+    return {name: t.detach().to("cpu").contiguous() for name, t in out.items()}
+
+
+def read_head_config(folder) -> HeadConfig:
+    """The HeadConfig of the head saved in `folder`; a UserError naming the folder otherwise."""
+    folder = Path(folder)
+    try:
+        raw = json.loads((folder / "config.json").read_text())
+    except FileNotFoundError:
+        raise UserError(f"EAGLE-3 head folder {folder}: config.json is missing") from None
+    except (OSError, ValueError) as e:
+        raise UserError(f"EAGLE-3 head folder {folder} cannot be read ({e})") from None
+    return HeadConfig.from_hf(raw, str(folder))
+
+
+def is_head_folder(folder) -> bool:
+    """Whether `folder` holds an EAGLE-3 head (its config.json names the eagle3 architecture)."""
+    try:
+        raw = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(raw, dict) and VLLM_ARCHITECTURE in (raw.get("architectures") or ())
 
 
 def save_head(head: EagleHead, folder, *, extra_files: dict[str, str] | None = None) -> Path:
@@ -504,7 +527,8 @@ def save_head(head: EagleHead, folder, *, extra_files: dict[str, str] | None = N
 
     folder = Path(folder)
     with atomic_folder(folder) as tmp:
-        save_file(_vllm_state(head), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_file(vllm_weights(head.state_dict(), head.config), str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(head.config.hf_config(), indent=2) + "\n")
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
@@ -517,14 +541,13 @@ def load_head(folder, target: Transformer) -> EagleHead:
     from safetensors.torch import load_file
 
     folder = Path(folder)
+    config = read_head_config(folder)
     try:
-        raw = json.loads((folder / "config.json").read_text())
         state = load_file(str(folder / "model.safetensors"))
-    except FileNotFoundError as e:
-        raise UserError(f"EAGLE-3 head folder {folder}: {Path(e.filename).name} is missing") from None
+    except FileNotFoundError:
+        raise UserError(f"EAGLE-3 head folder {folder}: model.safetensors is missing") from None
     except (OSError, ValueError) as e:
         raise UserError(f"EAGLE-3 head folder {folder} cannot be read ({e})") from None
-    config = HeadConfig.from_hf(raw, str(folder))
     missing = [n for n in VLLM_WEIGHTS if n not in state]
     if missing:
         raise UserError(f"EAGLE-3 head folder {folder}: model.safetensors has no tensor {missing[0]!r}")

@@ -143,7 +143,7 @@ class InstanceWorker:
         from rlsched.executor.vllm_backend import VllmRolloutEngine
 
         spec, idx = self.spec, self.idx
-        drafter = spec.drafter_dir if spec.drafter == "model" else spec.drafter
+        drafter = spec.drafter_dir if spec.drafter in ("model", "eagle") else spec.drafter
         self.engine = VllmRolloutEngine(Path(spec.target_dir), drafter, spec.sampling, spec.policy,
                                         max_batch=spec.max_batch, k_max=spec.k_max,
                                         max_len=spec.max_len, trace_dir=spec.trace_dir and Path(spec.trace_dir),
@@ -161,6 +161,10 @@ class InstanceWorker:
         draft = None
         if drafter_state is not None and self.spec.drafter == "model":
             draft = hf_weights(drafter_state, load_config(Path(self.spec.drafter_dir)))
+        elif drafter_state is not None and self.spec.drafter == "eagle":
+            from rlsched.executor.eagle import read_head_config, vllm_weights
+
+            draft = vllm_weights(drafter_state, read_head_config(self.spec.drafter_dir))
         self.engine.load_weights(hf_weights(target_state, load_config(Path(self.spec.target_dir))), draft)
 
     def _threads(self) -> None:

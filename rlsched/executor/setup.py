@@ -46,10 +46,15 @@ def check_policy_model(policy: str, model_dir: Path, config) -> None:
 HOST_DRAFTERS = ("ngram", "suffix")  # drafters without a model: they draft from earlier text
 
 
-def drafter_kind(drafter: str) -> str:
+def drafter_kind(drafter) -> str:
     """What a drafter argument is: off, ngram, suffix, eagle (the built-in target's EAGLE-3
-    head), or model (builtin or a model folder)."""
-    return drafter if drafter in ("off", "eagle") + HOST_DRAFTERS else "model"
+    head, or a folder holding an EAGLE-3 head: `eagle.save_head`'s layout), or model (builtin
+    or a model folder)."""
+    if drafter in ("off", "eagle") + HOST_DRAFTERS:
+        return str(drafter)
+    from rlsched.executor.eagle import is_head_folder
+
+    return "eagle" if is_head_folder(drafter) else "model"
 
 
 def drafter_names(kind: str) -> tuple[str, ...]:
@@ -69,7 +74,7 @@ class Models:
     eos: int | None
     pad_id: int
     drafter_name: str  # off, ngram, suffix, eagle or model
-    drafter_dir: Path | None  # a model drafter's folder
+    drafter_dir: Path | None  # a model drafter's or an EAGLE-3 head's folder
     drafter_model: Any  # a model drafter's Transformer, else None
 
     @property
@@ -89,7 +94,7 @@ def load_models(model: str, drafter: str, *, device: str, dtype: str, log=None) 
         raise UserError(f"model folder {target_dir} has no tokenizer.json, needed to encode the prompts")
     kind, d_dir, d_model = drafter_kind(drafter), None, None
     if kind == "eagle":
-        d_dir, d_model = eagle_head(model, target_dir, target.model, log)
+        d_dir, d_model = eagle_head(model, drafter, target.model, log)
     if kind == "model":
         d_dir = resolve_model_dir(drafter, "drafter", log)
         d = load_model(d_dir, device=device, dtype=dtype)
@@ -99,14 +104,17 @@ def load_models(model: str, drafter: str, *, device: str, dtype: str, log=None) 
                   d_model)
 
 
-def eagle_head(model: str, target_dir: Path, target, log=None):
-    """The built-in target's EAGLE-3 head (trained on first use, then cached): its folder and
-    the head, reading `target`'s states. UserError for another target."""
+def eagle_head(model: str, drafter, target, log=None):
+    """An EAGLE-3 head's folder and the head, reading `target`'s states: `drafter` eagle is the
+    built-in target's (trained on first use, then cached; UserError for another target), else
+    `drafter` is a head's folder."""
     from rlsched.executor.eagle import builtin_head, load_head
 
+    if drafter != "eagle":
+        return Path(drafter), load_head(drafter, target)
     if model != "builtin":
-        raise UserError(f"drafter eagle is the built-in target's EAGLE-3 head; with model {model} use a model "
-                        "folder, ngram or suffix")
+        raise UserError(f"drafter eagle is the built-in target's EAGLE-3 head; with model {model} give an EAGLE-3 "
+                        "head's folder, a model folder, ngram or suffix")
     folder = builtin_head(log=log).folder
     return folder, load_head(folder, target)
 

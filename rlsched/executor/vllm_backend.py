@@ -7,8 +7,9 @@ is made: `import rlsched` never needs it.
 How a policy runs on vLLM: vLLM's scheduler is rlsched's (`vllm_hook.PolicyScheduler`), and
 - `off` (or `static:0`): plain decoding, no speculative_config;
 - `static:K[:DRAFTER]`: `num_speculative_tokens = K` (K <= k_max), method `draft_model` with the
-  drafter folder (`draft_sample_method = probabilistic` when sampling, so rejection sampling is
-  lossless) or `ngram` (prompt lookup, 1..4 tokens);
+  drafter folder, or `eagle3` with an EAGLE-3 head's folder (`eagle.save_head`)
+  (`draft_sample_method = probabilistic` when sampling, so rejection sampling is lossless), or
+  `ngram` (prompt lookup, 1..4 tokens);
 - `twostate:MAX_BATCH:K`, `twostate:FILE` (a two-state policy file), `table:FILE` where FILE is
   `rlsched learn --vllm-table` output (`{"num_speculative_tokens_per_batch_size": [[start_bs,
   end_bs, K], ...]}` or the bare list): the draft length by batch size, vLLM's own
@@ -22,7 +23,8 @@ The oracle reads the simulator's truth and is refused (`policies/registry.py`).
 The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, executor `uni`), so
 `sync_weights` reaches vLLM's model objects through `LLM.collective_rpc` and loads the
 trainer's weights in place (`model.load_weights`, HF names from `saving.hf_state_dict`):
-the worker's `model_runner.model` (target) and `model_runner.drafter.model` (draft model).
+the worker's `model_runner.model` (target) and `model_runner.drafter.model` (the draft model or
+the EAGLE-3 head; vLLM's head shares the target's embedding, so it follows the target's).
 
 The CPU build's known problems are handled here: the CPU shim of
 `rejection_sampler.expand_batch_to_tokens` leaves its output unwritten, which breaks sampled
@@ -136,16 +138,15 @@ def _twostate_table(on: int, k: int, max_batch: int) -> list[list[int]]:
 def speculative_plan(policy: str, drafter, *, k_max: int, max_batch: int) -> dict | None:
     """What `policy` is in vLLM's terms (no vLLM needed): None for plain decoding, else
     {"k": num_speculative_tokens, "table": [[start_bs, end_bs, K], ...] or None, "drafter":
-    "model" | "ngram", "native": bool}. Native: vLLM's own config says the draft length (static
+    "model" | "eagle" | "ngram", "native": bool}. Native: vLLM's own config says the draft length (static
     K, a batch-size table); else rlsched's policy chooses it every step (`vllm_hook`) up to
     k = k_max. UserError (naming `policy`) for what cannot run here."""
-    if drafter == "suffix":
+    from rlsched.executor.setup import drafter_kind
+
+    have = drafter_kind(drafter)
+    if have == "suffix":
         raise UserError("drafter suffix runs on the local backend only (vLLM's own suffix method needs the "
                         "arctic-inference package); set rollout.backend local or drafter ngram")
-    if drafter == "eagle":
-        raise UserError("drafter eagle runs on the local backend only; set rollout.backend local or drafter "
-                        "builtin")
-    have = "off" if drafter == "off" else ("ngram" if drafter == "ngram" else "model")
     p = parse_policy(policy, "vllm").check(() if have == "off" else (have,), k_max, run_words("vllm"))
     if not p.drafts:
         return None
@@ -173,8 +174,7 @@ def check_vllm_backend(policy: str, drafter, *, k_max: int, max_batch: int, cost
     UserError otherwise, one line."""
     import importlib.util
 
-    plan = speculative_plan(policy, drafter if isinstance(drafter, str) else "model", k_max=k_max,
-                            max_batch=max_batch)
+    plan = speculative_plan(policy, drafter, k_max=k_max, max_batch=max_batch)
     if (plan is not None and plan["drafter"] == "ngram" and cost_model == "auto"
             and parse_policy(policy).priced):
         raise UserError(f"policy '{policy}' prices steps, and with the ngram drafter vLLM's step costs cannot be "
@@ -381,8 +381,9 @@ class VllmRolloutEngine:
         self.max_batch, self.k_max = max_batch, k_max
         if max_batch < 1:
             raise UserError(f"rollout.max_batch must be >= 1 (got {max_batch})")
-        self.plan = speculative_plan(policy, drafter if isinstance(drafter, str) else "model", k_max=k_max,
-                                     max_batch=max_batch)
+        self.plan = speculative_plan(policy, drafter, k_max=k_max, max_batch=max_batch)
+        if self.plan is not None and self.plan["drafter"] == "eagle" and isinstance(drafter, str):
+            raise UserError("drafter eagle on vLLM needs the head's folder (`setup.eagle_head`), not its name")
         raw = json.loads((self.target_dir / "config.json").read_text())
         limit = int(raw.get("max_position_embeddings") or max_len)
         if max_len > limit:
@@ -410,7 +411,8 @@ class VllmRolloutEngine:
             if self.plan["drafter"] == "ngram":
                 spec = dict(NGRAM, num_speculative_tokens=self.plan["k"])
             else:
-                spec = {"method": "draft_model", "model": str(drafter), "num_speculative_tokens": self.plan["k"],
+                method = "eagle3" if self.plan["drafter"] == "eagle" else "draft_model"
+                spec = {"method": method, "model": str(drafter), "num_speculative_tokens": self.plan["k"],
                         "draft_sample_method": "greedy" if sampling.greedy else "probabilistic"}
             if self.plan["table"] is not None:
                 spec[TABLE_FIELD] = [tuple(e) for e in self.plan["table"]]
@@ -477,7 +479,7 @@ class VllmRolloutEngine:
         from rlsched.executor import vllm_hook
 
         drafter = "off" if self.plan is None else self.plan["drafter"]
-        k = self.k_max if drafter == "model" else 0
+        k = self.k_max if drafter in ("model", "eagle") else 0
         new = max(16, 2 * (k + 1) * (k + 2) // 2 + k + 2)  # two sweeps at full acceptance, and room for the last
         prompt_len = max(8, min(typical_ctx, self.max_model_len - new - 1))
         sizes = sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < self.max_batch} | {self.max_batch})
@@ -706,15 +708,23 @@ class VllmRolloutEngine:
         return self.draft_policy, self.estimator, None
 
     def sync_weights(self, model, drafter_model=None) -> None:
-        """Load the trainer's actor (and drafter) weights into vLLM's models in place."""
+        """Load the trainer's actor (and drafter: a draft model, or an EAGLE-3 head) weights
+        into vLLM's models in place."""
+        from rlsched.executor.eagle import EagleHead, vllm_weights
         from rlsched.executor.saving import hf_state_dict
 
-        self.load_weights(hf_state_dict(model), None if drafter_model is None else hf_state_dict(drafter_model))
+        draft = None
+        if isinstance(drafter_model, EagleHead):
+            draft = vllm_weights(drafter_model.state_dict(), drafter_model.config)
+        elif drafter_model is not None:
+            draft = hf_state_dict(drafter_model)
+        self.load_weights(hf_state_dict(model), draft)
 
     def load_weights(self, target: dict, draft: dict | None = None) -> None:
-        """Weights under HF names (`saving.hf_weights`) into vLLM's target (and draft) model;
-        the prefix cache is emptied (its blocks hold keys and values of the old weights)."""
-        draft = draft if self.method == "draft_model" else None
+        """Weights under HF names (`saving.hf_weights`; an EAGLE-3 head's under its checkpoint
+        names, `eagle.vllm_weights`) into vLLM's target (and drafter) model; the prefix cache is
+        emptied (its blocks hold keys and values of the old weights)."""
+        draft = draft if self.method in ("draft_model", "eagle3") else None
 
         def load(worker, target, draft):
             runner = worker.model_runner

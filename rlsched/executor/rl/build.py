@@ -231,7 +231,7 @@ def make_backend(cfg: RunConfig, m: Models, drafter, sampling, policy, cost, gen
     if r.backend == "vllm":
         from rlsched.executor.vllm_backend import VllmRolloutEngine
 
-        drafter_spec = m.drafter_dir if m.drafter_name == "model" else m.drafter_name  # a folder, or a name
+        drafter_spec = m.drafter_dir if m.drafter_name in ("model", "eagle") else m.drafter_name  # folder or name
         restored = None if estimator is None else (None if isinstance(policy, str) else policy, estimator, None)
         return VllmRolloutEngine(m.target_dir, drafter_spec, sampling, cfg.policy, max_batch=r.max_batch,
                                  k_max=r.k_max, max_len=longest + r.max_tokens + r.k_max + 1,

@@ -95,7 +95,8 @@ class DrafterUpdateConfig(_Strict):
 
 class RunConfig(_Strict):
     model: str = Field("builtin", description="actor: an HF folder, or builtin")
-    drafter: str = Field("builtin", description="an HF folder, builtin, ngram, suffix or off")
+    drafter: str = Field("builtin", description="an HF folder, builtin, eagle (the built-in actor's EAGLE-3 head), "
+                         "an EAGLE-3 head's folder, ngram, suffix or off")
     data: str = Field("builtin:count,repeat@64", description="builtin[:tasks][@N] or a JSONL file")
     reward: str = Field("exact_match", description="exact_match, math, module:function or model:DIR")
     policy: str = Field("goodput", description="drafting policy name or policy file")
