@@ -1,6 +1,7 @@
 """The EAGLE-3 head drafting in the rollout engine (`executor/eagle_drafter.py`): the target's
 states it keeps per row are the ones a cache-less forward of the row gives, greedy rollouts
-equal plain decoding, and sampled ones run losslessly through the chain verifier."""
+(chains and draft trees) equal plain decoding, and sampled ones complete with the target's
+log-probs; the trees' losslessness is tested in test_tree_verify.py."""
 
 from __future__ import annotations
 
@@ -36,10 +37,12 @@ def engine(models, policy, sampling=GREEDY, drafter=True):
     return RolloutEngine(target, d, 4 * 200, 4, sampling, policy, k_max=4, generator=gen), d
 
 
-def test_the_states_kept_per_row_are_the_targets(models):
-    """After every step (rows joining, drafting, accepting, leaving) each row's kept states are
-    the target's aux states at the row's last positions, as a cache-less forward gives them."""
-    eng, d = engine(models, "static:3")
+@pytest.mark.parametrize("policy", ["static:3", "tree:3:2:4"])
+def test_the_states_kept_per_row_are_the_targets(models, policy):
+    """After every step (rows joining, drafting, accepting a chain's drafts or a tree's path,
+    leaving) each row's kept states are the target's aux states at the row's last positions,
+    as a cache-less forward gives them."""
+    eng, d = engine(models, policy)
     eng.start(requests())
     checked = 0
     while eng.has_work and checked < 40:
@@ -60,17 +63,17 @@ def test_greedy_eagle_rollouts_equal_plain_decoding(models):
     reqs = requests()
     off, _ = engine(models, "off", drafter=False)
     want = [s.tokens for s in off.run(reqs).samples]
-    eng, _ = engine(models, "static:3")
-    got = eng.run(reqs)
-    assert [s.tokens for s in got.samples] == want
-    assert got.stats["accepted"] > 0 and got.stats["mean_accept_len"] > 1.2
+    for policy in ("static:3", "tree:3:2:4"):  # a chain, and a draft tree of the head's candidates
+        eng, _ = engine(models, policy)
+        got = eng.run(reqs)
+        assert [s.tokens for s in got.samples] == want, policy
+        assert got.stats["accepted"] > 0 and got.stats["mean_accept_len"] > 1.2, policy
 
 
 def test_sampled_eagle_rollouts_complete_with_target_logprobs(models):
     sampling = SamplingParams(temperature=1.0)
-    eng, _ = engine(models, "static:3", sampling)
-    res = eng.run(requests(4, 2, 16))
-    assert all(0 < len(s.tokens) <= 16 and max(s.logprobs) <= 0 for s in res.samples)
-    assert res.stats["accepted"] > 0
-    with pytest.raises(Exception, match="drafts chains only"):
-        engine(models, "tree:2:2:4")[0].run(requests(1, 1, 8))
+    for policy in ("static:3", "tree:3:2:4"):
+        eng, _ = engine(models, policy, sampling)
+        res = eng.run(requests(4, 2, 16))
+        assert all(0 < len(s.tokens) <= 16 and max(s.logprobs) <= 0 for s in res.samples)
+        assert res.stats["accepted"] > 0

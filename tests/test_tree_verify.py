@@ -7,9 +7,11 @@
   fixed seeds), for chains and width 2 and 3 trees, deterministic and sampled candidates,
   temperature 1 and 0.7 with top-p 0.9. A resampler with a deliberate error fails the same test.
 - On the built-in pair: a tree forward's logits at every node equal a plain forward of the
-  node's path; `keep_path` moves exactly the accepted entries; greedy tree SD
-  (`ModelDrafter.propose_tree` + `tree_step`) equals greedy plain decoding on ragged prompts;
-  the first token of a sampled tree step follows the target's next-token distribution.
+  node's path; `keep_path` moves exactly the accepted entries; the EAGLE-3 head's tree gives
+  every node the distribution its path gives as a chain; greedy tree SD (`propose_tree` of
+  the model drafter and of the EAGLE head, + `tree_step`) equals greedy plain decoding on
+  ragged prompts; the first token of a sampled tree step follows the target's next-token
+  distribution (both drafters, T = 1 and T = 0.7 / top-p 0.9).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ torch = pytest.importorskip("torch")
 from rlsched.executor import tree_verify as tv  # noqa: E402
 from rlsched.executor.builtin import builtin_pair, encode  # noqa: E402
 from rlsched.executor.drafters import ModelDrafter  # noqa: E402
+from rlsched.executor.eagle import builtin_head, draft_tree, load_head, target_features  # noqa: E402
+from rlsched.executor.eagle_drafter import EagleDrafter  # noqa: E402
 from rlsched.executor.loading import load_model  # noqa: E402
 from rlsched.executor.sampling import GREEDY, SamplingParams  # noqa: E402
 from rlsched.executor.speculative import PAD, Seq, generate, prefill, tree_step  # noqa: E402
@@ -230,6 +234,12 @@ def pair():
     return load_model(p.target).model, load_model(p.drafter).model
 
 
+@pytest.fixture(scope="module")
+def head(pair):
+    yield load_head(builtin_head().folder, pair[0])
+    pair[0].capture = None  # an EagleDrafter has the target keep its states
+
+
 def _prompts(n: int, seed: int = 1) -> list[list[int]]:
     return [encode(e.prompt) for e in make_examples(n, seed=seed)]
 
@@ -297,25 +307,65 @@ def tree_generate(target, drafter, prompts, max_new, sp, tree, g=None):
     return [s.tokens[len(p):len(p) + max_new] for s, p in zip(seqs, prompts)], steps
 
 
+def test_eagle_tree_nodes_get_the_distribution_of_their_path_as_a_chain(pair, head):
+    """`draft_tree`: every node's children are drawn from what the head gives when the node's
+    path is fed to it as a chain (its tree attention sees the anchors and the ancestors)."""
+    target = pair[0]
+    sp = SamplingParams(1.3)  # flat enough that every node has three candidates
+    tree = tree_for("w3n8")
+    prompt = encode("count 3 9=")
+    ids = torch.tensor([prompt])
+    aux, _ = target_features(target, ids[:, :-1], head.config.aux_layers)
+    tokens = ids[:, 1:]  # anchor t pairs the states at t with token t + 1
+    x, dists, present = draft_tree(head, aux, tokens, tree, sp, torch.Generator().manual_seed(0))
+    assert present.all() and set(x[0].tolist()) <= set(head.draft_ids.tolist())
+
+    def chain_dist(path):
+        positions = torch.arange(aux.shape[1])[None]
+        hidden, logits, ctx = head.layer(tokens, head.fc(aux), positions)
+        h, lg, own = hidden[:, -1:], logits[:, -1], []
+        for j, tok in enumerate(path):
+            h, lg, _ = head.layer(torch.tensor([[tok]]), h, positions[:, -1:] + j + 1, ctx, own)
+            lg = lg[:, -1]
+        q = torch.zeros(head.config.vocab_size)
+        q[head.draft_ids] = sp.probs(lg)[0]
+        return q
+
+    with torch.no_grad():
+        for i in range(-1, tree.level(tree.k)[0]):  # the deepest nodes have no children to draw
+            path, j = [], i
+            while j >= 0:
+                path.append(int(x[0, j]))
+                j = tree.parent[j]
+            torch.testing.assert_close(dists[0, i + 1], chain_dist(path[::-1]), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("drafter", ["model", "eagle"])
 @pytest.mark.parametrize("shape", [(3, 1, 3), (3, 2, 6), (4, 3, 12)])
-def test_greedy_tree_sd_equals_greedy_plain(pair, shape):
+def test_greedy_tree_sd_equals_greedy_plain(pair, head, shape, drafter):
     target, small = pair
     prompts = _prompts(5, seed=3)
     want, _, _ = generate(target, prompts, 24, GREEDY)
     tree = tree_of(*shape, 0.6, 0.25)
-    drafter = ModelDrafter(small, GREEDY, len(prompts), 2 * max(map(len, prompts)) + 24 + 2 * tree.n + 8)
-    got, steps = tree_generate(target, drafter, prompts, 24, GREEDY, tree)
+    if drafter == "model":
+        d = ModelDrafter(small, GREEDY, len(prompts), 2 * max(map(len, prompts)) + 24 + 2 * tree.n + 8)
+    else:
+        d = EagleDrafter(head, target, GREEDY)
+    got, steps = tree_generate(target, d, prompts, 24, GREEDY, tree)
     assert got == want
-    assert steps < 24 * 0.7  # drafts were accepted
+    assert steps < 24 * 0.8  # drafts were accepted
 
 
-def test_sampled_tree_step_first_token_follows_the_target(pair):
-    """T = 1, model drafter, a width-2 tree: the first emitted token of many rows with the
-    same prompt against the target's exact next-token distribution."""
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("drafter", ["model", "eagle"])
+def test_sampled_tree_step_first_token_follows_the_target(pair, head, drafter, case):
+    """A width-2 tree of either drafter: the first emitted token of many rows with the same
+    prompt against the target's exact next-token distribution."""
     target, small = pair
-    sp = SamplingParams(1.0)
+    sp = CASES[case]
     tree = tree_of(2, 2, 4, 0.6, 0.25)
-    prompt = encode("repeat 12 5=")  # a prompt the drafter often gets wrong
+    # a prompt where the drafter's first candidate is often wrong and its second often right
+    prompt = encode({"model": "repeat 12 5=", "eagle": "add 96+7="}[drafter])
     rows = 800
     g = torch.Generator().manual_seed(11)
     cache = target.new_cache(rows, len(prompt) + tree.n + 2)
@@ -323,7 +373,10 @@ def test_sampled_tree_step_first_token_follows_the_target(pair):
     last = prefill(target, cache, slots[:1], [prompt]).expand(rows)
     for r in range(1, rows):  # the other rows share the first one's prefill
         cache.copy_prefix(0, r, len(prompt) - 1)
-    drafter = ModelDrafter(small, sp, rows, 2 * len(prompt) + tree.n + 8, torch.Generator().manual_seed(12))
+    if drafter == "model":
+        drafter = ModelDrafter(small, sp, rows, 2 * len(prompt) + tree.n + 8, torch.Generator().manual_seed(12))
+    else:
+        drafter = EagleDrafter(head, target, sp, torch.Generator().manual_seed(12))
     seqs = [Seq(list(prompt), i) for i in range(rows)]
     tokens, dq, present = drafter.propose_tree(seqs, tree)
     out = tree_step(target, cache, slots, last, sp, tree, tokens, dq, present, g)

@@ -478,6 +478,72 @@ def draft(head: EagleHead, aux: torch.Tensor, tokens: torch.Tensor, k: int,
     return out_tokens, out_probs
 
 
+
+@torch.no_grad()
+def draft_tree(head: EagleHead, aux: torch.Tensor, tokens: torch.Tensor, tree,
+               sampling: SamplingParams = GREEDY, generator: torch.Generator | None = None):
+    """A draft tree (`tree_verify.DraftTree`, n nodes) per row, from the inputs `draft` takes.
+    Each node's children are drawn without replacement from the head's distribution there
+    (`tree_verify.draw_children`; greedy: its top tokens). The nodes of one depth go through
+    the layer together, each as its own chain: fed its parent's output and its own token at
+    the position of its depth, attending to the context anchors and to its ancestors' keys
+    (what chain step j attends to at steps < j). Returns target ids (B, n), the
+    distributions the children were drawn from over the target vocabulary (B, n + 1, V;
+    index 0 the root's, i + 1 node i's; None when greedy) and present (B, n)."""
+    from rlsched.executor.tree_verify import draw_children
+
+    b, t, _ = aux.shape
+    n, ids, dev = tree.n, head.draft_ids, aux.device
+    out_tokens = torch.zeros((b, n), dtype=torch.long, device=dev)
+    present = torch.zeros((b, n), dtype=torch.bool, device=dev)
+    dists = None if sampling.greedy else torch.zeros((b, n + 1, head.config.vocab_size), device=dev)
+    positions = torch.arange(t, device=dev).expand(b, t)
+    hidden, logits, (ctx_k, ctx_v) = head.layer(tokens, head.fc(aux), positions)
+    node_hidden = torch.zeros((b, n, hidden.shape[-1]), dtype=hidden.dtype, device=dev)
+    root_hidden, logits = hidden[:, -1:], logits[:, -1:]  # (B, 1, h), (B, P, D) over this level's parents
+    level_kv: dict[int, tuple] = {}  # depth -> (k, v) of its nodes, (B, n_d, KV, 1, hd)
+    anc = tree.ancestors()
+    for d in range(tree.k):
+        if d == 0:
+            parents = [-1]
+        else:  # the nodes of depth d, each a one-token chain step, give their children's distributions
+            lo, hi = tree.level(d)
+            parents, m = list(range(lo, hi)), hi - lo
+            x = torch.where(present[:, lo:hi], out_tokens[:, lo:hi], 0).reshape(b * m, 1)
+            par = [tree.parent[i] for i in parents]
+            h_in = torch.stack([root_hidden[:, 0] if j < 0 else node_hidden[:, j] for j in par], 1)
+            own = []
+            for e in range(1, d):  # each node's ancestor at depth e, as the chain's step e
+                elo, _ = tree.level(e)
+                at = [int(anc[i, elo:elo + level_kv[e][0].shape[1]].nonzero()[0]) for i in parents]
+                own.append(tuple(kv[:, at].reshape(b * m, *kv.shape[2:]) for kv in level_kv[e]))
+            pos = torch.full((b * m, 1), t - 1 + d, dtype=torch.long, device=dev)
+            ctx = (ctx_k.repeat_interleave(m, 0), ctx_v.repeat_interleave(m, 0))
+            h_out, lg, (k_d, v_d) = head.layer(x, h_in.reshape(b * m, 1, -1), pos, ctx, own)
+            node_hidden[:, lo:hi] = h_out.view(b, m, -1)
+            level_kv[d] = (k_d.view(b, m, *k_d.shape[1:]), v_d.view(b, m, *v_d.shape[1:]))
+            logits = lg.view(b, m, -1)
+        p = sampling.probs(logits)  # (B, P, D)
+        if dists is not None:
+            dists[:, parents[0] + 1:parents[-1] + 2, ids] = p
+        by_m: dict[int, list[int]] = {}
+        for i, j in enumerate(parents):
+            if tree.children(j):
+                by_m.setdefault(len(tree.children(j)), []).append(i)
+        for m, idx in by_m.items():
+            kids = torch.tensor([tree.children(parents[i]) for i in idx], device=dev)  # (P, m)
+            if sampling.greedy:
+                x = logits[:, idx].topk(m, dim=-1).indices
+                ok = torch.ones_like(x, dtype=torch.bool)
+            else:
+                x, ok = draw_children(p[:, idx].reshape(-1, p.shape[-1]), m, generator)
+                x, ok = x.view(b, len(idx), m), ok.view(b, len(idx), m)
+            if d > 0:  # an absent node's children are absent
+                ok = ok & present[:, [parents[i] for i in idx]][..., None]
+            out_tokens[:, kids] = ids[x]
+            present[:, kids] = ok
+    return out_tokens, dists, present
+
 # --- folders --------------------------------------------------------------------------------
 
 def vllm_weights(state: dict[str, torch.Tensor], config: HeadConfig) -> dict[str, torch.Tensor]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from rlsched.executor.eagle import EagleHead, draft, target_features
+from rlsched.executor.eagle import EagleHead, draft, draft_tree, target_features
 from rlsched.executor.speculative import Seq
 
 
@@ -80,6 +80,35 @@ class EagleDrafter:
         self._rows[seq.slot] = (seq, states, n)
         return states
 
+    def _groups(self, rows: list[Seq]):
+        """(row indices, aux states, tokens) of the rows with as many positions to attend to:
+        they draft together."""
+        dev = self.target.embed.weight.device
+        states = [self._states(s) for s in rows]
+        groups: dict[int, list[int]] = {}
+        for i, st in enumerate(states):
+            groups.setdefault(st.shape[0], []).append(i)
+        for t, idx in groups.items():
+            aux = torch.stack([states[i] for i in idx])
+            nxt = torch.tensor([rows[i].tokens[len(rows[i].tokens) - t:] for i in idx], device=dev)
+            yield idx, aux, nxt
+
+    @torch.inference_mode()
+    def propose_tree(self, rows: list[Seq], tree):
+        """A draft tree per row (`eagle.draft_tree`): tokens (B, n), draft_probs (B, n + 1, V)
+        or None (greedy) and present (B, n), for `tree_verify`."""
+        b, n, v = len(rows), tree.n, self.head.config.vocab_size
+        dev = self.target.embed.weight.device
+        tokens = torch.zeros((b, n), dtype=torch.long, device=dev)
+        present = torch.zeros((b, n), dtype=torch.bool, device=dev)
+        dists = None if self.sampling.greedy else torch.zeros((b, n + 1, v), device=dev)
+        for idx, aux, nxt in self._groups(rows):
+            x, q, ok = draft_tree(self.head, aux, nxt, tree, self.sampling, self.generator)
+            tokens[idx], present[idx] = x, ok
+            if dists is not None:
+                dists[idx] = q
+        return tokens, dists, present
+
     @torch.inference_mode()
     def propose(self, rows: list[Seq], k: int):
         b, v = len(rows), self.head.config.vocab_size
@@ -88,13 +117,7 @@ class EagleDrafter:
         probs = torch.zeros((b, k, v), device=dev)
         if k == 0 or b == 0:
             return tokens.cpu(), probs, torch.zeros(b, dtype=torch.long)
-        states = [self._states(s) for s in rows]
-        groups: dict[int, list[int]] = {}
-        for i, st in enumerate(states):
-            groups.setdefault(st.shape[0], []).append(i)
-        for t, idx in groups.items():  # rows with as many positions to attend to draft together
-            aux = torch.stack([states[i] for i in idx])
-            nxt = torch.tensor([rows[i].tokens[len(rows[i].tokens) - t:] for i in idx], device=dev)
+        for idx, aux, nxt in self._groups(rows):
             d, q = draft(self.head, aux, nxt, k, self.sampling, self.generator)
             tokens[idx], probs[idx] = d, q
         return tokens.cpu(), probs, torch.full((b,), k, dtype=torch.long)
