@@ -364,6 +364,9 @@ def generate(
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling (1 = off)."),
     top_k: int = typer.Option(0, "--top-k", help="Top-k sampling (0 = off)."),
     k_max: int = typer.Option(6, "--k-max", help="Longest draft a policy may choose."),
+    width_max: int = typer.Option(1, "--width-max", help="Widest draft tree a priced policy (goodput, seqgoodput, "
+                                  "twostate) may choose, of at most --k-max nodes (1: chains only; trees need "
+                                  "builtin, a model folder, eagle or suffix)."),
     max_batch: int = typer.Option(64, "--max-batch", help="Rows decoded at once (continuous batching)."),
     kv_budget: Optional[int] = typer.Option(None, "--kv-budget", help="KV cache budget in tokens shared by the "
                                             "running rows (default: max-batch rows at their longest). Requests "
@@ -392,7 +395,8 @@ def generate(
     if drafter is None:
         drafter = "builtin" if model == "builtin" else "ngram"
     args = GenerateArgs(model=model, drafter=drafter, policy=policy, prompts=prompts, n=n, max_tokens=max_tokens,
-                        temperature=temperature, top_p=top_p, top_k=top_k, k_max=k_max, max_batch=max_batch,
+                        temperature=temperature, top_p=top_p, top_k=top_k, k_max=k_max, width_max=width_max,
+                        max_batch=max_batch,
                         kv_budget=kv_budget, cost_model=cost_model, ignore_eos=ignore_eos, device=device,
                         dtype=dtype, seed=seed, threads=threads, instances=instances, realloc=realloc,
                         compile=compile_)

@@ -192,6 +192,8 @@ def test_kill_minus_nine_keeps_completed_steps_readable(pair, tmp_path):
     ("kv budget", ["--kv-budget", "10"], "exceed the KV cache capacity (10)"),
     ("device", ["--device", "tpu"], "device 'tpu'"),
     ("compile with instances", ["--compile", "--instances", "2"], "--compile runs in this process"),
+    ("width max", ["--width-max", "0"], "--width-max must be >= 1"),
+    ("trees of a chain drafter", ["--drafter", "ngram", "--width-max", "2"], "the ngram drafter drafts no trees"),
 ])
 def test_bad_input_is_one_line_and_exit_2(pair, tmp_path, case, args, message):
     (tmp_path / "corrupt").mkdir()

@@ -175,6 +175,8 @@ def test_reward_failures_are_counted_then_stop_the_run_past_the_threshold(pair, 
     # in the run's words, and before any model is loaded (the model folder does not exist)
     (["--policy", "static:9", "--set", "model=/no/such/model"], "K = 9 is above rollout.k_max = 3"),
     (["--policy", "static:2", "--set", "drafter=off", "--set", "model=/no/such/model"], "drafter is off; set drafter"),
+    (["--set", "rollout.width_max=2", "--set", "rollout.backend=vllm", "--set", "model=/no/such/model"],
+     "rollout.width_max 2: draft trees run on the local engine only"),
 ])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(pair, tmp_path, args, message):
     out = tmp_path / "bad"

@@ -105,6 +105,47 @@ def test_greedy_trees_equal_off(pair, kind, policy):
     assert sd.stats["accepted"] > 0 and sd.stats["mean_accept_len"] > 1.0
 
 
+class TreesPay:
+    """A cost model where a verify costs the same for any number of tokens a row (a GPU at a
+    small batch, taken to its limit) and drafting next to nothing: the deepest, widest draft
+    the estimates make likeliest pays."""
+
+    def verify_time(self, batch, q, ctx_tokens):
+        return np.full(np.shape(q), 1e-2) if np.ndim(q) else 1e-2
+
+    def draft_time(self, drafter, batch, k, ctx_tokens, width=1):
+        return 1e-5 * np.asarray(k, dtype=float) * width
+
+    def draft_time_per_row(self, drafter, ks, ctx_tokens):
+        return 1e-5 * np.asarray(ks, dtype=float).max(axis=-1, initial=0)
+
+    def prefill_time(self, n_tokens, sum_sq_tokens=None):
+        return 1e-3
+
+    def drafter_prefill_time(self, drafter, n_tokens, sum_sq_tokens=None):
+        return 0.0
+
+    def kv_transfer_time(self, ctx_tokens, n_seqs):
+        return 0.0
+
+
+@pytest.mark.parametrize("kind", ["model", "suffix"])
+def test_goodput_chooses_draft_trees_where_they_pay_and_stays_lossless(pair, kind, tmp_path):
+    """With width_max > 1 goodput prices trees beside chains every step; where trees pay it
+    runs them (steps recorded with their width), and greedy output stays greedy decoding's.
+    With width_max 1 the same policy drafts chains only."""
+    reqs = requests(3, 20)
+    want, _, _ = generate(pair[0], [r.prompt for r in reqs], 20, GREEDY)
+    for width_max in (3, 1):
+        policy = build_policy("goodput", (kind,), TreesPay(), k_max=8, max_batch=4, width_max=width_max, nodes_max=8,
+                              calibrate=False)
+        traces = tmp_path / f"w{width_max}"
+        sd = engine(pair, kind, policy, trace_dir=traces, k_max=8).run(reqs)
+        assert [s.tokens for s in sd.samples] == want
+        widths = read_trace(traces, "steps").query("kind == 'decode' and k > 0").width
+        assert (widths > 1).any() if width_max > 1 else (widths == 1).all(), widths.value_counts()
+
+
 def test_a_tree_step_shows_the_estimator_rank_1_trials():
     """Root -> node 0 (rank 1) -> node 2 (rank 1); root -> node 1 (rank 2). Accepted nodes are
     hits (rank 1) or misses; where the walk stopped, a present rank-1 child is a miss."""

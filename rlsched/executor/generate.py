@@ -29,8 +29,8 @@ from rlsched.errors import UserError
 from rlsched.executor.folders import prepare_out
 from rlsched.executor.gcfreeze import freeze_long_lived
 from rlsched.executor.prompts import Prompt, load_prompts
-from rlsched.executor.setup import Models, check_cost_folder, check_policy_model, cost_model, drafter_kind, \
-    drafter_names, load_models, make_drafter, needs_cost, start_engine
+from rlsched.executor.setup import Models, check_cost_folder, check_policy_model, check_width_max, cost_model, \
+    drafter_kind, drafter_names, load_models, make_drafter, needs_cost, start_engine
 from rlsched.policies.registry import GENERATE, parse_policy
 
 MARKER = "summary.json"
@@ -48,6 +48,7 @@ class GenerateArgs:
     top_p: float = 1.0
     top_k: int = 0
     k_max: int = 6
+    width_max: int = 1  # widest draft tree a priced policy may choose (1: chains only)
     max_batch: int = 64
     kv_budget: int | None = None  # tokens; default: every running row at its longest
     cost_model: str = "auto"  # auto (profile at start), or a `rlsched profile` folder
@@ -115,6 +116,7 @@ def prepare(a: GenerateArgs, out: Path | None, log=None) -> Setup:
     _check_numbers(a)
     # the policy and its cost model folder first: the drafter's kind is known from --drafter alone
     parse_policy(a.policy, "local").check(drafter_names(drafter_kind(a.drafter)), a.k_max, GENERATE)
+    check_width_max(a.width_max, drafter_kind(a.drafter), "local", "--width-max")
     if needs_cost(a.policy, a.instances, a.realloc):
         check_cost_folder(a.cost_model, "--cost-model")
     if a.threads:
@@ -155,7 +157,7 @@ def run(s: Setup, out: Path, log=None) -> dict:
                          realloc=a.realloc, max_batch=a.max_batch, k_max=a.k_max, typical_ctx=typical, seed=a.seed,
                          log=log)
     policy = build_policy(a.policy, m.drafter_names, cost, GENERATE, k_max=a.k_max, max_batch=a.max_batch,
-                          typical_ctx=typical)
+                          typical_ctx=typical, width_max=a.width_max, nodes_max=a.k_max)
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)

@@ -57,6 +57,20 @@ def drafter_kind(drafter) -> str:
     return "eagle" if is_head_folder(drafter) else "model"
 
 
+def check_width_max(width_max: int, kind: str, backend: str, field: str) -> None:
+    """Draft trees a policy may choose (`width_max` > 1) need the local engine and a drafter
+    that drafts trees; a UserError naming `field` otherwise."""
+    if width_max < 1:
+        raise UserError(f"{field} must be >= 1 (got {width_max}; 1: chains only)")
+    if width_max == 1:
+        return
+    if backend != "local":
+        raise UserError(f"{field} {width_max}: draft trees run on the local engine only; set it to 1 with {backend}")
+    if kind in ("off", "ngram"):
+        raise UserError(f"{field} {width_max}: the {kind} drafter drafts no trees; use builtin, a model folder, "
+                        "eagle or suffix, or set it to 1")
+
+
 def drafter_names(kind: str) -> tuple[str, ...]:
     """The drafters a policy may name, for a drafter of this kind."""
     return () if kind == "off" else (kind,)

