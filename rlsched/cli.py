@@ -425,7 +425,8 @@ def generate(
 def profile(
     model: str = typer.Option("builtin", "--model", "-m", help="Target model folder, or builtin."),
     drafter: list[str] = typer.Option(["builtin"], "--drafter", "-d", help="Drafter(s) to time: a model "
-                                      "folder, builtin, ngram or suffix (repeatable; 'off' for none)."),
+                                      "folder, builtin, eagle or an EAGLE-3 head's folder, ngram or suffix "
+                                      "(repeatable; 'off' for none)."),
     batch_sizes: str = typer.Option("1,2,4,8,16,32,64", "--batch-sizes", help="Comma-separated batch sizes."),
     k_max: int = typer.Option(6, "--k-max", help="Draft lengths 0..k_max."),
     contexts: str = typer.Option("64,192", "--contexts", help="Comma-separated context lengths per row: their mean "

@@ -77,3 +77,23 @@ def test_sampled_eagle_rollouts_complete_with_target_logprobs(models):
         res = eng.run(requests(4, 2, 16))
         assert all(0 < len(s.tokens) <= 16 and max(s.logprobs) <= 0 for s in res.samples)
         assert res.stats["accepted"] > 0
+
+
+def test_prepared_rows_draft_without_a_target_forward(models, monkeypatch):
+    """`prepare` computes a row's states ahead (what `observe` hands over in the engine; the
+    profiler calls it untimed): the draft that follows runs the head alone."""
+    import rlsched.executor.eagle_drafter as ed
+    from rlsched.executor.speculative import Seq
+
+    target, head = models
+    d = EagleDrafter(head, target, GREEDY)
+    rows = [Seq(encode(e.prompt) + [5, 7], i) for i, e in enumerate(make_examples(3, 1))]
+    d.prepare(rows)
+
+    def no_forward(*args, **kwargs):
+        raise AssertionError("the draft recomputed the target's states")
+
+    monkeypatch.setattr(ed, "target_features", no_forward)
+    tokens, _, ks = d.propose(rows, 3)
+    assert tokens.shape == (3, 3) and ks.tolist() == [3, 3, 3]
+    target.capture = None

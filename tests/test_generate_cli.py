@@ -149,6 +149,17 @@ def test_generate_with_the_eagle_head_and_a_draft_tree(pair, tmp_path):
     tree = json.loads(ok(rlsched("generate", "--policy", "tree:3:2:6", *FAST, "--k-max", "6", "--out",
                                  str(tmp_path / "tree"), "--json", cwd=tmp_path)).stdout)
     assert tree["drafter"] == "model" and tree["mean_accept_len"] > 1.0
+    # the head's drafting profiled, then goodput over its chains and trees priced by that profile
+    prof = tmp_path / "prof"
+    ok(rlsched("profile", "--drafter", "eagle", "--batch-sizes", "1,4", "--k-max", "3", "--contexts", "16",
+               "--repeats", "1", "--out", str(prof), cwd=tmp_path))
+    rec = read_trace(prof / "traces", "steps")
+    assert set(rec[rec.kind == "draft"].drafter) == {"eagle"} and (rec[rec.kind == "draft"].draft_ms > 0).all()
+    assert "feed" not in set(rec.kind)  # the head is handed the target's states: nothing to catch up
+    adaptive = json.loads(ok(rlsched("generate", "--drafter", "eagle", "--policy", "goodput", "--cost-model",
+                                     str(prof), "--width-max", "2", *FAST, "--out",
+                                     str(tmp_path / "adaptive"), "--json", cwd=tmp_path)).stdout)
+    assert adaptive["drafter"] == "eagle" and adaptive["samples"] == 64
     proc = rlsched("generate", "--model", str(pair.target), "--drafter", "eagle", "--policy", "static:2",
                    "--out", str(tmp_path / "bad"), cwd=tmp_path)
     assert proc.returncode == 2 and "drafter eagle is the built-in target's EAGLE-3 head" in proc.stderr

@@ -63,6 +63,13 @@ class EagleDrafter:
         self._prompts[tuple(tokens)] = states[-self.window:]
 
     @torch.inference_mode()
+    def prepare(self, rows: list[Seq]) -> None:
+        """Compute and keep the rows' states now (what `observe` hands over after each engine
+        step; the profiler calls it, untimed, before it times a draft)."""
+        for s in rows:
+            self._states(s)
+
+    @torch.inference_mode()
     def _states(self, seq: Seq) -> torch.Tensor:
         """The row's states at its last `window` positions before its last token."""
         n = len(seq.tokens) - 1

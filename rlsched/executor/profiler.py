@@ -37,22 +37,30 @@ from rlsched.executor.sampling import SamplingParams
 from rlsched.executor.speculative import Seq, prefill, step
 
 
+def _nothing() -> None:
+    pass
+
+
 def _timed(fn, repeats: int, sync=lambda: None) -> list[float]:
     """Wall-clock milliseconds of `repeats` runs of `fn()`, after one warm-up (`sync` waits
     for queued GPU work)."""
     return _timed_in_turn({"": fn}, repeats, sync)[""]
 
 
-def _timed_in_turn(fns: dict, repeats: int, sync=lambda: None) -> dict:
+def _timed_in_turn(fns: dict, repeats: int, sync=lambda: None, before: dict | None = None) -> dict:
     """`_timed` of several functions called in turn, as the engine calls them (each drafter's
     propose, then the verify): each then starts with what the one before left in the CPU's
     caches. Timed alone, back to back, drafting costs well under what it does alternating with
-    verification, and real runs pay the latter."""
-    for fn in fns.values():
+    verification, and real runs pay the latter. `before[name]`, if given, runs untimed before
+    each call of fns[name] (what the engine did in between)."""
+    before = before or {}
+    for name, fn in fns.items():
+        before.get(name, _nothing)()
         fn()
     times = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
+            before.get(name, _nothing)()
             sync()
             t = time.perf_counter()
             fn()
@@ -165,7 +173,9 @@ def _profile_pass(model, drafters: dict, *, batch_sizes, k_max: int, contexts, r
 
         records.append(_record("prefill", b, 0, b * ctx, _timed(do_prefill, max(1, repeats // 2), sync)))
         for name, drafter in drafters.items():
-            if hasattr(drafter, "reset"):  # a model drafter: its catch-up on fresh rows
+            # a model drafter: its catch-up on fresh rows (a drafter that reads the target's
+            # states is handed them with each step's and the prefill's forward: nothing to catch up)
+            if hasattr(drafter, "reset") and not hasattr(drafter, "observe"):
                 fresh = [Seq(list(p), i, i) for i, p in enumerate(equal)]
 
                 def do_feed(drafter=drafter, fresh=fresh):
@@ -195,16 +205,27 @@ def _profile_pass(model, drafters: dict, *, batch_sizes, k_max: int, contexts, r
                 step(model, cache, slots, last, sampling, drafts if k else None, None, dk if k else None, step_gen)
                 cache.trim(slots, lengths)
 
-            def do_draft(drafter, rows):
+            def new_tokens(drafter, rows):
+                """The last draft and the bonus token after each row's prompt (a model drafter
+                takes them in inside its propose, timed; one that reads the target's states
+                is handed theirs by the engine, here untimed: `prepare`)."""
                 if hasattr(drafter, "rewind"):
                     drafter.rewind(rows, [len(p) for p in prompts])
-                for s, p in zip(rows, prompts):  # the last draft and the bonus token
+                for s, p in zip(rows, prompts):
                     s.tokens = p + torch.randint(3, vocab, (2,), generator=gen).tolist()
+                if hasattr(drafter, "prepare"):
+                    drafter.prepare(rows)
+
+            def do_draft(drafter, rows):
                 drafter.propose(rows, k)
 
             # plain decoding runs the target alone; a speculative step drafts, then verifies
-            fns = {} if k == 0 else {name: functools.partial(do_draft, d, seqs[name]) for name, d in drafters.items()}
-            ms = _timed_in_turn({**fns, "": do_verify}, repeats, sync)
+            fns, before = {}, {}
+            if k:
+                for name, d in drafters.items():
+                    fns[name] = functools.partial(do_draft, d, seqs[name])
+                    before[name] = functools.partial(new_tokens, d, seqs[name])
+            ms = _timed_in_turn({**fns, "": do_verify}, repeats, sync, before)
             records.append(_record("verify", b, k, b * ctx, ms[""]))
             records += [_record("draft", b, k, b * ctx, ms[name], drafter=name) for name in fns]
         for drafter in drafters.values():
@@ -235,7 +256,7 @@ def run_profile(*, model: str, drafters: list[str], batch_sizes: list[int], k_ma
     from rich.table import Table
 
     from rlsched.executor.drafters import ModelDrafter, make_drafter
-    from rlsched.executor.setup import HOST_DRAFTERS
+    from rlsched.executor.setup import HOST_DRAFTERS, drafter_kind, eagle_head
     from rlsched.executor.folders import check_drafter_vocab, prepare_out, resolve_model_dir
     from rlsched.executor.loading import load_model
     from rlsched.atomic import atomic_folder, write_text_atomic
@@ -260,6 +281,11 @@ def run_profile(*, model: str, drafters: list[str], batch_sizes: list[int], k_ma
             continue
         if spec in HOST_DRAFTERS:
             timed[spec] = make_drafter(spec)
+            continue
+        if drafter_kind(spec) == "eagle":
+            from rlsched.executor.eagle_drafter import EagleDrafter
+
+            timed["eagle"] = EagleDrafter(eagle_head(model, spec, target.model, log)[1], target.model, sampling)
             continue
         folder = resolve_model_dir(spec, "drafter", log)
         d = load_model(folder, device=device, dtype=dtype)
