@@ -11,8 +11,8 @@ Sections:
 1. `accept` (batch 8): per drafter and shape, the tokens each verify emits per row (accepted +
    1), the draft time per engine step, and the rollout's tokens/s against plain decoding
    (`off`) in the same round. Shapes: chains `static:K` and trees `tree:K:W:N` (K levels, W
-   candidates a node, N nodes verified; the draft model and the suffix drafter propose trees,
-   the EAGLE head and the n-gram matcher chains).
+   candidates a node, N nodes verified; the draft model, the EAGLE head and the suffix drafter
+   propose trees, the n-gram matcher chains).
 2. `speedup`: rollout speedup over plain decoding at batch 1 (one sample at a time) and over a
    draining batch (all P x G samples start together, rows leave as they finish), for each
    drafter's chain and tree; the contenders take turns in every round (this machine is shared
@@ -22,8 +22,9 @@ Sections:
    and the last tenth of the run (flat when lookups do not scan the history).
 
 Run: python bench/drafters.py [--quick] [--sections accept,speedup,revisit] [--rounds 3]
-[--device cuda]. Results: bench/results/drafters.{json,txt} (drafters_cuda.* on a GPU; in $OUT
-when it is set); `bash bench/gpu_drafters.sh` is the prepared GPU run.
+[--drafters eagle,...] [--device cuda]. Results: bench/results/drafters.{json,txt}
+(drafters_cuda.* on a GPU, drafters_<names>.* for a `--drafters` subset; in $OUT when it is
+set); `bash bench/gpu_drafters.sh` is the prepared GPU run.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from rlsched.executor.sampling import SamplingParams  # noqa: E402
 from rlsched.tasks.synthetic import make_examples  # noqa: E402
 
 SAMPLING = SamplingParams(temperature=1.0)
-TREE_DRAFTERS = ("model", "suffix")  # the drafters that propose trees (the others draft chains)
+TREE_DRAFTERS = ("model", "eagle", "suffix")  # the drafters that propose trees (n-gram drafts chains)
 K_MAX = 16  # the cache's spare room a step: chain drafts or tree nodes
 
 
@@ -66,7 +67,8 @@ class Drafters:
     """The built-in pair's target and every drafter, each made fresh per engine (the host
     drafters' memories are per contender)."""
 
-    def __init__(self, device: str = "cpu", dtype: str = "float32"):
+    def __init__(self, device: str = "cpu", dtype: str = "float32", only: tuple[str, ...] = ()):
+        self.only = only
         pair = builtin_pair()
         self.device = device
         self.target = load_model(pair.target, device=device, dtype=dtype).model
@@ -74,7 +76,7 @@ class Drafters:
         self.head = load_head(builtin_head().folder, self.target)
 
     def names(self) -> list[str]:
-        return ["model", "eagle", "ngram", "suffix"]
+        return [n for n in ("model", "eagle", "ngram", "suffix") if not self.only or n in self.only]
 
     def make(self, name: str, reqs: list[Request], max_batch: int, gen: torch.Generator):
         if name == "off":
@@ -175,7 +177,7 @@ def revisit_section(d: Drafters, args) -> tuple[list[dict], str]:
     """One prompt, `--revisit` samples, batch 8; every earlier sample remembered."""
     reqs = requests(1, args.revisit, args.max_tokens, seed=7)
     rows = []
-    for name in ("ngram", "suffix"):
+    for name in [n for n in ("ngram", "suffix") if n in d.names()]:
         gen = torch.Generator(device=d.device).manual_seed(0)
         drafter = make_drafter(name, max_history=args.revisit)
         eng = RolloutEngine(d.target, drafter, 8 * (max(map(reserve, reqs)) + 8), 8, SAMPLING, f"static:4:{name}",
@@ -205,12 +207,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="fewer shapes, prompts and rounds (a smoke run)")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (the models in bfloat16)")
+    ap.add_argument("--drafters", default="", help="a subset, comma-separated (default: all)")
     args = ap.parse_args()
+    only = tuple(n for n in args.drafters.split(",") if n)
     if args.quick:
         args.prompts, args.group, args.max_tokens, args.rounds, args.revisit = 4, 2, 24, 1, 40
     torch.set_num_threads(args.threads)
     gpu = args.device.startswith("cuda")
-    d = Drafters(args.device, "bfloat16" if gpu else "float32")
+    d = Drafters(args.device, "bfloat16" if gpu else "float32", only)
     payload, texts = {"args": vars(args)}, []
     sections = {"accept": accept_section, "speedup": speedup_section, "revisit": revisit_section}
     for name in args.sections.split(","):
@@ -218,7 +222,7 @@ def main() -> None:
         payload[name] = result
         texts.append(text)
         print(text + "\n", flush=True)
-    name = ("drafters_quick" if args.quick else "drafters") + ("_cuda" if gpu else "")
+    name = ("drafters_quick" if args.quick else "drafters") + "".join(f"_{n}" for n in only) + ("_cuda" if gpu else "")
     write_result(name, payload, "\n\n".join(texts), os.environ.get("OUT") or None)
 
 
