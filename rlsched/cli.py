@@ -429,6 +429,8 @@ def profile(
                                       "(repeatable; 'off' for none)."),
     batch_sizes: str = typer.Option("1,2,4,8,16,32,64", "--batch-sizes", help="Comma-separated batch sizes."),
     k_max: int = typer.Option(6, "--k-max", help="Draft lengths 0..k_max."),
+    width_max: int = typer.Option(1, "--width-max", help="Also time the drafters that draft trees drafting trees "
+                                  "of each width 2..width-max and depth 1..k-max (1: chains only)."),
     contexts: str = typer.Option("64,192", "--contexts", help="Comma-separated context lengths per row: their mean "
                                  "(from two rows on the rows' contexts spread over 1/2-3/2 of it, as the engine's rows "
                                  "differ); prefill is timed on equal prompts, also midway between them."),
@@ -447,7 +449,8 @@ def profile(
     """Measure verify, draft and prefill step times over batch size x draft length x context.
 
     Writes traces/steps/ in the step-trace format (kind = verify | draft | prefill, and feed: a
-    model drafter taking in fresh prompts, its catch-up on rows that join) and profile.json;
+    model drafter taking in fresh prompts, its catch-up on rows that join; a tree's drafting is a
+    draft record of its width) and profile.json;
     `rlsched generate --cost-model FOLDER` and the cost-model fit read it.
     """
     _need_executor("profile")
@@ -456,7 +459,7 @@ def profile(
     run_profile(model=model, drafters=drafter, batch_sizes=_int_list(batch_sizes, "--batch-sizes"), k_max=k_max,
                 contexts=_int_list(contexts, "--contexts"), repeats=repeats, passes=passes, device=device, dtype=dtype,
                 threads=threads, out=out, console=err_console, table_console=out_console, compile=compile_,
-                statistic=statistic)
+                statistic=statistic, width_max=width_max)
 
 
 FIT_HELP = (

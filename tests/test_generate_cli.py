@@ -151,10 +151,13 @@ def test_generate_with_the_eagle_head_and_a_draft_tree(pair, tmp_path):
     assert tree["drafter"] == "model" and tree["mean_accept_len"] > 1.0
     # the head's drafting profiled, then goodput over its chains and trees priced by that profile
     prof = tmp_path / "prof"
-    ok(rlsched("profile", "--drafter", "eagle", "--batch-sizes", "1,4", "--k-max", "3", "--contexts", "16",
-               "--repeats", "1", "--out", str(prof), cwd=tmp_path))
+    ok(rlsched("profile", "--drafter", "eagle", "--batch-sizes", "1,4", "--k-max", "3", "--width-max", "2",
+               "--contexts", "16", "--repeats", "1", "--out", str(prof), cwd=tmp_path))
     rec = read_trace(prof / "traces", "steps")
-    assert set(rec[rec.kind == "draft"].drafter) == {"eagle"} and (rec[rec.kind == "draft"].draft_ms > 0).all()
+    drafts = rec[rec.kind == "draft"]
+    assert set(drafts.drafter) == {"eagle"} and (drafts.draft_ms > 0).all()
+    # chains and trees of width 2, each depth 1..3 at each batch size
+    assert sorted(drafts.groupby("width").size().items()) == [(1, 6), (2, 6)]
     assert "feed" not in set(rec.kind)  # the head is handed the target's states: nothing to catch up
     adaptive = json.loads(ok(rlsched("generate", "--drafter", "eagle", "--policy", "goodput", "--cost-model",
                                      str(prof), "--width-max", "2", *FAST, "--out",

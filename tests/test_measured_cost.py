@@ -168,3 +168,25 @@ def test_calibrated_goodput_charges_a_plain_step_for_the_drafter_feed_it_defers(
                               verify_ms=0.0, step_ms=0.5 + 0.2 * b * 32) for b in (1, 2, 4, 8)])
     fed = MeasuredCostModel(pd.concat([_records(verify, lambda b, k, L: 0.05 * k), feed], ignore_index=True))
     assert make_draft_policy("goodput:1", replace(ctx, cost=fed)).choose(state(8, 4)).k >= 1
+
+
+def test_trees_are_priced_as_timed_where_profiled_else_as_width_rows_a_row():
+    """Draft records of width 2 (a profile's trees) price width-2 trees and leave the chain's
+    grid as it was; a width not timed is priced as drafts of batch x width rows."""
+    def verify(b, q, L):
+        return 1.0 + 0.25 * q
+
+    def draft(b, k, L):
+        return 0.2 * k + 0.1 * np.log2(b)
+
+    def tree(b, k, L):  # a tree's drafting, as timed: dearer than a chain's at the same batch
+        return 0.5 * k + 0.3 * np.log2(b)
+
+    chains = _records(verify, draft)
+    wide = chains[chains.kind == "draft"].assign(width=2, draft_ms=lambda d: tree(d.batch, d.k, 0))
+    m = MeasuredCostModel(pd.concat([chains.assign(width=1), wide], ignore_index=True))
+    plain = MeasuredCostModel(chains)
+    ks = np.arange(1, 4)
+    assert np.allclose(m.draft_time("model", 4, ks, 4 * 32), plain.draft_time("model", 4, ks, 4 * 32))
+    assert np.allclose(m.draft_time("model", 4, ks, 4 * 32, width=2), [tree(4, k, 32) / 1e3 for k in ks])
+    assert np.allclose(m.draft_time("model", 2, ks, 2 * 32, width=3), plain.draft_time("model", 6, ks, 6 * 32))

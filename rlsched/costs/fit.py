@@ -138,7 +138,10 @@ def op_tables(df: pd.DataFrame) -> tuple[dict[str, pd.DataFrame], list[str]]:
 
     v = df[df["kind"] == "verify"]
     add("verify", v, v["k"] + 1, v["verify_ms"])
-    for name, d in df[df["kind"] == "draft"].groupby("drafter"):
+    drafts = df[df["kind"] == "draft"]
+    if "width" in drafts:  # a profile's tree drafts: the fit prices trees as width rows a row
+        drafts = drafts[drafts["width"].fillna(1) <= 1]
+    for name, d in drafts.groupby("drafter"):
         add(f"draft:{name}", d, d["k"], d["draft_ms"])
     dec = df[df["kind"] == "decode"]
     if len(dec):

@@ -124,10 +124,14 @@ class MeasuredCostModel:
         if verify.empty:
             raise UserError("profile: no verify measurements; re-run `rlsched profile`")
         self._verify = measured_grid(verify, "q", "verify_ms", "verify", monotone=True)
-        self._draft = {}
+        self._draft, self._tree_draft = {}, {}
         drafts = records[records["kind"] == "draft"]
-        for name, d in drafts.groupby("drafter"):
+        wide = drafts["width"].fillna(1) > 1 if "width" in drafts else pd.Series(False, index=drafts.index)
+        for name, d in drafts[~wide].groupby("drafter"):
             self._draft[str(name)] = measured_grid(d, "k", "draft_ms", f"draft ({name})", monotone=True)
+        for (name, w), d in drafts[wide].groupby(["drafter", "width"]) if wide.any() else ():  # trees, as timed
+            self._tree_draft[str(name), int(w)] = measured_grid(d, "k", "draft_ms", f"draft ({name}, width {w})",
+                                                                monotone=True)
         self._prefill = _line(records[records["kind"] == "prefill"])
         self._feed = {str(name): _line(d) for name, d in records[records["kind"] == "feed"].groupby("drafter")}
         self.drafters = tuple(self._draft)
@@ -140,7 +144,11 @@ class MeasuredCostModel:
             raise UserError(f"profile has no draft measurements for drafter '{drafter}' "
                             f"(has: {', '.join(self._draft) or 'none'}); profile with it")
         k = np.asarray(k, dtype=float)
-        t = grid_time(self._draft[drafter], batch * width, np.maximum(k, 1), ctx_tokens * width)
+        tree = self._tree_draft.get((drafter, int(width))) if width > 1 else None
+        if tree is not None:  # the tree's drafting as timed
+            t = grid_time(tree, batch, np.maximum(k, 1), ctx_tokens)
+        else:  # a tree not timed: width rows a row
+            t = grid_time(self._draft[drafter], batch * width, np.maximum(k, 1), ctx_tokens * width)
         return np.where(k > 0, t, 0.0) if np.ndim(t) else (t if k > 0 else 0.0)
 
     def draft_time_per_row(self, drafter: str, ks: np.ndarray, ctx_tokens):

@@ -155,7 +155,7 @@ def run(s: Setup, out: Path, log=None) -> dict:
     typical = int(sum(len(r.prompt) for r in requests) / len(requests) + a.max_tokens / 2)
     cost, _ = cost_model(a.policy, a.cost_model, m.target, drafter, s.sampling, instances=a.instances,
                          realloc=a.realloc, max_batch=a.max_batch, k_max=a.k_max, typical_ctx=typical, seed=a.seed,
-                         log=log)
+                         log=log, width_max=a.width_max)
     policy = build_policy(a.policy, m.drafter_names, cost, GENERATE, k_max=a.k_max, max_batch=a.max_batch,
                           typical_ctx=typical, width_max=a.width_max, nodes_max=a.k_max)
     if out.exists():

@@ -95,21 +95,43 @@ def ragged_lengths(b: int, ctx: int) -> list[int]:
     return lens
 
 
-def _record(kind: str, batch: int, k: int, ctx: int, runs_ms: list[float], drafter: str = "") -> dict:
+def _record(kind: str, batch: int, k: int, ctx: int, runs_ms: list[float], drafter: str = "", width: int = 1,
+            drafted: int | None = None) -> dict:
     """A STEP-schema record of one point; its times are set from `runs_ms` (the timed runs,
     merged over passes) by `profile`."""
     return dict(rl_step=0, instance=0, step=0, time_s=0.0, kind=kind, batch=batch, drafter=drafter, k=k,
-                width=1, drafted=batch * k, accepted=0, emitted=0, draft_ms=0.0, verify_ms=0.0, step_ms=0.0,
-                ctx_tokens=ctx, runs_ms=list(runs_ms))
+                width=width, drafted=batch * k if drafted is None else drafted, accepted=0, emitted=0, draft_ms=0.0,
+                verify_ms=0.0, step_ms=0.0, ctx_tokens=ctx, runs_ms=list(runs_ms))
+
+
+def profile_trees(drafters: dict, k_max: int, width_max: int) -> dict:
+    """(drafter, k, width) -> the `DraftTree` the engine verifies for `tree:k:width:n` with
+    n = min(k * width, k_max) (the shape the policies build, `PolicyContext.tree`), for each
+    drafter that drafts trees and width 2..width_max."""
+    from rlsched.executor.tree_verify import DraftTree
+    from rlsched.policies.draft import PolicyContext
+    from rlsched.policies.types import Strategy
+
+    out = {}
+    for name, d in drafters.items():
+        if not hasattr(d, "propose_tree"):
+            continue
+        ctx = PolicyContext(cost=None, drafters=(name,))
+        for w in range(2, width_max + 1):
+            for k in range(1, k_max + 1):
+                out[name, k, w] = DraftTree.from_shape(ctx.tree(name, Strategy(name, k, w, min(k * w, k_max))))
+    return out
 
 
 def profile(model, drafters: dict, *, batch_sizes=(1, 2, 4, 8, 16, 32, 64), k_max: int = 6,
             contexts=(64, 192), repeats: int = 5, passes: int = 1, sampling: SamplingParams | None = None,
-            seed: int = 0, progress=None, statistic=typical_ms) -> list[dict]:
+            seed: int = 0, progress=None, statistic=typical_ms, width_max: int = 1) -> list[dict]:
     """`_profile_pass` `passes` times over the whole grid with repeats / passes timed runs per
     point; a point's price is `statistic` of all its runs (`typical_ms`: their median). A
     disturbance on a shared machine lasts seconds, so runs taken minutes apart sample the
-    machine's states better than back-to-back ones."""
+    machine's states better than back-to-back ones. With `width_max` > 1 the drafters that
+    draft trees are also timed drafting trees of each width 2..width_max and depth 1..k_max
+    (draft records of that `width`)."""
     passes = max(1, min(passes, repeats))
     per_pass = -(-repeats // passes)
     prefill_only = prefill_midpoints(contexts)
@@ -119,8 +141,8 @@ def profile(model, drafters: dict, *, batch_sizes=(1, 2, 4, 8, 16, 32, 64), k_ma
             lambda n, total, b, c, i=i: progress(i * total + n, passes * total, b, c))
         for r in _profile_pass(model, drafters, batch_sizes=batch_sizes, k_max=k_max, contexts=contexts,
                                prefill_only=prefill_only, repeats=per_pass, sampling=sampling, seed=seed,
-                               progress=pass_progress):
-            key = (r["kind"], r["batch"], r["k"], r["ctx_tokens"], r["drafter"])
+                               progress=pass_progress, width_max=width_max):
+            key = (r["kind"], r["batch"], r["k"], r["ctx_tokens"], r["drafter"], r["width"])
             if key in points:
                 points[key]["runs_ms"] += r["runs_ms"]
             else:
@@ -146,7 +168,8 @@ def prefill_midpoints(contexts) -> tuple[int, ...]:
 
 @torch.inference_mode()
 def _profile_pass(model, drafters: dict, *, batch_sizes, k_max: int, contexts, repeats: int,
-                  sampling: SamplingParams | None, seed: int, progress, prefill_only=()) -> list[dict]:
+                  sampling: SamplingParams | None, seed: int, progress, prefill_only=(),
+                  width_max: int = 1) -> list[dict]:
     """Step-time records for every (batch, context) point: one prefill (and each model
     drafter's feed of the same prompts: its catch-up on rows that join), verify for
     k = 0..k_max, and each drafter's propose for k = 1..k_max; at `prefill_only` contexts the
@@ -155,6 +178,7 @@ def _profile_pass(model, drafters: dict, *, batch_sizes, k_max: int, contexts, r
     runs: under `no_grad` (every op tracking views and versions) a plain step is priced above
     what the engine pays, most at small batch sizes."""
     sampling = sampling or SamplingParams(temperature=1.0)
+    trees = profile_trees(drafters, k_max, width_max)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(seed)  # the random prompts and drafts (host)
     device = next(model.parameters()).device
@@ -219,15 +243,26 @@ def _profile_pass(model, drafters: dict, *, batch_sizes, k_max: int, contexts, r
             def do_draft(drafter, rows):
                 drafter.propose(rows, k)
 
+            def do_tree(drafter, rows, tree):
+                drafter.propose_tree(rows, tree)
+
             # plain decoding runs the target alone; a speculative step drafts, then verifies
-            fns, before = {}, {}
+            fns, before, tree_of = {}, {}, {}
             if k:
                 for name, d in drafters.items():
                     fns[name] = functools.partial(do_draft, d, seqs[name])
                     before[name] = functools.partial(new_tokens, d, seqs[name])
+                    for w in range(2, width_max + 1):
+                        if (name, k, w) in trees:
+                            key = f"{name} width {w}"
+                            tree_of[key] = (name, w, trees[name, k, w])
+                            fns[key] = functools.partial(do_tree, d, seqs[name], trees[name, k, w])
+                            before[key] = before[name]
             ms = _timed_in_turn({**fns, "": do_verify}, repeats, sync, before)
             records.append(_record("verify", b, k, b * ctx, ms[""]))
-            records += [_record("draft", b, k, b * ctx, ms[name], drafter=name) for name in fns]
+            records += [_record("draft", b, k, b * ctx, ms[name], drafter=name) for name in fns if name in drafters]
+            records += [_record("draft", b, k, b * ctx, ms[key], drafter=name, width=w, drafted=b * tree.n)
+                        for key, (name, w, tree) in tree_of.items()]
         for drafter in drafters.values():
             if hasattr(drafter, "reset"):
                 drafter.reset()
@@ -237,20 +272,22 @@ def _profile_pass(model, drafters: dict, *, batch_sizes, k_max: int, contexts, r
 
 
 def policy_profile(model, drafter, *, policy: str, max_batch: int, k_max: int, typical_ctx: int,
-                   sampling: SamplingParams, seed: int = 0, log=None) -> pd.DataFrame:
+                   sampling: SamplingParams, seed: int = 0, log=None, width_max: int = 1) -> pd.DataFrame:
     """A short profile (a few seconds) for a policy that prices steps: batch sizes up to
-    max_batch, k 0..k_max, one context (the workload's typical one), 3 repeats."""
+    max_batch, k 0..k_max (and trees up to `width_max` wide), one context (the workload's
+    typical one), 3 repeats."""
     sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_batch] + [max_batch]
     if log:
         log(f"profiling step costs for the {policy} policy (batch 1..{max_batch}, k 0..{k_max})")
     drafters = {} if drafter is None else {drafter.name: drafter}
     return pd.DataFrame(profile(model, drafters, batch_sizes=sizes, k_max=k_max, contexts=(max(8, typical_ctx),),
-                                repeats=3, sampling=sampling, seed=seed))
+                                repeats=3, sampling=sampling, seed=seed, width_max=width_max))
 
 
 def run_profile(*, model: str, drafters: list[str], batch_sizes: list[int], k_max: int, contexts: list[int],
                 repeats: int, device: str, dtype: str, threads: int | None, out: Path, console,
-                table_console, passes: int = 1, compile: bool = False, statistic: str = "median") -> Path:
+                table_console, passes: int = 1, compile: bool = False, statistic: str = "median",
+                width_max: int = 1) -> Path:
     """`rlsched profile`: load, check, measure, write `out/traces/steps/` and `out/profile.json`."""
     import pandas as pd
     from rich.table import Table
@@ -262,8 +299,9 @@ def run_profile(*, model: str, drafters: list[str], batch_sizes: list[int], k_ma
     from rlsched.atomic import atomic_folder, write_text_atomic
     from rlsched.traces.writer import TraceWriter
 
-    if k_max < 1 or repeats < 1 or passes < 1:
-        raise UserError(f"--k-max, --repeats and --passes must be >= 1 (got {k_max}, {repeats}, {passes})")
+    if k_max < 1 or repeats < 1 or passes < 1 or width_max < 1:
+        raise UserError(f"--k-max, --repeats, --passes and --width-max must be >= 1 (got {k_max}, {repeats}, "
+                        f"{passes}, {width_max})")
     if statistic not in STATISTICS:
         raise UserError(f"--statistic must be one of {', '.join(STATISTICS)} (got {statistic!r})")
     if threads is not None:
@@ -301,6 +339,7 @@ def run_profile(*, model: str, drafters: list[str], batch_sizes: list[int], k_ma
     with console.status("profiling") as status:
         records = profile(target.model, timed, batch_sizes=batch_sizes, k_max=k_max, contexts=contexts,
                           repeats=repeats, passes=passes, sampling=sampling, statistic=STATISTICS[statistic],
+                          width_max=width_max,
                           progress=lambda i, n, b, c: status.update(
                               f"profiling: point {i}/{n} (batch {b}, context {c})"))
     df = pd.DataFrame(records)
@@ -311,7 +350,7 @@ def run_profile(*, model: str, drafters: list[str], batch_sizes: list[int], k_ma
         w.close()
         write_text_atomic(tmp / "profile.json", json.dumps({
             "model": str(target_dir), "model_shape": target.model.config.shape, "drafters": list(timed),
-            "batch_sizes": batch_sizes, "k_max": k_max,
+            "batch_sizes": batch_sizes, "k_max": k_max, "width_max": width_max,
             "contexts": contexts, "prefill_contexts": sorted({*contexts, *prefill_midpoints(contexts)}),
             "repeats": repeats, "passes": passes, "statistic": statistic, "device": device, "dtype": dtype,
             "compiled": compile,

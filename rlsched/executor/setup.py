@@ -185,7 +185,7 @@ def check_cost_folder(given: str, what: str) -> None:
 
 
 def cost_model(policy: str, given: str, target, drafter, sampling, *, instances: int, realloc: str, max_batch: int,
-               k_max: int, typical_ctx: int, seed: int, saved: Path | None = None, log=None):
+               k_max: int, typical_ctx: int, seed: int, saved: Path | None = None, log=None, width_max: int = 1):
     """(MeasuredCostModel, profile records to save) when the run prices steps (`needs_cost`),
     else (None, None): the `given` folder's (an earlier run's start-up profile, so a rerun
     decides alike, or a `rlsched profile` folder's traces), the `saved` profile of a resumed
@@ -208,7 +208,7 @@ def cost_model(policy: str, given: str, target, drafter, sampling, *, instances:
     from rlsched.executor.profiler import policy_profile
 
     records = policy_profile(target, drafter, policy=policy, max_batch=max_batch, k_max=k_max,
-                             typical_ctx=typical_ctx, sampling=sampling, seed=seed, log=log)
+                             typical_ctx=typical_ctx, sampling=sampling, seed=seed, log=log, width_max=width_max)
     return MeasuredCostModel(records), records
 
 

@@ -201,7 +201,7 @@ def make_policy(cfg: RunConfig, m: Models, drafter, sampling, typical_ctx: int, 
         return cfg.policy, cost, None
     cost, records = cost_model(cfg.policy, cfg.cost_model, m.target, drafter, sampling, instances=r.instances,
                                realloc=r.realloc, max_batch=r.max_batch, k_max=r.k_max, typical_ctx=typical_ctx,
-                               seed=cfg.seed, saved=out / PROFILE, log=log)
+                               seed=cfg.seed, saved=out / PROFILE, log=log, width_max=r.width_max)
     policy = build_policy(cfg.policy, m.drafter_names, cost, run_words(r.backend), k_max=r.k_max,
                           max_batch=r.max_batch, typical_ctx=typical_ctx, width_max=r.width_max, nodes_max=r.k_max)
     return policy, cost, records
