@@ -97,3 +97,28 @@ def test_prepared_rows_draft_without_a_target_forward(models, monkeypatch):
     tokens, _, ks = d.propose(rows, 3)
     assert tokens.shape == (3, 3) and ks.tolist() == [3, 3, 3]
     target.capture = None
+
+
+def test_one_engine_switches_among_the_head_the_draft_model_and_the_suffix_drafter(models, tmp_path):
+    """Several drafters in one engine: the policy (bandit, whose untried arms go first) drafts
+    with each of them in turn; the head keeps its rows' states through the steps the others
+    draft, and greedy output stays plain decoding's."""
+    from rlsched.executor.drafters import ModelDrafter
+    from rlsched.executor.engine import build_policy
+    from rlsched.executor.suffix import SuffixDrafter
+    from rlsched.traces.reader import read_trace
+
+    target, head = models
+    reqs = requests()
+    want = [s.tokens for s in engine(models, "off", drafter=False)[0].run(reqs).samples]
+    gen = torch.Generator().manual_seed(0)
+    small = load_model(builtin_pair().drafter, dtype="float32").model
+    drafters = [ModelDrafter(small, GREEDY, 4, 256, gen), EagleDrafter(head, target, GREEDY, gen), SuffixDrafter()]
+    policy = build_policy("bandit", ("model", "eagle", "suffix"), k_max=4)
+    eng = RolloutEngine(target, drafters, 4 * 200, 4, GREEDY, policy, k_max=4, generator=gen, trace_dir=tmp_path)
+    got = eng.run(reqs)
+    eng.close()
+    assert [s.tokens for s in got.samples] == want
+    steps = read_trace(tmp_path, "steps")
+    assert set(steps[steps.k > 0].drafter) == {"model", "eagle", "suffix"}
+    target.capture = None
