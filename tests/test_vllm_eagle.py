@@ -170,7 +170,7 @@ RUN = """
 steps: 2
 seed: 1
 threads: 1
-policy: static:3
+policy: goodput
 drafter: eagle
 checkpoint_every: 1
 data: builtin:count,repeat
@@ -181,9 +181,10 @@ drafter_update: {every: 1, steps: 2, batch: 8, schedule: every}
 
 
 def test_run_on_vllm_with_the_head_distils_it_every_step(tmp_path):
-    """`rlsched run` on vLLM with drafter eagle: vLLM drafts with the head, the trainer distils
-    the head and hands it back (`sync_weights`) before the next rollout; the traces name its
-    acceptance."""
+    """`rlsched run` on vLLM with drafter eagle and rlsched's goodput choosing k inside vLLM
+    (priced by step costs measured through vLLM with the head at start-up): vLLM drafts with
+    the head, the trainer distils the head and hands it back (`sync_weights`) before the next
+    rollout; the traces name its acceptance."""
     import json
 
     from support import ok, rlsched
