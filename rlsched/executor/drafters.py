@@ -170,7 +170,7 @@ class ModelDrafter:
         greedy) and present (B, n), on this model's device, for `tree_verify`. Afterwards the
         cache holds each row's tokens only (the next proposal feeds what was accepted); it
         needs room for the nodes above the deepest level."""
-        from rlsched.executor.tree_verify import draw_children
+        from rlsched.executor.tree_verify import draw_level
 
         b, n = len(rows), tree.n
         slots, logits = self._catch_up(rows)
@@ -191,20 +191,7 @@ class ModelDrafter:
             p = None if greedy else self.sampling.probs(logits)
             if p is not None:
                 dists[:, parents[0] + 1:parents[-1] + 2] = p
-            by_m: dict[int, list[int]] = {}
-            for i, j in enumerate(parents):
-                if tree.children(j):
-                    by_m.setdefault(len(tree.children(j)), []).append(i)
-            for m, idx in by_m.items():
-                kids = torch.tensor([tree.children(parents[i]) for i in idx], device=dev)  # (P, m)
-                if greedy:
-                    x = logits[:, idx].topk(m, dim=-1).indices
-                    ok = torch.ones_like(x, dtype=torch.bool)
-                else:
-                    x, ok = draw_children(p[:, idx].reshape(-1, p.shape[-1]), m, self.generator)
-                    x, ok = x.view(b, len(idx), m), ok.view(b, len(idx), m)
-                if d > 0:  # an absent node's children are absent
-                    ok = ok & present[:, [parents[i] for i in idx]][..., None]
+            for kids, x, ok in draw_level(tree, parents, logits, p, present, self.generator):
                 tokens[:, kids] = x
                 present[:, kids] = ok
         self.cache.trim(slots, context, check=False)

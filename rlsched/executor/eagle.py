@@ -490,7 +490,7 @@ def draft_tree(head: EagleHead, aux: torch.Tensor, tokens: torch.Tensor, tree,
     (what chain step j attends to at steps < j). Returns target ids (B, n), the
     distributions the children were drawn from over the target vocabulary (B, n + 1, V;
     index 0 the root's, i + 1 node i's; None when greedy) and present (B, n)."""
-    from rlsched.executor.tree_verify import draw_children
+    from rlsched.executor.tree_verify import draw_level
 
     b, t, _ = aux.shape
     n, ids, dev = tree.n, head.draft_ids, aux.device
@@ -526,20 +526,7 @@ def draft_tree(head: EagleHead, aux: torch.Tensor, tokens: torch.Tensor, tree,
         p = sampling.probs(logits)  # (B, P, D)
         if dists is not None:
             dists[:, parents[0] + 1:parents[-1] + 2, ids] = p
-        by_m: dict[int, list[int]] = {}
-        for i, j in enumerate(parents):
-            if tree.children(j):
-                by_m.setdefault(len(tree.children(j)), []).append(i)
-        for m, idx in by_m.items():
-            kids = torch.tensor([tree.children(parents[i]) for i in idx], device=dev)  # (P, m)
-            if sampling.greedy:
-                x = logits[:, idx].topk(m, dim=-1).indices
-                ok = torch.ones_like(x, dtype=torch.bool)
-            else:
-                x, ok = draw_children(p[:, idx].reshape(-1, p.shape[-1]), m, generator)
-                x, ok = x.view(b, len(idx), m), ok.view(b, len(idx), m)
-            if d > 0:  # an absent node's children are absent
-                ok = ok & present[:, [parents[i] for i in idx]][..., None]
+        for kids, x, ok in draw_level(tree, parents, logits, None if sampling.greedy else p, present, generator):
             out_tokens[:, kids] = ids[x]
             present[:, kids] = ok
     return out_tokens, dists, present

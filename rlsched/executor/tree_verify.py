@@ -181,6 +181,31 @@ def draw_children(q: torch.Tensor, m: int, generator: torch.Generator | None = N
     return tokens, present
 
 
+def draw_level(tree: DraftTree, parents: list[int], logits: torch.Tensor, probs: torch.Tensor | None,
+               present: torch.Tensor, generator: torch.Generator | None = None):
+    """The children of one level's nodes `parents` (node ids; [-1]: the root) in every row,
+    from the drafter's logits (B, P, V) there: drawn without replacement from `probs` (B, P, V)
+    (`draw_children`), or its top tokens when `probs` is None (greedy); a child of an absent
+    parent is absent (`present` (B, n): the nodes drawn so far). Yields, per number of
+    children m, (node ids (P', m), vocabulary indices (B, P', m), present (B, P', m))."""
+    b, dev = logits.shape[0], logits.device
+    by_m: dict[int, list[int]] = {}
+    for i, j in enumerate(parents):
+        if tree.children(j):
+            by_m.setdefault(len(tree.children(j)), []).append(i)
+    for m, idx in by_m.items():
+        kids = torch.tensor([tree.children(parents[i]) for i in idx], device=dev)
+        if probs is None:
+            x = logits[:, idx].topk(m, dim=-1).indices
+            ok = torch.ones_like(x, dtype=torch.bool)
+        else:
+            x, ok = draw_children(probs[:, idx].reshape(-1, probs.shape[-1]), m, generator)
+            x, ok = x.view(b, len(idx), m), ok.view(b, len(idx), m)
+        if parents[0] >= 0:
+            ok = ok & present[:, [parents[i] for i in idx]][..., None]
+        yield kids, x, ok
+
+
 @dataclass
 class TreeVerifyResult(VerifyResult):
     path: torch.Tensor  # (B, K) int64: the accepted nodes in depth order, -1 after
