@@ -429,8 +429,8 @@ def profile(
                                       "(repeatable; 'off' for none)."),
     batch_sizes: str = typer.Option("1,2,4,8,16,32,64", "--batch-sizes", help="Comma-separated batch sizes."),
     k_max: int = typer.Option(6, "--k-max", help="Draft lengths 0..k_max."),
-    width_max: int = typer.Option(1, "--width-max", help="Also time the drafters that draft trees drafting trees "
-                                  "of each width 2..width-max and depth 1..k-max (1: chains only)."),
+    width_max: int = typer.Option(1, "--width-max", help="Also time tree drafting (the drafters that draft "
+                                  "trees), widths 2..width-max, depths 1..k-max (1: chains only)."),
     contexts: str = typer.Option("64,192", "--contexts", help="Comma-separated context lengths per row: their mean "
                                  "(from two rows on the rows' contexts spread over 1/2-3/2 of it, as the engine's rows "
                                  "differ); prefill is timed on equal prompts, also midway between them."),
