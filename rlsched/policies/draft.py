@@ -217,6 +217,8 @@ class GoodputPolicy:
         self._priced = None  # (batch, verify at q = 1, verify at q = 2.., {drafter: draft at k = 1..})
         self._drain = drain
         self._trees = {d: t for d in self.drafters if (t := ctx.trees(d)) is not None}
+        # each tree option's verify, as a chain's k (for the measured verify scales)
+        self._tree_nodes = {d: np.minimum([s.nodes for s in t[0]], self.k_max) for d, t in self._trees.items()}
         self._ctx = ctx
 
     def choose(self, state: EngineState) -> Strategy:
@@ -247,8 +249,10 @@ class GoodputPolicy:
                 options, table = self._trees[d]
                 tokens = table.tokens(self._ctx.top1(d, self._acceptance(state, d)), self._drain)
                 t_draft, t_verify = self._tree_prices(d, b, state.ctx_tokens)
-                nodes = np.minimum([s.nodes for s in options], self.k_max)
-                rates = tokens / (self._scale_at(d, b) * t_draft + sv[nodes] * t_verify)
+                if self._scale:
+                    rates = tokens / (self._scale_at(d, b) * t_draft + sv[self._tree_nodes[d]] * t_verify)
+                else:
+                    rates = tokens / (t_draft + t_verify)
                 j = int(np.argmax(rates))
                 if rates[j] > best_rate:
                     best, best_rate = options[j], float(rates[j])
