@@ -55,6 +55,7 @@ NEVER_IMPORTS = {
     "rlsched.sim": ("rlsched.analysis", "rlsched.executor"),
     "rlsched.costs": ("rlsched.analysis", "rlsched.sim", "rlsched.executor"),
     "rlsched.policies": ("rlsched.sim", "rlsched.costs", "rlsched.analysis", "rlsched.executor"),
+    "rlsched.plan": ("rlsched.executor",),  # plans without torch, from the simulator and its cost models
 }
 
 

@@ -9,7 +9,7 @@ import sys
 CHECK = """
 import importlib, pkgutil, sys
 import rlsched.cli
-for name in ("rlsched.sim", "rlsched.policies", "rlsched.traces", "rlsched.analysis", "rlsched.tasks"):
+for name in ("rlsched.sim", "rlsched.policies", "rlsched.traces", "rlsched.analysis", "rlsched.tasks", "rlsched.plan"):
     pkg = importlib.import_module(name)
     for mod in pkgutil.walk_packages(pkg.__path__, name + "."):
         importlib.import_module(mod.name)

@@ -1,0 +1,2 @@
+"""Planning a rollout setup: analytic estimates that screen many setups before the simulator
+ranks the survivors."""
