@@ -159,8 +159,13 @@ class RooflineCostModel:
         activations, over the KV bytes per token."""
         hw = self.hardware
         budget = self.tp * hw.memory_gib * 2**30 * gpu_memory_utilization - activation_reserve_gib * 2**30 * self.tp
-        budget -= self.model.weight_bytes + self._drafter_weight_bytes
+        budget -= self.weight_bytes
         return max(0, int(budget // self._kv_bytes))
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the weights an instance holds: the target's and its drafters' (n-gram: none)."""
+        return self.model.weight_bytes + self._drafter_weight_bytes
 
     def describe(self) -> dict:
         return {"kind": self.kind, "hardware": self.hardware.name, "model": self.model.name, "tp": self.tp,
