@@ -1,0 +1,43 @@
+"""The planner's screen: every candidate priced by the fluid estimate of its generation stage
+(`plan/fluid.py`), infeasible ones dropped with their reason, the rest ranked fastest first."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlsched.config import SimConfig
+from rlsched.costs.choose import cost_model_for
+from rlsched.plan.feasible import infeasible
+from rlsched.plan.fluid import stage_time
+from rlsched.plan.space import Candidate, to_config
+
+
+@dataclass(frozen=True)
+class Scored:
+    candidate: Candidate
+    config: SimConfig
+    generation_s: float  # the fluid estimate of the first RL step's generation stage
+
+
+@dataclass(frozen=True)
+class Dropped:
+    candidate: Candidate
+    reason: str
+
+
+def screen(base: SimConfig, cands: list[Candidate]) -> tuple[list[Scored], list[Dropped]]:
+    """(the feasible candidates by estimated generation time, fastest first; the others with
+    why). One cost model per (tp, drafter): the roofline of `base`'s hardware and models."""
+    scored, dropped, costs = [], [], {}
+    for c in cands:
+        cfg = to_config(base, c)
+        reason = infeasible(cfg)
+        if reason is not None:
+            dropped.append(Dropped(c, reason))
+            continue
+        key = (c.tp, c.drafter)
+        if key not in costs:
+            costs[key] = cost_model_for(cfg)
+        scored.append(Scored(c, cfg, stage_time(cfg, c.policy, costs[key]).seconds))
+    scored.sort(key=lambda s: s.generation_s)
+    return scored, dropped
