@@ -46,5 +46,7 @@ def test_the_screen_ranks_feasible_setups_and_says_why_it_drops_the_rest(base):
     assert [s.generation_s for s in scored] == sorted(s.generation_s for s in scored)
     assert len(scored) + len(dropped) == len(cs)
     best = scored[0]
-    assert best.generation_s == stage_time(best.config, best.candidate.policy, cost_model_for(best.config)).seconds
+    # the screen's step prices are shared across setups, memoised to within 1% of context a row
+    alone = stage_time(best.config, best.candidate.policy, cost_model_for(best.config)).seconds
+    assert best.generation_s == pytest.approx(alone, rel=1e-3)
     assert scored[-1].candidate.policy == "off"  # with this head, drafting beats plain decoding at every setup

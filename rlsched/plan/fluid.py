@@ -14,6 +14,7 @@ a batch slot only), no reallocation. The stage's time is the slowest instance's.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +36,30 @@ def expected_tokens_per_row(acceptance: np.ndarray, k_max: int) -> np.ndarray:
     return (1.0 - a ** (np.arange(k_max + 1) + 1.0)) / (1.0 - a)
 
 
+class StepPrices:
+    """The cost model's verify (k + 1 tokens a row) and drafting (k) seconds for k = 0..k_max
+    at b rows, memoised by b and the context a row to within `tolerance` (priced at the first
+    context seen in its band): the setups of one tp and drafter meet the same batch sizes and
+    contexts again and again."""
+
+    def __init__(self, cost, drafter: str | None, k_max: int, tolerance: float = 0.01):
+        self.cost, self.drafter, self.k_max = cost, drafter, k_max
+        self._log_band = math.log1p(tolerance)
+        self._memo: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+
+    def __call__(self, b: int, ctx_sum: float) -> tuple[np.ndarray, np.ndarray]:
+        key = (b, round(math.log(max(ctx_sum / b, 1.0)) / self._log_band))
+        hit = self._memo.get(key)
+        if hit is None:
+            ks = np.arange(self.k_max + 1)
+            verify = np.asarray(self.cost.verify_time(b, ks + 1, ctx_sum), dtype=float)
+            draft = np.zeros(len(ks))
+            if self.drafter is not None and self.k_max > 0:
+                draft[1:] = self.cost.draft_time(self.drafter, b, ks[1:], ctx_sum)
+            hit = self._memo[key] = (verify, draft)
+        return hit
+
+
 def _choose_k(policy: str, tokens: np.ndarray, step_s: np.ndarray) -> int:
     if policy == "off":
         return 0
@@ -45,14 +70,14 @@ def _choose_k(policy: str, tokens: np.ndarray, step_s: np.ndarray) -> int:
     raise ValueError(f"the fluid estimate prices off, static:K and goodput, not '{policy}'")
 
 
-def instance_time(cost, drafter: str | None, policy: str, prompt_len: np.ndarray, response_len: np.ndarray,
-                  acceptance: np.ndarray, *, max_batch: int, k_max: int) -> float:
-    """One instance's busy time for these rows (in their admission order)."""
+def instance_time(cost, prices: StepPrices, policy: str, prompt_len: np.ndarray, response_len: np.ndarray,
+                  acceptance: np.ndarray, *, max_batch: int) -> float:
+    """One instance's busy time for these rows (in their admission order): prefills priced by
+    `cost`, steps by `prices`."""
     n = len(response_len)
     if n == 0:
         return 0.0
-    per_step = expected_tokens_per_row(acceptance, k_max) if drafter is not None else np.ones((n, 1))
-    ks = np.arange(per_step.shape[1])
+    per_step = expected_tokens_per_row(acceptance, prices.k_max) if prices.drafter is not None else np.ones((n, 1))
     left = response_len.astype(float)
     ctx = prompt_len.astype(float)
     running = np.zeros(n, dtype=bool)
@@ -70,10 +95,7 @@ def instance_time(cost, drafter: str | None, policy: str, prompt_len: np.ndarray
         if len(rows) == 0:
             return t
         b, ctx_sum = len(rows), float(ctx[rows].sum())
-        verify = np.asarray(cost.verify_time(b, ks + 1, ctx_sum), dtype=float)
-        draft = np.zeros(len(ks))
-        if drafter is not None and len(ks) > 1:
-            draft[1:] = cost.draft_time(drafter, b, ks[1:], ctx_sum)
+        verify, draft = prices(b, ctx_sum)
         tokens = per_step[rows].sum(axis=0)
         k = _choose_k(policy, tokens, verify + draft)
         gain = per_step[rows, k]
@@ -84,9 +106,11 @@ def instance_time(cost, drafter: str | None, policy: str, prompt_len: np.ndarray
         running[rows[left[rows] <= 1e-6]] = False
 
 
-def stage_time(cfg: SimConfig, policy: str, cost, seed: int | None = None) -> FluidStage:
+def stage_time(cfg: SimConfig, policy: str, cost, seed: int | None = None, prices: StepPrices | None = None
+               ) -> FluidStage:
     """The fluid estimate of the first RL step's generation stage of `cfg` under `policy`
-    (off, static:K[:DRAFTER], goodput), priced by `cost`; the rows and their acceptance as the
+    (off, static:K[:DRAFTER], goodput), priced by `cost` (or `prices`, step prices of this
+    drafter over `cost` shared with other setups); the rows and their acceptance as the
     simulator draws them for `seed` (default: the config's)."""
     root = np.random.SeedSequence(cfg.seed if seed is None else seed)
     workload_seq, _ = root.spawn(2)  # the simulator's first RL step draws its rollout from the first
@@ -98,6 +122,8 @@ def stage_time(cfg: SimConfig, policy: str, cost, seed: int | None = None) -> Fl
         drafter = parts[2] if policy.startswith("static:") and len(parts) > 2 else rollout.drafters[0]
     j = rollout.drafters.index(drafter) if drafter is not None else 0
     k_max = cfg.speculation.k_max if drafter is not None else 0
+    if prices is None or prices.drafter != drafter or prices.k_max != k_max:
+        prices = StepPrices(cost, drafter, k_max)
     instances = cfg.cluster.instances
     n = rollout.n
     owner = (np.arange(n) if cfg.cluster.assignment == "round_robin" else rollout.prompt_of) % instances
@@ -105,6 +131,6 @@ def stage_time(cfg: SimConfig, policy: str, cost, seed: int | None = None) -> Fl
     for i in range(instances):
         mine = np.flatnonzero(owner == i)
         acc = rollout.acceptance[mine, j] if drafter is not None else np.zeros(len(mine))
-        times[i] = instance_time(cost, drafter, policy, rollout.prompt_len[mine], rollout.response_len[mine], acc,
-                                 max_batch=cfg.cluster.max_batch, k_max=k_max)
+        times[i] = instance_time(cost, prices, policy, rollout.prompt_len[mine], rollout.response_len[mine], acc,
+                                 max_batch=cfg.cluster.max_batch)
     return FluidStage(float(times.max()), times, int(rollout.response_len.sum()))
