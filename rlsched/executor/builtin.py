@@ -135,16 +135,26 @@ def builtin_pair(recipe: Recipe = Recipe(), *, log=None) -> BuiltinPair:
 def built_pair(recipe: Recipe = Recipe(), *, log=None) -> BuiltinPair:
     """The pair built from `recipe` in the cache (fp32 weights), building it first if this
     machine has none cached. Never the shipped pair."""
-    root = cache_root()
-    folder = root / f"builtin-{recipe.key()}"
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / f".builtin-{recipe.key()}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (folder / "build.json").is_file():
-            with atomic_folder(folder) as tmp:
-                _build(recipe, tmp, log or (lambda msg: None))
+    def build(folder: Path) -> None:
+        with atomic_folder(folder) as tmp:
+            _build(recipe, tmp, log or (lambda msg: None))
+
+    folder = cached_build(f"builtin-{recipe.key()}", build)
     info = json.loads((folder / "build.json").read_text())
     return BuiltinPair(folder / "target", folder / "drafter", info)
+
+
+def cached_build(name: str, build) -> Path:
+    """The cache's folder `name` (`cache_root`), made by `build(folder)` unless it already holds
+    a build.json: concurrent first uses wait on a lock and build once."""
+    root = cache_root()
+    folder = root / name
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / "build.json").is_file():
+            build(folder)
+    return folder
 
 
 def export_builtin(dest, recipe: Recipe = Recipe(), *, log=None) -> Path:
@@ -227,18 +237,16 @@ def _batches(recipe: Recipe, steps: int, seed: int, chunk: int = 16):
     for c in range(0, len(texts), chunk * recipe.batch):
         group = sorted(texts[c:c + chunk * recipe.batch], key=lambda t: len(t[0]) + len(t[1]))
         batches += [group[i:i + recipe.batch] for i in range(0, len(group), recipe.batch)]
+    from rlsched.executor.rl.algos import make_batch
+
     for s in order:
-        rows = batches[s]
-        width = max(len(p) + len(a) for p, a in rows)
-        ids = torch.full((len(rows), width), PAD, dtype=torch.long)
-        answer = torch.zeros((len(rows), width - 1), dtype=torch.bool)
-        for r, (p, a) in enumerate(rows):
-            ids[r, :len(p) + len(a)] = torch.tensor(p + a)
-            answer[r, len(p) - 1:len(p) + len(a) - 1] = True
-        yield ids, answer
+        b = make_batch([p for p, _ in batches[s]], [a for _, a in batches[s]], None, PAD)
+        yield b.ids, b.mask
 
 
-def _schedule(step: int, total: int, warmup: int = 30) -> float:
+def lr_schedule(step: int, total: int, warmup: int = 30) -> float:
+    """The learning-rate factor at `step` of `total`: a linear warm-up over `warmup` steps, then
+    a cosine decay to a tenth."""
     if step < warmup:
         return (step + 1) / warmup
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
@@ -261,7 +269,7 @@ def init_weights(model: Transformer, std: float = 0.02) -> None:
 def _train(model: Transformer, recipe: Recipe, steps: int, seed: int, lr: float, loss_fn, log, what: str) -> float:
     model.train().requires_grad_(True)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _schedule(s, steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_schedule(s, steps))
     recent = []
     for i, (ids, answer) in enumerate(_batches(recipe, steps, seed)):
         loss = loss_fn(model, ids, answer)

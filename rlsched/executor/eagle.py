@@ -33,10 +33,8 @@ embedding: vLLM shares the target's).
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
-import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -49,6 +47,7 @@ from torch import nn
 
 from rlsched.atomic import atomic_folder
 from rlsched.errors import UserError
+from rlsched.executor.builtin import cached_build, lr_schedule
 from rlsched.executor.model import MLP, ModelConfig, RMSNorm, Transformer
 from rlsched.executor.rope import apply_rope
 from rlsched.executor.sampling import GREEDY, SamplingParams, sample
@@ -336,12 +335,6 @@ def ttt_loss(head: EagleHead, aux: torch.Tensor, target_logits: torch.Tensor, id
     return total / max(norm, 1e-9), kls
 
 
-def _cosine(step: int, total: int, warmup: int = 20) -> float:
-    if step < warmup:
-        return (step + 1) / warmup
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
-
-
 def train_head(target: Transformer, head: EagleHead, batches: Iterable, *, epochs: int = 1, lr: float = 3e-3,
                ttt_steps: int = 3, decay: float = 1.0, seed: int = 0, log=None) -> dict:
     """`epochs` passes over `batches` ((ids, mask) pairs), in a fresh random order each pass,
@@ -353,7 +346,7 @@ def train_head(target: Transformer, head: EagleHead, batches: Iterable, *, epoch
     total = epochs * len(batches)
     head.train().requires_grad_(True)
     opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _cosine(s, total))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_schedule(s, total, warmup=20))
     order = torch.Generator().manual_seed(seed)
     features: dict[int, tuple] = {}
     losses, kls = [], []
@@ -423,16 +416,12 @@ def target_responses(target: Transformer, prompts: list[list[int]], *, max_new: 
         out, _, _ = generate(target, part, max_new, sampling, generator=torch.Generator().manual_seed(seed + c))
         texts += [(p, o[:o.index(eos_id) + 1] if eos_id in o else o) for p, o in zip(part, out)]
     texts.sort(key=lambda x: len(x[0]) + len(x[1]))
+    from rlsched.executor.rl.algos import make_batch
+
     batches = []
     for i in range(0, len(texts), batch):
-        rows = texts[i:i + batch]
-        width = max(len(p) + len(o) for p, o in rows)
-        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width - 1), dtype=torch.bool)
-        for r, (p, o) in enumerate(rows):
-            ids[r, :len(p) + len(o)] = torch.tensor(p + o)
-            mask[r, len(p) - 1:len(p) + len(o) - 1] = True
-        batches.append((ids, mask))
+        b = make_batch([p for p, _ in texts[i:i + batch]], [o for _, o in texts[i:i + batch]], None, pad_id)
+        batches.append((b.ids, b.mask))
     return batches
 
 
@@ -661,18 +650,13 @@ def builtin_head(recipe: HeadRecipe = HeadRecipe(), *, log=None) -> BuiltinHead:
     the target's answers to task prompts on first use and cached in `$RLSCHED_CACHE` (or
     ~/.cache/rlsched), folder `eagle-<hash>`; concurrent first uses wait on a lock and build
     once."""
-    from rlsched.executor.builtin import builtin_pair, cache_root
+    from rlsched.executor.builtin import builtin_pair
 
     pair = builtin_pair()
     target_id = f"{pair.info['key']}-{pair.info.get('weights_dtype', 'float32')}"
     key = recipe.key(target_id)
-    root = cache_root()
-    folder = root / f"eagle-{key}"
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / f".eagle-{key}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (folder / "build.json").is_file():
-            _build_head(recipe, pair.target, key, target_id, folder, log or (lambda msg: None))
+    folder = cached_build(f"eagle-{key}", lambda folder: _build_head(recipe, pair.target, key, target_id, folder,
+                                                                     log or (lambda msg: None)))
     return BuiltinHead(folder, pair.target, json.loads((folder / "build.json").read_text()))
 
 

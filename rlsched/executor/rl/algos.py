@@ -33,20 +33,22 @@ class SequenceBatch:
                              [self.prompt_lens[i] for i in idx], [self.response_lens[i] for i in idx])
 
 
-def make_batch(prompts: list[list[int]], responses: list[list[int]], logprobs: list[list[float]],
+def make_batch(prompts: list[list[int]], responses: list[list[int]], logprobs: list[list[float]] | None,
                pad_id: int, valid: list[bool] | None = None) -> SequenceBatch:
-    """Pad prompt + response sequences; `valid[i]` False keeps sample i out of the loss (its
-    reward failed, say) while it keeps its row."""
+    """Pad prompt + response sequences (right-padded with `pad_id`; `mask`: the positions whose
+    next token is a response token); `valid[i]` False keeps sample i out of the loss (its
+    reward failed, say) while it keeps its row. `logprobs` None: no old log-probs (zeros)."""
     n = len(prompts)
     width = max(len(p) + len(r) for p, r in zip(prompts, responses))
     ids = torch.full((n, width), pad_id, dtype=torch.long)
     mask = torch.zeros((n, width - 1), dtype=torch.bool)
     old = torch.zeros((n, width - 1))
-    for i, (p, r, lp) in enumerate(zip(prompts, responses, logprobs)):
+    for i, (p, r) in enumerate(zip(prompts, responses)):
         ids[i, :len(p) + len(r)] = torch.tensor(p + r, dtype=torch.long)
         if r and (valid is None or valid[i]):
             mask[i, len(p) - 1:len(p) - 1 + len(r)] = True
-        old[i, len(p) - 1:len(p) - 1 + len(r)] = torch.tensor(lp, dtype=torch.float32)
+        if logprobs is not None:
+            old[i, len(p) - 1:len(p) - 1 + len(r)] = torch.tensor(logprobs[i], dtype=torch.float32)
     return SequenceBatch(ids, mask, old, [len(p) for p in prompts], [len(r) for r in responses])
 
 
