@@ -250,6 +250,127 @@ def compare(
                 out_console.print(f"{label}: {path}", highlight=False)
 
 
+PLAN_HELP = (
+    "The best rollout setup for a model, a GPU budget and a workload, searched in the simulator and written out as "
+    "configs people run.\n\n"
+    "Candidates: placement (colocated on all or half the GPUs, or split with a quarter for training), rollout "
+    "instances x tp, batch limit (max_num_seqs), drafter and policy (off, static:K, goodput over chains and, where "
+    "the workload drafts trees, trees, the solved twostate), reallocation (none, rebalance); the memory fraction "
+    "is the largest that fits beside training. Setups that cannot run are dropped with the reason. Every other "
+    "one is priced by an analytic screen, and the best --survivors are simulated with successive halving over "
+    "--seeds seeds. The winner is compared on the same seeds with the best plain decoding setup and with the "
+    "workload's own setup, and the knob that moved most is named.\n\n"
+    "Writes to --out: plan.json, candidates.csv, summary.json, pareto.png (step time against GPUs), sim.yaml "
+    "(rlsched simulate --config), run.yaml (rlsched run --config), vllm_engine.json (vllm.LLM arguments of one "
+    "instance) and verl_rollout.yaml; `rlsched report OUT` makes its page.\n\n"
+    "Example: rlsched plan --workload respec-qwen2.5-7b --gpus 16 --out runs/plan/qwen7b"
+)
+
+
+@app.command(help=PLAN_HELP)
+def plan(
+    workload: Optional[str] = typer.Option(None, "--workload", "-w", help="A job preset whose workload, drafters "
+                                           "and RL step are planned for (default: 'default'); its own setup is "
+                                           "the comparison."),
+    config: Optional[Path] = ConfigOpt,
+    from_run: Optional[Path] = typer.Option(None, "--from", help="Plan from a `rlsched run` folder: its step costs "
+                                            "(fitted from its traces), its lengths and acceptance."),
+    model: Optional[str] = typer.Option(None, "--model", help="A model preset (see `rlsched presets`; default: "
+                                        "the workload's)."),
+    hardware: Optional[str] = typer.Option(None, "--hardware", help="A hardware preset (default: the workload's)."),
+    gpus: Optional[int] = typer.Option(None, "--gpus", help="The GPU budget (default: the workload's)."),
+    drafters: Optional[str] = typer.Option(None, "--drafters", help="Comma-separated drafters of the workload to "
+                                           "consider, or none (default: all)."),
+    objective: str = typer.Option("step-time", "--objective", help="step-time (the fastest RL step) or "
+                                  "tokens-per-gpu-s (the most response tokens a GPU-second)."),
+    tps: Optional[str] = typer.Option(None, "--tp", help="Comma-separated tensor-parallel sizes (default 1,2,4,8)."),
+    max_batches: Optional[str] = typer.Option(None, "--max-batch", help="Comma-separated batch limits "
+                                              "(default 64,256,1024)."),
+    seeds: int = typer.Option(3, "--seeds", help="Seeds of the successive halving (rounds)."),
+    survivors: int = typer.Option(24, "--survivors", help="Setups the screen hands to the simulator."),
+    workers: Optional[int] = typer.Option(None, "--workers", "-j", help="Worker processes (default: the number of "
+                                          "CPUs)."),
+    ray: Optional[str] = typer.Option(None, "--ray", help="Simulate on a Ray cluster at this address, as compare "
+                                      "does."),
+    model_path: Optional[str] = typer.Option(None, "--model-path", help="The actor's folder (or HF id) written into "
+                                             "run.yaml and vllm_engine.json (default: the model's name)."),
+    drafter_path: Optional[str] = typer.Option(None, "--drafter-path", help="The drafter's folder written there "
+                                               "(default: the drafter's name)."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output folder (default runs/plan/NAME-NgNAME)."),
+    set_: list[str] = SetOpt,
+    as_json: bool = JsonOpt,
+):
+    import tempfile
+
+    from rlsched.config import load_config
+    from rlsched.plan.planner import base_for_plan, make_plan, write_plan
+    from rlsched.plan.screen import OBJECTIVES
+    from rlsched.plan.space import Space
+    from rlsched.sim.compare import default_workers
+
+    if gpus is not None and gpus < 1:
+        raise UserError(f"--gpus must be >= 1 (got {gpus}); give the GPUs the job may use")
+    if objective not in OBJECTIVES:
+        raise UserError(f"--objective must be one of {', '.join(OBJECTIVES)} (got '{objective}')")
+    if workers is not None and workers < 1:
+        raise UserError(f"--workers must be >= 1 (got {workers})")
+    if from_run is not None and (workload or config):
+        raise UserError("--from plans from a run's own workload; drop --workload and --config")
+    overrides = [f"model={model}"] * (model is not None) + [f"hardware={hardware}"] * (hardware is not None)
+    overrides += list(set_) + ["record_timeline=false"]
+    with tempfile.TemporaryDirectory() as work:
+        if from_run is not None:
+            base = base_for_plan(None, from_run, Path(work), overrides, drafters)
+        else:
+            base = base_for_plan(load_config(workload, config, overrides), None, None, [], drafters)
+        budget = gpus if gpus is not None else base.cluster.instances * base.cluster.tp + (base.rl.train_gpus or 0)
+        space = Space(budget)
+        if from_run is not None:  # the run's machine: its fitted costs are of one device, tp 1
+            space = Space(budget, tps=(1,), colocated=(1.0,), split=())
+        if tps is not None:
+            space = Space(**{**space.__dict__, "tps": tuple(_int_list(tps, "--tp"))})
+        if max_batches is not None:
+            space = Space(**{**space.__dict__, "max_batches": tuple(_int_list(max_batches, "--max-batch"))})
+        out = out or Path("runs/plan") / f"{base.name}-{budget}g{base.hardware.name}"
+        n_workers = workers or default_workers()
+        done = [0]
+
+        with err_console.status(f"planning {base.model.name} on {budget} x {base.hardware.name}") as status:
+            def tick(_):
+                done[0] += 1
+                status.update(f"planning {base.model.name} on {budget} x {base.hardware.name}: {done[0]} simulations")
+            result = make_plan(base, space, objective=objective, survivors=survivors, seeds=seeds,
+                               workers=n_workers, ray_address=ray, on_done=tick)
+            summary = write_plan(result, out, model_path or base.model.name,
+                                 drafter_path or (result.winner.candidate.drafter or "off"))
+    summary["out"] = str(out)
+    if as_json:
+        print(json.dumps(summary, indent=2))
+        return
+    t = Table(title=f"rlsched plan: {base.model.name} on {budget} x {base.hardware.name}, {base.name} "
+                    f"({summary['candidates']} setups, {summary['dropped']} cannot run, {summary['simulations']} "
+                    f"simulations; {objective})")
+    for col, just in (("#", "right"), ("setup", "left"), ("GPUs", "right"), ("step s (sim)", "right"),
+                      ("screen s", "right"), ("seeds", "right"), ("generation", "right")):
+        t.add_column(col, justify=just)
+    from rlsched.plan.planner import plan_rows
+
+    for r in plan_rows(result)[:10]:
+        t.add_row(str(r["rank"]), r["setup"], str(r["gpus"]), f"{r['step_s']:.2f}", f"{r['screen_step_s']:.2f}",
+                  str(r["seeds"]), f"{r['split']['generation']:.0%}")
+    _print_unwrapped(out_console, t)
+    lines = [f"winner: {summary['winner']}, {summary['winner_step_s']:.2f} s a step"]
+    if "baseline" in summary:
+        lines.append(f"over the best plain decoding ({summary['baseline']}): {summary['speedup_over_baseline']:.2f}x")
+    if "own_setup" in summary:
+        lines.append(f"over the workload's own setup ({summary['own_setup']}, {summary['own_step_s']:.2f} s): "
+                     f"{summary['gain_over_own']:+.1%}" + (f"; the knob that moved most: {summary['knob']}"
+                                                           if "knob" in summary else ""))
+    lines.append(f"output: {out} (rlsched report {out} for its page)")
+    for line in lines:
+        out_console.print(line, highlight=False, soft_wrap=True)
+
+
 @app.command()
 def learn(
     preset: Optional[str] = PresetOpt,

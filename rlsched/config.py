@@ -279,6 +279,10 @@ class RLSpec(Strict):
     recompute_old_logprobs: bool = True
     critic: bool = False
     reward_model: ModelSpec | None = None  # None: verifiable rewards (no forward)
+    # GPUs the inference and training stages run on, apart from the rollout's (a split placement:
+    # the rollout instances wait while they run, as a synchronous RL step does); None: colocated,
+    # on the rollout's GPUs
+    train_gpus: PosInt | None = None
     infer_efficiency: OpenFraction = 0.5
     train_efficiency: OpenFraction = 0.3  # achieved MFU of RL training (FSDP, recomputation)
 

@@ -16,7 +16,7 @@ CASES = {"default": ["rl.steps=1"],
          "respec-qwen2.5-7b": ["rl.steps=1", "speculation.width_max=1"]}
 
 
-@pytest.mark.parametrize("policy", ["off", "static:3", "goodput"])
+@pytest.mark.parametrize("policy", ["off", "static:3", "goodput", "twostate"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_fluid_stage_time_is_the_simulators_within_two_percent(case, policy):
     cfg = load_config(preset=case.removesuffix("-queued"), overrides=CASES[case] + ["record_timeline=false"])
@@ -25,7 +25,7 @@ def test_fluid_stage_time_is_the_simulators_within_two_percent(case, policy):
     sim = simulate(cfg, policy=policy, realloc="none").summary()
     assert fluid.tokens == sim["response_tokens"]  # the same rows
     assert fluid.seconds == pytest.approx(sim["generation_s"], rel=0.02)
-    assert fluid.seconds == fluid.per_instance.max() and len(fluid.per_instance) == cfg.cluster.instances
+    assert fluid.balanced_s <= fluid.seconds
 
 
 def test_expected_tokens_per_row_is_the_chain_closed_form():
@@ -36,7 +36,13 @@ def test_expected_tokens_per_row_is_the_chain_closed_form():
     assert e[0].tolist() == pytest.approx([1.0] * 4)  # nothing accepted: the bonus token alone
 
 
-def test_an_unknown_policy_is_refused():
-    cfg = load_config(preset="default", overrides=["rl.steps=1"])
-    with pytest.raises(ValueError, match="not 'bandit'"):
-        stage_time(cfg, "bandit", cost_model_for(cfg))
+def test_trees_are_priced_where_the_config_allows_them():
+    """respec-qwen2.5-7b as written: goodput over chains and trees up to 8 wide; the fluid
+    stage is within 3% of the simulator's and faster than chains alone."""
+    cfg = load_config(preset="respec-qwen2.5-7b", overrides=["rl.steps=1", "record_timeline=false"])
+    cost = cost_model_for(cfg)
+    trees = stage_time(cfg, "goodput", cost)
+    sim = simulate(cfg, policy="goodput", realloc="none").summary()
+    assert trees.seconds == pytest.approx(sim["generation_s"], rel=0.03)
+    chains = cfg.model_copy(update={"speculation": cfg.speculation.model_copy(update={"width_max": 1})})
+    assert trees.seconds < stage_time(chains, "goodput", cost).seconds

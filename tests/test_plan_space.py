@@ -1,4 +1,5 @@
-"""The planner's candidates (`plan/space.py`) and its screen (`plan/screen.py`)."""
+"""The planner's candidates (`plan/space.py`), its screen (`plan/screen.py`) and its search
+(`plan/search.py`)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,13 @@ import pytest
 
 from rlsched.config import load_config
 from rlsched.costs.choose import cost_model_for
+from rlsched.plan.feasible import rollout_memory
 from rlsched.plan.fluid import stage_time
-from rlsched.plan.screen import screen
-from rlsched.plan.space import Space, candidates, to_config
+from rlsched.plan.screen import score, screen
+from rlsched.plan.search import search
+from rlsched.plan.space import Space, candidates, from_config, placements, to_config
+from rlsched.sim.rlstep import StageCosts
+from rlsched.sim.simulate import simulate
 
 
 @pytest.fixture(scope="module")
@@ -16,37 +21,84 @@ def base():
     return load_config(preset="respec-qwen2.5-7b", overrides=["rl.steps=1", "record_timeline=false"])
 
 
-def test_candidates_cover_the_space_on_every_gpu(base):
-    cs = candidates(base, Space(16, tps=(1, 2, 8), max_batches=(64, 256), static_ks=(2, 4, 12)))
-    k_max = base.speculation.k_max
-    per_point = 1 + len(base.drafters) * (len([k for k in (2, 4, 12) if k <= k_max]) + 1)  # off, static:K, goodput
-    assert len(cs) == 3 * 2 * per_point and len(set(cs)) == len(cs)
-    assert all(c.gpus == 16 for c in cs)
-    assert {c.policy for c in cs} == {"off", "goodput"} | {f"static:{k}:eagle" for k in (2, 4, 12) if k <= k_max}
-    assert candidates(base, Space(6, tps=(1, 4)))[0].tp == 1  # tp 4 does not divide 6 GPUs
-    assert {c.tp for c in candidates(base, Space(6, tps=(1, 4)))} == {1}
+def test_placements_are_whole_gpus():
+    assert placements(Space(16)) == [(16, None), (8, None), (12, 4)]
+    assert placements(Space(2)) == [(2, None), (1, None)]  # a quarter of 2 GPUs is no whole GPU
+    assert placements(Space(1, colocated=(1.0, 0.5))) == [(1, None)]
+
+
+def test_candidates_cover_the_space(base):
+    space = Space(16, tps=(1, 8), max_batches=(64, 256), static_ks=(2, 4, 12), reallocs=("none", "rebalance"),
+                  colocated=(1.0,), split=())
+    cs = candidates(base, space)
+    # off, static:2, static:4 (12 is above k_max 8), goodput over chains, over trees, twostate; realloc for
+    # all but static, only where there are instances to move rows between (tp 8: 2 instances; tp 1: 16)
+    per_batch = 2 * 1 + 2 + 3 * 2
+    assert len(cs) == 2 * 2 * per_batch and len(set(cs)) == len(cs)
+    assert all(c.gpus == 16 and c.memory == rollout_memory(base, 16, None) for c in cs)
+    assert {c.policy for c in cs} == {"off", "goodput", "twostate", "static:2:eagle", "static:4:eagle"}
+    assert {c.width_max for c in cs if c.policy == "goodput"} == {1, 8}
+    assert not any(c.realloc != "none" for c in cs if c.policy.startswith("static:"))
+    assert {c.tp for c in candidates(base, Space(6, tps=(1, 4)))} == {1}  # tp 4 divides no placement of 6 GPUs
     with pytest.raises(ValueError, match="gpus must be >= 1"):
         candidates(base, Space(0))
 
 
-def test_a_candidates_config_is_the_base_with_its_cluster_and_drafter(base):
-    c = next(c for c in candidates(base, Space(16)) if c.tp == 2 and c.max_batch == 128 and c.policy == "goodput")
+def test_a_candidates_config_is_the_base_with_its_setup(base):
+    c = next(c for c in candidates(base, Space(16)) if c.train_gpus == 4 and c.tp == 2 and c.max_batch == 256
+             and c.policy == "goodput" and c.width_max == 1 and c.realloc == "rebalance")
     cfg = to_config(base, c)
-    assert (cfg.cluster.tp, cfg.cluster.instances, cfg.cluster.max_batch) == (2, 8, 128)
+    assert (cfg.cluster.tp, cfg.cluster.instances, cfg.cluster.max_batch) == (2, 6, 256)
+    assert cfg.cluster.gpu_memory_utilization == 0.9 and cfg.cluster.realloc == "rebalance"
+    assert cfg.rl.train_gpus == 4 and c.gpus == 16 and c.placement == "split 12+4"
     assert [d.name for d in cfg.drafters] == ["eagle"] and cfg.speculation.width_max == 1
-    assert cfg.cluster.realloc == "none" and cfg.workload == base.workload and cfg.model == base.model
+    assert cfg.workload == base.workload and cfg.model == base.model
+    assert from_config(cfg) == c
     off = to_config(base, next(c for c in candidates(base, Space(16)) if c.policy == "off"))
     assert off.drafters == []
 
 
+def test_training_on_its_own_gpus_is_priced_on_them(base):
+    cfg = to_config(base, from_config(base))
+    split = cfg.model_copy(update={"rl": cfg.rl.model_copy(update={"train_gpus": 4})})
+    assert StageCosts(split).training(1000) == pytest.approx(4 * StageCosts(cfg).training(1000))
+    a, b = (simulate(c, realloc="none").records[0] for c in (cfg, split))
+    assert b.training_s == pytest.approx(4 * a.training_s) and b.generation_s == pytest.approx(a.generation_s)
+
+
 def test_the_screen_ranks_feasible_setups_and_says_why_it_drops_the_rest(base):
-    cs = candidates(base, Space(16, tps=(2, 8), max_batches=(128,), static_ks=(3,)))
+    cs = candidates(base, Space(16, tps=(2, 8), max_batches=(128,), static_ks=(3,), colocated=(1.0,), split=()))
     scored, dropped = screen(base, cs)
     assert {d.candidate.tp for d in dropped} == {8} and all("tp 8 does not divide" in d.reason for d in dropped)
-    assert [s.generation_s for s in scored] == sorted(s.generation_s for s in scored)
+    assert [s.score for s in scored] == sorted(s.score for s in scored)
     assert len(scored) + len(dropped) == len(cs)
     best = scored[0]
     # the screen's step prices are shared across setups, memoised to within 1% of context a row
     alone = stage_time(best.config, best.candidate.policy, cost_model_for(best.config)).seconds
     assert best.generation_s == pytest.approx(alone, rel=1e-3)
+    # the step adds inference and training over every prompt and response token
+    costs = StageCosts(best.config)
+    other = best.step_s - best.generation_s
+    assert other > costs.training(best.tokens)
     assert scored[-1].candidate.policy == "off"  # with this head, drafting beats plain decoding at every setup
+    per_gpu, _ = screen(base, cs, "tokens-per-gpu-s")
+    assert per_gpu[0].score == pytest.approx(per_gpu[0].step_s * 16 / per_gpu[0].tokens)
+    with pytest.raises(ValueError, match="objective must be one of step-time, tokens-per-gpu-s"):
+        score("fastest", 1.0, 1, 1)
+
+
+def test_successive_halving_keeps_the_better_half_and_runs_the_pinned_on_every_seed(base):
+    cs = candidates(base, Space(16, tps=(2, 4), max_batches=(1024,), static_ks=(2,), reallocs=("none",),
+                                colocated=(1.0,), split=()))
+    scored, _ = screen(base, cs)
+    off = next(s for s in scored if s.candidate.policy == "off")
+    result = search(scored, survivors=4, seeds=[0, 1, 2], pinned=[off])
+    seeds_run = [len(x.runs) for x in result.ranked]
+    assert seeds_run == [3, 2, 1, 1]  # 4 -> 2 -> 1: the last has run every seed
+    assert result.simulations == 4 + 2 + 1 + 3  # and the pinned off on each seed
+    assert len(result.pinned[0].runs) == 3 and [r["seed"] for r in result.pinned[0].runs] == [0, 1, 2]
+    first = result.ranked[0]
+    again = simulate(first.scored.config.model_copy(update={"seed": 1}), realloc="none").summary()
+    assert first.runs[1]["step_s"] == pytest.approx(again["rl_step_s"])  # the record of seed 1 is seed 1's run
+    # each round's survivors are the better half by their mean over the seeds they ran
+    assert first.mean("step_s") <= result.ranked[1].mean("step_s") or len(first.runs) > len(result.ranked[1].runs)

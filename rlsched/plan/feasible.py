@@ -7,6 +7,12 @@ An instance's memory, after the weights of the target and its drafters and an ac
 reserve, holds KV (`sim.cluster.kv_capacity`, from the cost model); it must hold the
 workload's longest sequence (prompt + response at their maxima) above the simulator's 1%
 watermark.
+
+Training keeps its states on its GPUs: bf16 weights and gradients, fp32 master weights and
+Adam's two moments, 16 bytes a parameter (the critic's too), sharded over the training GPUs as
+FSDP/ZeRO-3 does, plus the activation reserve; the training GPUs must hold them. A planner
+gives a colocated rollout the memory fraction they leave (`rollout_memory`: no offload); a
+config's own fraction is taken as written (its job may offload them during the rollout).
 """
 
 from __future__ import annotations
@@ -27,6 +33,25 @@ def length_max(d: LengthDist) -> int:
 
 def longest_sequence(cfg: SimConfig) -> int:
     return length_max(cfg.workload.prompt_len) + length_max(cfg.workload.response_len)
+
+
+TRAIN_BYTES_PER_PARAM = 16
+MEMORY_MAX = 0.9  # vLLM's default gpu_memory_utilization: the most a rollout takes
+
+
+def training_gib(cfg: SimConfig, gpus: int) -> float:
+    """GiB of training state resident on each of `gpus` GPUs (no offload)."""
+    params = cfg.model.params * (2 if cfg.rl.critic else 1)
+    return TRAIN_BYTES_PER_PARAM * params / gpus / 2**30
+
+
+def rollout_memory(cfg: SimConfig, rollout_gpus: int, train_gpus: int | None) -> float:
+    """The largest memory fraction (to 0.01, at most MEMORY_MAX) the rollout can take: all it
+    may on GPUs of its own; colocated, what training's resident states and reserve leave."""
+    if train_gpus is not None:
+        return MEMORY_MAX
+    left = 1.0 - (training_gib(cfg, rollout_gpus) + cfg.cluster.activation_reserve_gib) / cfg.hardware.memory_gib
+    return min(MEMORY_MAX, max(0.01, int(left * 100) / 100))
 
 
 def _heads(model: ModelSpec, tp: int, what: str) -> str | None:
@@ -55,4 +80,9 @@ def infeasible(cfg: SimConfig, cost=None) -> str | None:
     longest = longest_sequence(cfg)
     if longest > capacity - capacity // 100:
         return f"an instance holds {capacity} KV tokens, fewer than the longest sequence needs ({longest})"
+    hw, train_gpus = cfg.hardware, cfg.rl.train_gpus or c.instances * c.tp
+    resident = training_gib(cfg, train_gpus) + c.activation_reserve_gib
+    if resident > hw.memory_gib:
+        return (f"training's states need {resident:.1f} GiB a GPU on {train_gpus} x {hw.name} "
+                f"({hw.memory_gib:g} GiB): give training more GPUs")
     return None

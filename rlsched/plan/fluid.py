@@ -1,15 +1,23 @@
 """A generation stage's time without SimPy: the fluid estimate a planner screens setups with.
 
 Each instance takes its rows as the simulator assigns them (round robin over samples, or by
-prompt) and admits them first come, first served up to `max_batch`. Between two events (a row
-finishing, a queued row joining) the batch is fixed, so every step of that phase costs the
-same: the cost model's verify of k + 1 tokens a row plus the drafting of k, at the phase's
-context; a prefill is paid when rows join. Row i emits E_i(k) = (1 - a_i^(k+1)) / (1 - a_i)
-tokens a step in expectation (a_i: its own per-token acceptance, drawn as the simulator draws
-the first RL step's rollout), so a phase lasts until the first row reaches its length. The
-policy's k at each phase: 0 (off), K (static:K), or the k of the most tokens a second over the
-phase's rows (goodput, knowing the rows' acceptance). Chains only; no KV limit (rows wait for
-a batch slot only), no reallocation. The stage's time is the slowest instance's.
+prompt) and admits them first come, first served up to its batch limit: `max_batch`, or fewer
+where the KV cache holds fewer rows (its capacity over a row's mean footprint halfway through
+its response). Between two events (a row finishing, a queued row joining) the batch is fixed,
+so every step of that phase costs the same: the cost model's price of the phase's strategy
+(a chain of k drafts, verified as k + 1 tokens a row, or a tree) at the phase's context; a
+prefill is paid when rows join. Row i emits E_i tokens a step in expectation: (1 - a_i^(k+1)) /
+(1 - a_i) for a chain (a_i: its own per-token acceptance, drawn as the simulator draws the first
+RL step's rollout), and 1 + the tree model's expected accepted drafts for a tree
+(`policies/tree.py`); a phase lasts until the first row reaches its length. The strategy of a
+phase: none (off), a chain of K (static:K), the solved two-state rule (K up to a batch size, off
+above), or the most tokens a second over the phase's rows among chains and, where the config
+allows trees, trees (goodput and every other adaptive policy, knowing the rows' acceptance: an
+optimistic price of a per-step choice).
+
+The stage's time is the slowest instance's; with many instances only the critical ones are
+run (the most work, the longest row). Reallocation is not modelled: `balanced_s` is what the
+stage would take with the work spread evenly (an optimistic price of rebalancing).
 """
 
 from __future__ import annotations
@@ -20,14 +28,22 @@ from dataclasses import dataclass
 import numpy as np
 
 from rlsched.config import SimConfig
+from rlsched.policies.draft import tree_parts
+from rlsched.policies.registry import make_draft_policy
+from rlsched.policies.tree import GRID
+from rlsched.sim.cluster import kv_capacity
+from rlsched.sim.simulate import policy_context
 from rlsched.sim.workload import sample_rollout
+
+CRITICAL = 3  # instances run when there are more: the two with the most work and the longest row's
 
 
 @dataclass(frozen=True)
 class FluidStage:
     seconds: float  # the stage's time: the slowest instance's
-    per_instance: np.ndarray  # each instance's busy time
+    balanced_s: float  # the stage's time with the work spread evenly over the instances
     tokens: int  # response tokens
+    prompt_tokens: int
 
 
 def expected_tokens_per_row(acceptance: np.ndarray, k_max: int) -> np.ndarray:
@@ -36,48 +52,77 @@ def expected_tokens_per_row(acceptance: np.ndarray, k_max: int) -> np.ndarray:
     return (1.0 - a ** (np.arange(k_max + 1) + 1.0)) / (1.0 - a)
 
 
-class StepPrices:
-    """The cost model's verify (k + 1 tokens a row) and drafting (k) seconds for k = 0..k_max
-    at b rows, memoised by b and the context a row to within `tolerance` (priced at the first
-    context seen in its band): the setups of one tp and drafter meet the same batch sizes and
-    contexts again and again."""
+class Strategies:
+    """The strategies a setup's steps choose among, as columns: chains of k = 0..k_max drafts,
+    then the config's tree options (none with width_max 1); each column's tokens a step per row
+    and its seconds a step at b rows, memoised by b and the context a row to within
+    `tolerance` (priced at the first context seen in its band): the setups of one tp and
+    drafter meet the same batch sizes and contexts again and again."""
 
-    def __init__(self, cost, drafter: str | None, k_max: int, tolerance: float = 0.01):
-        self.cost, self.drafter, self.k_max = cost, drafter, k_max
+    def __init__(self, cfg: SimConfig, cost, drafter: str | None, tolerance: float = 0.01):
+        self.cost, self.drafter = cost, drafter
+        self.k_max = cfg.speculation.k_max if drafter is not None else 0
+        self.trees, self.table, self.top1 = [], None, 1.0
+        if drafter is not None:
+            ctx = policy_context(cfg, cost)
+            trees = ctx.trees(drafter)
+            if trees is not None:
+                self.trees, self.table = trees
+                self.top1 = ctx.tree_top1.get(drafter, 1.0)
         self._log_band = math.log1p(tolerance)
-        self._memo: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        self._memo: dict[tuple[int, int], np.ndarray] = {}
 
-    def __call__(self, b: int, ctx_sum: float) -> tuple[np.ndarray, np.ndarray]:
+    @property
+    def key(self) -> tuple:
+        return self.drafter, self.k_max, tuple((s.k, s.width, s.nodes) for s in self.trees)
+
+    def tokens(self, acceptance: np.ndarray) -> np.ndarray:
+        """(rows, columns): tokens a step of each strategy emits per row, in expectation."""
+        chains = expected_tokens_per_row(acceptance, self.k_max)
+        if self.table is None:
+            return chains
+        level = np.rint(np.clip(acceptance * self.top1, 0.0, 1.0) * (len(GRID) - 1)).astype(np.int64)
+        return np.hstack([chains, 1.0 + self.table.accepted[:, level].T])
+
+    def seconds(self, b: int, ctx_sum: float) -> np.ndarray:
         key = (b, round(math.log(max(ctx_sum / b, 1.0)) / self._log_band))
         hit = self._memo.get(key)
         if hit is None:
             ks = np.arange(self.k_max + 1)
-            verify = np.asarray(self.cost.verify_time(b, ks + 1, ctx_sum), dtype=float)
-            draft = np.zeros(len(ks))
-            if self.drafter is not None and self.k_max > 0:
-                draft[1:] = self.cost.draft_time(self.drafter, b, ks[1:], ctx_sum)
-            hit = self._memo[key] = (verify, draft)
+            hit = np.asarray(self.cost.verify_time(b, ks + 1, ctx_sum), dtype=float)
+            if self.k_max > 0:
+                hit[1:] += self.cost.draft_time(self.drafter, b, ks[1:], ctx_sum)
+            if self.trees:
+                draft, verify = tree_parts(self.cost, self.drafter, self.trees, b, ctx_sum)
+                hit = np.concatenate([hit, draft + verify])
+            self._memo[key] = hit
         return hit
 
 
-def _choose_k(policy: str, tokens: np.ndarray, step_s: np.ndarray) -> int:
+def _rule(policy: str, cfg: SimConfig, cost):
+    """The column a step of b rows takes under `policy`: a number (off: 0, static:K: K), a
+    function of b (twostate: solved as the simulator solves it, a chain of K up to its batch
+    size, off above), or None (choose the most tokens a second)."""
     if policy == "off":
         return 0
     if policy.startswith("static:"):
         return int(policy.split(":")[1])
-    if policy.startswith("goodput"):
-        return int(np.argmax(tokens / step_s))
-    raise ValueError(f"the fluid estimate prices off, static:K and goodput, not '{policy}'")
+    if policy.startswith("twostate"):
+        two = make_draft_policy(policy, policy_context(cfg, cost))
+        if two.on.width > 1:
+            raise ValueError("the fluid estimate prices a two-state policy's chains, not its trees")
+        return lambda b: two.k if b <= two.max_batch_on else 0
+    return None
 
 
-def instance_time(cost, prices: StepPrices, policy: str, prompt_len: np.ndarray, response_len: np.ndarray,
+def instance_time(cost, strategies: Strategies, rule, prompt_len: np.ndarray, response_len: np.ndarray,
                   acceptance: np.ndarray, *, max_batch: int) -> float:
-    """One instance's busy time for these rows (in their admission order): prefills priced by
-    `cost`, steps by `prices`."""
+    """One instance's busy time for these rows (in their admission order) under a policy's
+    `rule` (`_rule`): prefills priced by `cost`, steps by `strategies`."""
     n = len(response_len)
     if n == 0:
         return 0.0
-    per_step = expected_tokens_per_row(acceptance, prices.k_max) if prices.drafter is not None else np.ones((n, 1))
+    per_step = strategies.tokens(acceptance) if rule != 0 else np.ones((n, 1))
     left = response_len.astype(float)
     ctx = prompt_len.astype(float)
     running = np.zeros(n, dtype=bool)
@@ -95,23 +140,35 @@ def instance_time(cost, prices: StepPrices, policy: str, prompt_len: np.ndarray,
         if len(rows) == 0:
             return t
         b, ctx_sum = len(rows), float(ctx[rows].sum())
-        verify, draft = prices(b, ctx_sum)
-        tokens = per_step[rows].sum(axis=0)
-        k = _choose_k(policy, tokens, verify + draft)
-        gain = per_step[rows, k]
+        j = rule(b) if callable(rule) else rule
+        if j == 0:
+            step_s = float(cost.verify_time(b, 1, ctx_sum))
+        else:
+            seconds = strategies.seconds(b, ctx_sum)
+            if j is None:
+                j = int(np.argmax(per_step[rows].sum(axis=0) / seconds))
+            step_s = float(seconds[j])
+        gain = per_step[rows, j]
         steps = float(np.min(left[rows] / gain))  # until the first row reaches its length
-        t += steps * float(verify[k] + draft[k])
+        t += steps * step_s
         left[rows] -= steps * gain
         ctx[rows] += steps * gain
         running[rows[left[rows] <= 1e-6]] = False
 
 
-def stage_time(cfg: SimConfig, policy: str, cost, seed: int | None = None, prices: StepPrices | None = None
+def batch_limit(cfg: SimConfig, capacity: int, prompt_len: np.ndarray, response_len: np.ndarray) -> int:
+    """`max_batch`, or the rows the KV cache holds at their mean footprint halfway through their
+    responses, whichever is fewer (at least 1)."""
+    footprint = float(np.mean(prompt_len + response_len / 2.0))
+    return max(1, min(cfg.cluster.max_batch, int(0.99 * capacity / footprint)))
+
+
+def stage_time(cfg: SimConfig, policy: str, cost, seed: int | None = None, strategies: Strategies | None = None
                ) -> FluidStage:
     """The fluid estimate of the first RL step's generation stage of `cfg` under `policy`
-    (off, static:K[:DRAFTER], goodput), priced by `cost` (or `prices`, step prices of this
-    drafter over `cost` shared with other setups); the rows and their acceptance as the
-    simulator draws them for `seed` (default: the config's)."""
+    (off, static:K[:DRAFTER], or any adaptive policy), priced by `cost` (or `strategies`, the
+    step prices of this drafter over `cost` shared with other setups); the rows and their
+    acceptance as the simulator draws them for `seed` (default: the config's)."""
     root = np.random.SeedSequence(cfg.seed if seed is None else seed)
     workload_seq, _ = root.spawn(2)  # the simulator's first RL step draws its rollout from the first
     rollout = sample_rollout(cfg.workload, cfg.drafters, {d.name: d.acceptance.mean for d in cfg.drafters},
@@ -120,17 +177,27 @@ def stage_time(cfg: SimConfig, policy: str, cost, seed: int | None = None, price
     drafter = None
     if policy != "off":
         drafter = parts[2] if policy.startswith("static:") and len(parts) > 2 else rollout.drafters[0]
+    if strategies is None or strategies.drafter != drafter:
+        strategies = Strategies(cfg, cost, drafter)
+    rule = _rule(policy, cfg, cost)
     j = rollout.drafters.index(drafter) if drafter is not None else 0
-    k_max = cfg.speculation.k_max if drafter is not None else 0
-    if prices is None or prices.drafter != drafter or prices.k_max != k_max:
-        prices = StepPrices(cost, drafter, k_max)
     instances = cfg.cluster.instances
-    n = rollout.n
-    owner = (np.arange(n) if cfg.cluster.assignment == "round_robin" else rollout.prompt_of) % instances
-    times = np.zeros(instances)
-    for i in range(instances):
+    owner = (np.arange(rollout.n) if cfg.cluster.assignment == "round_robin" else rollout.prompt_of) % instances
+    limit = batch_limit(cfg, kv_capacity(cfg, cost), rollout.prompt_len, rollout.response_len)
+    # work: each instance's response tokens over a middling chain's tokens a step; the longest row
+    rate = expected_tokens_per_row(rollout.acceptance[:, j], 2)[:, -1] if drafter is not None else np.ones(rollout.n)
+    work = np.bincount(owner, rollout.response_len / rate, minlength=instances)
+    critical = np.arange(instances)
+    if instances > CRITICAL:
+        longest = owner[np.argmax(rollout.response_len)]
+        critical = np.unique(np.concatenate([np.argsort(-work)[:CRITICAL - 1], [longest]]))
+    times = {}
+    for i in critical:
         mine = np.flatnonzero(owner == i)
         acc = rollout.acceptance[mine, j] if drafter is not None else np.zeros(len(mine))
-        times[i] = instance_time(cost, prices, policy, rollout.prompt_len[mine], rollout.response_len[mine], acc,
-                                 max_batch=cfg.cluster.max_batch)
-    return FluidStage(float(times.max()), times, int(rollout.response_len.sum()))
+        times[i] = instance_time(cost, strategies, rule, rollout.prompt_len[mine], rollout.response_len[mine],
+                                 acc, max_batch=limit)
+    slowest = max(times, key=times.get)
+    seconds = times[slowest]
+    balanced = seconds * float(work.mean() / work[slowest]) if work[slowest] > 0 else seconds
+    return FluidStage(seconds, min(seconds, balanced), int(rollout.response_len.sum()), int(rollout.prompt_len.sum()))

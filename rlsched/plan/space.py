@@ -1,10 +1,17 @@
-"""The setups a planner weighs for one model, GPU count and workload: candidates over the
-rollout's tensor parallelism (every GPU in instances of `tp`), batch limit, drafter and draft
-policy, each turned into the simulator's config.
+"""The setups a planner weighs for one model, GPU budget and workload, each turned into the
+simulator's config.
 
-Policies: `off`, `static:K` for each K in `static_ks` (up to k_max) and `goodput`, for each of
-the workload's drafters. Chains only, every GPU on the rollout, no reallocation: the fluid
-screen (`plan/fluid.py`) prices exactly these.
+A candidate places the RL step on the GPUs (colocated: rollout, inference and training take
+turns on the same GPUs; split: the rollout on its own GPUs, inference and training on the
+rest), cuts the rollout's GPUs into instances of `tp`, and sets each instance's batch limit
+(`max_num_seqs`), the drafter and draft policy, and the reallocation of samples across
+instances. Its memory fraction (vLLM's `gpu_memory_utilization`, which sets the KV cache) is
+not searched: more KV never slows a rollout, so each placement takes the largest that fits
+(`feasible.rollout_memory`).
+
+Policies: `off`; `static:K` for each K in `static_ks` (up to k_max); `goodput` over chains, and
+over chains and trees where the workload's speculation allows trees (width_max > 1); the
+solved `twostate` (ReSpec's rule: K below a batch size, off above).
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlsched.config import SimConfig
+from rlsched.plan.feasible import rollout_memory
 
 
 @dataclass(frozen=True)
@@ -19,49 +27,111 @@ class Candidate:
     tp: int
     instances: int
     max_batch: int
-    policy: str  # off, static:K:DRAFTER or goodput (over the candidate's one drafter)
+    memory: float  # the rollout's gpu_memory_utilization
+    policy: str  # off, static:K:DRAFTER, goodput or twostate (over the candidate's one drafter)
     drafter: str | None  # None: plain decoding
-
-    @property
-    def label(self) -> str:
-        policy = f"goodput:{self.drafter}" if self.policy == "goodput" else self.policy
-        return f"tp{self.tp}x{self.instances} b{self.max_batch} {policy}"
+    width_max: int = 1  # 1: chains only
+    realloc: str = "none"
+    train_gpus: int | None = None  # None: colocated (inference and training on the rollout's GPUs)
 
     @property
     def gpus(self) -> int:
+        """Every GPU the setup holds."""
+        return self.rollout_gpus + (self.train_gpus or 0)
+
+    @property
+    def rollout_gpus(self) -> int:
         return self.tp * self.instances
+
+    @property
+    def policy_label(self) -> str:
+        if self.drafter is None or self.policy.startswith("static:"):
+            return self.policy
+        return f"{self.policy}:{self.drafter}" + (f" trees<={self.width_max}" if self.width_max > 1 else "")
+
+    @property
+    def placement(self) -> str:
+        return "colocated" if self.train_gpus is None else f"split {self.rollout_gpus}+{self.train_gpus}"
+
+    @property
+    def label(self) -> str:
+        realloc = "" if self.realloc == "none" else f" {self.realloc}"
+        return (f"{self.placement} tp{self.tp}x{self.instances} b{self.max_batch} m{self.memory:g} "
+                f"{self.policy_label}{realloc}")
 
 
 @dataclass(frozen=True)
 class Space:
-    gpus: int
+    gpus: int  # the budget
     tps: tuple[int, ...] = (1, 2, 4, 8)
-    max_batches: tuple[int, ...] = (64, 128, 256, 512)
+    max_batches: tuple[int, ...] = (64, 256, 1024)
     static_ks: tuple[int, ...] = (1, 2, 3, 4, 6)
+    reallocs: tuple[str, ...] = ("none", "rebalance")
+    # the shares of the budget a setup may hold (colocated) and give the rollout (split)
+    colocated: tuple[float, ...] = (1.0, 0.5)
+    split: tuple[float, ...] = (0.75,)
+
+
+def placements(space: Space) -> list[tuple[int, int | None]]:
+    """(rollout GPUs, training GPUs or None for colocated) of the space, whole GPUs only."""
+    out: list[tuple[int, int | None]] = []
+    for share in space.colocated:
+        g = int(space.gpus * share)
+        if g >= 1 and g * 1.0 == space.gpus * share and (g, None) not in out:
+            out.append((g, None))
+    for share in space.split:
+        g = int(space.gpus * share)
+        if 1 <= g < space.gpus and g * 1.0 == space.gpus * share and (g, space.gpus - g) not in out:
+            out.append((g, space.gpus - g))
+    return out
+
+
+def policies(base: SimConfig, space: Space) -> list[tuple[str, str | None, int]]:
+    """(policy, drafter, width_max) of the space for `base`'s drafters."""
+    out: list[tuple[str, str | None, int]] = [("off", None, 1)]
+    k_max = base.speculation.k_max
+    for d in base.drafters:
+        out += [(f"static:{k}:{d.name}", d.name, 1) for k in space.static_ks if k <= k_max]
+        out.append(("goodput", d.name, 1))
+        if base.speculation.width_max > 1:
+            out.append(("goodput", d.name, base.speculation.width_max))
+        out.append(("twostate", d.name, 1))
+    return out
 
 
 def candidates(base: SimConfig, space: Space) -> list[Candidate]:
-    """Every setup of the space for `base`'s model, hardware, drafters and workload: `tp` of
-    the space's that divide the GPUs, all of them in rollout instances."""
+    """Every setup of the space for `base`'s model, hardware, drafters and workload: each
+    placement, the `tp` of the space's that divide its rollout GPUs, each batch limit, policy and
+    (with more than one instance) reallocation."""
     if space.gpus < 1:
         raise ValueError(f"gpus must be >= 1 (got {space.gpus})")
-    k_max = base.speculation.k_max
     out = []
-    for tp in (t for t in space.tps if t <= space.gpus and space.gpus % t == 0):
-        for b in space.max_batches:
-            out.append(Candidate(tp, space.gpus // tp, b, "off", None))
-            for d in base.drafters:
-                for k in (k for k in space.static_ks if k <= k_max):
-                    out.append(Candidate(tp, space.gpus // tp, b, f"static:{k}:{d.name}", d.name))
-                out.append(Candidate(tp, space.gpus // tp, b, "goodput", d.name))
+    for rollout, train in placements(space):
+        memory = rollout_memory(base, rollout, train)
+        for tp in (t for t in space.tps if t <= rollout and rollout % t == 0):
+            instances = rollout // tp
+            for b in space.max_batches:
+                for policy, drafter, width in policies(base, space):
+                    fixed = policy.startswith("static:")
+                    for r in space.reallocs if instances > 1 and not fixed else ("none",):
+                        out.append(Candidate(tp, instances, b, memory, policy, drafter, width, r, train))
     return out
 
 
 def to_config(base: SimConfig, c: Candidate) -> SimConfig:
-    """`base` with the candidate's cluster, its drafter alone (goodput then chooses k for it),
-    chains and no reallocation."""
+    """`base` with the candidate's placement, cluster, drafter alone (an adaptive policy then
+    chooses for it), trees or chains, and reallocation."""
     cluster = base.cluster.model_copy(update=dict(tp=c.tp, instances=c.instances, max_batch=c.max_batch,
-                                                  realloc="none"))
+                                                  gpu_memory_utilization=c.memory, realloc=c.realloc))
     drafters = [d for d in base.drafters if d.name == c.drafter]
-    speculation = base.speculation.model_copy(update=dict(width_max=1, policy=c.policy))
-    return base.model_copy(update=dict(cluster=cluster, drafters=drafters, speculation=speculation))
+    speculation = base.speculation.model_copy(update=dict(width_max=c.width_max, policy=c.policy))
+    rl = base.rl.model_copy(update=dict(train_gpus=c.train_gpus))
+    return base.model_copy(update=dict(cluster=cluster, drafters=drafters, speculation=speculation, rl=rl))
+
+
+def from_config(cfg: SimConfig) -> Candidate:
+    """The candidate a config is (its first drafter, the one its policy drafts with)."""
+    c, s = cfg.cluster, cfg.speculation
+    drafter = cfg.drafters[0].name if cfg.drafters and s.policy != "off" else None
+    return Candidate(c.tp, c.instances, c.max_batch, c.gpu_memory_utilization, s.policy, drafter,
+                     s.width_max if drafter is not None else 1, c.realloc, cfg.rl.train_gpus)

@@ -150,19 +150,21 @@ def _instance_trace(c: dict, instance: int) -> dict | None:
 Job = tuple[str, str, int, "int | None"]
 
 
-def run_jobs(cfg: SimConfig, jobs: list[Job], workers: int = 1, ray_address: str | None = None,
+def run_jobs(cfg: SimConfig | list[SimConfig], jobs: list[Job], workers: int = 1, ray_address: str | None = None,
              on_done: Callable[[dict], None] | None = None) -> list[dict]:
-    """Run every job; results come back in the order of `jobs` whatever the order of completion."""
+    """Run every job on `cfg` (or on its own config: a list, one a job); results come back in
+    the order of `jobs` whatever the order of completion."""
     on_done = on_done or (lambda r: None)
+    cfgs = cfg if isinstance(cfg, list) else [cfg] * len(jobs)
     if ray_address is not None:
-        results = _run_ray(cfg, jobs, ray_address, on_done)
+        results = _run_ray(cfgs, jobs, ray_address, on_done)
     elif workers <= 1 or len(jobs) <= 1:
         results = []
-        for job in jobs:
-            results.append(run_one(cfg, *job))
+        for c, job in zip(cfgs, jobs):
+            results.append(run_one(c, *job))
             on_done(results[-1])
     else:
-        results = _run_processes(cfg, jobs, min(workers, len(jobs)), on_done)
+        results = _run_processes(cfgs, jobs, min(workers, len(jobs)), on_done)
     for r in results:
         if r["version"] != __version__:
             raise UserError(f"--ray: a worker runs rlsched {r['version']}, this machine {__version__}; "
@@ -170,7 +172,7 @@ def run_jobs(cfg: SimConfig, jobs: list[Job], workers: int = 1, ray_address: str
     return results
 
 
-def _run_processes(cfg: SimConfig, jobs: list[Job], workers: int, on_done) -> list[dict]:
+def _run_processes(cfgs: list[SimConfig], jobs: list[Job], workers: int, on_done) -> list[dict]:
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
@@ -183,7 +185,7 @@ def _run_processes(cfg: SimConfig, jobs: list[Job], workers: int, on_done) -> li
     results: list[dict | None] = [None] * len(jobs)
     pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_ignore_sigint)
     try:
-        futures = {pool.submit(run_one, cfg, *job): i for i, job in enumerate(jobs)}
+        futures = {pool.submit(run_one, cfgs[i], *job): i for i, job in enumerate(jobs)}
         for fut in as_completed(futures):
             results[futures[fut]] = fut.result()
             on_done(results[futures[fut]])
@@ -205,7 +207,7 @@ def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _run_ray(cfg: SimConfig, jobs: list[Job], address: str, on_done) -> list[dict]:
+def _run_ray(cfgs: list[SimConfig], jobs: list[Job], address: str, on_done) -> list[dict]:
     ray = import_ray("--ray")
     started = not ray.is_initialized()
     if started:
@@ -219,8 +221,12 @@ def _run_ray(cfg: SimConfig, jobs: list[Job], address: str, on_done) -> list[dic
             raise UserError(f"--ray {address}: cannot connect to a Ray cluster: {first}") from None
     try:
         remote = ray.remote(num_cpus=1)(run_one)
-        cfg_ref = ray.put(cfg)
-        refs = [remote.remote(cfg_ref, *job) for job in jobs]
+        put: dict[int, object] = {}  # one object a distinct config
+        refs = []
+        for c, job in zip(cfgs, jobs):
+            if id(c) not in put:
+                put[id(c)] = ray.put(c)
+            refs.append(remote.remote(put[id(c)], *job))
         index = {ref: i for i, ref in enumerate(refs)}
         results: list[dict | None] = [None] * len(jobs)
         pending = list(refs)

@@ -1,7 +1,7 @@
 """The RL step around generation, as a SimPy process: generation, inference (the actor's
 old log-probs, reference, reward and critic forwards), training, and an optional drafter
 update, over M RL steps with acceptance drift. Inference and training run on all GPUs of the
-cluster (colocated)."""
+cluster (colocated) or on GPUs of their own (`rl.train_gpus`, split)."""
 
 from __future__ import annotations
 
@@ -33,11 +33,12 @@ class StepRecord:
 
 
 class StageCosts:
-    """FLOP-based costs of the non-generation stages on the whole cluster."""
+    """FLOP-based costs of the non-generation stages on their GPUs: the whole cluster's, or
+    `rl.train_gpus` of their own."""
 
     def __init__(self, cfg: SimConfig):
         hw, rl = cfg.hardware, cfg.rl
-        gpus = cfg.cluster.instances * cfg.cluster.tp
+        gpus = rl.train_gpus or cfg.cluster.instances * cfg.cluster.tp
         self.infer_rate = gpus * hw.peak_tflops * 1e12 * rl.infer_efficiency
         self.train_rate = gpus * hw.peak_tflops * 1e12 * rl.train_efficiency
         p = cfg.model.params

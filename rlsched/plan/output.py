@@ -1,0 +1,113 @@
+"""A plan's winner written as files people run, and the plan's record.
+
+- `sim.yaml`: the winner as a simulator config (`rlsched simulate --config`);
+- `run.yaml`: an `rlsched run` config: vLLM rollouts with the winner's instances, batch limit,
+  draft policy and reallocation (model and drafter: the folders given to the planner);
+- `vllm_engine.json`: vLLM engine arguments of one rollout instance (`vllm.LLM(**args)`):
+  tensor parallelism, `max_num_seqs`, `gpu_memory_utilization` and the `speculative_config`,
+  whose draft length is native to vLLM: `num_speculative_tokens` for a fixed K, and a
+  per-batch-size table (`num_speculative_tokens_per_batch_size`) for the two-state rule and
+  for goodput (the k of the most tokens a second at each batch size, at the drafter's mean
+  acceptance and the workload's typical context; vLLM drafts chains, so a winner that also
+  drafts trees is written as its chains);
+- `verl_rollout.yaml`: the same as verl's `actor_rollout_ref.rollout` section, the speculative
+  config passed through `engine_kwargs.vllm`;
+- `plan.json` and `candidates.csv`: every candidate with its screen and simulated numbers,
+  and why the dropped ones cannot run; `summary.json`: the key numbers (`rlsched report`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rlsched.config import SimConfig
+from rlsched.plan.feasible import length_max
+from rlsched.plan.fluid import Strategies
+from rlsched.plan.space import Candidate
+from rlsched.policies.registry import make_draft_policy
+from rlsched.policies.vllm_plan import NGRAM, TABLE_FIELD, speculative_plan
+from rlsched.sim.simulate import policy_context
+
+METHODS = {"model": "draft_model", "eagle": "eagle3"}
+TIE = 0.01  # a draft length within this share of the best rate's is as good
+
+
+def engine_policy(cfg: SimConfig, c: Candidate, cost) -> str:
+    """The candidate's policy as an engine runs it: static:K, twostate:MAX_BATCH:K (solved
+    over `cost`), goodput or off."""
+    if c.policy.startswith("static:"):
+        return ":".join(c.policy.split(":")[:2])
+    if c.policy == "twostate":
+        two = make_draft_policy("twostate", policy_context(cfg, cost))
+        return f"twostate:{two.max_batch_on}:{two.k}"
+    return c.policy
+
+
+def goodput_table(cfg: SimConfig, c: Candidate, cost) -> list[list[int]]:
+    """[[start_bs, end_bs, K], ...] for 1..max_batch: the chain of the most tokens a second at
+    each batch size, at the drafter's mean acceptance and the workload's typical context."""
+    chains = Strategies(cfg.model_copy(update={"speculation": cfg.speculation.model_copy(update={"width_max": 1})}),
+                        cost, c.drafter)
+    a = np.array([cfg.drafter(c.drafter).acceptance.mean])
+    tokens = chains.tokens(a)[0]
+    ctx = policy_context(cfg).typical_ctx
+    ranges: list[list[int]] = []
+    for b in range(1, c.max_batch + 1):
+        rate = tokens / chains.seconds(b, float(b * ctx))
+        k = int(np.argmax(rate))
+        if ranges and rate[ranges[-1][2]] >= (1 - TIE) * rate[k]:  # a near tie keeps the table short
+            k = ranges[-1][2]
+        if ranges and ranges[-1][2] == k:
+            ranges[-1][1] = b
+        else:
+            ranges.append([b, b, k])
+    return ranges
+
+
+def vllm_engine_args(cfg: SimConfig, c: Candidate, cost, model: str, drafter: str) -> dict:
+    """vLLM engine arguments of one rollout instance of the candidate."""
+    args = {"model": model, "tensor_parallel_size": c.tp, "max_num_seqs": c.max_batch,
+            "gpu_memory_utilization": c.memory,
+            "max_model_len": length_max(cfg.workload.prompt_len) + length_max(cfg.workload.response_len)}
+    if c.drafter is None:
+        return args
+    kind = cfg.drafter(c.drafter).kind
+    policy = engine_policy(cfg, c, cost)
+    plan = speculative_plan(policy, kind, k_max=cfg.speculation.k_max, max_batch=c.max_batch)
+    table = plan["table"]
+    if not plan["native"]:  # goodput: its choice by batch size, as vLLM's own table
+        table = goodput_table(cfg, c, cost)
+    k = max(e[2] for e in table) if table is not None else plan["k"]
+    if k == 0:
+        return args
+    spec = dict(NGRAM) if kind == "ngram" else {"method": METHODS[kind], "model": drafter,
+                                                 "draft_sample_method": "probabilistic"}
+    spec["num_speculative_tokens"] = k
+    if table is not None and any(e[2] != k for e in table):
+        spec[TABLE_FIELD] = table
+    args["speculative_config"] = spec
+    return args
+
+
+def verl_rollout(cfg: SimConfig, c: Candidate, engine: dict) -> dict:
+    """verl's rollout section for the candidate (trainer GPUs: the candidate's)."""
+    w = cfg.workload
+    rollout = {"name": "vllm", "tensor_model_parallel_size": c.tp, "gpu_memory_utilization": c.memory,
+               "max_num_seqs": c.max_batch, "n": w.samples_per_prompt, "temperature": 1.0,
+               "prompt_length": length_max(w.prompt_len), "response_length": length_max(w.response_len)}
+    if "speculative_config" in engine:
+        rollout["engine_kwargs"] = {"vllm": {"speculative_config": engine["speculative_config"]}}
+    return {"actor_rollout_ref": {"rollout": rollout},
+            "data": {"train_batch_size": w.prompts},
+            "trainer": {"n_gpus_per_node": min(8, c.gpus), "nnodes": max(1, -(-c.gpus // 8))}}
+
+
+def run_config(cfg: SimConfig, c: Candidate, cost, model: str, drafter: str) -> dict:
+    """An `rlsched run` config: vLLM rollouts set as the candidate."""
+    w = cfg.workload
+    kind = cfg.drafter(c.drafter).kind if c.drafter is not None else "off"
+    return {"model": model, "drafter": drafter if kind in ("model", "eagle") else kind,
+            "policy": engine_policy(cfg, c, cost),
+            "rollout": {"backend": "vllm", "instances": c.instances, "max_batch": c.max_batch,
+                        "k_max": cfg.speculation.k_max, "realloc": c.realloc, "group_size": w.samples_per_prompt,
+                        "prompts_per_step": w.prompts, "max_tokens": length_max(w.response_len)}}
