@@ -355,7 +355,7 @@ def plan(
         t.add_column(col, justify=just)
     from rlsched.plan.planner import plan_rows
 
-    for r in plan_rows(result)[:10]:
+    for r in [r for r in plan_rows(result) if r["step_s"] is not None][:10]:
         t.add_row(str(r["rank"]), r["setup"], str(r["gpus"]), f"{r['step_s']:.2f}", f"{r['screen_step_s']:.2f}",
                   str(r["seeds"]), f"{r['split']['generation']:.0%}")
     _print_unwrapped(out_console, t)

@@ -15,7 +15,8 @@ folder's data supports and says why it left the others out):
 - batch_k: batch size and chosen k over time, one panel per instance, in one RL step;
 - stages: seconds per stage of each RL step (generation, inference, training, drafter update);
 - learning_curve: a run's reward, speculation and stages side by side (plots.run_figure);
-- compare: a `compare --out` folder's speedups (plots.compare_figure).
+- compare: a `compare --out` folder's speedups (plots.compare_figure);
+- pareto: a `plan` folder's setups, step time against GPUs (plots.plan_figure).
 """
 
 from __future__ import annotations
@@ -28,12 +29,12 @@ import numpy as np
 import pandas as pd
 
 from rlsched.analysis.plots import (Figure, acceptance_figure, batch_k_figure, compare_figure, fit_figure,
-                                    run_figure, save_figure, speedup_figure, stage_figure)
+                                    plan_figure, run_figure, save_figure, speedup_figure, stage_figure)
 from rlsched.errors import UserError
 from rlsched.traces.reader import read_trace
 from rlsched.traces.schema import STEP_SCHEMA
 
-ORDER = ("fit", "speedup", "acceptance", "batch_k", "stages", "learning_curve", "compare")
+ORDER = ("fit", "speedup", "acceptance", "batch_k", "stages", "learning_curve", "compare", "pareto")
 ASSUMED_ACCEPTANCE = 0.7
 
 
@@ -42,7 +43,7 @@ class FolderData:
     """What a folder holds that the figures draw on; None where it holds nothing of that kind."""
 
     path: Path
-    kind: str  # run | generate | profile | simulate | compare
+    kind: str  # run | generate | profile | simulate | compare | plan
     steps: pd.DataFrame | None = None  # engine step records (kind decode | prefill)
     rl_steps: pd.DataFrame | None = None
     profile: pd.DataFrame | None = None  # step-cost records (kind verify | draft | prefill)
@@ -50,6 +51,7 @@ class FolderData:
     summary: dict | None = None
     config: dict | None = None
     compare: dict | None = None
+    plan: dict | None = None  # plan.json of an `rlsched plan` folder
 
 
 def _json(path: Path) -> dict | None:
@@ -106,6 +108,11 @@ def load_folder(path) -> FolderData:
         raise UserError(f"'{path}' is not a folder; give a run, generate, profile or simulate output folder")
     d = FolderData(path, "unknown", summary=_json(path / "summary.json"))
     traces = path / "traces"
+    if (path / "plan.json").is_file():
+        d.kind, d.plan = "plan", _json(path / "plan.json")
+        if not isinstance(d.plan, dict) or d.plan.get("format") != "rlsched-plan":
+            raise UserError(f"'{path / 'plan.json'}' is not a `rlsched plan` record (no format: rlsched-plan)")
+        return d
     if (path / "compare.json").is_file():
         d.kind, d.compare = "compare", _json(path / "compare.json")
         if not {"aggregate", "policies", "realloc", "seeds", "name"} <= set(d.compare):
@@ -362,6 +369,8 @@ def figures_for(d: FolderData, cost: dict | None = None, cost_path: Path | None 
     figs, skipped = {}, {}
     if d.kind == "compare":
         return {"compare": compare_figure(d.compare, [])}, {}
+    if d.kind == "plan":
+        return {"pareto": plan_figure(d.plan)}, {}
     if d.profile is not None or cost is not None:
         try:
             figs["fit"] = fit_figure_for(d, cost, cost_path)

@@ -26,6 +26,9 @@ CAPTIONS = {
     "stages": "Seconds per stage of each RL step.",
     "learning_curve": "Learning curve: reward (band: +-1 standard error), speculation and time per stage.",
     "compare": "Generation-stage speedup over off per policy (mean over seeds, whiskers min-max).",
+    "pareto": "Each setup's RL step time against the GPUs it holds: the screen's estimate (grey), the simulated "
+              "mean over seeds (blue; the line: the Pareto front), the best plain decoding per GPU count (red), the "
+              "workload's own setup and the winner.",
 }
 
 CSS = """

@@ -188,6 +188,7 @@ def _row(x: Scored | Ranked, objective: str, rank: int | None) -> dict:
            "step_s": None, "generation_s": None, "seeds": 0, "score": s.score, "tokens": s.tokens}
     if isinstance(x, Ranked) and x.runs:
         row.update(step_s=x.mean("step_s"), generation_s=x.mean("generation_s"), seeds=len(x.runs),
+                   step_s_by_seed={r["seed"]: r["step_s"] for r in x.runs},
                    score=x.score(objective), tokens=x.mean("tokens"),
                    split={k: float(np.mean([r["split"][k] for r in x.runs])) for k in x.runs[0]["split"]})
     return row
@@ -216,7 +217,8 @@ def summary(plan: Plan) -> dict:
                    speedup_over_baseline=plan.baseline.mean("step_s") / plan.winner.mean("step_s"))
     if plan.own is not None:
         out.update(own_setup=plan.own.candidate.label, own_step_s=plan.own.mean("step_s"),
-                   own_gpus=plan.own.candidate.gpus, gain_over_own=plan.own.score(plan.objective) / plan.winner.score(plan.objective) - 1)
+                   own_gpus=plan.own.candidate.gpus,
+                   gain_over_own=plan.own.score(plan.objective) / plan.winner.score(plan.objective) - 1)
     if plan.winner.candidate.width_max > 1:
         out["engine_note"] = ("the winner drafts trees; vLLM drafts chains, so vllm_engine.json, run.yaml and "
                               "verl_rollout.yaml set its chains (trees need an engine that drafts them: SGLang's "
@@ -246,7 +248,7 @@ def write_plan(plan: Plan, out: Path, model_path: str, drafter_path: str) -> dic
     with atomic_folder(out) as tmp:
         (tmp / "plan.json").write_text(json.dumps(record, indent=2))
         (tmp / "summary.json").write_text(json.dumps(record["summary"], indent=2))
-        flat = [{k: v for k, v in r.items() if k != "split"} for r in rows]
+        flat = [{k: v for k, v in r.items() if k not in ("split", "step_s_by_seed")} for r in rows]
         pd.DataFrame(flat + [{"setup": d["setup"], "dropped": d["reason"]} for d in record["dropped"]]).to_csv(
             tmp / "candidates.csv", index=False)
         (tmp / "sim.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))

@@ -53,7 +53,7 @@ def rows_per_instance(cfg: SimConfig) -> int:
     return math.ceil(w.prompts / c.instances) * w.samples_per_prompt
 
 
-def _signature(s: Scored) -> Candidate:
+def signature(s: Scored) -> Candidate:
     """The candidate with a batch limit no instance reaches cut to what it does reach: rebalance
     sends rows only to an instance below its threshold, and no more than a donor holds."""
     c = s.candidate
@@ -90,14 +90,14 @@ def search(scored: list[Scored], *, objective: str = "step-time", survivors: int
     race: list[Ranked] = []
     seen = set()
     for s in scored:
-        sig = _signature(s)
+        sig = signature(s)
         if sig not in seen:
             seen.add(sig)
             race.append(Ranked(s))
         if len(race) == survivors:
             break
-    by_signature = {_signature(x.scored): x for x in race}
-    pins = [by_signature.get(_signature(p)) or Ranked(p) for p in pinned]
+    by_signature = {signature(x.scored): x for x in race}
+    pins = [by_signature.get(signature(p)) or Ranked(p) for p in pinned]
     out: list[Ranked] = []  # dropped in earlier rounds, the latest first
     simulations = 0
     for r, seed in enumerate(seeds):

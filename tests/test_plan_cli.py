@@ -1,0 +1,157 @@
+"""`rlsched plan` end to end: its files are consistent with its simulations and run as
+written (the simulator config, the `rlsched run` config, vLLM's and verl's settings, the
+report page); bad input is one line and exit 2, with nothing written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from support import ok, rlsched
+
+# a small space: plain decoding, static:1, static:3, goodput and twostate over the default preset's
+# drafter on 2 GPUs (colocated, or 1 GPU), tp 1, two batch limits, with and without rebalance
+SPACE = ["--workload", "default", "--gpus", "2", "--tp", "1", "--max-batch", "64,256", "--seeds", "2",
+         "--survivors", "4", "-j", "1", "--set", "rl.steps=1", "--model-path", "builtin", "--drafter-path", "builtin"]
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    root = tmp_path_factory.mktemp("plan")
+    out = root / "plan"
+    proc = ok(rlsched("plan", *SPACE, "--out", str(out), "--json", cwd=root, timeout=600))
+    return root, out, json.loads(proc.stdout), json.loads((out / "plan.json").read_text())
+
+
+def test_the_plan_ranks_its_simulations_and_compares_the_winner(planned):
+    _, out, summary, plan = planned
+    assert {p.name for p in out.iterdir()} == {"plan.json", "summary.json", "candidates.csv", "pareto.png",
+                                               "sim.yaml", "run.yaml", "vllm_engine.json", "verl_rollout.yaml"}
+    rows = plan["rows"]
+    simulated = [r for r in rows if r["step_s"] is not None]
+    assert rows[0]["setup"] == summary["winner"] and rows[0]["seeds"] == 2
+    full = [r for r in simulated if r["seeds"] == 2]
+    assert rows[0]["step_s"] == min(r["step_s"] for r in full)  # the best of those that ran every seed
+    assert summary["candidates"] == len(rows) + summary["dropped"]
+    assert summary["speedup_over_baseline"] > 1.0  # a 0.7-acceptance drafter beats plain decoding here
+    assert summary["gain_over_own"] == pytest.approx(summary["own_step_s"] / summary["winner_step_s"] - 1)
+    split = summary["winner_split"]
+    assert sum(split.values()) == pytest.approx(1.0)
+    # the one-knob moves from the own setup, simulated on the same seeds, best first
+    gains = [k["gain"] for k in plan["knobs"]]
+    assert gains == sorted(gains, reverse=True)
+    if plan["knobs"]:
+        assert summary["knob"].startswith(plan["knobs"][0]["knob"])
+
+
+def test_the_written_simulator_config_reproduces_the_winner(planned):
+    root, out, summary, plan = planned
+    proc = ok(rlsched("simulate", "--config", str(out / "sim.yaml"), "--no-baseline", "--json", "--out",
+                      str(root / "sim"), cwd=root))
+    winner = plan["rows"][0]
+    assert json.loads(proc.stdout)["rl_step_s"] == pytest.approx(winner["step_s_by_seed"]["0"], rel=1e-9)
+
+
+def test_the_written_vllm_and_verl_settings_are_the_winners(planned):
+    _, out, summary, plan = planned
+    winner = plan["rows"][0]
+    args = json.loads((out / "vllm_engine.json").read_text())
+    assert (args["tensor_parallel_size"], args["max_num_seqs"], args["gpu_memory_utilization"]) == (
+        winner["tp"], winner["max_batch"], winner["memory"])
+    assert args["model"] == "builtin"
+    verl = yaml.safe_load((out / "verl_rollout.yaml").read_text())["actor_rollout_ref"]["rollout"]
+    assert verl["tensor_model_parallel_size"] == winner["tp"] and verl["n"] == 8 and verl["max_num_seqs"] == (
+        winner["max_batch"])
+    if winner["policy"] == "off":
+        assert "speculative_config" not in args
+        return
+    spec = args["speculative_config"]
+    assert verl["engine_kwargs"]["vllm"]["speculative_config"] == spec
+    assert spec["method"] == "draft_model" and spec["model"] == "builtin"
+    assert 1 <= spec["num_speculative_tokens"] <= 8
+    table = spec.get("num_speculative_tokens_per_batch_size")
+    if table is not None:  # whole ranges from 1 to the batch limit, the largest K the engine's
+        assert table[0][0] == 1 and table[-1][1] == winner["max_batch"]
+        assert all(a[1] + 1 == b[0] for a, b in zip(table, table[1:]))
+        assert max(k for _, _, k in table) == spec["num_speculative_tokens"]
+
+
+def test_the_written_run_config_runs(planned):
+    pytest.importorskip("torch")
+    root, out, _, plan = planned
+    run = yaml.safe_load((out / "run.yaml").read_text())
+    assert run["rollout"]["backend"] == "vllm" and run["model"] == "builtin"
+    assert run["rollout"]["max_batch"] == plan["rows"][0]["max_batch"]
+    # the built-in pair on this CPU: the local engine, one instance, a few short prompts
+    proc = ok(rlsched("run", "--config", str(out / "run.yaml"), "--set", "rollout.backend=local",
+                      "--set", "rollout.instances=1", "--set", "rollout.realloc=none", "--set", "steps=1",
+                      "--set", "rollout.prompts_per_step=2", "--set", "rollout.group_size=2",
+                      "--set", "rollout.max_tokens=8", "--set", "rollout.max_batch=8", "--set", "threads=1",
+                      "--out", str(root / "run"), "--json", cwd=root, timeout=600))
+    assert json.loads(proc.stdout)["steps"] == 1
+
+
+def test_the_report_page_draws_the_plan(planned):
+    root, out, summary, _ = planned
+    page = root / "plan.html"
+    proc = ok(rlsched("report", str(out), "--out", str(page), "--json", cwd=root))
+    assert json.loads(proc.stdout)["figures"] == ["pareto"]
+    text = page.read_text()
+    assert 'id="pareto"' in text and summary["winner"] in text
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--gpus", "0"], "--gpus must be >= 1 (got 0)"),
+    (["--hardware", "tpu-v9"], "hardware"),
+    (["--model", "llama-3.1-70b", "--gpus", "1"], "no setup of llama-3.1-70b fits on 1 x h100-sxm"),
+    (["--drafters", "eagle"], "--drafters: eagle is not a drafter of default (it has model)"),
+    (["--objective", "cheapest"], "--objective must be one of step-time, tokens-per-gpu-s"),
+    (["--from", "runs/x", "--workload", "default"], "--from plans from a run's own workload"),
+    (["--tp", "0"], "--tp must be comma-separated whole numbers >= 1"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
+    proc = rlsched("plan", *args, "--out", str(tmp_path / "plan"), cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in proc.stderr
+    assert not (tmp_path / "plan").exists()
+
+
+TINY_RUN = """
+steps: 2
+checkpoint_every: 2
+threads: 1
+rollout: {prompts_per_step: 4, group_size: 4, max_tokens: 16, max_batch: 8, k_max: 3}
+algorithm: {minibatches: 1}
+drafter_update: {every: 0}
+"""
+
+
+def test_a_plan_from_a_run_uses_its_fitted_costs_and_workload(tmp_path):
+    pytest.importorskip("torch")
+    (tmp_path / "run.yaml").write_text(TINY_RUN)
+    ok(rlsched("run", "--config", str(tmp_path / "run.yaml"), "--policy", "static:2", "--out", str(tmp_path / "run"),
+               cwd=tmp_path, timeout=600))
+    out = tmp_path / "plan"
+    proc = ok(rlsched("plan", "--from", str(tmp_path / "run"), "--gpus", "2", "--max-batch", "4,8", "--seeds", "1",
+                      "--survivors", "3", "-j", "1", "--out", str(out), "--json", cwd=tmp_path, timeout=600))
+    summary = json.loads(proc.stdout)
+    assert summary["workload"] == "replay-of-run" and summary["gpus"] == 2
+    sim = yaml.safe_load((out / "sim.yaml").read_text())
+    assert sim["cost_file"] == str((out / "cost.json").resolve()) and (out / "cost.json").is_file()
+    assert sim["workload"]["prompts"] == 4 and sim["workload"]["samples_per_prompt"] == 4
+    assert sim["workload"]["response_len"]["dist"] == "empirical"  # the lengths the run produced
+    assert {r["tp"] for r in json.loads((out / "plan.json").read_text())["rows"]} == {1}  # one device's costs
+    ok(rlsched("simulate", "--config", str(out / "sim.yaml"), "--no-baseline", "--out", str(tmp_path / "sim"),
+               cwd=tmp_path))
+
+
+def test_the_terminal_output_names_the_winner_and_its_comparisons(tmp_path):
+    proc = ok(rlsched("plan", "--workload", "default", "--gpus", "2", "--tp", "1", "--max-batch", "256", "--seeds",
+                      "1", "--survivors", "2", "-j", "1", "--set", "rl.steps=1", "--out", str(tmp_path / "p"),
+                      cwd=tmp_path))
+    summary = json.loads((tmp_path / "p" / "summary.json").read_text())
+    assert f"winner: {summary['winner']}" in proc.stdout
+    assert "over the best plain decoding" in proc.stdout and "over the workload's own setup" in proc.stdout
