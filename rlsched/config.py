@@ -78,6 +78,8 @@ class HardwareSpec(Strict):
     allreduce_latency_us: NonNeg = 28.0
     migrate_link_gbs: Positive = 25.0  # between instances, for KV-cache migration
     migrate_latency_ms: NonNeg = 2.0
+    # GPU <-> host memory per GPU (pinned copies over PCIe): training states offloaded for a rollout
+    host_link_gbs: Positive = 25.0
     host_draft_us_per_seq: NonNeg = 4.0  # n-gram/suffix drafting on the host
     host_draft_base_us: NonNeg = 50.0
 
@@ -283,6 +285,10 @@ class RLSpec(Strict):
     # the rollout instances wait while they run, as a synchronous RL step does); None: colocated,
     # on the rollout's GPUs
     train_gpus: PosInt | None = None
+    # colocated: training's sharded states (16 bytes a parameter) go to host memory for each
+    # rollout and come back before training (verl's param and optimizer offload), so the rollout
+    # may take the memory they held; priced in the training stage over hardware.host_link_gbs
+    offload_states: bool = False
     infer_efficiency: OpenFraction = 0.5
     train_efficiency: OpenFraction = 0.3  # achieved MFU of RL training (FSDP, recomputation)
 

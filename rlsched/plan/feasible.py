@@ -10,9 +10,10 @@ watermark.
 
 Training keeps its states on its GPUs: bf16 weights and gradients, fp32 master weights and
 Adam's two moments, 16 bytes a parameter (the critic's too), sharded over the training GPUs as
-FSDP/ZeRO-3 does, plus the activation reserve; the training GPUs must hold them. A planner
-gives a colocated rollout the memory fraction they leave (`rollout_memory`: no offload); a
-config's own fraction is taken as written (its job may offload them during the rollout).
+FSDP/ZeRO-3 does, plus the activation reserve; the training GPUs must hold them. A colocated
+rollout gets the memory fraction they leave (`rollout_memory`), or all it may take when they
+are offloaded to host memory for the rollout (`rl.offload_states`, priced in the training
+stage).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 from rlsched.config import LengthDist, ModelSpec, SimConfig
 from rlsched.costs.roofline import RooflineCostModel
 from rlsched.sim.cluster import kv_capacity
+from rlsched.sim.rlstep import TRAIN_BYTES_PER_PARAM
 
 
 def length_max(d: LengthDist) -> int:
@@ -35,7 +37,6 @@ def longest_sequence(cfg: SimConfig) -> int:
     return length_max(cfg.workload.prompt_len) + length_max(cfg.workload.response_len)
 
 
-TRAIN_BYTES_PER_PARAM = 16
 MEMORY_MAX = 0.9  # vLLM's default gpu_memory_utilization: the most a rollout takes
 
 
@@ -45,10 +46,11 @@ def training_gib(cfg: SimConfig, gpus: int) -> float:
     return TRAIN_BYTES_PER_PARAM * params / gpus / 2**30
 
 
-def rollout_memory(cfg: SimConfig, rollout_gpus: int, train_gpus: int | None) -> float:
+def rollout_memory(cfg: SimConfig, rollout_gpus: int, train_gpus: int | None, offload: bool = False) -> float:
     """The largest memory fraction (to 0.01, at most MEMORY_MAX) the rollout can take: all it
-    may on GPUs of its own; colocated, what training's resident states and reserve leave."""
-    if train_gpus is not None:
+    may on GPUs of its own or with training's states offloaded; colocated, what training's
+    resident states and reserve leave."""
+    if train_gpus is not None or offload:
         return MEMORY_MAX
     left = 1.0 - (training_gib(cfg, rollout_gpus) + cfg.cluster.activation_reserve_gib) / cfg.hardware.memory_gib
     return min(MEMORY_MAX, max(0.01, int(left * 100) / 100))

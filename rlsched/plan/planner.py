@@ -27,7 +27,7 @@ from rlsched.errors import UserError
 from rlsched.plan.feasible import infeasible
 from rlsched.plan.output import run_config, verl_rollout, vllm_engine_args
 from rlsched.plan.screen import Dropped, Scored, screen
-from rlsched.plan.search import Ranked, run_seed, search
+from rlsched.plan.search import Ranked, run_seed, search, signature
 from rlsched.plan.space import Candidate, Space, candidates, from_config, to_config
 
 KNOBS = ("placement", "tp", "max_batch", "memory", "policy", "realloc")
@@ -74,6 +74,10 @@ def with_knob(own: Candidate, winner: Candidate, knob: str) -> Candidate | None:
         if own.tp == winner.tp or own.rollout_gpus % winner.tp:
             return None
         d.update(tp=winner.tp, instances=own.rollout_gpus // winner.tp)
+    elif knob == "memory":
+        if (own.memory, own.offload) == (winner.memory, winner.offload):
+            return None
+        d.update(memory=winner.memory, offload=winner.offload)
     elif knob == "policy":
         if (own.policy, own.drafter, own.width_max) == (winner.policy, winner.drafter, winner.width_max):
             return None
@@ -87,7 +91,8 @@ def with_knob(own: Candidate, winner: Candidate, knob: str) -> Candidate | None:
 
 def knob_value(c: Candidate, knob: str) -> str:
     return {"placement": c.placement, "tp": f"tp{c.tp}x{c.instances}", "max_batch": str(c.max_batch),
-            "memory": f"{c.memory:g}", "policy": c.policy_label, "realloc": c.realloc}[knob]
+            "memory": f"{c.memory:g}" + (" offloaded" if c.offload else ""), "policy": c.policy_label,
+            "realloc": c.realloc}[knob]
 
 
 @dataclass
@@ -144,8 +149,10 @@ def make_plan(base: SimConfig, space: Space, *, objective: str = "step-time", su
     result = search(scored, objective=objective, survivors=survivors, seeds=seed_list, pinned=pinned,
                     workers=workers, ray_address=ray_address, on_done=on_done)
     pins = dict(zip([id(p) for p in pinned], result.pinned))
+    # the baseline: the best plain decoding setup simulated on every seed (the pinned one at least)
+    baseline = next((x for x in result.ranked if x.candidate.policy == "off" and len(x.runs) == seeds), None)
     plan = Plan(base, objective, space.gpus, len(cands), scored, dropped, result.ranked,
-                pins.get(id(offs[0])) if offs else None, pins.get(id(own_scored)) if own_scored else None,
+                baseline, pins.get(id(own_scored)) if own_scored else None,
                 seeds=seed_list, simulations=result.simulations, screen_s=screen_s)
     if explain and plan.own is not None and plan.own.candidate != plan.winner.candidate:
         plan.knobs = explain_knobs(base, plan, workers=workers, ray_address=ray_address)
@@ -183,7 +190,7 @@ def _row(x: Scored | Ranked, objective: str, rank: int | None) -> dict:
     c = s.candidate
     row = {"rank": rank, "setup": c.label, "placement": c.placement, "gpus": c.gpus, "rollout_gpus": c.rollout_gpus,
            "train_gpus": c.train_gpus, "tp": c.tp, "instances": c.instances, "max_batch": c.max_batch,
-           "memory": c.memory, "policy": c.policy, "drafter": c.drafter, "width_max": c.width_max,
+           "memory": c.memory, "offload": c.offload, "policy": c.policy, "drafter": c.drafter, "width_max": c.width_max,
            "realloc": c.realloc, "screen_step_s": s.step_s, "screen_generation_s": s.generation_s,
            "step_s": None, "generation_s": None, "seeds": 0, "score": s.score, "tokens": s.tokens}
     if isinstance(x, Ranked) and x.runs:
@@ -195,11 +202,22 @@ def _row(x: Scored | Ranked, objective: str, rank: int | None) -> dict:
 
 
 def plan_rows(plan: Plan) -> list[dict]:
-    """Every feasible candidate: the simulated ones in the search's order, then the rest by
-    the screen."""
-    simulated = {x.candidate for x in plan.ranked}
-    rows = [_row(x, plan.objective, i + 1) for i, x in enumerate(plan.ranked)]
-    rows += [_row(s, plan.objective, None) for s in plan.scored if s.candidate not in simulated]
+    """Every feasible candidate: the simulated ones in the search's order, each followed by the
+    setups identical to it (batch limits no instance reaches: its numbers, its rank), then the
+    rest by the screen."""
+    twins: dict = {}
+    for s in plan.scored:
+        twins.setdefault(signature(s), []).append(s)
+    rows, done = [], set()
+    for i, x in enumerate(plan.ranked):
+        for s in [x.scored] + [t for t in twins.get(signature(x.scored), []) if t.candidate != x.candidate]:
+            if s.candidate not in done:
+                done.add(s.candidate)
+                row = _row(Ranked(s, x.runs), plan.objective, i + 1)
+                if s is not x.scored:
+                    row["same_as"] = x.candidate.label
+                rows.append(row)
+    rows += [_row(s, plan.objective, None) for s in plan.scored if s.candidate not in done]
     return rows
 
 

@@ -77,7 +77,7 @@ def run_seed(setups: list[Ranked], seed: int, *, workers: int = 1, ray_address: 
 
 @dataclass
 class SearchResult:
-    ranked: list[Ranked]  # simulated, best first (those out in an earlier round after)
+    ranked: list[Ranked]  # every simulated setup, the pinned too: best first, those out in an earlier round after
     pinned: list[Ranked]  # the pinned setups, in the order given
     seeds: list[int]
     simulations: int
@@ -109,4 +109,6 @@ def search(scored: list[Scored], *, objective: str = "step-time", survivors: int
             keep = max(1, math.ceil(len(race) / 2))
             out = race[keep:] + out
             race = race[:keep]
-    return SearchResult(race + out, pins, list(seeds), simulations)
+    ranked = race + out + [p for p in pins if not any(p is x for x in race + out)]
+    ranked.sort(key=lambda x: (-len(x.runs), x.score(objective)))  # every seed first; then by the mean
+    return SearchResult(ranked, pins, list(seeds), simulations)

@@ -6,8 +6,10 @@ turns on the same GPUs; split: the rollout on its own GPUs, inference and traini
 rest), cuts the rollout's GPUs into instances of `tp`, and sets each instance's batch limit
 (`max_num_seqs`), the drafter and draft policy, and the reallocation of samples across
 instances. Its memory fraction (vLLM's `gpu_memory_utilization`, which sets the KV cache) is
-not searched: more KV never slows a rollout, so each placement takes the largest that fits
-(`feasible.rollout_memory`).
+the largest that fits, since more KV never slows a rollout (`feasible.rollout_memory`): beside
+training's states, and, colocated where that frees a tenth of a GPU or more, all it may take
+with those states offloaded to host memory for the rollout (moving them is priced in the
+training stage).
 
 Policies: `off`; `static:K` for each K in `static_ks` (up to k_max); `goodput` over chains, and
 over chains and trees where the workload's speculation allows trees (width_max > 1); the
@@ -19,7 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlsched.config import SimConfig
-from rlsched.plan.feasible import rollout_memory
+from rlsched.plan.feasible import MEMORY_MAX, rollout_memory
+
+
+OFFLOAD_GAIN = 0.1  # offloading training's states is tried where it frees at least this share of a GPU
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,7 @@ class Candidate:
     width_max: int = 1  # 1: chains only
     realloc: str = "none"
     train_gpus: int | None = None  # None: colocated (inference and training on the rollout's GPUs)
+    offload: bool = False  # colocated: training's states go to host memory for the rollout
 
     @property
     def gpus(self) -> int:
@@ -56,8 +62,8 @@ class Candidate:
     @property
     def label(self) -> str:
         realloc = "" if self.realloc == "none" else f" {self.realloc}"
-        return (f"{self.placement} tp{self.tp}x{self.instances} b{self.max_batch} m{self.memory:g} "
-                f"{self.policy_label}{realloc}")
+        memory = f"m{self.memory:g}" + ("+offload" if self.offload else "")
+        return f"{self.placement} tp{self.tp}x{self.instances} b{self.max_batch} {memory} {self.policy_label}{realloc}"
 
 
 @dataclass(frozen=True)
@@ -107,14 +113,17 @@ def candidates(base: SimConfig, space: Space) -> list[Candidate]:
         raise ValueError(f"gpus must be >= 1 (got {space.gpus})")
     out = []
     for rollout, train in placements(space):
-        memory = rollout_memory(base, rollout, train)
+        memories = [(rollout_memory(base, rollout, train), False)]
+        if train is None and memories[0][0] <= MEMORY_MAX - OFFLOAD_GAIN:
+            memories.append((MEMORY_MAX, True))
         for tp in (t for t in space.tps if t <= rollout and rollout % t == 0):
             instances = rollout // tp
             for b in space.max_batches:
-                for policy, drafter, width in policies(base, space):
-                    fixed = policy.startswith("static:")
-                    for r in space.reallocs if instances > 1 and not fixed else ("none",):
-                        out.append(Candidate(tp, instances, b, memory, policy, drafter, width, r, train))
+                for memory, offload in memories:
+                    for policy, drafter, width in policies(base, space):
+                        fixed = policy.startswith("static:")
+                        for r in space.reallocs if instances > 1 and not fixed else ("none",):
+                            out.append(Candidate(tp, instances, b, memory, policy, drafter, width, r, train, offload))
     return out
 
 
@@ -125,13 +134,16 @@ def to_config(base: SimConfig, c: Candidate) -> SimConfig:
                                                   gpu_memory_utilization=c.memory, realloc=c.realloc))
     drafters = [d for d in base.drafters if d.name == c.drafter]
     speculation = base.speculation.model_copy(update=dict(width_max=c.width_max, policy=c.policy))
-    rl = base.rl.model_copy(update=dict(train_gpus=c.train_gpus))
+    rl = base.rl.model_copy(update=dict(train_gpus=c.train_gpus, offload_states=c.offload))
     return base.model_copy(update=dict(cluster=cluster, drafters=drafters, speculation=speculation, rl=rl))
 
 
 def from_config(cfg: SimConfig) -> Candidate:
-    """The candidate a config is (its first drafter, the one its policy drafts with)."""
-    c, s = cfg.cluster, cfg.speculation
+    """The candidate a config is (its first drafter, the one its policy drafts with). Colocated,
+    a memory fraction above what training's states leave needs them offloaded: it is read so."""
+    c, s, rl = cfg.cluster, cfg.speculation, cfg.rl
     drafter = cfg.drafters[0].name if cfg.drafters and s.policy != "off" else None
+    offload = rl.offload_states or (rl.train_gpus is None and c.gpu_memory_utilization > rollout_memory(
+        cfg, c.instances * c.tp, None))
     return Candidate(c.tp, c.instances, c.max_batch, c.gpu_memory_utilization, s.policy, drafter,
-                     s.width_max if drafter is not None else 1, c.realloc, cfg.rl.train_gpus)
+                     s.width_max if drafter is not None else 1, c.realloc, rl.train_gpus, offload and not rl.train_gpus)

@@ -17,6 +17,8 @@ from rlsched.sim.cluster import GenerationStage
 from rlsched.sim.timeline import Timeline
 from rlsched.sim.workload import AcceptanceDrift, sample_rollout
 
+TRAIN_BYTES_PER_PARAM = 16  # bf16 weights and gradients, fp32 master weights and Adam's two moments
+
 
 @dataclass
 class StepRecord:
@@ -52,13 +54,17 @@ class StageCosts:
                                   for d in learned)
         self.target_params = p
         self.distill_fraction = rl.distill_fraction
+        # offloaded states out after training and back before the next (per GPU, each way)
+        state_bytes = TRAIN_BYTES_PER_PARAM * self.train_params / gpus
+        self.offload_s = 2 * state_bytes / (hw.host_link_gbs * 1e9) if rl.offload_states and rl.train_gpus is None \
+            else 0.0
 
     def inference(self, tokens: int) -> float:
         return 2.0 * self.infer_params * tokens / self.infer_rate
 
     def training(self, tokens: int) -> float:
-        """About 6 x params x tokens (forward and backward)."""
-        return 6.0 * self.train_params * tokens / self.train_rate
+        """About 6 x params x tokens (forward and backward), plus moving offloaded states."""
+        return 6.0 * self.train_params * tokens / self.train_rate + self.offload_s
 
     def drafter_update(self, tokens: int) -> float:
         """Distillation: actor forward for its logits plus drafter forward and backward."""
