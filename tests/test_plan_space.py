@@ -121,3 +121,14 @@ def test_offloading_trades_training_time_for_rollout_memory():
     a, b = (simulate(c, realloc="none").records[0] for c in (resident, offloaded))
     assert b.training_s - a.training_s == pytest.approx(moved)
     assert b.generation_s < a.generation_s  # the KV it gains: a 0.26 fraction of a GPU holds few rows
+
+
+def test_both_drafter_update_schedules_are_tried_where_the_workload_updates_its_drafter():
+    base = load_config(preset="default", overrides=["record_timeline=false"])  # 3 RL steps, an update every 2
+    cs = candidates(base, Space(2, tps=(1,), max_batches=(256,), static_ks=(2,), reallocs=("none",), colocated=(1.0,)))
+    assert {c.update_schedule for c in cs if c.drafter is not None} == {"every", "pays"}
+    assert {c.update_schedule for c in cs if c.drafter is None} == {None}
+    pays = next(c for c in cs if c.update_schedule == "pays")
+    assert to_config(base, pays).rl.drafter_update_schedule == "pays" and from_config(to_config(base, pays)) == pays
+    one_step = load_config(preset="default", overrides=["rl.steps=1"])
+    assert {c.update_schedule for c in candidates(one_step, Space(2, tps=(1,)))} == {None}

@@ -108,30 +108,33 @@ def plan_figure(plan: dict) -> Figure:
     s = plan["summary"]
     fig = Figure(figsize=(7.0, 4.4), layout="constrained")
     ax = fig.subplots()
-    jitter = (rows["tp"].map({1: -0.15, 2: -0.05, 4: 0.05, 8: 0.15}).fillna(0.0)) * rows["gpus"] / 8
+    counts = sorted(set(rows["gpus"]) | {s["winner_gpus"], s.get("own_gpus", s["winner_gpus"])})
+    slot = {g: i for i, g in enumerate(counts)}  # one column a GPU count, setups spread in it by tp
+    x = rows["gpus"].map(slot) + rows["tp"].map({1: -0.15, 2: -0.05, 4: 0.05, 8: 0.15}).fillna(0.0)
     screened = rows[rows["step_s"].isna()]
-    ax.scatter(screened["gpus"] + jitter[screened.index], screened["screen_step_s"], s=8, color="0.75",
-               label="screened (estimate)")
-    sim = rows[rows["step_s"].notna()].sort_values("gpus")
-    ax.scatter(sim["gpus"] + jitter[sim.index], sim["step_s"], s=18, color="C0", label="simulated (mean over seeds)")
+    ax.scatter(x[screened.index], screened["screen_step_s"], s=8, color="0.75", label="screened (estimate)")
+    sim = rows[rows["step_s"].notna()]
+    ax.scatter(x[sim.index], sim["step_s"], s=18, color="C0", label="simulated (mean over seeds)")
     front, best = [], float("inf")
     for g, grp in sim.groupby("gpus"):
         if grp["step_s"].min() < best:
             best = grp["step_s"].min()
-            front.append((g, best))
-    if front:
+            front.append((slot[g], best))
+    if len(front) > 1:
         ax.plot(*zip(*front), color="C0", linewidth=1.0, drawstyle="steps-post")
     off = rows[rows["policy"] == "off"].assign(t=lambda d: d["step_s"].fillna(d["screen_step_s"]))
     off = off.loc[off.groupby("gpus")["t"].idxmin()]
-    ax.plot(off["gpus"], off["t"], "s--", color="C3", markersize=5, linewidth=0.8, label="no speculation (best)")
+    ax.plot(off["gpus"].map(slot), off["t"], "s--", color="C3", markersize=5, linewidth=0.8,
+            label="no speculation (best)")
     if s.get("own_setup"):
-        ax.scatter([s["own_gpus"]], [s["own_step_s"]], marker="D",
-                   s=50, facecolor="none", edgecolor="C2", linewidth=1.5, label="the workload's own setup")
-    ax.scatter([s["winner_gpus"]], [s["winner_step_s"]], marker="*", s=160, color="C1", zorder=5,
+        ax.scatter([slot[s["own_gpus"]]], [s["own_step_s"]], marker="D", s=50, facecolor="none", edgecolor="C2",
+                   linewidth=1.5, label="the workload's own setup")
+    ax.scatter([slot[s["winner_gpus"]]], [s["winner_step_s"]], marker="*", s=160, color="C1", zorder=5,
                label="winner")
     ax.set_xlabel("GPUs held")
     ax.set_ylabel("RL step time (s)")
-    ax.set_xticks(sorted(rows["gpus"].unique()))
+    ax.set_xticks(range(len(counts)), [str(g) for g in counts])
+    ax.set_xlim(-0.6, len(counts) - 0.4)
     ax.set_ylim(bottom=0)
     ax.set_title(f"{s['model']} on {s['gpus']} x {s['hardware']}, {s['workload']}: {s['candidates']} setups, "
                  f"{s['simulations']} simulations\nwinner: {s['winner']}", fontsize=9)

@@ -4,7 +4,7 @@ The winner is the search's best setup. It is compared on the same seeds with the
 decoding setup (the speedup), the screen's best on each smaller GPU count (the Pareto front of
 step time against GPUs) and the workload's own setup (the config as written), and
 explained: each knob where the two differ (placement, tp, batch limit, memory fraction,
-policy, reallocation) is moved alone from the workload's setup to the winner's value and
+policy, reallocation, the drafter's update schedule) is moved alone from the workload's setup to the winner's value and
 simulated on the same seeds; the knob that gains most is named.
 """
 
@@ -30,7 +30,7 @@ from rlsched.plan.screen import Dropped, Scored, screen
 from rlsched.plan.search import Ranked, run_seed, search, signature
 from rlsched.plan.space import Candidate, Space, candidates, from_config, to_config
 
-KNOBS = ("placement", "tp", "max_batch", "memory", "policy", "realloc")
+KNOBS = ("placement", "tp", "max_batch", "memory", "policy", "realloc", "update_schedule")
 
 
 def base_for_plan(cfg: SimConfig | None, from_run: Path | None, workdir: Path | None, overrides: list[str],
@@ -92,7 +92,7 @@ def with_knob(own: Candidate, winner: Candidate, knob: str) -> Candidate | None:
 def knob_value(c: Candidate, knob: str) -> str:
     return {"placement": c.placement, "tp": f"tp{c.tp}x{c.instances}", "max_batch": str(c.max_batch),
             "memory": f"{c.memory:g}" + (" offloaded" if c.offload else ""), "policy": c.policy_label,
-            "realloc": c.realloc}[knob]
+            "realloc": c.realloc, "update_schedule": str(c.update_schedule)}[knob]
 
 
 @dataclass
@@ -191,7 +191,8 @@ def _row(x: Scored | Ranked, objective: str, rank: int | None) -> dict:
     row = {"rank": rank, "setup": c.label, "placement": c.placement, "gpus": c.gpus, "rollout_gpus": c.rollout_gpus,
            "train_gpus": c.train_gpus, "tp": c.tp, "instances": c.instances, "max_batch": c.max_batch,
            "memory": c.memory, "offload": c.offload, "policy": c.policy, "drafter": c.drafter, "width_max": c.width_max,
-           "realloc": c.realloc, "screen_step_s": s.step_s, "screen_generation_s": s.generation_s,
+           "realloc": c.realloc, "update_schedule": c.update_schedule, "screen_step_s": s.step_s,
+           "screen_generation_s": s.generation_s,
            "step_s": None, "generation_s": None, "seeds": 0, "score": s.score, "tokens": s.tokens}
     if isinstance(x, Ranked) and x.runs:
         row.update(step_s=x.mean("step_s"), generation_s=x.mean("generation_s"), seeds=len(x.runs),

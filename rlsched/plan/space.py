@@ -13,7 +13,10 @@ training stage).
 
 Policies: `off`; `static:K` for each K in `static_ks` (up to k_max); `goodput` over chains, and
 over chains and trees where the workload's speculation allows trees (width_max > 1); the
-solved `twostate` (ReSpec's rule: K below a batch size, off above).
+solved `twostate` (ReSpec's rule: K below a batch size, off above). Reallocation (`rebalance`)
+is tried with plain decoding and the adaptive policies. Where the workload updates a learned
+drafter over several RL steps, both update schedules are tried with each drafting policy:
+`every` N steps, and `pays` (once staleness has cost what an update costs).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 
 from rlsched.config import SimConfig
 from rlsched.plan.feasible import MEMORY_MAX, rollout_memory
+from rlsched.policies.drafter_schedule import SCHEDULES
 
 
 OFFLOAD_GAIN = 0.1  # offloading training's states is tried where it frees at least this share of a GPU
@@ -39,6 +43,7 @@ class Candidate:
     realloc: str = "none"
     train_gpus: int | None = None  # None: colocated (inference and training on the rollout's GPUs)
     offload: bool = False  # colocated: training's states go to host memory for the rollout
+    update_schedule: str | None = None  # the drafter's (rl.drafter_update_schedule); None: the workload's
 
     @property
     def gpus(self) -> int:
@@ -63,7 +68,9 @@ class Candidate:
     def label(self) -> str:
         realloc = "" if self.realloc == "none" else f" {self.realloc}"
         memory = f"m{self.memory:g}" + ("+offload" if self.offload else "")
-        return f"{self.placement} tp{self.tp}x{self.instances} b{self.max_batch} {memory} {self.policy_label}{realloc}"
+        update = "" if self.update_schedule is None else f" update:{self.update_schedule}"
+        return (f"{self.placement} tp{self.tp}x{self.instances} b{self.max_batch} {memory} {self.policy_label}"
+                f"{realloc}{update}")
 
 
 @dataclass(frozen=True)
@@ -123,8 +130,19 @@ def candidates(base: SimConfig, space: Space) -> list[Candidate]:
                     for policy, drafter, width in policies(base, space):
                         fixed = policy.startswith("static:")
                         for r in space.reallocs if instances > 1 and not fixed else ("none",):
-                            out.append(Candidate(tp, instances, b, memory, policy, drafter, width, r, train, offload))
+                            for u in schedules(base, drafter):
+                                out.append(Candidate(tp, instances, b, memory, policy, drafter, width, r, train,
+                                                     offload, u))
     return out
+
+
+def schedules(base: SimConfig, drafter: str | None) -> tuple[str | None, ...]:
+    """The drafter update schedules to try: both where the workload updates this learned
+    drafter over several RL steps, else the workload's (None)."""
+    if drafter is None or base.rl.drafter_update_interval == 0 or base.rl.steps < 2 or \
+            base.drafter(drafter).kind == "ngram":
+        return (None,)
+    return SCHEDULES
 
 
 def to_config(base: SimConfig, c: Candidate) -> SimConfig:
@@ -134,7 +152,8 @@ def to_config(base: SimConfig, c: Candidate) -> SimConfig:
                                                   gpu_memory_utilization=c.memory, realloc=c.realloc))
     drafters = [d for d in base.drafters if d.name == c.drafter]
     speculation = base.speculation.model_copy(update=dict(width_max=c.width_max, policy=c.policy))
-    rl = base.rl.model_copy(update=dict(train_gpus=c.train_gpus, offload_states=c.offload))
+    rl = base.rl.model_copy(update=dict(train_gpus=c.train_gpus, offload_states=c.offload,
+                                        drafter_update_schedule=c.update_schedule or base.rl.drafter_update_schedule))
     return base.model_copy(update=dict(cluster=cluster, drafters=drafters, speculation=speculation, rl=rl))
 
 
@@ -145,5 +164,7 @@ def from_config(cfg: SimConfig) -> Candidate:
     drafter = cfg.drafters[0].name if cfg.drafters and s.policy != "off" else None
     offload = rl.offload_states or (rl.train_gpus is None and c.gpu_memory_utilization > rollout_memory(
         cfg, c.instances * c.tp, None))
+    update = rl.drafter_update_schedule if len(schedules(cfg, drafter)) > 1 else None
     return Candidate(c.tp, c.instances, c.max_batch, c.gpu_memory_utilization, s.policy, drafter,
-                     s.width_max if drafter is not None else 1, c.realloc, rl.train_gpus, offload and not rl.train_gpus)
+                     s.width_max if drafter is not None else 1, c.realloc, rl.train_gpus,
+                     offload and not rl.train_gpus, update)

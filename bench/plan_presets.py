@@ -1,0 +1,59 @@
+"""`rlsched plan` on the seed-shaped presets: does the plan's winner beat the setup the preset
+writes by hand, and which knob moves the most?
+
+For each preset the plan searches its own GPU budget (the default space, 3 seeds) and compares
+its winner with the preset's setup on the same seeds; the explanation moves each differing knob
+alone from the preset's setup to the winner's. Reported per preset: the preset's setup and its
+step time, the winner and its step time, the gain, the speedup over the best plain decoding,
+and the knob that moved the most (its gain alone).
+
+Run: python bench/plan_presets.py [--presets respec-qwen2.5-3b,...] [--workers 2].
+Results: bench/results/plan_presets.{json,txt}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import table, write_result  # noqa: E402
+
+from rlsched.config import load_config  # noqa: E402
+from rlsched.plan.planner import make_plan, summary  # noqa: E402
+from rlsched.plan.space import Space  # noqa: E402
+
+PRESETS = "respec-qwen2.5-3b,respec-qwen2.5-7b,respec-qwen2.5-14b,rlhfspec-llama3.1-8b-ppo"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--presets", default=PRESETS)
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--workers", type=int, default=2)
+    args = ap.parse_args()
+    rows, out = [], []
+    for name in args.presets.split(","):
+        base = load_config(preset=name, overrides=["record_timeline=false"])
+        gpus = base.cluster.instances * base.cluster.tp + (base.rl.train_gpus or 0)
+        t = time.perf_counter()
+        plan = make_plan(base, Space(gpus), seeds=args.seeds, workers=args.workers)
+        s = summary(plan)
+        s.update(preset=name, wall_s=time.perf_counter() - t, knobs=plan.knobs)
+        out.append(s)
+        rows.append([name, s["own_setup"], s["own_step_s"], s["winner"], s["winner_step_s"],
+                     f"{s['gain_over_own']:+.1%}", f"{s['speedup_over_baseline']:.2f}x", s.get("knob", "-")])
+        print(f"{name}: {s['wall_s']:.0f} s", file=sys.stderr)
+    text = "\n".join([
+        f"the plan's winner against each preset's own setup ({args.seeds} seeds, the preset's GPUs; gain: the own "
+        "setup's step time over the winner's, minus 1; speedup: the best plain decoding's over the winner's)", "",
+        table(["preset", "preset's setup", "step s", "plan's winner", "step s", "gain", "over no SD", "knob (alone)"],
+              rows)])
+    print(text)
+    write_result("plan_presets", dict(presets=out), text)
+
+
+if __name__ == "__main__":
+    main()
