@@ -359,13 +359,16 @@ def plan(
         t.add_row(str(r["rank"]), r["setup"], str(r["gpus"]), f"{r['step_s']:.2f}", f"{r['screen_step_s']:.2f}",
                   str(r["seeds"]), f"{r['split']['generation']:.0%}")
     _print_unwrapped(out_console, t)
-    lines = [f"winner: {summary['winner']}, {summary['winner_step_s']:.2f} s a step"]
+    split = " / ".join(f"{k.replace('_', ' ')} {v:.0%}" for k, v in summary["winner_split"].items())
+    lines = [f"winner: {summary['winner']}, {summary['winner_step_s']:.2f} s a step ({split})"]
     if "baseline" in summary:
         lines.append(f"over the best plain decoding ({summary['baseline']}): {summary['speedup_over_baseline']:.2f}x")
     if "own_setup" in summary:
         lines.append(f"over the workload's own setup ({summary['own_setup']}, {summary['own_step_s']:.2f} s): "
                      f"{summary['gain_over_own']:+.1%}" + (f"; the knob that moved most: {summary['knob']}"
                                                            if "knob" in summary else ""))
+    if "engine_note" in summary:
+        lines.append(f"note: {summary['engine_note']}")
     lines.append(f"output: {out} (rlsched report {out} for its page)")
     for line in lines:
         out_console.print(line, highlight=False, soft_wrap=True)
@@ -719,7 +722,8 @@ REPORT_HELP = (
     "Write one self-contained HTML page of a run: its key numbers (reward first -> last, generation tokens/s, "
     "mean accepted length, acceptance rate, stage split, policy, drafter, algorithm, steps) and every figure "
     "`rlsched plot` draws for it, embedded as PNG (the page is one file, no scripts).\n\n"
-    "RUNDIR is a `rlsched run` folder (other folders `rlsched plot` takes work too, with their summary's numbers).\n\n"
+    "RUNDIR is a `rlsched run` folder (other folders `rlsched plot` takes work too, with their summary's numbers, "
+    "and an `rlsched plan` folder).\n\n"
     "Example: rlsched report runs/run/latest --out report.html"
 )
 

@@ -81,6 +81,9 @@ CHECKS = {
         ("policies.json", lambda: _policy_agg("respec-qwen2.5-7b", "goodput", "ratio_vs_best_static"), 1),
     "Simulator speed: 64 instances, 8,192 samples, `goodput`, one core":
         ("sim_speed.json", lambda: _sim_speed("cluster-64x8192-16k", "goodput"), 1),
+    "`rlsched plan`, ReSpec-shaped GRPO on 16 H100s: 561 setups searched on 2 cores (its winner: the best of "
+    "simulating all 468 feasible)":
+        ("plan_speed.json", lambda: _load("plan_speed.json")["summary"]["plan_s"], 1),
     "Measured: plain decoding over `transformers` generate at 64 rows":
         ("engine_plain_memory_sd_b1.json",
          lambda: _row(_load("engine_plain_memory_sd_b1.json")["plain"]["rows"], "batch", 64)["ratio_vs_hf_median"], 1),
