@@ -16,12 +16,14 @@ allows trees, trees (goodput and every other adaptive policy, knowing the rows' 
 optimistic price of a per-step choice).
 
 The stage's time is the slowest instance's; with many instances only the critical ones are
-run (the most work, the longest row). Reallocation is not modelled: `balanced_s` is what the
-stage would take with the work spread evenly (an optimistic price of rebalancing).
+run: those with the most work, and those whose rows end last in a first-come-first-served
+queue of steps. Reallocation is not modelled: `balanced_s` is what the stage would take with
+the work spread evenly (an optimistic price of rebalancing).
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 
@@ -35,7 +37,7 @@ from rlsched.sim.cluster import kv_capacity
 from rlsched.sim.simulate import policy_context
 from rlsched.sim.workload import sample_rollout
 
-CRITICAL = 3  # instances run when there are more: the two with the most work and the longest row's
+CRITICAL = 2  # with more instances, those with the most work and those whose rows end last (each this many)
 
 
 @dataclass(frozen=True)
@@ -156,6 +158,18 @@ def instance_time(cost, strategies: Strategies, rule, prompt_len: np.ndarray, re
         running[rows[left[rows] <= 1e-6]] = False
 
 
+def _makespan(steps: np.ndarray, slots: int) -> float:
+    """When the last row finishes, in steps, with `slots` rows running at once, each taking the
+    next queued row when it frees (first come, first served)."""
+    if len(steps) <= slots:
+        return float(steps.max(initial=0.0))
+    free = list(steps[:slots])
+    heapq.heapify(free)
+    for d in steps[slots:]:
+        heapq.heappush(free, heapq.heappop(free) + d)
+    return max(free)
+
+
 def batch_limit(cfg: SimConfig, capacity: int, prompt_len: np.ndarray, response_len: np.ndarray) -> int:
     """`max_batch`, or the rows the KV cache holds at their mean footprint halfway through their
     responses, whichever is fewer (at least 1)."""
@@ -184,13 +198,15 @@ def stage_time(cfg: SimConfig, policy: str, cost, seed: int | None = None, strat
     instances = cfg.cluster.instances
     owner = (np.arange(rollout.n) if cfg.cluster.assignment == "round_robin" else rollout.prompt_of) % instances
     limit = batch_limit(cfg, kv_capacity(cfg, cost), rollout.prompt_len, rollout.response_len)
-    # work: each instance's response tokens over a middling chain's tokens a step; the longest row
+    # each row's steps at a middling chain's tokens a step; an instance's work (their sum) and its
+    # makespan in steps with `limit` slots taken first come, first served
     rate = expected_tokens_per_row(rollout.acceptance[:, j], 2)[:, -1] if drafter is not None else np.ones(rollout.n)
-    work = np.bincount(owner, rollout.response_len / rate, minlength=instances)
+    steps = rollout.response_len / rate
+    work = np.bincount(owner, steps, minlength=instances)
     critical = np.arange(instances)
     if instances > CRITICAL:
-        longest = owner[np.argmax(rollout.response_len)]
-        critical = np.unique(np.concatenate([np.argsort(-work)[:CRITICAL - 1], [longest]]))
+        makespan = np.array([_makespan(steps[owner == i], limit) for i in range(instances)])
+        critical = np.unique(np.concatenate([np.argsort(-work)[:CRITICAL], np.argsort(-makespan)[:CRITICAL]]))
     times = {}
     for i in critical:
         mine = np.flatnonzero(owner == i)
