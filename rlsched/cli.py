@@ -288,6 +288,8 @@ def plan(
                                               "(default 64,256,1024)."),
     seeds: int = typer.Option(3, "--seeds", help="Seeds of the successive halving (rounds)."),
     survivors: int = typer.Option(24, "--survivors", help="Setups the screen hands to the simulator."),
+    explain: bool = typer.Option(True, "--explain/--no-explain", help="Simulate each knob where the workload's own "
+                                 "setup and the winner differ, moved alone, and name the one that moved most."),
     workers: Optional[int] = typer.Option(None, "--workers", "-j", help="Worker processes (default: the number of "
                                           "CPUs)."),
     ray: Optional[str] = typer.Option(None, "--ray", help="Simulate on a Ray cluster at this address, as compare "
@@ -316,6 +318,10 @@ def plan(
         raise UserError(f"--workers must be >= 1 (got {workers})")
     if from_run is not None and (workload or config):
         raise UserError("--from plans from a run's own workload; drop --workload and --config")
+    if ray is not None:
+        if not ray.strip():
+            raise UserError("--ray needs an address (host:port) or 'auto'")
+        import_ray("--ray")
     overrides = [f"model={model}"] * (model is not None) + [f"hardware={hardware}"] * (hardware is not None)
     overrides += list(set_) + ["record_timeline=false"]
     with tempfile.TemporaryDirectory() as work:
@@ -340,7 +346,7 @@ def plan(
                 done[0] += 1
                 status.update(f"planning {base.model.name} on {budget} x {base.hardware.name}: {done[0]} simulations")
             result = make_plan(base, space, objective=objective, survivors=survivors, seeds=seeds,
-                               workers=n_workers, ray_address=ray, on_done=tick)
+                               workers=n_workers, ray_address=ray, explain=explain, on_done=tick)
             summary = write_plan(result, out, model_path or base.model.name,
                                  drafter_path or (result.winner.candidate.drafter or "off"))
     summary["out"] = str(out)

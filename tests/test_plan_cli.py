@@ -61,9 +61,12 @@ def test_the_written_vllm_and_verl_settings_are_the_winners(planned):
     assert (args["tensor_parallel_size"], args["max_num_seqs"], args["gpu_memory_utilization"]) == (
         winner["tp"], winner["max_batch"], winner["memory"])
     assert args["model"] == "builtin"
-    verl = yaml.safe_load((out / "verl_rollout.yaml").read_text())["actor_rollout_ref"]["rollout"]
+    section = yaml.safe_load((out / "verl_rollout.yaml").read_text())["actor_rollout_ref"]
+    verl = section["rollout"]
     assert verl["tensor_model_parallel_size"] == winner["tp"] and verl["n"] == 8 and verl["max_num_seqs"] == (
-        winner["max_batch"])
+        winner["max_batch"]) and verl["max_model_len"] == args["max_model_len"]
+    # a winner that offloads training's states says so in the actor's FSDP settings
+    assert ("actor" in section) == winner["offload"]
     if winner["policy"] == "off":
         assert "speculative_config" not in args
         return
@@ -155,3 +158,23 @@ def test_the_terminal_output_names_the_winner_and_its_comparisons(tmp_path):
     summary = json.loads((tmp_path / "p" / "summary.json").read_text())
     assert f"winner: {summary['winner']}" in proc.stdout
     assert "over the best plain decoding" in proc.stdout and "over the workload's own setup" in proc.stdout
+
+
+def test_on_a_ray_cluster_the_plan_is_the_same(tmp_path):
+    import os
+
+    from test_compare import FAKE_RAY
+
+    (tmp_path / "fake" / "ray").mkdir(parents=True)
+    (tmp_path / "fake" / "ray" / "__init__.py").write_text(FAKE_RAY)
+    log = tmp_path / "ray.log"
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path / "fake"), os.environ.get("PYTHONPATH", "")]),
+           "FAKE_RAY_LOG": str(log)}
+    small = ["--workload", "default", "--gpus", "2", "--tp", "1", "--max-batch", "256", "--seeds", "1",
+             "--survivors", "2", "--set", "rl.steps=1", "--no-explain"]
+    ok(rlsched("plan", *small, "-j", "1", "--out", str(tmp_path / "local"), cwd=tmp_path))
+    ok(rlsched("plan", *small, "--ray", "auto", "--out", str(tmp_path / "ray"), cwd=tmp_path, env_extra=env))
+    rows = [json.loads((tmp_path / d / "plan.json").read_text())["rows"] for d in ("local", "ray")]
+    assert [(r["setup"], r["step_s"]) for r in rows[0]] == [(r["setup"], r["step_s"]) for r in rows[1]]
+    calls = log.read_text().splitlines()
+    assert calls.count("task") == sum(r["seeds"] for r in rows[1] if "same_as" not in r)

@@ -11,7 +11,8 @@
   acceptance and the workload's typical context; vLLM drafts chains, so a winner that also
   drafts trees is written as its chains);
 - `verl_rollout.yaml`: the same as verl's `actor_rollout_ref.rollout` section, the speculative
-  config passed through `engine_kwargs.vllm`;
+  config passed through `engine_kwargs.vllm` (and the actor's FSDP offload where the winner
+  offloads training's states);
 - `plan.json` and `candidates.csv`: every candidate with its screen and simulated numbers,
   and why the dropped ones cannot run; `summary.json`: the key numbers (`rlsched report`).
 """
@@ -93,12 +94,17 @@ def verl_rollout(cfg: SimConfig, c: Candidate, engine: dict) -> dict:
     """verl's rollout section for the candidate (trainer GPUs: the candidate's)."""
     w = cfg.workload
     rollout = {"name": "vllm", "tensor_model_parallel_size": c.tp, "gpu_memory_utilization": c.memory,
-               "max_num_seqs": c.max_batch, "n": w.samples_per_prompt, "temperature": 1.0,
-               "prompt_length": length_max(w.prompt_len), "response_length": length_max(w.response_len)}
+               "max_num_seqs": c.max_batch, "max_model_len": engine["max_model_len"], "n": w.samples_per_prompt,
+               "temperature": 1.0, "prompt_length": length_max(w.prompt_len),
+               "response_length": length_max(w.response_len)}
     if "speculative_config" in engine:
         rollout["engine_kwargs"] = {"vllm": {"speculative_config": engine["speculative_config"]}}
-    return {"actor_rollout_ref": {"rollout": rollout},
-            "data": {"train_batch_size": w.prompts},
+    section = {"rollout": rollout}
+    if c.offload:  # training's states leave the GPUs for the rollout
+        section["actor"] = {"fsdp_config": {"param_offload": True, "optimizer_offload": True}}
+    return {"actor_rollout_ref": section,
+            "data": {"train_batch_size": w.prompts, "max_prompt_length": length_max(w.prompt_len),
+                     "max_response_length": length_max(w.response_len)},
             "trainer": {"n_gpus_per_node": min(8, c.gpus), "nnodes": max(1, -(-c.gpus // 8))}}
 
 
