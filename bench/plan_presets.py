@@ -1,7 +1,8 @@
 """`rlsched plan` on the seed-shaped presets: does the plan's winner beat the setup the preset
 writes by hand, and which knob moves the most?
 
-For each preset the plan searches its own GPU budget (the default space, 3 seeds) and compares
+For each preset the plan searches its own GPU budget (the default space with a learned table
+for the best chain setup, 3 seeds, as `rlsched plan` does) and compares
 its winner with the preset's setup on the same seeds; the explanation moves each differing knob
 alone from the preset's setup to the winner's. Reported per preset: the preset's setup and its
 step time, the winner and its step time, the gain, the speedup over the best plain decoding,
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -39,7 +41,8 @@ def main() -> None:
         base = load_config(preset=name, overrides=["record_timeline=false"])
         gpus = base.cluster.instances * base.cluster.tp + (base.rl.train_gpus or 0)
         t = time.perf_counter()
-        plan = make_plan(base, Space(gpus), seeds=args.seeds, workers=args.workers)
+        with tempfile.TemporaryDirectory() as work:  # as `rlsched plan` does: a table learned for the best chains
+            plan = make_plan(base, Space(gpus), seeds=args.seeds, workers=args.workers, learn_in=Path(work))
         s = summary(plan)
         s.update(preset=name, wall_s=time.perf_counter() - t, knobs=plan.knobs)
         out.append(s)

@@ -255,11 +255,12 @@ PLAN_HELP = (
     "configs people run.\n\n"
     "Candidates: placement (colocated on all or half the GPUs, or split with a quarter for training), rollout "
     "instances x tp, batch limit (max_num_seqs), drafter and policy (off, static:K, goodput over chains and, where "
-    "the workload drafts trees, trees, the solved twostate), reallocation (none, rebalance); the memory fraction "
-    "is the largest that fits beside training. Setups that cannot run are dropped with the reason. Every other "
-    "one is priced by an analytic screen, and the best --survivors are simulated with successive halving over "
-    "--seeds seeds. The winner is compared on the same seeds with the best plain decoding setup and with the "
-    "workload's own setup, and the knob that moved most is named.\n\n"
+    "the workload drafts trees, trees, the solved twostate, and a table learned for the best chain setup), "
+    "reallocation (none, rebalance), the drafter's update schedule; the memory fraction is the largest that fits "
+    "beside training, or with training's states offloaded. Setups that cannot run are dropped with the reason. "
+    "Every other one is priced by an analytic screen, and the best --survivors are simulated with successive "
+    "halving over --seeds seeds. The winner is compared on the same seeds with the best plain decoding setup and "
+    "with the workload's own setup, and the knob that moved most is named.\n\n"
     "Writes to --out: plan.json, candidates.csv, summary.json, pareto.png (step time against GPUs), sim.yaml "
     "(rlsched simulate --config), run.yaml (rlsched run --config), vllm_engine.json (vllm.LLM arguments of one "
     "instance) and verl_rollout.yaml; `rlsched report OUT` makes its page.\n\n"
@@ -290,6 +291,8 @@ def plan(
     survivors: int = typer.Option(24, "--survivors", help="Setups the screen hands to the simulator."),
     explain: bool = typer.Option(True, "--explain/--no-explain", help="Simulate each knob where the workload's own "
                                  "setup and the winner differ, moved alone, and name the one that moved most."),
+    learn: bool = typer.Option(True, "--learn/--no-learn", help="Learn a table policy in the simulator for the "
+                               "best chain setup (on a held-out seed) and rank it with the others."),
     workers: Optional[int] = typer.Option(None, "--workers", "-j", help="Worker processes (default: the number of "
                                           "CPUs)."),
     ray: Optional[str] = typer.Option(None, "--ray", help="Simulate on a Ray cluster at this address, as compare "
@@ -346,7 +349,8 @@ def plan(
                 done[0] += 1
                 status.update(f"planning {base.model.name} on {budget} x {base.hardware.name}: {done[0]} simulations")
             result = make_plan(base, space, objective=objective, survivors=survivors, seeds=seeds,
-                               workers=n_workers, ray_address=ray, explain=explain, on_done=tick)
+                               workers=n_workers, ray_address=ray, explain=explain,
+                               learn_in=Path(work) if learn else None, on_done=tick)
             summary = write_plan(result, out, model_path or base.model.name,
                                  drafter_path or (result.winner.candidate.drafter or "off"))
     summary["out"] = str(out)

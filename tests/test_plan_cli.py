@@ -14,7 +14,8 @@ from support import ok, rlsched
 # a small space: plain decoding, static:1, static:3, goodput and twostate over the default preset's
 # drafter on 2 GPUs (colocated, or 1 GPU), tp 1, two batch limits, with and without rebalance
 SPACE = ["--workload", "default", "--gpus", "2", "--tp", "1", "--max-batch", "64,256", "--seeds", "2",
-         "--survivors", "4", "-j", "1", "--set", "rl.steps=1", "--model-path", "builtin", "--drafter-path", "builtin"]
+         "--survivors", "4", "-j", "1", "--set", "rl.steps=1", "--model-path", "builtin", "--drafter-path", "builtin",
+         "--no-learn"]
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +140,8 @@ def test_a_plan_from_a_run_uses_its_fitted_costs_and_workload(tmp_path):
                cwd=tmp_path, timeout=600))
     out = tmp_path / "plan"
     proc = ok(rlsched("plan", "--from", str(tmp_path / "run"), "--gpus", "2", "--max-batch", "4,8", "--seeds", "1",
-                      "--survivors", "3", "-j", "1", "--out", str(out), "--json", cwd=tmp_path, timeout=600))
+                      "--survivors", "3", "-j", "1", "--no-learn", "--out", str(out), "--json", cwd=tmp_path,
+                      timeout=600))
     summary = json.loads(proc.stdout)
     assert summary["workload"] == "replay-of-run" and summary["gpus"] == 2
     sim = yaml.safe_load((out / "sim.yaml").read_text())
@@ -153,8 +155,8 @@ def test_a_plan_from_a_run_uses_its_fitted_costs_and_workload(tmp_path):
 
 def test_the_terminal_output_names_the_winner_and_its_comparisons(tmp_path):
     proc = ok(rlsched("plan", "--workload", "default", "--gpus", "2", "--tp", "1", "--max-batch", "256", "--seeds",
-                      "1", "--survivors", "2", "-j", "1", "--set", "rl.steps=1", "--out", str(tmp_path / "p"),
-                      cwd=tmp_path))
+                      "1", "--survivors", "2", "-j", "1", "--set", "rl.steps=1", "--no-learn", "--out",
+                      str(tmp_path / "p"), cwd=tmp_path))
     summary = json.loads((tmp_path / "p" / "summary.json").read_text())
     assert f"winner: {summary['winner']}" in proc.stdout
     assert "over the best plain decoding" in proc.stdout and "over the workload's own setup" in proc.stdout
@@ -171,10 +173,44 @@ def test_on_a_ray_cluster_the_plan_is_the_same(tmp_path):
     env = {"PYTHONPATH": os.pathsep.join([str(tmp_path / "fake"), os.environ.get("PYTHONPATH", "")]),
            "FAKE_RAY_LOG": str(log)}
     small = ["--workload", "default", "--gpus", "2", "--tp", "1", "--max-batch", "256", "--seeds", "1",
-             "--survivors", "2", "--set", "rl.steps=1", "--no-explain"]
+             "--survivors", "2", "--set", "rl.steps=1", "--no-explain", "--no-learn"]
     ok(rlsched("plan", *small, "-j", "1", "--out", str(tmp_path / "local"), cwd=tmp_path))
     ok(rlsched("plan", *small, "--ray", "auto", "--out", str(tmp_path / "ray"), cwd=tmp_path, env_extra=env))
     rows = [json.loads((tmp_path / d / "plan.json").read_text())["rows"] for d in ("local", "ray")]
     assert [(r["setup"], r["step_s"]) for r in rows[0]] == [(r["setup"], r["step_s"]) for r in rows[1]]
     calls = log.read_text().splitlines()
     assert calls.count("task") == sum(r["seeds"] for r in rows[1] if "same_as" not in r)
+
+
+def test_a_table_learned_for_the_best_chain_setup_is_ranked_and_written(tmp_path):
+    from rlsched.config import load_config
+    from rlsched.plan.planner import make_plan, write_plan
+    from rlsched.plan.space import Space
+    from rlsched.policies.policyfile import load_policy_file
+
+    base = load_config(preset="default", overrides=["rl.steps=1", "record_timeline=false"])
+    space = Space(2, tps=(1,), max_batches=(256,), static_ks=(2,), reallocs=("none",), colocated=(1.0,))
+    plan = make_plan(base, space, seeds=2, survivors=3, explain=False, learn_in=tmp_path)
+    learned = [x for x in plan.ranked if x.candidate.policy.startswith("table:")]
+    assert len(learned) == 1 and len(learned[0].runs) == 2 and learned[0].evaluations > 0
+    assert learned[0].candidate.label.endswith("table:model (learned)")
+    pf = load_policy_file(tmp_path / "policy.json")
+    assert pf.kind == "table" and pf.created["seeds"] == [2]  # learned on the seed after the plan's 0 and 1
+    # written as the winner: sim.yaml names the plan's copy of the policy file, run.yaml vLLM's table of it
+    plan.ranked.remove(learned[0])
+    plan.ranked.insert(0, learned[0])
+    out = tmp_path / "plan"
+    write_plan(plan, out, "builtin", "builtin")
+    sim = yaml.safe_load((out / "sim.yaml").read_text())
+    assert sim["speculation"]["policy"] == f"table:{(out / 'policy.json').resolve()}"
+    run = yaml.safe_load((out / "run.yaml").read_text())
+    spec = json.loads((out / "vllm_engine.json").read_text())["speculative_config"]
+    if "num_speculative_tokens_per_batch_size" in spec:
+        assert run["policy"] == f"table:{(out / 'vllm_table.json').resolve()}"
+        assert json.loads((out / "vllm_table.json").read_text())["num_speculative_tokens_per_batch_size"] == (
+            spec["num_speculative_tokens_per_batch_size"])
+    else:
+        assert run["policy"] == f"static:{spec['num_speculative_tokens']}"
+    proc = ok(rlsched("simulate", "--config", str(out / "sim.yaml"), "--no-baseline", "--json", "--out",
+                      str(tmp_path / "sim"), cwd=tmp_path))
+    assert json.loads(proc.stdout)["rl_step_s"] == pytest.approx(learned[0].runs[0]["step_s"], rel=1e-9)

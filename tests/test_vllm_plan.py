@@ -30,7 +30,7 @@ def planned(tmp_path_factory):
     root = tmp_path_factory.mktemp("plan")
     out = root / "plan"
     ok(rlsched("plan", "--workload", "default", "--gpus", "2", "--tp", "1", "--max-batch", "64", "--seeds", "1",
-               "--survivors", "3", "-j", "1", "--set", "rl.steps=1", "--drafters", "model",
+               "--survivors", "3", "-j", "1", "--set", "rl.steps=1", "--drafters", "model", "--no-learn",
                "--model-path", str(pair.target), "--drafter-path", str(pair.drafter), "--out", str(out), cwd=root,
                timeout=600))
     return root, out, pair

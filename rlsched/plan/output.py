@@ -6,7 +6,8 @@
 - `vllm_engine.json`: vLLM engine arguments of one rollout instance (`vllm.LLM(**args)`):
   tensor parallelism, `max_num_seqs`, `gpu_memory_utilization` and the `speculative_config`,
   whose draft length is native to vLLM: `num_speculative_tokens` for a fixed K, and a
-  per-batch-size table (`num_speculative_tokens_per_batch_size`) for the two-state rule and
+  per-batch-size table (`num_speculative_tokens_per_batch_size`) for the two-state rule, a
+  learned table (its lengths at the drafter's mean acceptance and typical context) and
   for goodput (the k of the most tokens a second at each batch size, at the drafter's mean
   acceptance and the workload's typical context; vLLM drafts chains, so a winner that also
   drafts trees is written as its chains);
@@ -76,7 +77,14 @@ def vllm_engine_args(cfg: SimConfig, c: Candidate, cost, model: str, drafter: st
     policy = engine_policy(cfg, c, cost)
     plan = speculative_plan(policy, kind, k_max=cfg.speculation.k_max, max_batch=c.max_batch)
     table = plan["table"]
-    if not plan["native"]:  # goodput: its choice by batch size, as vLLM's own table
+    if c.policy.startswith("table:"):  # a learned table: its draft lengths by batch size
+        from rlsched.policies.policyfile import load_policy_file
+        from rlsched.sim.learn import vllm_table
+
+        pf = load_policy_file(c.policy.split(":", 1)[1])
+        table = vllm_table(pf, c.max_batch, cfg.drafter(c.drafter).acceptance.mean,
+                           policy_context(cfg).typical_ctx)[TABLE_FIELD]
+    elif not plan["native"]:  # goodput: its choice by batch size, as vLLM's own table
         table = goodput_table(cfg, c, cost)
     k = max(e[2] for e in table) if table is not None else plan["k"]
     if k == 0:

@@ -29,6 +29,7 @@ from rlsched.plan.output import run_config, verl_rollout, vllm_engine_args
 from rlsched.plan.screen import Dropped, Scored, screen
 from rlsched.plan.search import Ranked, run_seed, search, signature
 from rlsched.plan.space import Candidate, Space, candidates, from_config, to_config
+from rlsched.policies.vllm_plan import TABLE_FIELD
 
 KNOBS = ("placement", "tp", "max_batch", "memory", "policy", "realloc", "update_schedule")
 
@@ -118,9 +119,11 @@ class Plan:
 
 
 def make_plan(base: SimConfig, space: Space, *, objective: str = "step-time", survivors: int = 24, seeds: int = 3,
-              workers: int = 1, ray_address: str | None = None, explain: bool = True, on_done=None) -> Plan:
+              workers: int = 1, ray_address: str | None = None, explain: bool = True, learn_in: Path | None = None,
+              on_done=None) -> Plan:
     """Screen every candidate of `space` for `base`, search the best `survivors` over `seeds`
-    seeds (from base's), and explain the winner against base's own setup."""
+    seeds (from base's), with `learn_in` a folder: learn a table for the best chain setup there
+    (`learn_table`), and explain the winner against base's own setup."""
     if seeds < 1:
         raise UserError(f"--seeds must be >= 1 (got {seeds})")
     if survivors < 1:
@@ -154,11 +157,43 @@ def make_plan(base: SimConfig, space: Space, *, objective: str = "step-time", su
     plan = Plan(base, objective, space.gpus, len(cands), scored, dropped, result.ranked,
                 baseline, pins.get(id(own_scored)) if own_scored else None,
                 seeds=seed_list, simulations=result.simulations, screen_s=screen_s)
+    if learn_in is not None:
+        learned = learn_table(base, plan, learn_in, workers=workers, ray_address=ray_address)
+        if learned is not None:
+            plan.ranked = sorted(plan.ranked + [learned], key=lambda x: (-len(x.runs), x.score(objective)))
+            plan.simulations += learned.evaluations + len(seed_list)
     if explain and plan.own is not None and plan.own.candidate != plan.winner.candidate:
         plan.knobs = explain_knobs(base, plan, workers=workers, ray_address=ray_address)
         plan.simulations += len(plan.knobs) * seeds
     plan.search_s = time.perf_counter() - t
     return plan
+
+
+def learn_table(base: SimConfig, plan: Plan, folder: Path, *, workers: int = 1,
+                ray_address: str | None = None) -> Ranked | None:
+    """The search's best chain setup with a table policy learned for it (`sim/learn.py`, on the
+    seed after the plan's: held out), written to `folder`/policy.json and simulated on the
+    plan's seeds; None where no chain setup drafted on every seed."""
+    from rlsched.policies.policyfile import save_policy_file
+    from rlsched.sim.learn import Learner, parallel_evaluator
+
+    full = [x for x in plan.ranked if len(x.runs) == len(plan.seeds) and x.candidate.drafter is not None
+            and x.candidate.width_max == 1]
+    if not full:
+        return None
+    top = min(full, key=lambda x: x.score(plan.objective))
+    held_out = plan.seeds[-1] + 1
+    learner = Learner(top.scored.config.model_copy(update={"seed": held_out}), [held_out],
+                      parallel_evaluator(workers, ray_address), log=lambda m: None)
+    pf, _ = learner.learn("table")
+    path = Path(folder) / "policy.json"
+    save_policy_file(path, pf)
+    c = Candidate(**{**top.candidate.__dict__, "policy": f"table:{path}"})
+    learned = Ranked(screen(base, [c], plan.objective)[0][0])
+    for seed in plan.seeds:
+        run_seed([learned], seed, workers=workers, ray_address=ray_address)
+    learned.evaluations = learner.evaluations
+    return learned
 
 
 def explain_knobs(base: SimConfig, plan: Plan, *, workers: int = 1, ray_address: str | None = None) -> list[dict]:
@@ -190,7 +225,9 @@ def _row(x: Scored | Ranked, objective: str, rank: int | None) -> dict:
     c = s.candidate
     row = {"rank": rank, "setup": c.label, "placement": c.placement, "gpus": c.gpus, "rollout_gpus": c.rollout_gpus,
            "train_gpus": c.train_gpus, "tp": c.tp, "instances": c.instances, "max_batch": c.max_batch,
-           "memory": c.memory, "offload": c.offload, "policy": c.policy, "drafter": c.drafter, "width_max": c.width_max,
+           "memory": c.memory, "offload": c.offload,
+           "policy": "table" if c.policy.startswith("table:") else c.policy, "drafter": c.drafter,
+           "width_max": c.width_max,
            "realloc": c.realloc, "update_schedule": c.update_schedule, "screen_step_s": s.step_s,
            "screen_generation_s": s.generation_s,
            "step_s": None, "generation_s": None, "seeds": 0, "score": s.score, "tokens": s.tokens}
@@ -255,10 +292,25 @@ def write_plan(plan: Plan, out: Path, model_path: str, drafter_path: str) -> dic
     base, win = plan.base, plan.winner
     cfg = to_config(base, win.candidate)
     cost = cost_model_for(cfg)
+    engine = vllm_engine_args(cfg, win.candidate, cost, model_path, drafter_path)
     cost_file = Path(base.cost_file) if base.cost_file else None
     if cost_file is not None:  # the plan's copy, where sim.yaml names it
         cfg = cfg.model_copy(update={"cost_file": str((Path(out) / "cost.json").resolve())})
-    engine = vllm_engine_args(cfg, win.candidate, cost, model_path, drafter_path)
+    winner, run_winner = win.candidate, win.candidate
+    policy_file = Path(winner.policy.split(":", 1)[1]) if winner.policy.startswith("table:") else None
+    vllm_table = None
+    if policy_file is not None:
+        # sim.yaml names the plan's copy of the learned policy file; run.yaml its draft lengths by batch size in
+        # vLLM's own form (the policy file holds the simulated model's and drafter's names)
+        winner = Candidate(**{**winner.__dict__, "policy": f"table:{(Path(out) / 'policy.json').resolve()}"})
+        cfg = cfg.model_copy(update={"speculation": cfg.speculation.model_copy(update={"policy": winner.policy})})
+        spec = engine.get("speculative_config", {})
+        if TABLE_FIELD in spec:
+            vllm_table = {TABLE_FIELD: spec[TABLE_FIELD]}
+            run_policy = f"table:{(Path(out) / 'vllm_table.json').resolve()}"
+        else:
+            run_policy = f"static:{spec['num_speculative_tokens']}" if spec else "off"
+        run_winner = Candidate(**{**winner.__dict__, "policy": run_policy})
     rows = plan_rows(plan)
     record = {"format": "rlsched-plan", "summary": summary(plan), "rows": rows, "knobs": plan.knobs,
               "dropped": [{"setup": d.candidate.label, "reason": d.reason} for d in plan.dropped],
@@ -274,13 +326,17 @@ def write_plan(plan: Plan, out: Path, model_path: str, drafter_path: str) -> dic
         (tmp / "run.yaml").write_text(
             f"# rlsched run config of the plan's winner ({win.candidate.label}) for {base.model.name}; "
             "model and drafter: your folders\n"
-            + yaml.safe_dump(run_config(cfg, win.candidate, cost, model_path, drafter_path), sort_keys=False))
+            + yaml.safe_dump(run_config(cfg, run_winner, cost, model_path, drafter_path), sort_keys=False))
         (tmp / "vllm_engine.json").write_text(json.dumps(engine, indent=2))
         (tmp / "verl_rollout.yaml").write_text(
             "# verl rollout settings of the plan's winner (one rollout instance's vLLM engine; the speculative "
             "config passes through engine_kwargs)\n"
-            + yaml.safe_dump(verl_rollout(cfg, win.candidate, engine), sort_keys=False))
+            + yaml.safe_dump(verl_rollout(cfg, winner, engine), sort_keys=False))
         save_figure(plan_figure(record), tmp / "pareto.png")
         if cost_file is not None:
             shutil.copyfile(cost_file, tmp / "cost.json")
+        if policy_file is not None:
+            shutil.copyfile(policy_file, tmp / "policy.json")
+        if vllm_table is not None:
+            (tmp / "vllm_table.json").write_text(json.dumps(vllm_table, indent=2))
     return record["summary"]

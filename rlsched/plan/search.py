@@ -26,6 +26,7 @@ from rlsched.sim.compare import run_jobs
 class Ranked:
     scored: Scored
     runs: list[dict] = field(default_factory=list)  # per seed: step_s, generation_s, tokens, time split, seed
+    evaluations: int = 0  # simulations spent finding its policy (a learned table's)
 
     @property
     def candidate(self) -> Candidate:

@@ -58,6 +58,8 @@ class Candidate:
     def policy_label(self) -> str:
         if self.drafter is None or self.policy.startswith("static:"):
             return self.policy
+        if self.policy.startswith("table:"):
+            return f"table:{self.drafter} (learned)"
         return f"{self.policy}:{self.drafter}" + (f" trees<={self.width_max}" if self.width_max > 1 else "")
 
     @property
