@@ -11,7 +11,7 @@ from rlsched.plan.feasible import rollout_memory
 from rlsched.plan.fluid import stage_time
 from rlsched.plan.screen import score, screen
 from rlsched.plan.search import search
-from rlsched.plan.space import Space, candidates, from_config, placements, to_config
+from rlsched.plan.space import Candidate, Space, candidates, from_config, placements, to_config
 from rlsched.sim.rlstep import StageCosts
 from rlsched.sim.simulate import simulate
 
@@ -132,3 +132,16 @@ def test_both_drafter_update_schedules_are_tried_where_the_workload_updates_its_
     assert to_config(base, pays).rl.drafter_update_schedule == "pays" and from_config(to_config(base, pays)) == pays
     one_step = load_config(preset="default", overrides=["rl.steps=1"])
     assert {c.update_schedule for c in candidates(one_step, Space(2, tps=(1,)))} == {None}
+
+
+def test_a_knob_moves_alone_unless_it_cannot():
+    from rlsched.plan.planner import with_knob
+
+    base = load_config(preset="respec-qwen2.5-7b", overrides=["rl.steps=1"])
+    own = from_config(base)  # tp 2 x 8
+    win = Candidate(4, 4, 256, 0.88, "static:2:eagle", "eagle")
+    assert with_knob(own, win, "tp") == Candidate(**{**own.__dict__, "tp": 4, "instances": 4})
+    assert with_knob(own, win, "policy").policy == "static:2:eagle" and with_knob(own, win, "realloc") is None
+    assert with_knob(own, Candidate(3, 5, 256, 0.88, "off", None), "tp") is None  # tp 3 does not divide 16
+    table = Candidate(8, 2, 256, 0.8, "table:/tmp/p.json", "eagle")  # learned for tp 8: not for the own setup's
+    assert with_knob(own, table, "policy") is None

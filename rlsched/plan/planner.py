@@ -63,7 +63,7 @@ def base_for_plan(cfg: SimConfig | None, from_run: Path | None, workdir: Path | 
 
 def with_knob(own: Candidate, winner: Candidate, knob: str) -> Candidate | None:
     """`own` with one knob set as the winner has it (None where that knob alone cannot be set:
-    its tp does not divide the GPUs)."""
+    its tp does not divide the GPUs, or its policy is a table learned for the winner's setup)."""
     d = dict(own.__dict__)
     if knob == "placement":
         if own.rollout_gpus == winner.rollout_gpus and own.train_gpus == winner.train_gpus:
@@ -81,6 +81,8 @@ def with_knob(own: Candidate, winner: Candidate, knob: str) -> Candidate | None:
         d.update(memory=winner.memory, offload=winner.offload)
     elif knob == "policy":
         if (own.policy, own.drafter, own.width_max) == (winner.policy, winner.drafter, winner.width_max):
+            return None
+        if winner.policy.startswith("table:"):  # a learned table belongs to the setup it was learned for
             return None
         d.update(policy=winner.policy, drafter=winner.drafter, width_max=winner.width_max)
     else:
