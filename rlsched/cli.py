@@ -306,9 +306,10 @@ def plan(
     as_json: bool = JsonOpt,
 ):
     import tempfile
+    from dataclasses import replace
 
     from rlsched.config import load_config
-    from rlsched.plan.planner import base_for_plan, make_plan, write_plan
+    from rlsched.plan.planner import base_for_plan, make_plan, plan_rows, write_plan
     from rlsched.plan.screen import OBJECTIVES
     from rlsched.plan.space import Space
     from rlsched.sim.compare import default_workers
@@ -337,9 +338,9 @@ def plan(
         if from_run is not None:  # the run's machine: its fitted costs are of one device, tp 1
             space = Space(budget, tps=(1,), colocated=(1.0,), split=())
         if tps is not None:
-            space = Space(**{**space.__dict__, "tps": tuple(_int_list(tps, "--tp"))})
+            space = replace(space, tps=tuple(_int_list(tps, "--tp")))
         if max_batches is not None:
-            space = Space(**{**space.__dict__, "max_batches": tuple(_int_list(max_batches, "--max-batch"))})
+            space = replace(space, max_batches=tuple(_int_list(max_batches, "--max-batch")))
         out = out or Path("runs/plan") / f"{base.name}-{budget}g{base.hardware.name}"
         n_workers = workers or default_workers()
         done = [0]
@@ -363,8 +364,6 @@ def plan(
     for col, just in (("#", "right"), ("setup", "left"), ("GPUs", "right"), ("step s (sim)", "right"),
                       ("screen s", "right"), ("seeds", "right"), ("generation", "right")):
         t.add_column(col, justify=just)
-    from rlsched.plan.planner import plan_rows
-
     for r in [r for r in plan_rows(result) if r["step_s"] is not None][:10]:
         t.add_row(str(r["rank"]), r["setup"], str(r["gpus"]), f"{r['step_s']:.2f}", f"{r['screen_step_s']:.2f}",
                   str(r["seeds"]), f"{r['split']['generation']:.0%}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -64,7 +64,7 @@ def base_for_plan(cfg: SimConfig | None, from_run: Path | None, workdir: Path | 
 def with_knob(own: Candidate, winner: Candidate, knob: str) -> Candidate | None:
     """`own` with one knob set as the winner has it (None where that knob alone cannot be set:
     its tp does not divide the GPUs, or its policy is a table learned for the winner's setup)."""
-    d = dict(own.__dict__)
+    d: dict = {}
     if knob == "placement":
         if own.rollout_gpus == winner.rollout_gpus and own.train_gpus == winner.train_gpus:
             return None
@@ -86,10 +86,10 @@ def with_knob(own: Candidate, winner: Candidate, knob: str) -> Candidate | None:
             return None
         d.update(policy=winner.policy, drafter=winner.drafter, width_max=winner.width_max)
     else:
-        if d[knob] == getattr(winner, knob):
+        if getattr(own, knob) == getattr(winner, knob):
             return None
         d[knob] = getattr(winner, knob)
-    return Candidate(**d)
+    return replace(own, **d)
 
 
 def knob_value(c: Candidate, knob: str) -> str:
@@ -153,11 +153,10 @@ def make_plan(base: SimConfig, space: Space, *, objective: str = "step-time", su
     seed_list = list(range(base.seed, base.seed + seeds))
     result = search(scored, objective=objective, survivors=survivors, seeds=seed_list, pinned=pinned,
                     workers=workers, ray_address=ray_address, on_done=on_done)
-    pins = dict(zip([id(p) for p in pinned], result.pinned))
     # the baseline: the best plain decoding setup simulated on every seed (the pinned one at least)
     baseline = next((x for x in result.ranked if x.candidate.policy == "off" and len(x.runs) == seeds), None)
     plan = Plan(base, objective, space.gpus, len(cands), scored, dropped, result.ranked,
-                baseline, pins.get(id(own_scored)) if own_scored else None,
+                baseline, result.pinned[pinned.index(own_scored)] if own_scored else None,
                 seeds=seed_list, simulations=result.simulations, screen_s=screen_s)
     if learn_in is not None:
         learned = learn_table(base, plan, learn_in, workers=workers, ray_address=ray_address)
@@ -190,7 +189,7 @@ def learn_table(base: SimConfig, plan: Plan, folder: Path, *, workers: int = 1,
     pf, _ = learner.learn("table")
     path = Path(folder) / "policy.json"
     save_policy_file(path, pf)
-    c = Candidate(**{**top.candidate.__dict__, "policy": f"table:{path}"})
+    c = replace(top.candidate, policy=f"table:{path}")
     learned = Ranked(screen(base, [c], plan.objective)[0][0])
     for seed in plan.seeds:
         run_seed([learned], seed, workers=workers, ray_address=ray_address)
@@ -304,7 +303,7 @@ def write_plan(plan: Plan, out: Path, model_path: str, drafter_path: str) -> dic
     if policy_file is not None:
         # sim.yaml names the plan's copy of the learned policy file; run.yaml its draft lengths by batch size in
         # vLLM's own form (the policy file holds the simulated model's and drafter's names)
-        winner = Candidate(**{**winner.__dict__, "policy": f"table:{(Path(out) / 'policy.json').resolve()}"})
+        winner = replace(winner, policy=f"table:{(Path(out) / 'policy.json').resolve()}")
         cfg = cfg.model_copy(update={"speculation": cfg.speculation.model_copy(update={"policy": winner.policy})})
         spec = engine.get("speculative_config", {})
         if TABLE_FIELD in spec:
@@ -312,7 +311,7 @@ def write_plan(plan: Plan, out: Path, model_path: str, drafter_path: str) -> dic
             run_policy = f"table:{(Path(out) / 'vllm_table.json').resolve()}"
         else:
             run_policy = f"static:{spec['num_speculative_tokens']}" if spec else "off"
-        run_winner = Candidate(**{**winner.__dict__, "policy": run_policy})
+        run_winner = replace(winner, policy=run_policy)
     rows = plan_rows(plan)
     record = {"format": "rlsched-plan", "summary": summary(plan), "rows": rows, "knobs": plan.knobs,
               "dropped": [{"setup": d.candidate.label, "reason": d.reason} for d in plan.dropped],

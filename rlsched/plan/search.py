@@ -12,7 +12,7 @@ run in worker processes or on a Ray cluster (`sim/compare.run_jobs`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -63,7 +63,7 @@ def signature(s: Scored) -> Candidate:
         most += s.config.cluster.realloc_threshold
     elif c.realloc != "none":  # consolidate gathers rows: no bound below all of them
         return c
-    return Candidate(**{**c.__dict__, "max_batch": min(c.max_batch, most)})
+    return replace(c, max_batch=min(c.max_batch, most))
 
 
 def run_seed(setups: list[Ranked], seed: int, *, workers: int = 1, ray_address: str | None = None,
@@ -80,7 +80,6 @@ def run_seed(setups: list[Ranked], seed: int, *, workers: int = 1, ray_address: 
 class SearchResult:
     ranked: list[Ranked]  # every simulated setup, the pinned too: best first, those out in an earlier round after
     pinned: list[Ranked]  # the pinned setups, in the order given
-    seeds: list[int]
     simulations: int
 
 
@@ -112,4 +111,4 @@ def search(scored: list[Scored], *, objective: str = "step-time", survivors: int
             race = race[:keep]
     ranked = race + out + [p for p in pins if not any(p is x for x in race + out)]
     ranked.sort(key=lambda x: (-len(x.runs), x.score(objective)))  # every seed first; then by the mean
-    return SearchResult(ranked, pins, list(seeds), simulations)
+    return SearchResult(ranked, pins, simulations)
