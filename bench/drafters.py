@@ -41,13 +41,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import table, write_result  # noqa: E402
 
-from rlsched.executor.builtin import EOS, builtin_pair, encode  # noqa: E402
-from rlsched.executor.drafters import ModelDrafter, drafter_cache_len, make_drafter  # noqa: E402
-from rlsched.executor.eagle import builtin_head, load_head  # noqa: E402
-from rlsched.executor.eagle_drafter import EagleDrafter  # noqa: E402
-from rlsched.executor.engine import Request, RolloutEngine, reserve  # noqa: E402
-from rlsched.executor.loading import load_model  # noqa: E402
-from rlsched.executor.sampling import SamplingParams  # noqa: E402
+from rlsched.executor.model.builtin import EOS, builtin_pair, encode  # noqa: E402
+from rlsched.executor.decode.drafters import ModelDrafter, drafter_cache_len, make_drafter  # noqa: E402
+from rlsched.executor.decode.eagle import builtin_head, load_head  # noqa: E402
+from rlsched.executor.decode.eagle_drafter import EagleDrafter  # noqa: E402
+from rlsched.executor.engine.rollout import Request, RolloutEngine, reserve  # noqa: E402
+from rlsched.executor.model.loading import load_model  # noqa: E402
+from rlsched.executor.decode.sampling import SamplingParams  # noqa: E402
 from rlsched.tasks.synthetic import make_examples  # noqa: E402
 
 SAMPLING = SamplingParams(temperature=1.0)

@@ -51,13 +51,13 @@ from _common import table, write_result  # noqa: E402
 from rlsched.costs.costfile import FittedCostModel  # noqa: E402
 from rlsched.costs.fit import fit_records  # noqa: E402
 from rlsched.errors import UserError  # noqa: E402
-from rlsched.executor.builtin import WIDE, builtin_pair, encode  # noqa: E402
-from rlsched.executor.drafters import ModelDrafter, drafter_cache_len  # noqa: E402
-from rlsched.executor.engine import Request, RolloutEngine, build_policy, reserve  # noqa: E402
+from rlsched.executor.model.builtin import WIDE, builtin_pair, encode  # noqa: E402
+from rlsched.executor.decode.drafters import ModelDrafter, drafter_cache_len  # noqa: E402
+from rlsched.executor.engine.rollout import Request, RolloutEngine, build_policy, reserve  # noqa: E402
 from rlsched.executor.gcfreeze import freeze_long_lived  # noqa: E402
-from rlsched.executor.loading import load_model  # noqa: E402
+from rlsched.executor.model.loading import load_model  # noqa: E402
 from rlsched.executor.profiler import profile  # noqa: E402
-from rlsched.executor.sampling import SamplingParams  # noqa: E402
+from rlsched.executor.decode.sampling import SamplingParams  # noqa: E402
 from rlsched.costs.measured import MeasuredCostModel  # noqa: E402
 from rlsched.tasks.synthetic import make_examples  # noqa: E402
 

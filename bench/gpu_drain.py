@@ -56,10 +56,10 @@ from _common import machine  # noqa: E402
 from engine import bootstrap_interval, held_out_vs_best, lockstep  # noqa: E402
 from gpu_engine import QWEN_0_5B, QWEN_1_5B, build, table  # noqa: E402
 
-from rlsched.executor.drafters import ModelDrafter, drafter_cache_len  # noqa: E402
-from rlsched.executor.engine import Request, RolloutEngine, build_policy, reserve  # noqa: E402
+from rlsched.executor.decode.drafters import ModelDrafter, drafter_cache_len  # noqa: E402
+from rlsched.executor.engine.rollout import Request, RolloutEngine, build_policy, reserve  # noqa: E402
 from rlsched.executor.profiler import profile  # noqa: E402
-from rlsched.executor.sampling import GREEDY  # noqa: E402
+from rlsched.executor.decode.sampling import GREEDY  # noqa: E402
 from rlsched.costs.measured import MeasuredCostModel  # noqa: E402
 
 K_MAX = 6
@@ -79,8 +79,8 @@ def echo_target(cfg: dict, device, dtype):
 
 def builtin_shapes() -> tuple[dict, dict]:
     """The built-in pair's configurations (the shapes only: the weights are the echo ones)."""
-    from rlsched.executor.builtin import builtin_pair
-    from rlsched.executor.loading import load_config
+    from rlsched.executor.model.builtin import builtin_pair
+    from rlsched.executor.model.loading import load_config
 
     pair = builtin_pair(log=print)
     return tuple({f.name: getattr(c, f.name) for f in dataclasses.fields(c)}

@@ -29,11 +29,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rlsched.executor.drafters import ModelDrafter  # noqa: E402
-from rlsched.executor.engine import Request, RolloutEngine  # noqa: E402
-from rlsched.executor.model import ModelConfig, Transformer  # noqa: E402
+from rlsched.executor.decode.drafters import ModelDrafter  # noqa: E402
+from rlsched.executor.engine.rollout import Request, RolloutEngine  # noqa: E402
+from rlsched.executor.model.transformer import ModelConfig, Transformer  # noqa: E402
 from rlsched.executor.profiler import profile, profile_cache_len  # noqa: E402
-from rlsched.executor.sampling import SamplingParams  # noqa: E402
+from rlsched.executor.decode.sampling import SamplingParams  # noqa: E402
 
 QWEN_1_5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28, num_heads=12,
                  num_kv_heads=2, head_dim=128, qkv_bias=True, tie_word_embeddings=True, rope_theta=1e6,

@@ -10,7 +10,7 @@
 #                                     acceptance (bench/gpu_drain.py, estimated 3-6 minutes): the
 #                                     regime adaptive drafting is for, which neither the CPU nor
 #                                     the built-in pair on a GPU has
-# The drain reads the built-in pair shipped in the checkout (rlsched/executor/builtin_pair): nothing
+# The drain reads the built-in pair shipped in the checkout (rlsched/executor/model/builtin_pair): nothing
 # to build or carry.
 # Uses the machine's own python3 with torch (CUDA); rlsched runs from the checkout, uninstalled.
 # Its image has no pydantic or simpy, which these scripts do not import (tests/test_gpu_bench_script.py).

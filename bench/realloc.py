@@ -37,7 +37,7 @@ from _common import table, write_result  # noqa: E402
 
 
 def workload(tokenizer, prompts: int, group: int, seed: int, median: int, sigma: float, cap: int):
-    from rlsched.executor.engine import Request
+    from rlsched.executor.engine.rollout import Request
     from rlsched.tasks.synthetic import make_examples
 
     rng = np.random.default_rng(seed)
@@ -111,11 +111,11 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=None)
     args = ap.parse_args()
 
-    from rlsched.executor.builtin import builtin_pair
-    from rlsched.executor.loading import load_model
-    from rlsched.executor.pool import InstancePool, InstanceSpec
+    from rlsched.executor.model.builtin import builtin_pair
+    from rlsched.executor.model.loading import load_model
+    from rlsched.executor.pool.instances import InstancePool, InstanceSpec
     from rlsched.executor.profiler import policy_profile
-    from rlsched.executor.sampling import SamplingParams
+    from rlsched.executor.decode.sampling import SamplingParams
     from rlsched.costs.measured import MeasuredCostModel
     from rlsched.traces.reader import read_trace
 

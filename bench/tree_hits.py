@@ -53,10 +53,10 @@ from scipy.optimize import least_squares
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import table, write_result  # noqa: E402
 
-from rlsched.executor.builtin import EOS, builtin_pair, encode  # noqa: E402
-from rlsched.executor.loading import load_model  # noqa: E402
-from rlsched.executor.sampling import SamplingParams, probs  # noqa: E402
-from rlsched.executor.speculative import generate  # noqa: E402
+from rlsched.executor.model.builtin import EOS, builtin_pair, encode  # noqa: E402
+from rlsched.executor.model.loading import load_model  # noqa: E402
+from rlsched.executor.decode.sampling import SamplingParams, probs  # noqa: E402
+from rlsched.executor.decode.speculative import generate  # noqa: E402
 from rlsched.policies.tree import rank_probs  # noqa: E402
 from rlsched.tasks.synthetic import make_examples  # noqa: E402
 

@@ -12,7 +12,7 @@ in this process, `rollout.backend vllm`) per arm:
   below a batch size, off above) solved over the step costs measured through vLLM, at the
   acceptance the static runs measured;
 - goodput, seqgoodput, bandit: rlsched's policies choosing k every step inside vLLM's
-  scheduler (`executor/vllm_hook.py`), priced by the same measured step costs.
+  scheduler (`executor/vllm/hook.py`), priced by the same measured step costs.
 
 The arms run in turn, round after round (a slow spell of the shared machine hits every arm),
 REPS rounds; each arm's rollout time is the median of its rounds, quoted as a ratio to off.
@@ -60,7 +60,7 @@ def planted_pair(folder: Path, smoke: bool, seed: int, prompt_vocab: int) -> tup
 
     from gpu_drain import builtin_shapes, echo_target
     from gpu_engine import QWEN_0_5B, QWEN_1_5B
-    from rlsched.executor.saving import save_model
+    from rlsched.executor.model.saving import save_model
 
     if smoke:  # (a vocabulary with room for the stand-ins)
         target_cfg, drafter_cfg = builtin_shapes()
@@ -104,10 +104,10 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="planted models at the built-in pair's shapes")
     args = ap.parse_args()
 
-    from rlsched.executor.builtin import builtin_pair
-    from rlsched.executor.loading import load_model
-    from rlsched.executor.sampling import SamplingParams
-    from rlsched.executor.vllm_backend import VllmRolloutEngine
+    from rlsched.executor.model.builtin import builtin_pair
+    from rlsched.executor.model.loading import load_model
+    from rlsched.executor.decode.sampling import SamplingParams
+    from rlsched.executor.vllm.engine import VllmRolloutEngine
     from rlsched.policies.draft import PolicyContext
     from rlsched.policies.lookup import TwoStatePolicy
 

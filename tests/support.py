@@ -58,7 +58,7 @@ def tiny_pair(folder: Path, vocab: int):
     import torch
     import transformers
 
-    from rlsched.executor.loading import load_model
+    from rlsched.executor.model.loading import load_model
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64,

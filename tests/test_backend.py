@@ -1,5 +1,5 @@
 """The rollout backends (rlsched's engine, the Ray pool, vLLM) implement one interface,
-`executor/backend.py`'s RolloutBackend: the same methods with the same signatures (checked
+`executor/backends.py`'s RolloutBackend: the same methods with the same signatures (checked
 on the classes, so neither Ray nor vLLM starts)."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import pytest
 
 pytest.importorskip("torch")
 
-from rlsched.executor.backend import RolloutBackend  # noqa: E402
-from rlsched.executor.drafters import NgramDrafter  # noqa: E402
-from rlsched.executor.engine import Request, RolloutEngine  # noqa: E402
-from rlsched.executor.pool import InstancePool  # noqa: E402
-from rlsched.executor.sampling import GREEDY  # noqa: E402
-from rlsched.executor.vllm_backend import VllmRolloutEngine  # noqa: E402
+from rlsched.executor.backends import RolloutBackend  # noqa: E402
+from rlsched.executor.decode.drafters import NgramDrafter  # noqa: E402
+from rlsched.executor.engine.rollout import Request, RolloutEngine  # noqa: E402
+from rlsched.executor.pool.instances import InstancePool  # noqa: E402
+from rlsched.executor.decode.sampling import GREEDY  # noqa: E402
+from rlsched.executor.vllm.engine import VllmRolloutEngine  # noqa: E402
 from support import tiny_pair  # noqa: E402
 
 METHODS = [name for name, v in vars(RolloutBackend).items() if inspect.isfunction(v) and not name.startswith("_")]

@@ -12,12 +12,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from rlsched.executor.builtin import (EOS, SHIPPED, BuiltinPair, Recipe, built_pair, builtin_pair, decode, encode,  # noqa: E402
+from rlsched.executor.model.builtin import (EOS, SHIPPED, BuiltinPair, Recipe, built_pair, builtin_pair, decode, encode,  # noqa: E402
                                       export_builtin, shipped_pair)
-from rlsched.executor.loading import load_model  # noqa: E402
-from rlsched.executor.model import ModelConfig, Transformer  # noqa: E402
-from rlsched.executor.saving import save_model  # noqa: E402
-from rlsched.executor.sampling import GREEDY, SamplingParams  # noqa: E402
+from rlsched.executor.model.loading import load_model  # noqa: E402
+from rlsched.executor.model.transformer import ModelConfig, Transformer  # noqa: E402
+from rlsched.executor.model.saving import save_model  # noqa: E402
+from rlsched.executor.decode.sampling import GREEDY, SamplingParams  # noqa: E402
 from rlsched.tasks.synthetic import TASKS, exact_match, make_examples  # noqa: E402
 
 
@@ -60,8 +60,8 @@ def test_the_pair_is_a_pair_of_hf_folders(pair):
 
 
 def _rollout(pair, sampling, examples, k=4):
-    from rlsched.executor.drafters import ModelDrafter
-    from rlsched.executor.engine import Request, RolloutEngine
+    from rlsched.executor.decode.drafters import ModelDrafter
+    from rlsched.executor.engine.rollout import Request, RolloutEngine
 
     target = load_model(pair.target).model
     drafter = load_model(pair.drafter).model
@@ -126,11 +126,11 @@ def test_the_shipped_pair_is_the_default_recipes():
     """The package ships the default recipe's pair: its build.json names the recipe and its
     hash, and builtin_pair() returns it."""
     shipped = shipped_pair()
-    assert shipped is not None, f"no shipped pair in {SHIPPED}: see rlsched/executor/builtin.py to regenerate it"
+    assert shipped is not None, f"no shipped pair in {SHIPPED}: see rlsched/executor/model/builtin.py to regenerate it"
     recipe = Recipe()
     assert shipped.info["key"] == recipe.key(), (
         "the shipped pair was built from another recipe: regenerate it with "
-        "`python -m rlsched.executor.builtin --export rlsched/executor/builtin_pair`")
+        "`python -m rlsched.executor.model.builtin --export rlsched/executor/model/builtin_pair`")
     assert shipped.info["recipe"] == json.loads(json.dumps(dataclasses.asdict(recipe)))
     assert builtin_pair() == shipped and builtin_pair(recipe) == shipped
     assert shipped.info["weights_dtype"] == "bfloat16"

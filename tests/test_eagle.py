@@ -1,4 +1,4 @@
-"""EAGLE-3 draft heads (rlsched/executor/eagle.py): shapes and the draft vocabulary, the
+"""EAGLE-3 draft heads (rlsched/executor/decode/eagle.py): shapes and the draft vocabulary, the
 unrolled training-time test, drafting, reward-weighted freshening, the vLLM folder layout, and
 the built-in pair's head."""
 
@@ -10,11 +10,11 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from rlsched.errors import UserError  # noqa: E402
-from rlsched.executor.eagle import (VLLM_ARCHITECTURE, VLLM_CONFIG_FIELDS, VLLM_WEIGHTS, EagleHead,  # noqa: E402
+from rlsched.executor.decode.eagle import (VLLM_ARCHITECTURE, VLLM_CONFIG_FIELDS, VLLM_WEIGHTS, EagleHead,  # noqa: E402
                                     HeadConfig, default_aux_layers, distill_head, draft, frequent_tokens,
                                     init_head, load_head, save_head, target_features, train_head, ttt_loss)
-from rlsched.executor.model import ModelConfig, Transformer  # noqa: E402
-from rlsched.executor.sampling import SamplingParams  # noqa: E402
+from rlsched.executor.model.transformer import ModelConfig, Transformer  # noqa: E402
+from rlsched.executor.decode.sampling import SamplingParams  # noqa: E402
 
 VOCAB, AUX = 40, (1, 2, 4)
 
@@ -215,16 +215,16 @@ def test_reward_weights_scale_each_samples_tokens(target):
 
 @pytest.fixture(scope="module")
 def builtin():
-    from rlsched.executor.eagle import builtin_head
+    from rlsched.executor.decode.eagle import builtin_head
 
     return builtin_head()
 
 
 def test_the_builtin_head_drafts_for_the_builtin_target(builtin):
-    from rlsched.executor.builtin import EOS, encode
-    from rlsched.executor.loading import load_model
-    from rlsched.executor.sampling import GREEDY
-    from rlsched.executor.speculative import generate
+    from rlsched.executor.model.builtin import EOS, encode
+    from rlsched.executor.model.loading import load_model
+    from rlsched.executor.decode.sampling import GREEDY
+    from rlsched.executor.decode.speculative import generate
     from rlsched.tasks.synthetic import make_examples
 
     assert builtin.folder.name == f"eagle-{builtin.info['key']}"

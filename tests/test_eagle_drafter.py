@@ -1,4 +1,4 @@
-"""The EAGLE-3 head drafting in the rollout engine (`executor/eagle_drafter.py`): the target's
+"""The EAGLE-3 head drafting in the rollout engine (`executor/decode/eagle_drafter.py`): the target's
 states it keeps per row are the ones a cache-less forward of the row gives, greedy rollouts
 (chains and draft trees) equal plain decoding, and sampled ones complete with the target's
 log-probs; the trees' losslessness is tested in test_tree_verify.py."""
@@ -9,12 +9,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from rlsched.executor.builtin import EOS, builtin_pair, encode  # noqa: E402
-from rlsched.executor.eagle import builtin_head, load_head, target_features  # noqa: E402
-from rlsched.executor.eagle_drafter import EagleDrafter  # noqa: E402
-from rlsched.executor.engine import Request, RolloutEngine  # noqa: E402
-from rlsched.executor.loading import load_model  # noqa: E402
-from rlsched.executor.sampling import GREEDY, SamplingParams  # noqa: E402
+from rlsched.executor.model.builtin import EOS, builtin_pair, encode  # noqa: E402
+from rlsched.executor.decode.eagle import builtin_head, load_head, target_features  # noqa: E402
+from rlsched.executor.decode.eagle_drafter import EagleDrafter  # noqa: E402
+from rlsched.executor.engine.rollout import Request, RolloutEngine  # noqa: E402
+from rlsched.executor.model.loading import load_model  # noqa: E402
+from rlsched.executor.decode.sampling import GREEDY, SamplingParams  # noqa: E402
 from rlsched.tasks.synthetic import make_examples  # noqa: E402
 
 
@@ -82,8 +82,8 @@ def test_sampled_eagle_rollouts_complete_with_target_logprobs(models):
 def test_prepared_rows_draft_without_a_target_forward(models, monkeypatch):
     """`prepare` computes a row's states ahead (what `observe` hands over in the engine; the
     profiler calls it untimed): the draft that follows runs the head alone."""
-    import rlsched.executor.eagle_drafter as ed
-    from rlsched.executor.speculative import Seq
+    import rlsched.executor.decode.eagle_drafter as ed
+    from rlsched.executor.decode.speculative import Seq
 
     target, head = models
     d = EagleDrafter(head, target, GREEDY)
@@ -103,9 +103,9 @@ def test_one_engine_switches_among_the_head_the_draft_model_and_the_suffix_draft
     """Several drafters in one engine: the policy (bandit, whose untried arms go first) drafts
     with each of them in turn; the head keeps its rows' states through the steps the others
     draft, and greedy output stays plain decoding's."""
-    from rlsched.executor.drafters import ModelDrafter
-    from rlsched.executor.engine import build_policy
-    from rlsched.executor.suffix import SuffixDrafter
+    from rlsched.executor.decode.drafters import ModelDrafter
+    from rlsched.executor.engine.rollout import build_policy
+    from rlsched.executor.decode.suffix import SuffixDrafter
     from rlsched.traces.reader import read_trace
 
     target, head = models

@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from rlsched.errors import UserError  # noqa: E402
-from rlsched.executor.loading import load_config, load_model  # noqa: E402
+from rlsched.executor.model.loading import load_config, load_model  # noqa: E402
 
 TOL = 1e-4
 VOCAB = 97
@@ -100,8 +100,8 @@ def test_wide_ragged_batch_equals_transformers(models, name, max_tokens, monkeyp
     a 1-token step SDPA with one and the next the batched matmuls (which a 1-token step takes
     from `BMM_MIN_BATCH` rows); then rows move to other slots (as the engine compacts) and a
     last step reads them there."""
-    from rlsched.executor import model as model_module
-    from rlsched.executor.speculative import length_groups, prefill
+    from rlsched.executor.model.transformer import transformer as model_module
+    from rlsched.executor.decode.speculative import length_groups, prefill
 
     folder, hf = models[name]
     model = load_model(folder).model

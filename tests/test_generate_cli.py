@@ -14,7 +14,7 @@ pytest.importorskip("torch")
 
 import pandas as pd  # noqa: E402
 
-from rlsched.executor.builtin import builtin_pair  # noqa: E402
+from rlsched.executor.model.builtin import builtin_pair  # noqa: E402
 from rlsched.traces.reader import read_trace  # noqa: E402
 from rlsched.traces.schema import SAMPLE_SCHEMA, STEP_SCHEMA  # noqa: E402
 from support import ok, rlsched, snapshot  # noqa: E402
@@ -97,10 +97,10 @@ def test_profiled_rows_differ_in_length_as_the_engines_do(b, ctx):
 def test_a_profile_point_is_priced_from_all_its_runs_over_the_passes(pair):
     import torch
 
-    from rlsched.executor.drafters import ModelDrafter, NgramDrafter
-    from rlsched.executor.loading import load_model
+    from rlsched.executor.decode.drafters import ModelDrafter, NgramDrafter
+    from rlsched.executor.model.loading import load_model
     from rlsched.executor.profiler import profile, profile_cache_len, typical_ms
-    from rlsched.executor.sampling import SamplingParams
+    from rlsched.executor.decode.sampling import SamplingParams
 
     target, drafter = load_model(pair.target).model, load_model(pair.drafter).model
     sampling = SamplingParams(temperature=1.0)
@@ -139,7 +139,7 @@ def test_generate_with_the_suffix_drafter_on_revisited_prompts(pair, tmp_path):
 
 
 def test_generate_with_the_eagle_head_and_a_draft_tree(pair, tmp_path):
-    from rlsched.executor.eagle import builtin_head
+    from rlsched.executor.decode.eagle import builtin_head
 
     builtin_head()  # built once here (about a minute on first use), not inside the timed command
     out = tmp_path / "gen"

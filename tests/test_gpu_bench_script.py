@@ -92,9 +92,9 @@ def test_planted_drafter_is_accepted_exactly_up_to_its_planted_rejection():
     from gpu_drain import PlantedDrafter, echo_target
     from gpu_engine import QWEN_0_5B, QWEN_1_5B
 
-    from rlsched.executor.drafters import ModelDrafter, Seq
-    from rlsched.executor.sampling import GREEDY
-    from rlsched.executor.speculative import prefill, step
+    from rlsched.executor.decode.drafters import ModelDrafter, Seq
+    from rlsched.executor.decode.sampling import GREEDY
+    from rlsched.executor.decode.speculative import prefill, step
 
     small = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, head_dim=16)
     target = echo_target({**QWEN_1_5B, **small}, torch.device("cpu"), torch.float32)

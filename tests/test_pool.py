@@ -15,10 +15,10 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 ray = pytest.importorskip("ray")
 
-from rlsched.executor.drafters import ModelDrafter  # noqa: E402
-from rlsched.executor.engine import Request, RolloutEngine  # noqa: E402
-from rlsched.executor.pool import InstancePool, InstanceSpec  # noqa: E402
-from rlsched.executor.sampling import GREEDY  # noqa: E402
+from rlsched.executor.decode.drafters import ModelDrafter  # noqa: E402
+from rlsched.executor.engine.rollout import Request, RolloutEngine  # noqa: E402
+from rlsched.executor.pool.instances import InstancePool, InstanceSpec  # noqa: E402
+from rlsched.executor.decode.sampling import GREEDY  # noqa: E402
 from rlsched.policies.types import Migration  # noqa: E402
 from rlsched.traces import read_trace  # noqa: E402
 from support import ok, rlsched, tiny_pair  # noqa: E402
@@ -117,7 +117,7 @@ def test_migrated_sequences_lose_and_duplicate_no_token(pair, pool, mode):
 def test_rebalance_on_live_states_is_lossless(pair, pool, tmp_path):
     """The real ReallocPolicy (rebalance, priced by a measured cost model) on the live views."""
     from rlsched.executor.profiler import policy_profile
-    from rlsched.executor.pool import HostCost
+    from rlsched.executor.pool.instances import HostCost
     from rlsched.costs.measured import MeasuredCostModel
     from rlsched.policies.realloc import make_realloc_policy
 
@@ -322,7 +322,7 @@ def test_a_row_that_leaves_and_comes_back_keeps_its_tokens_and_counts(pair, with
 
 def test_bfloat16_kv_rows_travel(pair):
     """KV rows leave as CPU tensors of the cache's dtype (numpy has no bfloat16)."""
-    from rlsched.executor.loading import load_model
+    from rlsched.executor.model.loading import load_model
 
     model = load_model(pair[0], dtype="bfloat16").model
     drafter = load_model(pair[0], dtype="bfloat16").model

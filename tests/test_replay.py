@@ -22,7 +22,7 @@ drafter_update: {every: 0}
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from rlsched.executor.builtin import builtin_pair
+    from rlsched.executor.model.builtin import builtin_pair
 
     builtin_pair()
     root = tmp_path_factory.mktemp("replay")

@@ -27,7 +27,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """A 2-step GRPO run with the goodput policy (so it profiles its step costs first)."""
-    from rlsched.executor.builtin import builtin_pair
+    from rlsched.executor.model.builtin import builtin_pair
 
     builtin_pair()
     root = tmp_path_factory.mktemp("report")

@@ -185,7 +185,7 @@ TOL = 1e-4
 def _reward_model(folder, kind: str, num_labels: int = 1):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from rlsched.executor.builtin import write_tokenizer
+    from rlsched.executor.model.builtin import write_tokenizer
 
     torch.manual_seed(7)
     config = getattr(transformers, f"{kind}Config")(
@@ -226,7 +226,7 @@ def test_reward_model_equals_transformers(tmp_path, kind):
 
 def test_reward_model_refusals(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from rlsched.executor.builtin import write_tokenizer
+    from rlsched.executor.model.builtin import write_tokenizer
     from rlsched.executor.rl.rewards import RewardModel
 
     two = tmp_path / "two"

@@ -16,7 +16,7 @@ pytest.importorskip("torch")
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 
-from rlsched.executor.builtin import builtin_pair  # noqa: E402
+from rlsched.executor.model.builtin import builtin_pair  # noqa: E402
 from rlsched.traces.reader import read_trace  # noqa: E402
 from support import ok, rlsched, snapshot  # noqa: E402
 
@@ -195,7 +195,7 @@ def test_resume_of_a_folder_without_a_run_is_refused(tmp_path):
 def test_a_reward_model_folder_scores_the_samples(pair, tmp_path):
     import transformers
 
-    from rlsched.executor.builtin import write_tokenizer
+    from rlsched.executor.model.builtin import write_tokenizer
 
     folder = tmp_path / "rm"
     torch.manual_seed(0)
@@ -214,7 +214,7 @@ def test_a_policy_file_learned_for_another_model_is_refused(pair, tmp_path):
     """A table learned in the simulator for qwen2.5-7b does not run on the built-in pair: exit
     2, one line, nothing written; the same table learned for the pair's architecture runs."""
     from rlsched.config import load_config
-    from rlsched.executor.loading import load_config as model_config
+    from rlsched.executor.model.loading import load_config as model_config
     from rlsched.sim.learn import Learner
 
     cfg = load_config("default", overrides=["workload.prompts=16", "rl.steps=1", "model=qwen2.5-7b",

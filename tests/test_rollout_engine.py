@@ -13,11 +13,11 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from rlsched.errors import UserError  # noqa: E402
-from rlsched.executor.drafters import ModelDrafter, NgramDrafter  # noqa: E402
-from rlsched.executor.engine import Request, RolloutEngine, build_policy  # noqa: E402
-from rlsched.executor.sampling import GREEDY, SamplingParams  # noqa: E402
-from rlsched.executor.speculative import generate  # noqa: E402
-from rlsched.executor.suffix import SuffixDrafter  # noqa: E402
+from rlsched.executor.decode.drafters import ModelDrafter, NgramDrafter  # noqa: E402
+from rlsched.executor.engine.rollout import Request, RolloutEngine, build_policy  # noqa: E402
+from rlsched.executor.decode.sampling import GREEDY, SamplingParams  # noqa: E402
+from rlsched.executor.decode.speculative import generate  # noqa: E402
+from rlsched.executor.decode.suffix import SuffixDrafter  # noqa: E402
 from rlsched.policies.acceptance import AcceptanceEstimator  # noqa: E402
 from rlsched.policies.types import OFF, Strategy  # noqa: E402
 from rlsched.traces import read_trace  # noqa: E402
@@ -149,8 +149,8 @@ def test_goodput_chooses_draft_trees_where_they_pay_and_stays_lossless(pair, kin
 def test_a_tree_step_shows_the_estimator_rank_1_trials():
     """Root -> node 0 (rank 1) -> node 2 (rank 1); root -> node 1 (rank 2). Accepted nodes are
     hits (rank 1) or misses; where the walk stopped, a present rank-1 child is a miss."""
-    from rlsched.executor.engine import _rank1_trials
-    from rlsched.executor.tree_verify import DraftTree
+    from rlsched.executor.engine.rollout import _rank1_trials
+    from rlsched.executor.decode.tree_verify import DraftTree
 
     tree = DraftTree(parent=(-1, -1, 0), rank=(1, 2, 1), depth=(1, 1, 2))
     path = torch.tensor([[0, 2], [1, -1], [-1, -1], [0, -1], [0, -1]])
@@ -198,7 +198,7 @@ def test_model_drafter_feeds_a_prompts_samples_once(pair):
     """Two fresh rows with the same tokens: one is fed, the other copies its KV and logits.
     Their greedy drafts, and the drafts after a further step, equal those of each row fed on
     its own, and both cache rows hold the same keys and values."""
-    from rlsched.executor.drafters import Seq
+    from rlsched.executor.decode.drafters import Seq
 
     prompt = [5, 6, 5, 6, 5]
     shared = make_drafter(pair, "model")
@@ -223,7 +223,7 @@ def test_model_drafter_feeds_a_joining_prompt_apart_from_the_running_rows(pair):
     """Two running rows feed one token each, a row that just joined its whole prompt: two
     forwards, not all three rows padded to the prompt's length, and the same greedy drafts as
     each row fed on its own."""
-    from rlsched.executor.drafters import Seq
+    from rlsched.executor.decode.drafters import Seq
 
     d = make_drafter(pair, "model")
     running = [Seq(list(PROMPTS[0]), 0, 0), Seq(list(PROMPTS[1]), 1, 1)]
@@ -289,7 +289,7 @@ def test_the_probe_count_runs_on_across_rollouts(pair):
 def test_model_drafter_reports_its_catch_up(pair):
     """`catch_up`: tokens a propose fed beyond two a row. A fresh row feeds its prompt; a row
     one rejection on feeds one or two tokens; a row five tokens on (off steps) five or six."""
-    from rlsched.executor.drafters import Seq
+    from rlsched.executor.decode.drafters import Seq
 
     d = make_drafter(pair, "model")
     row = Seq(list(PROMPTS[0]), 0, 0)
@@ -418,7 +418,7 @@ def test_cost_free_adaptive_policies_run_losslessly(pair, policy):
 def test_engine_does_not_import_the_simulator():
     import subprocess
     import sys
-    code = ("import sys, rlsched.executor.engine; "
+    code = ("import sys, rlsched.executor.engine.rollout; "
             "assert not [m for m in sys.modules if m.startswith('rlsched.sim')]")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -465,8 +465,8 @@ def test_model_drafter_feeds_rows_apart_when_a_ragged_feed_would_overflow_its_ca
     """A fresh row's whole prompt beside a row deep in its context: padding both to the
     prompt's length would write past the cache; the drafter feeds them one by one and drafts
     what it drafts with room to spare (greedy, so the drafts can be compared)."""
-    from rlsched.executor.drafters import ModelDrafter, Seq
-    from rlsched.executor.sampling import GREEDY
+    from rlsched.executor.decode.drafters import ModelDrafter, Seq
+    from rlsched.executor.decode.sampling import GREEDY
     from support import tiny_pair
 
     _, drafter = tiny_pair(tmp_path / "m", vocab=50)

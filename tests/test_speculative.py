@@ -20,10 +20,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from rlsched.executor.drafters import ModelDrafter, NgramDrafter, OffDrafter, Seq, make_drafter  # noqa: E402
+from rlsched.executor.decode.drafters import ModelDrafter, NgramDrafter, OffDrafter, Seq, make_drafter  # noqa: E402
 from support import tiny_pair  # noqa: E402
-from rlsched.executor.sampling import GREEDY, SamplingParams, probs, sample  # noqa: E402
-from rlsched.executor.speculative import (PAD, decode_step, generate, prefill, step,  # noqa: E402
+from rlsched.executor.decode.sampling import GREEDY, SamplingParams, probs, sample  # noqa: E402
+from rlsched.executor.decode.speculative import (PAD, decode_step, generate, prefill, step,  # noqa: E402
                                           verify)
 
 V = 16

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
-from rlsched.executor.speculative import Seq
-from rlsched.executor.suffix import SuffixCounts, SuffixDrafter
+from rlsched.executor.decode.speculative import Seq
+from rlsched.executor.decode.suffix import SuffixCounts, SuffixDrafter
 
 
 def test_counts_add_and_evict_exactly():
@@ -87,8 +87,8 @@ def test_history_round_trips_through_a_checkpoint():
 def test_ngram_index_finds_what_a_scan_of_the_newest_rollouts_finds():
     """The index answers as scanning the newest `max_history` rollouts, newest first and the
     last occurrence in each, would: for every pattern, across evictions."""
-    from rlsched.executor.drafters import _find
-    from rlsched.executor.suffix import NgramIndex
+    from rlsched.executor.decode.drafters import _find
+    from rlsched.executor.decode.suffix import NgramIndex
 
     rng = random.Random(1)
     index = NgramIndex(1, 3, max_history=5)

@@ -22,15 +22,15 @@ from scipy import stats
 
 torch = pytest.importorskip("torch")
 
-from rlsched.executor import tree_verify as tv  # noqa: E402
-from rlsched.executor.builtin import builtin_pair, encode  # noqa: E402
-from rlsched.executor.drafters import ModelDrafter  # noqa: E402
-from rlsched.executor.eagle import builtin_head, draft_tree, load_head, target_features  # noqa: E402
-from rlsched.executor.eagle_drafter import EagleDrafter  # noqa: E402
-from rlsched.executor.loading import load_model  # noqa: E402
-from rlsched.executor.sampling import GREEDY, SamplingParams  # noqa: E402
-from rlsched.executor.speculative import PAD, Seq, generate, prefill, tree_step  # noqa: E402
-from rlsched.executor.tree_verify import DraftTree, draw_children, tree_of, tree_verify  # noqa: E402
+from rlsched.executor.decode import tree_verify as tv  # noqa: E402
+from rlsched.executor.model.builtin import builtin_pair, encode  # noqa: E402
+from rlsched.executor.decode.drafters import ModelDrafter  # noqa: E402
+from rlsched.executor.decode.eagle import builtin_head, draft_tree, load_head, target_features  # noqa: E402
+from rlsched.executor.decode.eagle_drafter import EagleDrafter  # noqa: E402
+from rlsched.executor.model.loading import load_model  # noqa: E402
+from rlsched.executor.decode.sampling import GREEDY, SamplingParams  # noqa: E402
+from rlsched.executor.decode.speculative import PAD, Seq, generate, prefill, tree_step  # noqa: E402
+from rlsched.executor.decode.tree_verify import DraftTree, draw_children, tree_of, tree_verify  # noqa: E402
 from rlsched.policies.tree import tree_shape  # noqa: E402
 from rlsched.tasks.synthetic import make_examples  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""The vLLM rollout backend (`rollout.backend: vllm`, rlsched/executor/vllm_backend.py).
+"""The vLLM rollout backend (`rollout.backend: vllm`, rlsched/executor/vllm/engine.py).
 
 The tests marked `vllm` run the real engine (vLLM's CPU build, in .venv-vllm: `make test-vllm`)
 and are skipped where vllm is not importable (the normal `make test`, in .venv). The policy
@@ -19,7 +19,7 @@ pytest.importorskip("torch")
 import torch  # noqa: E402
 
 from rlsched.errors import UserError  # noqa: E402
-from rlsched.executor.vllm_backend import TABLE_FIELD, check_vllm_backend, speculative_plan  # noqa: E402
+from rlsched.executor.vllm.engine import TABLE_FIELD, check_vllm_backend, speculative_plan  # noqa: E402
 from support import ok, rlsched  # noqa: E402
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
@@ -82,8 +82,8 @@ def test_bad_tables_and_a_drafting_policy_without_drafter(tmp_path):
 
 @pytest.mark.skipif(HAVE_VLLM, reason="vllm is importable here")
 def test_without_vllm_the_engine_says_how_to_get_it(tmp_path):
-    from rlsched.executor.sampling import SamplingParams
-    from rlsched.executor.vllm_backend import VllmRolloutEngine
+    from rlsched.executor.decode.sampling import SamplingParams
+    from rlsched.executor.vllm.engine import VllmRolloutEngine
 
     with pytest.raises(UserError, match=r"needs vLLM, which is not installed here.*make test-vllm"):
         check_vllm_backend("static:2", "ngram", k_max=2, max_batch=4)
@@ -97,15 +97,15 @@ def test_without_vllm_the_engine_says_how_to_get_it(tmp_path):
 
 @pytest.fixture(scope="module")
 def pair():
-    from rlsched.executor.builtin import builtin_pair
+    from rlsched.executor.model.builtin import builtin_pair
 
     return builtin_pair()
 
 
 @pytest.fixture(scope="module")
 def requests_(pair):
-    from rlsched.executor.engine import Request
-    from rlsched.executor.loading import load_model
+    from rlsched.executor.engine.rollout import Request
+    from rlsched.executor.model.loading import load_model
     from rlsched.tasks.synthetic import make_examples
 
     tok = load_model(pair.target).tokenizer
@@ -116,8 +116,8 @@ def requests_(pair):
 @pytest.fixture(scope="module")
 def self_engine(pair, tmp_path_factory):
     """The target drafting for itself (draft_model = the target folder), static:3, sampled."""
-    from rlsched.executor.sampling import SamplingParams
-    from rlsched.executor.vllm_backend import VllmRolloutEngine
+    from rlsched.executor.decode.sampling import SamplingParams
+    from rlsched.executor.vllm.engine import VllmRolloutEngine
 
     torch.set_num_threads(1)
     eng = VllmRolloutEngine(pair.target, pair.target, SamplingParams(1.0), "static:3", max_batch=8, k_max=4,
@@ -156,7 +156,7 @@ def test_target_drafting_for_itself_accepts_about_every_token(self_engine, reque
 @pytest.mark.vllm
 @needs_vllm
 def test_logprobs_match_our_model(self_engine, requests_, pair):
-    from rlsched.executor.loading import load_model
+    from rlsched.executor.model.loading import load_model
 
     self_engine.rl_step = 1
     res = self_engine.run(requests_)
@@ -169,7 +169,7 @@ def test_logprobs_match_our_model(self_engine, requests_, pair):
 @pytest.mark.vllm
 @needs_vllm
 def test_sync_weights_moves_what_vllm_samples_and_scores(self_engine, requests_, pair):
-    from rlsched.executor.loading import load_model
+    from rlsched.executor.model.loading import load_model
 
     original, perturbed = load_model(pair.target).model, load_model(pair.target).model
     g = torch.Generator().manual_seed(1)
@@ -223,7 +223,7 @@ def test_traces_of_each_run(self_engine, requests_):
 @pytest.mark.vllm
 @needs_vllm
 def test_a_request_past_vllms_window_is_refused(self_engine):
-    from rlsched.executor.engine import Request
+    from rlsched.executor.engine.rollout import Request
 
     with pytest.raises(UserError,
                        match=r"sample 5: prompt \+ max_new_tokens \(1003 tokens\) exceed vLLM's max_model_len"):
@@ -235,9 +235,9 @@ def test_a_request_past_vllms_window_is_refused(self_engine):
 def test_ngram_drafting(pair, requests_):
     """vLLM's n-gram proposer (prompt lookup): lossless log-probs, drafts on repeating text.
     (A second engine in the process: the first one's metrics are this one's from now on.)"""
-    from rlsched.executor.loading import load_model
-    from rlsched.executor.sampling import SamplingParams
-    from rlsched.executor.vllm_backend import VllmRolloutEngine
+    from rlsched.executor.model.loading import load_model
+    from rlsched.executor.decode.sampling import SamplingParams
+    from rlsched.executor.vllm.engine import VllmRolloutEngine
 
     eng = VllmRolloutEngine(pair.target, "ngram", SamplingParams(1.0), "static:2", max_batch=8, k_max=3,
                             max_len=128, trace_dir=None, seed=0, threads=1, dtype="float32")
@@ -267,7 +267,7 @@ drafter_update: {{every: 1, steps: 2, batch: 8, schedule: every}}
 @pytest.mark.vllm
 @needs_vllm
 def test_run_end_to_end_on_vllm_weights_synced_every_step(pair, tmp_path):
-    from rlsched.executor.loading import load_model
+    from rlsched.executor.model.loading import load_model
     from rlsched.traces.reader import read_trace
 
     cfg = tmp_path / "run.yaml"

@@ -1,5 +1,5 @@
 """vLLM's `eagle3` speculative method serving the built-in target with the built-in EAGLE-3 head
-(rlsched/executor/eagle.py): vLLM's loader maps the saved folder onto its Eagle3LlamaForCausalLM,
+(rlsched/executor/decode/eagle.py): vLLM's loader maps the saved folder onto its Eagle3LlamaForCausalLM,
 and vLLM's greedy chain acceptance matches ours with the same head.
 
 Runs vLLM's CPU build (.venv-vllm: `make test-vllm`); skipped where vllm is not importable.
@@ -28,9 +28,9 @@ def served():
     """The built-in target served by vLLM with the built-in head as its eagle3 drafter; greedy
     outputs of the built-in task prompts, vLLM's spec-decode counters and its draft model's
     weights."""
-    from rlsched.executor.builtin import EOS, encode
-    from rlsched.executor.eagle import builtin_head
-    from rlsched.executor.vllm_backend import start_llm
+    from rlsched.executor.model.builtin import EOS, encode
+    from rlsched.executor.decode.eagle import builtin_head
+    from rlsched.executor.vllm.engine import start_llm
     from rlsched.tasks.synthetic import make_examples
 
     head = builtin_head()
@@ -91,8 +91,8 @@ def test_vllm_accepts_what_our_greedy_chain_accepts_with_the_same_head(served):
     what vLLM's eagle3 proposer did, step by step. vLLM counts the drafts a verify accepts
     past the end of a sample (after its <eos> or max_tokens) before the output is cut; so
     does this count, against the target's greedy tokens there."""
-    from rlsched.executor.eagle import draft, load_head, target_features
-    from rlsched.executor.loading import load_model
+    from rlsched.executor.decode.eagle import draft, load_head, target_features
+    from rlsched.executor.model.loading import load_model
 
     target = load_model(served["head"].target).model
     head = load_head(served["head"].folder, target)
@@ -127,12 +127,12 @@ def test_the_rollout_engine_serves_the_head_and_takes_its_updates_in_place(serve
     """`VllmRolloutEngine` with the head's folder runs vLLM's eagle3 method (sampled: its
     probabilistic drafts); `sync_weights` with an EagleHead loads the head into vLLM's drafter
     in place: a broken head's acceptance collapses, the trained one's comes back."""
-    from rlsched.executor.builtin import EOS
-    from rlsched.executor.eagle import load_head
-    from rlsched.executor.engine import Request
-    from rlsched.executor.loading import load_model
-    from rlsched.executor.sampling import SamplingParams
-    from rlsched.executor.vllm_backend import VllmRolloutEngine
+    from rlsched.executor.model.builtin import EOS
+    from rlsched.executor.decode.eagle import load_head
+    from rlsched.executor.engine.rollout import Request
+    from rlsched.executor.model.loading import load_model
+    from rlsched.executor.decode.sampling import SamplingParams
+    from rlsched.executor.vllm.engine import VllmRolloutEngine
 
     head = served["head"]
     target = load_model(head.target).model

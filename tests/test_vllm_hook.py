@@ -1,4 +1,4 @@
-"""rlsched's policies inside vLLM (`executor/vllm_hook.py`) keep vLLM's sampling lossless.
+"""rlsched's policies inside vLLM (`executor/vllm/hook.py`) keep vLLM's sampling lossless.
 
 A tiny random Llama pair (vocab 16, written with transformers; the drafter is the target with
 noise on its weights) runs through vLLM's CPU build with the PolicyScheduler. The first 3
@@ -21,7 +21,7 @@ pytest.importorskip("vllm")
 
 from test_speculative import chi2_gof  # noqa: E402
 
-from rlsched.executor.sampling import SamplingParams  # noqa: E402
+from rlsched.executor.decode.sampling import SamplingParams  # noqa: E402
 from rlsched.policies.acceptance import AcceptanceEstimator  # noqa: E402
 from rlsched.policies.types import Strategy  # noqa: E402
 
@@ -79,8 +79,8 @@ def folders(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(folders):
-    from rlsched.executor import vllm_hook
-    from rlsched.executor.vllm_backend import start_llm
+    from rlsched.executor.vllm import hook as vllm_hook
+    from rlsched.executor.vllm.engine import start_llm
 
     llm = start_llm(folders[0], {"method": "draft_model", "model": str(folders[1]), "num_speculative_tokens": 6,
                                  "draft_sample_method": "probabilistic"}, max_batch=256, max_model_len=64, seed=0,
@@ -106,7 +106,7 @@ def _generate(llm, hook, sp: SamplingParams, seed: int):
     from vllm import SamplingParams as VP
     from vllm.inputs import TokensPrompt
 
-    from rlsched.executor import vllm_hook
+    from rlsched.executor.vllm import hook as vllm_hook
 
     prompts = [p for p in PROMPTS for _ in range(N_ROWS)]
     vllm_hook.attach(llm, hook)
@@ -130,7 +130,7 @@ def _p_value(folders, sp, gen) -> float:
 
 
 def _hook(policy, hook_cls=None, records=None):
-    from rlsched.executor.vllm_hook import StepHook
+    from rlsched.executor.vllm.hook import StepHook
 
     return (hook_cls or StepHook)(policy, AcceptanceEstimator(["model"]), "model", 6,
                                   record=None if records is None else records.append)
@@ -156,7 +156,7 @@ def test_policy_chosen_k_is_lossless(llm, folders, case, per_request):
 
 
 def test_cutting_the_wrong_end_of_a_chain_is_caught(llm, folders):
-    from rlsched.executor.vllm_hook import StepHook
+    from rlsched.executor.vllm.hook import StepHook
 
     class WrongEnd(StepHook):
         def trim(self, draft):

@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from rlsched.executor.vllm_hook import KSweep, cost_records
+from rlsched.executor.vllm.hook import KSweep, cost_records
 from rlsched.policies.types import EngineState
 
 

@@ -263,7 +263,7 @@ VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 def test_real_vllm_run_imports(tmp_path):
     import subprocess
 
-    from rlsched.executor.builtin import builtin_pair
+    from rlsched.executor.model.builtin import builtin_pair
 
     pair = builtin_pair()
     cmd = [str(VLLM_PY), str(ROOT / "bench" / "peers" / "vllm_spec_metrics.py"), "--target", str(pair.target),

@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory):
-    from rlsched.executor.builtin import builtin_pair
+    from rlsched.executor.model.builtin import builtin_pair
 
     pair = builtin_pair()
     root = tmp_path_factory.mktemp("plan")
@@ -40,8 +40,8 @@ def test_the_written_vllm_arguments_start_an_engine_that_drafts_as_written(plann
     import torch
     from vllm import SamplingParams, TokensPrompt
 
-    from rlsched.executor.builtin import EOS, encode
-    from rlsched.executor.vllm_backend import TABLE_FIELD, start_llm
+    from rlsched.executor.model.builtin import EOS, encode
+    from rlsched.executor.vllm.engine import TABLE_FIELD, start_llm
     from rlsched.tasks.synthetic import make_examples
 
     _, out, pair = planned

@@ -1,4 +1,4 @@
-"""Several vLLM instances on Ray (`executor/pool.py` with `backend = "vllm"`): samples move
+"""Several vLLM instances on Ray (`executor/pool/instances.py` with `backend = "vllm"`): samples move
 between them (aborted at the source, resubmitted with prompt + partial response), each comes
 back exactly once and complete, and a killed instance's samples finish elsewhere while it is
 started again. vLLM's CPU build in .venv-vllm; skipped where vllm or Ray is missing."""
@@ -15,9 +15,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None or importlib.util.find_spec("ray") is None,
     reason="vllm and ray are importable only in .venv-vllm (make test-vllm)")]
 
-from rlsched.executor.engine import Request  # noqa: E402
-from rlsched.executor.pool import InstancePool, InstanceSpec  # noqa: E402
-from rlsched.executor.sampling import SamplingParams  # noqa: E402
+from rlsched.executor.engine.rollout import Request  # noqa: E402
+from rlsched.executor.pool.instances import InstancePool, InstanceSpec  # noqa: E402
+from rlsched.executor.decode.sampling import SamplingParams  # noqa: E402
 from rlsched.traces.reader import read_trace  # noqa: E402
 
 SHORT, LONG = 8, 48
@@ -44,7 +44,7 @@ def check_exactly_once(requests, result) -> None:
 
 @pytest.fixture(scope="module")
 def vpool(tmp_path_factory):
-    from rlsched.executor.builtin import builtin_pair
+    from rlsched.executor.model.builtin import builtin_pair
 
     pair = builtin_pair()
     trace_dir = tmp_path_factory.mktemp("traces")

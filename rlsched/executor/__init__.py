@@ -1,9 +1,13 @@
 """The real executor: the only part of rlsched that imports torch (install `rlsched[executor]`).
 
-- model.py: the Llama-family transformer (Llama, Mistral, Qwen2/2.5, Qwen3) and its config
-- kvcache.py: the preallocated KV cache whose rows keep their own lengths
-- rope.py: rotary embeddings and the configs' scalings
-- loading.py: a local HF folder (config.json, safetensors, tokenizer.json) -> model
+- model/: the Llama-family transformer, KV cache, rope, loading and saving, the built-in pair
+- decode/: sampling, the speculative step, tree verification, the drafters
+- engine/: rlsched's rollout engine
+- pool/: several engines as Ray actors, with sample reallocation
+- vllm/: vLLM as a rollout backend, and the scheduler hook that runs rlsched's policies in it
+- rl/: the RL trainer (GRPO/PPO), rewards, data, checkpoints, drafter distillation
+- backends.py (the rollout backend), setup.py (what generate and run set up alike),
+  generate.py, profiler.py, and the prompts, folders, seeds and gc helpers
 
 Import the submodules explicitly; this package itself imports nothing, so that importing
 `rlsched` never pulls torch in.

@@ -12,7 +12,7 @@ from rlsched.errors import UserError
 def resolve_model_dir(spec: str, which: str, log=None) -> Path:
     """A model folder; 'builtin' is the built-in pair's target (or drafter)."""
     if spec == "builtin":
-        from rlsched.executor.builtin import builtin_pair
+        from rlsched.executor.model.builtin import builtin_pair
 
         pair = builtin_pair(log=log)
         return pair.target if which == "target" else pair.drafter

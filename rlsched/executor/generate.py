@@ -57,15 +57,15 @@ class GenerateArgs:
     dtype: str = "float32"
     seed: int = 0
     threads: int | None = None
-    instances: int = 1  # more than 1: a Ray pool (rlsched.executor.pool)
+    instances: int = 1  # more than 1: a Ray pool (rlsched.executor.pool.instances)
     realloc: str = "none"  # the pool's ReallocPolicy
-    compile: bool = False  # decode and verify forwards through compiled graphs (executor/compiled.py)
+    compile: bool = False  # decode and verify forwards through compiled graphs (executor/model/compiled.py)
 
 
 # --- checking inputs -------------------------------------------------------------------------
 
 def _sampling(a: GenerateArgs):
-    from rlsched.executor.sampling import SamplingParams
+    from rlsched.executor.decode.sampling import SamplingParams
 
     try:
         return SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p)
@@ -90,7 +90,7 @@ def _check_numbers(a: GenerateArgs) -> None:
     if a.compile and a.instances > 1:
         raise UserError("--compile runs in this process: use it with --instances 1")
     if a.instances > 1:
-        from rlsched.executor.pool import require_ray
+        from rlsched.executor.pool.instances import require_ray
 
         require_ray()
 
@@ -126,7 +126,7 @@ def prepare(a: GenerateArgs, out: Path | None, log=None) -> Setup:
     check_policy_model(a.policy, m.target_dir, m.target.config)
     prompts = load_prompts(a.prompts, m.tokenizer)
     if a.compile:  # after every check: compiling takes a while
-        from rlsched.executor.compiled import compile_for_engine
+        from rlsched.executor.model.compiled import compile_for_engine
 
         compile_for_engine(m.target, [] if m.drafter_model is None else [m.drafter_model], a.k_max, a.max_batch, log)
     if out is not None:
@@ -136,8 +136,8 @@ def prepare(a: GenerateArgs, out: Path | None, log=None) -> Setup:
 
 def run(s: Setup, out: Path, log=None) -> dict:
     """Generate every prompt `n` times with the engine; write the folder; return the summary."""
-    from rlsched.executor.drafters import drafter_cache_len
-    from rlsched.executor.engine import Request, build_policy, check_requests
+    from rlsched.executor.decode.drafters import drafter_cache_len
+    from rlsched.executor.engine.rollout import Request, build_policy, check_requests
     from rlsched.tasks.synthetic import exact_match
     from rlsched.atomic import write_text_atomic
     from rlsched.traces.writer import write_table

@@ -33,8 +33,8 @@ import pandas as pd
 import torch
 
 from rlsched.errors import UserError
-from rlsched.executor.sampling import SamplingParams
-from rlsched.executor.speculative import Seq, prefill, step
+from rlsched.executor.decode.sampling import SamplingParams
+from rlsched.executor.decode.speculative import Seq, prefill, step
 
 
 def _nothing() -> None:
@@ -108,7 +108,7 @@ def profile_trees(drafters: dict, k_max: int, width_max: int) -> dict:
     """(drafter, k, width) -> the `DraftTree` the engine verifies for `tree:k:width:n` with
     n = min(k * width, k_max) (the shape the policies build, `PolicyContext.tree`), for each
     drafter that drafts trees and width 2..width_max."""
-    from rlsched.executor.tree_verify import DraftTree
+    from rlsched.executor.decode.tree_verify import DraftTree
     from rlsched.policies.draft import PolicyContext
     from rlsched.policies.types import Strategy
 
@@ -292,10 +292,10 @@ def run_profile(*, model: str, drafters: list[str], batch_sizes: list[int], k_ma
     import pandas as pd
     from rich.table import Table
 
-    from rlsched.executor.drafters import ModelDrafter, make_drafter
+    from rlsched.executor.decode.drafters import ModelDrafter, make_drafter
     from rlsched.executor.setup import HOST_DRAFTERS, drafter_kind, eagle_head
     from rlsched.executor.folders import check_drafter_vocab, prepare_out, resolve_model_dir
-    from rlsched.executor.loading import load_model
+    from rlsched.executor.model.loading import load_model
     from rlsched.atomic import atomic_folder, write_text_atomic
     from rlsched.traces.writer import TraceWriter
 
@@ -321,7 +321,7 @@ def run_profile(*, model: str, drafters: list[str], batch_sizes: list[int], k_ma
             timed[spec] = make_drafter(spec)
             continue
         if drafter_kind(spec) == "eagle":
-            from rlsched.executor.eagle_drafter import EagleDrafter
+            from rlsched.executor.decode.eagle_drafter import EagleDrafter
 
             timed["eagle"] = EagleDrafter(eagle_head(model, spec, target.model, log)[1], target.model, sampling)
             continue
@@ -331,7 +331,7 @@ def run_profile(*, model: str, drafters: list[str], batch_sizes: list[int], k_ma
         name = "model" if "model" not in timed else f"model:{folder.name}"
         timed[name] = ModelDrafter(d.model, sampling, max(batch_sizes), max_len)
     if compile:  # after every check: compiling takes a while
-        from rlsched.executor.compiled import compile_for_engine
+        from rlsched.executor.model.compiled import compile_for_engine
 
         compile_for_engine(target.model, [d.model for d in timed.values() if isinstance(d, ModelDrafter)], k_max,
                            max(batch_sizes), log)

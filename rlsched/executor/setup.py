@@ -52,7 +52,7 @@ def drafter_kind(drafter) -> str:
     or a model folder)."""
     if drafter in ("off", "eagle") + HOST_DRAFTERS:
         return str(drafter)
-    from rlsched.executor.eagle import is_head_folder
+    from rlsched.executor.decode.eagle import is_head_folder
 
     return "eagle" if is_head_folder(drafter) else "model"
 
@@ -100,7 +100,7 @@ def load_models(model: str, drafter: str, *, device: str, dtype: str, log=None) 
     """The target (with a tokenizer: prompts are encoded with it) and, for a model drafter, the
     drafter, checked to share the target's vocabulary. UserError, one line, otherwise."""
     from rlsched.executor.folders import check_drafter_vocab, eos_id, pad_id, resolve_model_dir
-    from rlsched.executor.loading import load_model
+    from rlsched.executor.model.loading import load_model
 
     target_dir = resolve_model_dir(model, "target", log)
     target = load_model(target_dir, device=device, dtype=dtype)
@@ -122,7 +122,7 @@ def eagle_head(model: str, drafter, target, log=None):
     """An EAGLE-3 head's folder and the head, reading `target`'s states: `drafter` eagle is the
     built-in target's (trained on first use, then cached; UserError for another target), else
     `drafter` is a head's folder."""
-    from rlsched.executor.eagle import builtin_head, load_head
+    from rlsched.executor.decode.eagle import builtin_head, load_head
 
     if drafter != "eagle":
         return Path(drafter), load_head(drafter, target)
@@ -138,7 +138,7 @@ def make_drafter(m: Models, sampling, max_batch: int, max_len: int, generator, *
     """The in-process drafter (None for off): a model drafter with caches of `max_len`, or an
     n-gram or suffix drafter remembering `ngram_history` samples a prompt (given back its
     `history`)."""
-    from rlsched.executor.drafters import ModelDrafter, make_drafter
+    from rlsched.executor.decode.drafters import ModelDrafter, make_drafter
 
     if m.drafter_name in HOST_DRAFTERS:
         drafter = make_drafter(m.drafter_name, **history_size(ngram_history))
@@ -148,7 +148,7 @@ def make_drafter(m: Models, sampling, max_batch: int, max_len: int, generator, *
     if m.drafter_name == "model":
         return ModelDrafter(m.drafter_model, sampling, max_batch, max_len, generator)
     if m.drafter_name == "eagle":
-        from rlsched.executor.eagle_drafter import EagleDrafter
+        from rlsched.executor.decode.eagle_drafter import EagleDrafter
 
         return EagleDrafter(m.drafter_model, m.target, sampling, generator)
     return None
@@ -225,7 +225,7 @@ def start_engine(m: Models, drafter, sampling, policy, *, instances: int, capaci
     loading the models from their folders, then the current weights when `send_weights`, on
     `threads` threads, with its own copy of the policy or its `states` entry restored)."""
     if instances > 1:
-        from rlsched.executor.pool import InstancePool, InstanceSpec
+        from rlsched.executor.pool.instances import InstancePool, InstanceSpec
 
         spec = InstanceSpec(str(m.target_dir), m.drafter_name, None if m.drafter_dir is None else str(m.drafter_dir),
                             sampling, policy, capacity, max_batch, k_max, drafter_len, str(trace_dir), device, dtype,
@@ -235,7 +235,7 @@ def start_engine(m: Models, drafter, sampling, policy, *, instances: int, capaci
             if send_weights else {}
         return InstancePool(instances, spec, realloc=realloc, threshold=threshold, cost=cost, seed=seed,
                             states=states, log=log, **weights)
-    from rlsched.executor.engine import RolloutEngine
+    from rlsched.executor.engine.rollout import RolloutEngine
 
     return RolloutEngine(m.target, drafter, capacity, max_batch, sampling, policy, estimator, trace_dir=trace_dir,
                          k_max=k_max, generator=generator, share_prompts=share_prompts, probe_every=probe_every)

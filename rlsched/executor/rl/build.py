@@ -23,8 +23,8 @@ import torch
 import yaml
 
 from rlsched.errors import UserError
-from rlsched.executor.backend import RolloutBackend
-from rlsched.executor.drafters import drafter_cache_len
+from rlsched.executor.backends import RolloutBackend
+from rlsched.executor.decode.drafters import drafter_cache_len
 from rlsched.executor.prompts import encode
 from rlsched.executor.rl.checkpoint import SUMMARY, TrainState, restore, rewind_out
 from rlsched.executor.rl.config import RunConfig
@@ -55,14 +55,14 @@ def build(cfg: RunConfig, out: Path, *, resume: bool = False, log=None) -> Setup
     """Check, load, restore, profile, then prepare `out` and start the rollout backend."""
     from rlsched.executor.rl.data import make_source
     from rlsched.executor.rl.rewards import resolve_reward
-    from rlsched.executor.sampling import SamplingParams
+    from rlsched.executor.decode.sampling import SamplingParams
 
     log = log or (lambda msg: None)
     out, r = Path(out), cfg.rollout
     check_out(out, resume)
     check_policy_inputs(cfg)  # from the config alone, before anything is loaded
     if r.instances > 1:
-        from rlsched.executor.pool import require_ray
+        from rlsched.executor.pool.instances import require_ray
 
         require_ray()  # Ray installed, RAY_ADDRESS's cluster up: before profiling and writing
     if cfg.threads:
@@ -163,7 +163,7 @@ def check_policy_inputs(cfg: RunConfig) -> None:
     kind = drafter_kind(cfg.drafter)
     check_width_max(r.width_max, kind, r.backend, "rollout.width_max")
     if r.backend == "vllm":
-        from rlsched.executor.vllm_backend import check_vllm_backend
+        from rlsched.executor.vllm.engine import check_vllm_backend
 
         check_vllm_backend(cfg.policy, kind, k_max=r.k_max, max_batch=r.max_batch, cost_model=cfg.cost_model)
         return
@@ -190,7 +190,7 @@ def make_policy(cfg: RunConfig, m: Models, drafter, sampling, typical_ctx: int, 
     cost model when it or a pool's migrations are priced (a given folder's, the run's own
     start-up profile on resume, or a short profile now); for vLLM the policy's name and a
     given folder's cost model (without one, vLLM's engine measures its own at start-up)."""
-    from rlsched.executor.engine import build_policy
+    from rlsched.executor.engine.rollout import build_policy
 
     r = cfg.rollout
     if r.backend == "vllm":
@@ -218,7 +218,7 @@ def make_backend(cfg: RunConfig, m: Models, drafter, sampling, policy, cost, gen
     r = cfg.rollout
     threads = max(1, (cfg.threads or os.cpu_count() or 1) // r.instances)  # the instances share the cores
     if r.backend == "vllm" and r.instances > 1:
-        from rlsched.executor.pool import InstancePool, InstanceSpec
+        from rlsched.executor.pool.instances import InstancePool, InstanceSpec
 
         spec = InstanceSpec(str(m.target_dir), m.drafter_name, None if m.drafter_dir is None else str(m.drafter_dir),
                             sampling, cfg.policy, r.max_batch * (longest + r.max_tokens), r.max_batch, r.k_max, 0,
@@ -230,7 +230,7 @@ def make_backend(cfg: RunConfig, m: Models, drafter, sampling, policy, cost, gen
                             drafter_state=None if m.drafter_model is None else m.drafter_model.state_dict(),
                             states=states, log=log)
     if r.backend == "vllm":
-        from rlsched.executor.vllm_backend import VllmRolloutEngine
+        from rlsched.executor.vllm.engine import VllmRolloutEngine
 
         drafter_spec = m.drafter_dir if m.drafter_name in ("model", "eagle") else m.drafter_name  # folder or name
         restored = None if estimator is None else (None if isinstance(policy, str) else policy, estimator, None)

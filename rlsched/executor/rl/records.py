@@ -64,7 +64,7 @@ def write_rollout(out: Path, s: int, items, requests, group, result, texts, rb) 
 def write_summary(out: Path, cfg, drafter_name: str, model_dir: Path) -> dict:
     """summary.json and the plots, from the RL-step trace. Returns the summary."""
     from rlsched.atomic import write_text_atomic
-    from rlsched.executor.loading import load_config
+    from rlsched.executor.model.loading import load_config
     from rlsched.traces.reader import read_trace
 
     df = read_trace(out / "traces", "rl_steps").sort_values("rl_step")

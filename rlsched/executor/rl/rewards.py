@@ -343,8 +343,8 @@ class RewardModel(RewardFunction):
             import torch
         except ImportError:
             raise UserError("the model: reward needs torch; pip install 'rlsched[executor]'") from None
-        from rlsched.executor import loading
-        from rlsched.executor.model import Transformer
+        from rlsched.executor.model.transformer import loading as loading
+        from rlsched.executor.model.transformer import Transformer
 
         folder = Path(folder)
         if not str(folder).strip() or str(folder) == ".":
@@ -429,7 +429,7 @@ def _load_reward_weights(folder: Path, config, device):
     import torch
     from safetensors import SafetensorError, safe_open
 
-    from rlsched.executor.loading import _locate_tensors, _names, weight_map
+    from rlsched.executor.model.loading import _locate_tensors, _names, weight_map
 
     where = _locate_tensors(folder)
     if "score.weight" not in where:

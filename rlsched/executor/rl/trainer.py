@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from rlsched.errors import UserError
-from rlsched.executor.drafters import drafter_cache_len
+from rlsched.executor.decode.drafters import drafter_cache_len
 from rlsched.executor.prompts import encode
 from rlsched.executor.rl.build import build
 from rlsched.executor.rl.checkpoint import CHECKPOINT, save_checkpoint
@@ -59,7 +59,7 @@ class Trainer:
     # --- one RL step -------------------------------------------------------------------------
 
     def step(self, s: int) -> dict:
-        from rlsched.executor.engine import Request
+        from rlsched.executor.engine.rollout import Request
         from rlsched.executor.rl.rewards import RewardInput
 
         c, r = self.cfg, self.cfg.rollout
@@ -209,7 +209,7 @@ class Trainer:
             return None
         gen = torch.Generator().manual_seed(_seed(self.cfg.seed, "distill", s))
         if self.drafter_name == "eagle":
-            from rlsched.executor.eagle import distill_head
+            from rlsched.executor.decode.eagle import distill_head
 
             return distill_head(state.actor, state.drafter_model, state.drafter_opt, state.buffer, steps=d.steps,
                                 batch=d.batch, weighting=d.weighting, weight_min=d.weight_min,

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from rlsched.errors import UserError
-from rlsched.executor.model import ModelConfig, Transformer
-from rlsched.executor.rope import SUPPORTED_SCALINGS, RopeScaling
+from rlsched.executor.model.transformer import ModelConfig, Transformer
+from rlsched.executor.model.rope import SUPPORTED_SCALINGS, RopeScaling
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

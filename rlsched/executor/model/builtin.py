@@ -22,7 +22,7 @@ built on first use and cached in `$RLSCHED_CACHE` or `~/.cache/rlsched`, folder
 Regenerating the shipped pair (after changing the recipe or the training code), from the
 repository root:
 
-    python -m rlsched.executor.builtin --export rlsched/executor/builtin_pair
+    python -m rlsched.executor.model.builtin --export rlsched/executor/model/builtin_pair
 
 builds the recipe into the cache (or reuses a cached build of it: point `RLSCHED_CACHE` at an
 empty folder to train afresh) and writes the bfloat16 copy.
@@ -42,8 +42,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from rlsched.executor.model import ModelConfig, Transformer
-from rlsched.executor.saving import TOKENIZER_FILES, save_model
+from rlsched.executor.model.transformer import ModelConfig, Transformer
+from rlsched.executor.model.saving import TOKENIZER_FILES, save_model
 from rlsched.tasks.synthetic import ALPHABET, make_examples
 from rlsched.atomic import atomic_folder
 
@@ -362,7 +362,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description="The built-in model pair of the default recipe.")
     ap.add_argument("--export", metavar="DIR", required=True,
                     help="write the pair, weights in bfloat16, to DIR (what the package ships: "
-                         "rlsched/executor/builtin_pair); builds it into the cache first if absent")
+                         "rlsched/executor/model/builtin_pair); builds it into the cache first if absent")
     args = ap.parse_args(argv)
     export_builtin(args.export, log=print)
 

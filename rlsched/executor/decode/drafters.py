@@ -13,7 +13,7 @@ processed with the same `SamplingParams` as the target.
   prompt given with `add_history` (RL samples each prompt again every epoch); the tokens
   that followed it are the draft. Most recent occurrence first, the row itself before history.
 - `suffix`: counts of what followed each recent context in the prompt's earlier rollouts and
-  in the row (`executor/suffix.py`); drafts while it stays confident.
+  in the row (`executor/decode/suffix.py`); drafts while it stays confident.
 - `model`: a small LM with the same vocabulary and its own KV cache, sampling its drafts.
 """
 
@@ -23,9 +23,9 @@ from typing import Hashable, Protocol
 
 import torch
 
-from rlsched.executor.sampling import SamplingParams, sample
-from rlsched.executor.speculative import Seq, length_groups
-from rlsched.executor.suffix import HostDrafter, NgramIndex
+from rlsched.executor.decode.sampling import SamplingParams, sample
+from rlsched.executor.decode.speculative import Seq, length_groups
+from rlsched.executor.decode.suffix import HostDrafter, NgramIndex
 
 
 class Drafter(Protocol):
@@ -170,7 +170,7 @@ class ModelDrafter:
         greedy) and present (B, n), on this model's device, for `tree_verify`. Afterwards the
         cache holds each row's tokens only (the next proposal feeds what was accepted); it
         needs room for the nodes above the deepest level."""
-        from rlsched.executor.tree_verify import draw_level
+        from rlsched.executor.decode.tree_verify import draw_level
 
         b, n = len(rows), tree.n
         slots, logits = self._catch_up(rows)
@@ -275,7 +275,7 @@ def make_drafter(name: str, **kwargs):
     if name == "ngram":
         return NgramDrafter(**kwargs)
     if name == "suffix":
-        from rlsched.executor.suffix import SuffixDrafter
+        from rlsched.executor.decode.suffix import SuffixDrafter
 
         return SuffixDrafter(**kwargs)
     if name == "model":

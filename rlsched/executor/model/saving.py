@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from rlsched.executor.loading import weight_map
-from rlsched.executor.model import ModelConfig, Transformer
+from rlsched.executor.model.loading import weight_map
+from rlsched.executor.model.transformer import ModelConfig, Transformer
 from rlsched.atomic import atomic_folder
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")

@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rlsched.executor.kvcache import KVCache
-from rlsched.executor.ops import cached_attention, rms_norm
-from rlsched.executor.rope import Rope, RopeScaling, apply_rope
+from rlsched.executor.model.kvcache import KVCache
+from rlsched.executor.model.ops import cached_attention, rms_norm
+from rlsched.executor.model.rope import Rope, RopeScaling, apply_rope
 
 
 @dataclass(frozen=True)
@@ -226,9 +226,9 @@ class Transformer(nn.Module):
 
     def compile_decode(self, max_new: int = 8, max_batch: int = 1) -> None:
         """Run cached forwards of up to `max_batch` rows and `max_new` new tokens a row (decode,
-        verify of up to max_new - 1 drafts) through compiled graphs (`executor/compiled.py`),
+        verify of up to max_new - 1 drafts) through compiled graphs (`executor/model/compiled.py`),
         compiled now; everything else stays eager."""
-        from rlsched.executor.compiled import CompiledForward
+        from rlsched.executor.model.compiled import CompiledForward
 
         self.compiled = CompiledForward(self, max_new, max_batch)
 

@@ -33,9 +33,9 @@ import numpy as np
 import torch
 
 from rlsched.errors import UserError
-from rlsched.executor.sampling import SamplingParams
-from rlsched.executor.speculative import Seq, decode_step, prefill, step, tree_step
-from rlsched.executor.tree_verify import DraftTree
+from rlsched.executor.decode.sampling import SamplingParams
+from rlsched.executor.decode.speculative import Seq, decode_step, prefill, step, tree_step
+from rlsched.executor.decode.tree_verify import DraftTree
 from rlsched.policies.acceptance import AcceptanceEstimator
 from rlsched.policies.draft import PolicyContext
 from rlsched.policies.probe import PROBE_EVERY, prober_for
@@ -141,7 +141,7 @@ def build_policy(spec, drafters: tuple[str, ...], cost=None, words: Words = GENE
 
 class RolloutEngine:
     """Continuous-batching speculative rollouts on one model (one instance); a RolloutBackend
-    (`executor/backend.py`).
+    (`executor/backends.py`).
 
     model: the target (`Transformer`); drafter: a drafter, a list of them, or None (names
     are what Strategy.drafter refers to); cache_capacity: the KV budget in tokens, shared by

@@ -22,8 +22,8 @@ from typing import Hashable
 
 import torch
 
-from rlsched.executor.kvcache import KVCache
-from rlsched.executor.sampling import SamplingParams, sample
+from rlsched.executor.model.kvcache import KVCache
+from rlsched.executor.decode.sampling import SamplingParams, sample
 
 PAD = -1  # emitted-token padding
 
@@ -245,7 +245,7 @@ def tree_step(model, cache: KVCache, slots, last: torch.Tensor, sampling: Sampli
     cache left holding last + the accepted path (`KVCache.keep_path`), as `step` leaves it for
     a chain. tokens and present (B, n), draft_probs (B, n + 1, V) or None: see `tree_verify`.
     Every row needs n + 1 free cache positions. Returns a `TreeVerifyResult`."""
-    from rlsched.executor.tree_verify import tree_verify
+    from rlsched.executor.decode.tree_verify import tree_verify
 
     dev = cache.lengths.device
     slots = torch.as_tensor(slots, dtype=torch.long, device=dev)

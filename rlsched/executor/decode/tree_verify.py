@@ -26,9 +26,9 @@ from functools import lru_cache
 
 import torch
 
-from rlsched.executor.model import TreeMask
-from rlsched.executor.sampling import sample
-from rlsched.executor.speculative import PAD, VerifyResult
+from rlsched.executor.model.transformer import TreeMask
+from rlsched.executor.decode.sampling import sample
+from rlsched.executor.decode.speculative import PAD, VerifyResult
 from rlsched.policies.tree import TreeShape, tree_shape
 
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from rlsched.executor.eagle import EagleHead, draft, draft_tree, target_features
-from rlsched.executor.speculative import Seq
+from rlsched.executor.decode.eagle import EagleHead, draft, draft_tree, target_features
+from rlsched.executor.decode.speculative import Seq
 
 
 class EagleDrafter:

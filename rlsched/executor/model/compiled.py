@@ -38,9 +38,9 @@ import types
 import torch
 import torch.nn.functional as F
 
-from rlsched.executor.kvcache import KVCache
-from rlsched.executor.ops import cached_attention, rms_norm
-from rlsched.executor.rope import apply_rope
+from rlsched.executor.model.kvcache import KVCache
+from rlsched.executor.model.ops import cached_attention, rms_norm
+from rlsched.executor.model.rope import apply_rope
 
 _copies = itertools.count()
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from rlsched.executor.engine import Request, RolloutResult
+    from rlsched.executor.engine.rollout import Request, RolloutResult
 
 
 @runtime_checkable

@@ -47,7 +47,7 @@ from those trials (shrunk towards the estimator's prior, as rlsched's engine wri
 `finish_s` is the request's last-token time, preemptions are vLLM's per request.
 
 Rollouts run one engine step at a time (`LLMEngine.add_request` and `step`, outputs as
-deltas), so a pool instance (`executor/pool.py`) can drive this engine as it drives rlsched's:
+deltas), so a pool instance (`executor/pool/instances.py`) can drive this engine as it drives rlsched's:
 a sample that moves is aborted here and resubmitted there with its prompt and partial response
 (prefix caching makes the prompt's part of that re-prefill free where its group already runs;
 the cache is reset after every weight update, since its blocks hold the old weights' keys).
@@ -68,8 +68,8 @@ import numpy as np
 import torch
 
 from rlsched.errors import UserError
-from rlsched.executor.engine import RolloutResult, SampleResult, check_requests
-from rlsched.executor.sampling import SamplingParams
+from rlsched.executor.engine.rollout import RolloutResult, SampleResult, check_requests
+from rlsched.executor.decode.sampling import SamplingParams
 from rlsched.executor.seeds import derive_seed
 from rlsched.policies import vllm_plan
 from rlsched.policies.probe import PROBE_EVERY, prober_for
@@ -283,7 +283,7 @@ _ENGINES = 0  # engines made in this process: each serves its own model_name, so
 # ----------------------------------------------------------------------------- the engine
 
 class VllmRolloutEngine:
-    """Rollouts through vLLM's offline engine; a RolloutBackend (`executor/backend.py`).
+    """Rollouts through vLLM's offline engine; a RolloutBackend (`executor/backends.py`).
     rlsched's policy (when vLLM's config cannot say it) chooses the draft length inside vLLM
     every step (`vllm_hook`), and every engine step is a step record. `cost`: the cost model a
     priced policy runs on (None: measured through this engine at start-up, `calibrate`)."""
@@ -293,7 +293,7 @@ class VllmRolloutEngine:
                  dtype: str = "float32", cost=None, typical_ctx: int | None = None, instance: int = 0,
                  probe_every: int | None = PROBE_EVERY, identity: dict | None = None, state=None,
                  trace_tag: str = "", log=None):
-        from rlsched.executor import vllm_hook
+        from rlsched.executor.vllm import hook as vllm_hook
         from rlsched.policies.acceptance import AcceptanceEstimator
 
         self.policy, self.drafters = policy, {}
@@ -397,7 +397,7 @@ class VllmRolloutEngine:
         from vllm.inputs import TokensPrompt
 
         from rlsched.costs.measured import MeasuredCostModel
-        from rlsched.executor import vllm_hook
+        from rlsched.executor.vllm import hook as vllm_hook
 
         drafter = "off" if self.plan is None else self.plan["drafter"]
         k = self.k_max if drafter in ("model", "eagle") else 0
@@ -631,8 +631,8 @@ class VllmRolloutEngine:
     def sync_weights(self, model, drafter_model=None) -> None:
         """Load the trainer's actor (and drafter: a draft model, or an EAGLE-3 head) weights
         into vLLM's models in place."""
-        from rlsched.executor.eagle import EagleHead, vllm_weights
-        from rlsched.executor.saving import hf_state_dict
+        from rlsched.executor.decode.eagle import EagleHead, vllm_weights
+        from rlsched.executor.model.saving import hf_state_dict
 
         draft = None
         if isinstance(drafter_model, EagleHead):

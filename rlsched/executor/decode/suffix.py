@@ -21,7 +21,7 @@ from typing import Hashable
 
 import torch
 
-from rlsched.executor.speculative import Seq
+from rlsched.executor.decode.speculative import Seq
 
 
 class SuffixCounts:

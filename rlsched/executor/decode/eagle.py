@@ -47,10 +47,10 @@ from torch import nn
 
 from rlsched.atomic import atomic_folder
 from rlsched.errors import UserError
-from rlsched.executor.builtin import cached_build, lr_schedule
-from rlsched.executor.model import MLP, ModelConfig, RMSNorm, Transformer
-from rlsched.executor.rope import apply_rope
-from rlsched.executor.sampling import GREEDY, SamplingParams, sample
+from rlsched.executor.model.builtin import cached_build, lr_schedule
+from rlsched.executor.model.transformer import MLP, ModelConfig, RMSNorm, Transformer
+from rlsched.executor.model.rope import apply_rope
+from rlsched.executor.decode.sampling import GREEDY, SamplingParams, sample
 
 # What vLLM's EAGLE-3 loader (vllm/model_executor/models/llama_eagle3.py, Eagle3LlamaForCausalLM)
 # reads: the architecture it is registered under, and the checkpoint names its load_weights maps
@@ -160,7 +160,7 @@ class HeadConfig:
                        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)))
         except KeyError as e:
             raise UserError(f"{where}: config.json has no field {e.args[0]!r}; it is not an EAGLE-3 head "
-                            "(write one with rlsched.executor.eagle.save_head)") from None
+                            "(write one with rlsched.executor.decode.eagle.save_head)") from None
         except (TypeError, ValueError) as e:
             raise UserError(f"{where}: config.json of an EAGLE-3 head is invalid ({e})") from None
 
@@ -408,7 +408,7 @@ def target_responses(target: Transformer, prompts: list[list[int]], *, max_new: 
     target for the same reason). Each response is generated with `sampling` (up to `max_new`
     tokens, cut after `eos_id`); rows of similar length share a batch, right-padded with
     `pad_id`, with the mask of the positions whose next token is a response token."""
-    from rlsched.executor.speculative import generate
+    from rlsched.executor.decode.speculative import generate
 
     texts = []
     for c in range(0, len(prompts), chunk):
@@ -479,7 +479,7 @@ def draft_tree(head: EagleHead, aux: torch.Tensor, tokens: torch.Tensor, tree,
     (what chain step j attends to at steps < j). Returns target ids (B, n), the
     distributions the children were drawn from over the target vocabulary (B, n + 1, V;
     index 0 the root's, i + 1 node i's; None when greedy) and present (B, n)."""
-    from rlsched.executor.tree_verify import draw_level
+    from rlsched.executor.decode.tree_verify import draw_level
 
     b, t, _ = aux.shape
     n, ids, dev = tree.n, head.draft_ids, aux.device
@@ -650,7 +650,7 @@ def builtin_head(recipe: HeadRecipe = HeadRecipe(), *, log=None) -> BuiltinHead:
     the target's answers to task prompts on first use and cached in `$RLSCHED_CACHE` (or
     ~/.cache/rlsched), folder `eagle-<hash>`; concurrent first uses wait on a lock and build
     once."""
-    from rlsched.executor.builtin import builtin_pair
+    from rlsched.executor.model.builtin import builtin_pair
 
     pair = builtin_pair()
     target_id = f"{pair.info['key']}-{pair.info.get('weights_dtype', 'float32')}"
@@ -661,8 +661,8 @@ def builtin_head(recipe: HeadRecipe = HeadRecipe(), *, log=None) -> BuiltinHead:
 
 
 def _build_head(recipe: HeadRecipe, target_dir: Path, key: str, target_id: str, folder: Path, log) -> None:
-    from rlsched.executor.builtin import EOS, PAD, encode
-    from rlsched.executor.loading import load_model
+    from rlsched.executor.model.builtin import EOS, PAD, encode
+    from rlsched.executor.model.loading import load_model
     from rlsched.tasks.synthetic import make_examples
 
     start = time.perf_counter()

@@ -36,7 +36,7 @@ import torch
 
 from rlsched.distributed import check_cluster_address, import_ray
 from rlsched.errors import UserError
-from rlsched.executor.engine import Request, RolloutResult, check_requests, reserve
+from rlsched.executor.engine.rollout import Request, RolloutResult, check_requests, reserve
 from rlsched.executor.gcfreeze import freeze_long_lived
 from rlsched.executor.seeds import derive_seed as _seed
 from rlsched.executor.setup import HOST_DRAFTERS, history_size
@@ -104,9 +104,9 @@ class InstanceWorker:
         self._lock, self._count_lock, self._commands, self.seq = threading.Lock(), threading.Lock(), 0, 0
 
     def _start_local(self, target_state, drafter_state, state) -> None:
-        from rlsched.executor.drafters import ModelDrafter, make_drafter
-        from rlsched.executor.engine import RolloutEngine
-        from rlsched.executor.loading import load_model
+        from rlsched.executor.decode.drafters import ModelDrafter, make_drafter
+        from rlsched.executor.engine.rollout import RolloutEngine
+        from rlsched.executor.model.loading import load_model
 
         spec, idx = self.spec, self.idx
         policy, estimator, ngram_history = state
@@ -126,8 +126,8 @@ class InstanceWorker:
             drafter = ModelDrafter(self.drafter_model, spec.sampling, spec.max_batch, spec.drafter_max_len,
                                    self.generator)
         elif spec.drafter == "eagle":
-            from rlsched.executor.eagle import load_head
-            from rlsched.executor.eagle_drafter import EagleDrafter
+            from rlsched.executor.decode.eagle import load_head
+            from rlsched.executor.decode.eagle_drafter import EagleDrafter
 
             self.drafter_model = load_head(spec.drafter_dir, self.model)
             if drafter_state is not None:
@@ -140,7 +140,7 @@ class InstanceWorker:
                                     probe_every=spec.probe_every)
 
     def _start_vllm(self, target_state, drafter_state, state) -> None:
-        from rlsched.executor.vllm_backend import VllmRolloutEngine
+        from rlsched.executor.vllm.engine import VllmRolloutEngine
 
         spec, idx = self.spec, self.idx
         drafter = spec.drafter_dir if spec.drafter in ("model", "eagle") else spec.drafter
@@ -153,8 +153,8 @@ class InstanceWorker:
         self._load_vllm_weights(target_state, drafter_state)
 
     def _load_vllm_weights(self, target_state, drafter_state) -> None:
-        from rlsched.executor.loading import load_config
-        from rlsched.executor.saving import hf_weights
+        from rlsched.executor.model.loading import load_config
+        from rlsched.executor.model.saving import hf_weights
 
         if target_state is None:
             return
@@ -162,7 +162,7 @@ class InstanceWorker:
         if drafter_state is not None and self.spec.drafter == "model":
             draft = hf_weights(drafter_state, load_config(Path(self.spec.drafter_dir)))
         elif drafter_state is not None and self.spec.drafter == "eagle":
-            from rlsched.executor.eagle import read_head_config, vllm_weights
+            from rlsched.executor.decode.eagle import read_head_config, vllm_weights
 
             draft = vllm_weights(drafter_state, read_head_config(self.spec.drafter_dir))
         self.engine.load_weights(hf_weights(target_state, load_config(Path(self.spec.target_dir))), draft)
@@ -326,7 +326,7 @@ class _Move:
 
 class InstancePool:
     """N rollout instances on Ray with a ReallocPolicy in the driver; a RolloutBackend
-    (`executor/backend.py`) whose `run(requests)` returns what `RolloutEngine.run` returns,
+    (`executor/backends.py`) whose `run(requests)` returns what `RolloutEngine.run` returns,
     plus the migration and failover counts in the stats.
 
     spec: how each instance is built; realloc: a ReallocPolicy name; threshold: the load
@@ -387,8 +387,8 @@ class InstancePool:
 
     def _host_cost(self, base) -> HostCost:
         """Time a small and a large payload to one instance: latency and bandwidth."""
-        from rlsched.executor.kvcache import KVCache
-        from rlsched.executor.loading import load_config
+        from rlsched.executor.model.kvcache import KVCache
+        from rlsched.executor.model.loading import load_config
 
         c = load_config(Path(self.spec.target_dir))
         per_token = KVCache.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim,

@@ -1,0 +1,282 @@
+"""The commands that read what was measured: fit, plot, report, replay and import-vllm."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from rlsched.errors import UserError
+from rlsched.cli.common import app, out_console, err_console, JsonOpt, _print_unwrapped
+
+
+FIT_HELP = (
+    "Fit the cost model to measured step times and write a cost-model file for --cost.\n\n"
+    "PROFILE_OR_RUNDIR is a `rlsched profile` folder or a run folder (`generate`, `run`): anything holding "
+    "traces/steps/. Verify, prefill and each drafter's draft time (and a model drafter's feed, where "
+    "profiled) are fitted as functions of batch size, tokens per row and context per row (roofline-shaped "
+    "forms, rlsched/costs/costfile.py) with scipy. Quality is "
+    "R^2 and MAPE; held-out MAPE comes from a fit without every other batch size (or without a random 25% of a "
+    "run's steps). An op whose held-out MAPE is above --max-mape, where interpolation over the measured grid "
+    "does better, is priced by that interpolation instead (the table and the file say so).\n\n"
+    "The file holds the costs of the profiled machine and models; `simulate`, `compare` and `learn --cost FILE` "
+    "use them whatever the config's model and hardware presets are.\n\n"
+    "Example: rlsched profile --out runs/profile/builtin && rlsched fit runs/profile/builtin --out costmodel.json "
+    "--plot fit.png"
+)
+
+
+@app.command(help=FIT_HELP)
+def fit(
+    profile_or_rundir: Path = typer.Argument(..., metavar="PROFILE_OR_RUNDIR", help="A `rlsched profile` folder or "
+                                             "a run folder (holding traces/steps/).", show_default=False),
+    out: Path = typer.Option(..., "--out", "-o", help="Where to write the cost-model file (.json)."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Also draw measured points against the fit per batch "
+                                        "size and k, with residuals (.png or .pdf)."),
+    max_mape: float = typer.Option(5.0, "--max-mape", help="Held-out MAPE (%) above which an op falls back to "
+                                   "interpolation over the measured grid (where that does better)."),
+    as_json: bool = JsonOpt,
+):
+    from rlsched.costs.fit import fit_path
+    from rlsched.atomic import write_text_atomic
+
+    if out.suffix != ".json":
+        raise UserError(f"--out '{out}' must end in .json")
+    if out.is_dir():
+        raise UserError(f"--out '{out}' is a folder; give a file name ending in .json")
+    if plot is not None and plot.suffix.lower() not in (".png", ".pdf"):
+        raise UserError(f"--plot '{plot}' must end in .png or .pdf")
+    if not max_mape > 0:
+        raise UserError(f"--max-mape must be > 0 (a percentage; got {max_mape})")
+    with err_console.status(f"fitting {profile_or_rundir}"):
+        result = fit_path(profile_or_rundir, max_mape / 100)
+        figure = None
+        if plot is not None:
+            from rlsched.analysis.plots import fit_figure
+
+            figure = fit_figure(result)
+    write_text_atomic(out, json.dumps(result.to_json(), indent=2) + "\n")
+    if figure is not None:
+        from rlsched.analysis.plots import save_figure
+
+        save_figure(figure, plot)
+    table = _fit_table(result, out)
+    console = err_console if as_json else out_console
+    _print_unwrapped(console, table)
+    for note in result.notes:
+        console.print(f"note: {note}", highlight=False, soft_wrap=True)
+    if plot is not None:
+        console.print(f"plot: {plot}", highlight=False)
+    if as_json:
+        print(json.dumps({"out": str(out), "plot": str(plot) if plot else None, **result.summary()}, indent=2))
+
+
+def _fit_table(result, out: Path) -> Table:
+    pct = lambda v: "-" if v is None else f"{100 * v:.1f}%"  # noqa: E731
+    t = Table(title=f"rlsched fit: {result.source.get('path')} -> {out}")
+    for col in ("op", "priced by", "R^2", "MAPE", "MAPE train", "MAPE held-out", "interp. held-out", "points",
+                "held out"):
+        t.add_column(col, justify="left" if col in ("op", "priced by", "held out") else "right")
+    for key, f in result.ops.items():
+        q = f.quality
+        t.add_row(key, "fitted form" if f.used == "parametric" else "interpolation", f"{q['r2']:.4f}", pct(q["mape"]),
+                  pct(q["mape_train"]), pct(q["mape_heldout"]), pct(q["interp_mape_heldout"]),
+                  str(q["points"]), f"{q['heldout_points']}: {q['heldout']}" if q["heldout_points"] else q["heldout"])
+    return t
+
+
+PLOT_HELP = (
+    "Draw the figures a folder's data supports, as PNG and PDF, and print the files written.\n\n"
+    "FOLDER is a `rlsched run`, `generate`, `profile`, `simulate` or `compare --out` folder. Figures: fit (the "
+    "cost-model fit of the folder's profile, or of --cost's file over the folder's steps), speedup (of each k over "
+    "plain decoding against batch size, predicted from measured step costs at the measured acceptance, and "
+    "measured from the run's own steps where they allow), acceptance (over RL steps), batch_k (batch size and "
+    "chosen k over time per instance, one RL step), stages (seconds per stage of each RL step), learning_curve "
+    "(a run's), compare (a compare folder's speedups). Those the data does not support are listed on stderr.\n\n"
+    "Example: rlsched plot runs/run/latest && rlsched plot runs/profile/builtin --out figs"
+)
+
+
+@app.command(help=PLOT_HELP)
+def plot(
+    folder: Path = typer.Argument(..., metavar="FOLDER", help="A run, generate, profile, simulate or compare output "
+                                  "folder.", show_default=False),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Folder for the figures (default FOLDER/plots)."),
+    cost: Optional[Path] = typer.Option(None, "--cost", help="A cost-model file (`rlsched fit`): draw its fit over "
+                                        "the folder's step times, and price the speedup figure with it where the "
+                                        "folder holds no profile."),
+    rl_step: Optional[int] = typer.Option(None, "--rl-step", help="The RL step of the batch-size and k figure "
+                                          "(default: the first)."),
+    acceptance: Optional[float] = typer.Option(None, "--acceptance", help="Per-token acceptance for the predicted "
+                                               "speedups (default: measured from the folder's speculative steps; "
+                                               "0.7 where it has none, e.g. a profile)."),
+    as_json: bool = JsonOpt,
+):
+    if out is not None and out.exists() and not out.is_dir():
+        raise UserError(f"--out {out}: exists and is not a folder")
+    if acceptance is not None and not 0 < acceptance < 1:
+        raise UserError(f"--acceptance must be between 0 and 1 (got {acceptance})")
+    from rlsched.analysis.folder import figures_for, load_folder, write_figures
+
+    cost_data = _read_cost(cost)
+    with err_console.status(f"drawing {folder}"):
+        data = load_folder(folder)
+        figs, skipped = figures_for(data, cost_data, cost, rl_step, acceptance)
+        if not figs:
+            raise UserError(f"'{folder}' has nothing to plot: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
+        out = out if out is not None else folder / "plots"
+        paths = write_figures(figs, out)
+    for name, why in skipped.items():
+        err_console.print(f"not drawn: {name} ({why})", highlight=False, soft_wrap=True)
+    if as_json:
+        print(json.dumps({"folder": str(folder), "kind": data.kind, "out": str(out), "files": [str(p) for p in paths],
+                          "figures": list(figs), "skipped": skipped}, indent=2))
+    else:
+        for p in paths:
+            print(p)
+
+
+def _read_cost(cost: Optional[Path]):
+    from rlsched.costs.costfile import read_cost_file
+
+    return read_cost_file(cost) if cost is not None else None
+
+
+REPORT_HELP = (
+    "Write one self-contained HTML page of a run: its key numbers (reward first -> last, generation tokens/s, "
+    "mean accepted length, acceptance rate, stage split, policy, drafter, algorithm, steps) and every figure "
+    "`rlsched plot` draws for it, embedded as PNG (the page is one file, no scripts).\n\n"
+    "RUNDIR is a `rlsched run` folder (other folders `rlsched plot` takes work too, with their summary's numbers, "
+    "and an `rlsched plan` folder).\n\n"
+    "Example: rlsched report runs/run/latest --out report.html"
+)
+
+
+@app.command(help=REPORT_HELP)
+def report(
+    rundir: Path = typer.Argument(..., metavar="RUNDIR", help="A `rlsched run` output folder.", show_default=False),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="The page to write (.html; default "
+                                       "RUNDIR/report.html)."),
+    cost: Optional[Path] = typer.Option(None, "--cost",
+                                        help="A cost-model file (`rlsched fit`), as for `rlsched plot`."),
+    as_json: bool = JsonOpt,
+):
+    if out is not None and (out.suffix.lower() not in (".html", ".htm") or out.is_dir()):
+        raise UserError(f"--out {out}: give a file name ending in .html")
+    from rlsched.analysis.report import build_report
+    from rlsched.atomic import write_text_atomic
+
+    cost_data = _read_cost(cost)
+    with err_console.status(f"writing the report of {rundir}"):
+        page, info = build_report(rundir, cost_data, cost)
+        out = out if out is not None else rundir / "report.html"
+        write_text_atomic(out, page)
+    info["out"] = str(out)
+    if as_json:
+        print(json.dumps(info, indent=2))
+    else:
+        print(f"report: {out} ({len(info['figures'])} figures: {', '.join(info['figures'])})")
+
+
+REPLAY_HELP = (
+    "Replay a `rlsched run` in the simulator: each RL step's rollout is rebuilt from the run's traces (prompt "
+    "and response lengths, each sample's acceptance) and its generation stage simulated with the run's policy, "
+    "batch limit and k_max; predicted against measured seconds per step (MAPE, worst step), and the predicted "
+    "speedup of the run's SD over SD off.\n\n"
+    "Step costs: --cost (a `rlsched fit` file), or fitted from the run's own step records; the executor's time "
+    "between steps is charged per step as measured in the run. --baseline RUNDIR (the same run with SD off) adds "
+    "the measured speedup beside the predicted one.\n\n"
+    "Example: rlsched replay runs/run/latest --plot replay.png"
+)
+
+
+@app.command(help=REPLAY_HELP)
+def replay(
+    rundir: Path = typer.Argument(..., metavar="RUNDIR", help="A `rlsched run` output folder."),
+    cost: Optional[Path] = typer.Option(None, "--cost", help="Cost-model file from `rlsched fit` (default: fit "
+                                        "the run's own step records)."),
+    policy: Optional[str] = typer.Option(None, "--policy", help="Replay with another drafting policy (what-if)."),
+    baseline: Optional[Path] = typer.Option(None, "--baseline", help="The same run with SD off: measured speedup."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Figure of measured and predicted time per step "
+                                        "(.png or .pdf)."),
+    as_json: bool = JsonOpt,
+):
+    from rlsched.analysis.replay import read_run, replay_figure, replay_run
+
+    if plot is not None and plot.suffix.lower() not in (".png", ".pdf"):
+        raise UserError(f"--plot {plot}: the file name must end in .png or .pdf")
+    result = replay_run(rundir, cost, policy)
+    summary = result.summary()
+    if baseline is not None:
+        _, base_rl, _, _ = read_run(baseline)
+        measured = float(base_rl["generation_s"].sum() / result.steps["measured_s"].sum())
+        summary.update(measured_sd_speedup=measured, baseline=str(baseline),
+                       speedup_error_pct=(summary["predicted_sd_speedup"] / measured - 1) * 100)
+    if plot is not None:
+        from rlsched.analysis.plots import save_figure
+
+        save_figure(replay_figure(result), plot)
+        summary["plot"] = str(plot)
+    if as_json:
+        print(json.dumps(summary, indent=2))
+        return
+    t = Table(title=f"rlsched replay {rundir}: policy={result.policy} drafter={result.drafter or 'off'}")
+    t.add_column("metric", style="bold")
+    t.add_column("value", justify="right")
+    t.add_row("RL steps", str(summary["rl_steps"]))
+    t.add_row("generation s: measured / predicted", f"{summary['measured_generation_s']:.2f} / "
+              f"{summary['predicted_generation_s']:.2f}")
+    t.add_row("per-step MAPE", f"{summary['mape_pct']:.1f}%")
+    t.add_row("worst step", f"{summary['worst_step']} ({summary['worst_error_pct']:+.1f}%)")
+    t.add_row("predicted SD speedup over off", f"{summary['predicted_sd_speedup']:.3f}x")
+    if baseline is not None:
+        t.add_row("measured SD speedup (baseline run)", f"{summary['measured_sd_speedup']:.3f}x "
+                  f"({summary['speedup_error_pct']:+.1f}% off)")
+    t.add_row("executor time between steps", f"{summary['overhead_ms_per_step']:.2f} ms per step")
+    if plot is not None:
+        t.add_row("plot", str(plot))
+    _print_unwrapped(out_console, t)
+    for note in result.notes:
+        err_console.print(f"note: {note}", highlight=False)
+
+
+IMPORT_VLLM_HELP = (
+    "Import vLLM's speculative-decoding metrics as step traces that `rlsched fit DIR` reads.\n\n"
+    "METRICS is a sequence of vLLM metric snapshots: LLM.get_metrics() as JSON (bench/peers/vllm_spec_metrics.py "
+    "writes one after each generate call) or Prometheus text from /metrics (scrapes separated by '# rlsched-snapshot "
+    "{...}' lines). Each interval between snapshots becomes a decode record (counter deltas; plain engines also a "
+    "prefill record) in DIR/traces/steps/, and DIR/vllm.json holds the intervals, acceptance per draft position and "
+    "what is exact and what approximate. vLLM does not separate draft time from verify time: fit prices verify from "
+    "the plain (k = 0) steps and prefill, and no drafter (rlsched/traces/vllm_metrics.py says more)."
+)
+
+
+@app.command("import-vllm", help=IMPORT_VLLM_HELP)
+def import_vllm(
+    metrics: Path = typer.Argument(..., metavar="METRICS", help="METRICS.json or Prometheus text (.prom).",
+                                   show_default=False),
+    out: Path = typer.Option(..., "--out", "-o", help="Output folder (traces/steps/ and vllm.json)."),
+    k: Optional[int] = typer.Option(None, "--k", help="Draft length (num_speculative_tokens) where the file does "
+                                    "not say it."),
+    drafter: Optional[str] = typer.Option(None, "--drafter", help="Drafter name of the speculative records "
+                                          "(default: the file's, else 'vllm')."),
+    as_json: bool = JsonOpt,
+):
+    from rlsched.traces.vllm_metrics import import_vllm as run_import, report
+
+    summary = run_import(metrics, out, k, drafter)
+    if as_json:
+        print(json.dumps(summary, indent=2))
+        return
+    cols, rows, lines = report(summary)
+    t = Table(title=f"rlsched import-vllm: {metrics} -> {out}")
+    for c in cols:
+        t.add_column(c, justify="left" if c in ("interval", "drafter") else "right")
+    for r in rows:
+        t.add_row(*r)
+    _print_unwrapped(out_console, t)
+    for line in lines:
+        out_console.print(line, highlight=False, soft_wrap=True)

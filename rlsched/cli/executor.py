@@ -1,0 +1,230 @@
+"""The real executor's commands: generate, profile and run (they need the `executor` extra)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from rlsched.errors import UserError
+from rlsched.policies.registry import usage as policy_usage
+from rlsched.cli.common import app, out_console, err_console, JsonOpt, _need_executor, _int_list, _print_unwrapped
+
+
+GENERATE_HELP = (
+    "Batched speculative rollouts of a prompts file with the rollout engine.\n\n"
+    "--model and --drafter take a local HF folder (config.json, *.safetensors, tokenizer.json); 'builtin' is "
+    "the built-in tiny pair (trained on first use, then cached). --drafter also takes ngram (matches in the "
+    "prompt and earlier samples of the same prompt), suffix (what most often followed the same context in earlier "
+    "samples of the prompt, drafted while confident) or off. --prompts is a JSONL file with a 'prompt' string "
+    "(and optional 'id', 'answer') per line; without it, 32 built-in task prompts. Policies that price steps "
+    "(goodput, seqgoodput, twostate) use --cost-model: 'auto' profiles this machine for a few seconds first, "
+    "or give a `rlsched profile` folder.\n\n"
+    "Writes samples.parquet (per sample: prompt id, token ids, text, per-token log-probs), traces/ (step and "
+    "sample records, flushed every step) and summary.json to --out.\n\n"
+    "Example: rlsched generate --policy static:4 --n 4 --max-tokens 64 --out runs/generate/demo"
+)
+
+
+@app.command(help=GENERATE_HELP)
+def generate(
+    model: str = typer.Option("builtin", "--model", "-m", help="Target model folder, or builtin."),
+    drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help="Drafter: a model folder, builtin, eagle (the "
+                                          "built-in model's EAGLE-3 head) or an EAGLE-3 head's folder, ngram, suffix "
+                                          "or off (default: builtin with the built-in model, else ngram)."),
+    policy: str = typer.Option("goodput", "--policy", help=f"Drafting policy: {policy_usage('local')}."),
+    prompts: Optional[Path] = typer.Option(None, "--prompts",
+                                           help="JSONL prompts file (default: built-in task prompts)."),
+    n: int = typer.Option(4, "--n", help="Samples per prompt."),
+    max_tokens: int = typer.Option(128, "--max-tokens", help="Token budget per sample."),
+    temperature: float = typer.Option(1.0, "--temperature", help="Sampling temperature (0 = greedy)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling (1 = off)."),
+    top_k: int = typer.Option(0, "--top-k", help="Top-k sampling (0 = off)."),
+    k_max: int = typer.Option(6, "--k-max", help="Longest draft a policy may choose."),
+    width_max: int = typer.Option(1, "--width-max", help="Widest draft tree a priced policy (goodput, seqgoodput, "
+                                  "twostate) may choose, of at most --k-max nodes (1: chains only; trees need "
+                                  "builtin, a model folder, eagle or suffix)."),
+    max_batch: int = typer.Option(64, "--max-batch", help="Rows decoded at once (continuous batching)."),
+    kv_budget: Optional[int] = typer.Option(None, "--kv-budget", help="KV cache budget in tokens shared by the "
+                                            "running rows (default: max-batch rows at their longest). Requests "
+                                            "wait for room; one that could never fit is refused."),
+    cost_model: str = typer.Option("auto", "--cost-model", help="auto, or a `rlsched profile` output folder."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Generate every sample to --max-tokens."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda[:N]."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
+    seed: int = typer.Option(0, "--seed", help="Sampling seed."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's; "
+                                          "with --instances, per instance: cores / instances)."),
+    instances: int = typer.Option(1, "--instances", help="Rollout instances; more than 1 runs them as Ray actors "
+                                  "(the distributed extra), each with --max-batch rows."),
+    realloc: str = typer.Option("none", "--realloc", help="Sample reallocation across instances: none, rebalance, "
+                                "consolidate."),
+    compile_: bool = typer.Option(False, "--compile", help="Run decode and verify steps and the drafter's drafts "
+                                  "through torch.compile'd graphs, at every batch size (fewer, fused kernels: what "
+                                  "it gains is in docs/benchmarks.md); compiling takes minutes the first time "
+                                  "(much less after, from inductor's disk cache)."),
+    out: Path = typer.Option(Path("runs/generate/latest"), "--out", "-o", help="Output folder."),
+    as_json: bool = JsonOpt,
+):
+    _need_executor("generate")
+    from rlsched.executor.generate import GenerateArgs, prepare, run
+
+    if drafter is None:
+        drafter = "builtin" if model == "builtin" else "ngram"
+    args = GenerateArgs(model=model, drafter=drafter, policy=policy, prompts=prompts, n=n, max_tokens=max_tokens,
+                        temperature=temperature, top_p=top_p, top_k=top_k, k_max=k_max, width_max=width_max,
+                        max_batch=max_batch,
+                        kv_budget=kv_budget, cost_model=cost_model, ignore_eos=ignore_eos, device=device,
+                        dtype=dtype, seed=seed, threads=threads, instances=instances, realloc=realloc,
+                        compile=compile_)
+    log = lambda msg: err_console.print(msg, highlight=False)  # noqa: E731
+    setup = prepare(args, out, log)
+    with err_console.status(f"generating {len(setup.prompts)} prompts x {n} samples ({policy})"):
+        summary = run(setup, out, log)
+    if as_json:
+        print(json.dumps(summary, indent=2))
+        return
+    t = Table(title=f"rlsched generate: policy={policy} drafter={setup.drafter_name}")
+    t.add_column("metric", style="bold")
+    t.add_column("value", justify="right")
+    t.add_row("samples x tokens", f"{summary['samples']} x {summary['tokens'] / max(1, summary['samples']):.1f} (mean)")
+    t.add_row("tokens/s", f"{summary['tokens_per_s']:,.0f}")
+    t.add_row("seconds", f"{summary['seconds']:.2f}")
+    t.add_row("engine steps", f"{summary['steps']:,}")
+    t.add_row("mean accepted length (SD steps)", f"{summary['mean_accept_len']:.2f}")
+    if summary.get("accuracy") is not None:
+        t.add_row("exact-match accuracy", f"{summary['accuracy']:.2f}")
+    t.add_row("output", str(out))
+    _print_unwrapped(out_console, t)
+
+
+@app.command()
+def profile(
+    model: str = typer.Option("builtin", "--model", "-m", help="Target model folder, or builtin."),
+    drafter: list[str] = typer.Option(["builtin"], "--drafter", "-d", help="Drafter(s) to time: a model "
+                                      "folder, builtin, eagle or an EAGLE-3 head's folder, ngram or suffix "
+                                      "(repeatable; 'off' for none)."),
+    batch_sizes: str = typer.Option("1,2,4,8,16,32,64", "--batch-sizes", help="Comma-separated batch sizes."),
+    k_max: int = typer.Option(6, "--k-max", help="Draft lengths 0..k_max."),
+    width_max: int = typer.Option(1, "--width-max", help="Also time tree drafting (the drafters that draft "
+                                  "trees), widths 2..width-max, depths 1..k-max (1: chains only)."),
+    contexts: str = typer.Option("64,192", "--contexts", help="Comma-separated context lengths per row: their mean "
+                                 "(from two rows on the rows' contexts spread over 1/2-3/2 of it, as the engine's rows "
+                                 "differ); prefill is timed on equal prompts, also midway between them."),
+    repeats: int = typer.Option(12, "--repeats", help="Timed runs per point."),
+    statistic: str = typer.Option("median", "--statistic", help="A point's price from its runs: median (what a "
+                                  "run typically pays on a shared machine) or min (the least disturbed run)."),
+    passes: int = typer.Option(6, "--passes", help="Sweep the grid this many times, --repeats spread over "
+                               "them (runs minutes apart sample the machine's spells; at most --repeats)."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda[:N]."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's)."),
+    compile_: bool = typer.Option(False, "--compile", help="Time the points with compiled forwards, as "
+                                  "`generate --compile` runs them."),
+    out: Path = typer.Option(Path("runs/profile/latest"), "--out", "-o", help="Output folder."),
+):
+    """Measure verify, draft and prefill step times over batch size x draft length x context.
+
+    Writes traces/steps/ in the step-trace format (kind = verify | draft | prefill, and feed: a
+    model drafter taking in fresh prompts, its catch-up on rows that join; a tree's drafting is a
+    draft record of its width) and profile.json;
+    `rlsched generate --cost-model FOLDER` and the cost-model fit read it.
+    """
+    _need_executor("profile")
+    from rlsched.executor.profiler import run_profile
+
+    run_profile(model=model, drafters=drafter, batch_sizes=_int_list(batch_sizes, "--batch-sizes"), k_max=k_max,
+                contexts=_int_list(contexts, "--contexts"), repeats=repeats, passes=passes, device=device, dtype=dtype,
+                threads=threads, out=out, console=err_console, table_console=out_console, compile=compile_,
+                statistic=statistic, width_max=width_max)
+
+
+RUN_HELP = (
+    "RL training (GRPO or PPO) whose rollouts use the engine's adaptive speculative decoding, with a drafter "
+    "kept fresh by distillation from the actor: by default once its staleness has cost the rollouts what an update "
+    "costs (drafter_update.schedule=pays; 'every' updates each drafter_update.every steps).\n\n"
+    "With no arguments: a fixed set of 64 built-in task prompts (count, repeat; exact-match reward) with the built-in "
+    "tiny pair on CPU, 40 RL steps (a few minutes). --config takes a YAML/TOML file of RunConfig fields "
+    "(rlsched/executor/rl/config.py); --set path.to.field=value overrides one (repeatable).\n\n"
+    "Writes to --out: traces/ (engine steps, samples, one rl_steps record per RL step: stage times, tokens, "
+    "acceptance, rewards), rollouts/ (every sample's text and reward), checkpoint.pt (every "
+    "checkpoint_every steps, atomically), plots/learning_curve.png and summary.json. A killed run continues "
+    "with --resume (same --out) from its last checkpoint (the same numbers unless choices read wall-clock "
+    "times: bandit, goodput's calibration, the pays schedule).\n\n"
+    "Example: rlsched run --policy static:3 --set steps=20 --set algorithm.name=ppo --out runs/run/ppo"
+)
+
+
+@app.command(help=RUN_HELP)
+def run(
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="Run config file (YAML or TOML)."),
+    policy: Optional[str] = typer.Option(None, "--policy", help=f"Drafting policy (overrides the config), on "
+                                         f"either backend: {policy_usage('local')}."),
+    sets: list[str] = typer.Option([], "--set", help="Override a config field: path.to.field=value."),
+    out: Path = typer.Option(Path("runs/run/latest"), "--out", "-o", help="Run folder."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the run in --out from its last checkpoint."),
+    backend: Optional[str] = typer.Option(None, "--backend", help="Rollout engine (rollout.backend): local "
+                                          "(rlsched's own) or vllm (vLLM's offline engine; see make test-vllm)."),
+    instances: Optional[int] = typer.Option(None, "--instances", help="Rollout instances (rollout.instances); "
+                                            "more than 1 runs them as Ray actors (the distributed extra)."),
+    realloc: Optional[str] = typer.Option(None, "--realloc", help="Sample reallocation across instances "
+                                          "(rollout.realloc): none, rebalance, consolidate."),
+    as_json: bool = JsonOpt,
+):
+    _need_executor("run")
+    from rlsched.executor.rl.config import load_run_config
+    from rlsched.executor.rl.trainer import Trainer
+
+    if resume:
+        if config is not None or policy is not None or sets or backend or instances or realloc:
+            raise UserError("--resume continues a run with its own config.yaml; drop --config, --policy, --set, "
+                            "--backend, --instances and --realloc")
+        cfg = load_run_config(out / "config.yaml") if (out / "config.yaml").is_file() else None
+        if cfg is None:
+            raise UserError(f"--resume: {out} holds no run (no config.yaml); give the --out of an earlier run")
+    else:
+        flags = [f"{k}={v}" for k, v in (("policy", policy), ("rollout.backend", backend),
+                                          ("rollout.instances", instances), ("rollout.realloc", realloc))
+                 if v is not None]
+        cfg = load_run_config(config, list(sets) + flags)
+    log = lambda msg: err_console.print(msg, highlight=False)  # noqa: E731
+    trainer = Trainer(cfg, out, resume=resume, log=log)
+    summary = _run_with_progress(trainer, cfg)
+    if as_json:
+        print(json.dumps(summary, indent=2))
+        return
+    t = Table(title=f"rlsched run: {cfg.algorithm.name}, policy={cfg.policy}, drafter={trainer.drafter_name}")
+    t.add_column("metric", style="bold")
+    t.add_column("value", justify="right")
+    t.add_row("RL steps", str(summary["steps"]))
+    t.add_row("reward: first 20% -> last 20% of steps", f"{summary['reward_start']:.3f} -> {summary['reward_end']:.3f}")
+    t.add_row("accepted length: first -> last", f"{summary['accept_len_start']:.2f} -> {summary['accept_len_end']:.2f}")
+    t.add_row("generation tokens/s", f"{summary['tokens_per_s']:,.0f}")
+    stages = summary["stage_s"]
+    t.add_row("seconds (gen / inf / train / drafter)", f"{summary['seconds']:.1f} ({stages['generation']:.1f} / "
+              f"{stages['inference']:.1f} / {stages['training']:.1f} / {stages['drafter_update']:.1f})")
+    t.add_row("traces", summary["traces"])
+    t.add_row("plot", summary["plots"][0] if summary["plots"] else "-")
+    _print_unwrapped(out_console, t)
+
+
+def _run_with_progress(trainer, cfg) -> dict:
+    """The trainer's steps under a progress bar, one line per RL step (on stderr)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    columns = (TextColumn("RL steps"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=err_console, transient=True) as bar:
+        task = bar.add_task("run", total=cfg.steps, completed=trainer.start_step)
+
+        def on_step(r: dict) -> None:
+            bar.console.print(
+                f"step {r['rl_step']:>3} reward {r['reward_mean']:.3f} {r['tokens_per_s']:5,.0f} tok/s "
+                f"acc {r['mean_accept_len']:.2f} | s: gen {r['generation_s']:.2f} inf {r['inference_s']:.2f} "
+                f"train {r['training_s']:.2f} dr {r['drafter_update_s']:.2f}"
+                + (f" ({r['reward_failures']} rewards failed)" if r["reward_failures"] else ""), highlight=False)
+            bar.advance(task)
+
+        return trainer.run(on_step)
