@@ -7,7 +7,7 @@ import json
 import os
 import platform
 import subprocess
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
@@ -15,21 +15,33 @@ RESULTS = Path(__file__).parent / "results"
 
 def machine() -> dict:
     try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         cpu = platform.processor()
     try:
         here = Path(__file__).parent
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=here).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=here
+        ).stdout.strip()
         # code changed since that commit (results excluded): the figures are not that commit's
-        changed = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "rlsched", "bench",
-                                  ":(exclude)bench/results"], cwd=here.parent).returncode == 1
+        changed = (
+            subprocess.run(
+                ["git", "diff", "--quiet", "HEAD", "--", "rlsched", "bench", ":(exclude)bench/results"], cwd=here.parent
+            ).returncode
+            == 1
+        )
         commit += "+uncommitted" if commit and changed else ""
     except OSError:
         commit = ""
-    return {"host": platform.node(), "cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-            "utc": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": commit}
+    return {
+        "host": platform.node(),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "utc": datetime.now(UTC).isoformat(timespec="seconds"),
+        "commit": commit,
+    }
 
 
 def table(headers: list[str], rows: list[list]) -> str:

@@ -28,8 +28,13 @@ def main() -> None:
         run = work / ("run-" + ("table" if p.startswith("table:") else p.replace(":", "-"))) / "traces"
         rl = read_trace(run, "rl_steps")
         gen, tokens = float(rl.generation_s.sum()), int(read_trace(run, "samples").response_len.sum())
-        measured[p] = dict(gen=gen, total=float(rl.total_s.sum()), tokens=tokens, tok_s=tokens / gen,
-                           accept=float(rl.mean_accept_len.mean()))
+        measured[p] = dict(
+            gen=gen,
+            total=float(rl.total_s.sum()),
+            tokens=tokens,
+            tok_s=tokens / gen,
+            accept=float(rl.mean_accept_len.mean()),
+        )
     static = [p for p in policies if p.startswith("static:")]
     best_pred = min(static, key=lambda p: pred[p]["generation_s"]["mean"])
     best_meas = min(static, key=lambda p: measured[p]["gen"])
@@ -43,19 +48,48 @@ def main() -> None:
         pb = pred[best_pred]["generation_s"]["mean"] / pred[p]["generation_s"]["mean"]
         mb = measured[best_meas]["gen"] / measured[p]["gen"]
         rows.append([label, ps, ms, mt, pb, mb, measured[p]["gen"], measured[p]["tokens"], measured[p]["accept"]])
-        out.append(dict(policy=label, predicted_speedup=ps, measured_speedup=ms, measured_throughput_speedup=mt,
-                        predicted_vs_best_static=pb, measured_vs_best_static=mb,
-                        measured_generation_s=measured[p]["gen"], measured_tokens=measured[p]["tokens"],
-                        measured_total_s=measured[p]["total"]))
-    head = ["policy", "predicted x off", "measured x off (time)", "measured x off (tokens/s)",
-            "predicted x best static", "measured x best static (time)", "measured gen s", "tokens", "accepted len"]
-    text = (f"closed loop on CPU in {seconds} s: profile -> fit -> learn -> run ({work}); generation stage; "
-            f"best static: predicted {best_pred}, measured {best_meas} by time, {best_tput} by tokens/s\n\n"
-            + table(head, rows))
+        out.append(
+            dict(
+                policy=label,
+                predicted_speedup=ps,
+                measured_speedup=ms,
+                measured_throughput_speedup=mt,
+                predicted_vs_best_static=pb,
+                measured_vs_best_static=mb,
+                measured_generation_s=measured[p]["gen"],
+                measured_tokens=measured[p]["tokens"],
+                measured_total_s=measured[p]["total"],
+            )
+        )
+    head = [
+        "policy",
+        "predicted x off",
+        "measured x off (time)",
+        "measured x off (tokens/s)",
+        "predicted x best static",
+        "measured x best static (time)",
+        "measured gen s",
+        "tokens",
+        "accepted len",
+    ]
+    text = (
+        f"closed loop on CPU in {seconds} s: profile -> fit -> learn -> run ({work}); generation stage; "
+        f"best static: predicted {best_pred}, measured {best_meas} by time, {best_tput} by tokens/s\n\n"
+        + table(head, rows)
+    )
     print(text)
-    write_result(result_name, dict(seconds=seconds, policies=policies, best_static_predicted=best_pred,
-                                   best_static_measured=best_meas, best_static_measured_throughput=best_tput,
-                                   rows=out), text)
+    write_result(
+        result_name,
+        dict(
+            seconds=seconds,
+            policies=policies,
+            best_static_predicted=best_pred,
+            best_static_measured=best_meas,
+            best_static_measured_throughput=best_tput,
+            rows=out,
+        ),
+        text,
+    )
 
 
 if __name__ == "__main__":

@@ -31,16 +31,27 @@ from rlsched.executor.rl.config import build_run_config  # noqa: E402
 from rlsched.executor.rl.trainer import Trainer  # noqa: E402
 from rlsched.traces.reader import read_trace  # noqa: E402
 
-VARIANTS = {"off": ["policy=off", "drafter_update.every=0"],  # the rewards without speculation
-            "stale": ["drafter_update.every=0"],
-            "plain": ["drafter_update.weighting=plain"],
-            "reward": ["drafter_update.weighting=reward"]}
+VARIANTS = {
+    "off": ["policy=off", "drafter_update.every=0"],  # the rewards without speculation
+    "stale": ["drafter_update.every=0"],
+    "plain": ["drafter_update.weighting=plain"],
+    "reward": ["drafter_update.weighting=reward"],
+}
 
 
 def run(variant: str, args, root: Path) -> pd.DataFrame:
-    cfg = build_run_config({}, [f"policy=static:{args.k}", f"steps={args.steps}", f"seed={args.seed}",
-                                f"drafter_update.every={args.every}", "drafter_update.schedule=every",
-                                *VARIANTS[variant], *args.sets])
+    cfg = build_run_config(
+        {},
+        [
+            f"policy=static:{args.k}",
+            f"steps={args.steps}",
+            f"seed={args.seed}",
+            f"drafter_update.every={args.every}",
+            "drafter_update.schedule=every",
+            *VARIANTS[variant],
+            *args.sets,
+        ],
+    )
     out = root / variant
     Trainer(cfg, out).run()
     return read_trace(out / "traces", "rl_steps").sort_values("rl_step").reset_index(drop=True)
@@ -67,14 +78,36 @@ def main() -> None:
             runs[v] = run(v, args, Path(tmp))
     rows = []
     for v, df in runs.items():
-        rows.append([v, fifth(df.accept_rate, False), fifth(df.accept_rate, True), fifth(df.mean_accept_len, False),
-                     fifth(df.mean_accept_len, True), fifth(df.reward_mean, False), fifth(df.reward_mean, True),
-                     float(df.drafter_update_s.sum()), float(df.generation_s.sum())])
-    head = ["variant", "accept rate first", "accept rate last", "acc len first", "acc len last", "reward first",
-            "reward last", "drafter upd s", "generation s"]
-    text = (f"static:{args.k}, {args.steps} RL steps, seed {args.seed}, update every {args.every} steps"
-            + (f", {' '.join(args.sets)}" if args.sets else "") + " (first/last = mean over the first/last fifth "
-            "of the steps)\n\n" + table(head, rows))
+        rows.append(
+            [
+                v,
+                fifth(df.accept_rate, False),
+                fifth(df.accept_rate, True),
+                fifth(df.mean_accept_len, False),
+                fifth(df.mean_accept_len, True),
+                fifth(df.reward_mean, False),
+                fifth(df.reward_mean, True),
+                float(df.drafter_update_s.sum()),
+                float(df.generation_s.sum()),
+            ]
+        )
+    head = [
+        "variant",
+        "accept rate first",
+        "accept rate last",
+        "acc len first",
+        "acc len last",
+        "reward first",
+        "reward last",
+        "drafter upd s",
+        "generation s",
+    ]
+    text = (
+        f"static:{args.k}, {args.steps} RL steps, seed {args.seed}, update every {args.every} steps"
+        + (f", {' '.join(args.sets)}" if args.sets else "")
+        + " (first/last = mean over the first/last fifth "
+        "of the steps)\n\n" + table(head, rows)
+    )
     print(text)
     from rlsched.analysis.plots import Figure, save_figure
 
@@ -88,11 +121,22 @@ def main() -> None:
     fig.tight_layout()
     RESULTS.mkdir(parents=True, exist_ok=True)
     save_figure(fig, RESULTS / f"{args.name}.png")
-    write_result(args.name, dict(steps=args.steps, k=args.k, every=args.every, seed=args.seed, overrides=args.sets,
-                                 rows=[dict(zip(head, r)) for r in rows],
-                                 curves={v: dict(accept_rate=df.accept_rate.round(4).tolist(),
-                                                 accept_len=df.mean_accept_len.round(4).tolist())
-                                         for v, df in runs.items()}), text)
+    write_result(
+        args.name,
+        dict(
+            steps=args.steps,
+            k=args.k,
+            every=args.every,
+            seed=args.seed,
+            overrides=args.sets,
+            rows=[dict(zip(head, r)) for r in rows],
+            curves={
+                v: dict(accept_rate=df.accept_rate.round(4).tolist(), accept_len=df.mean_accept_len.round(4).tolist())
+                for v, df in runs.items()
+            },
+        ),
+        text,
+    )
 
 
 if __name__ == "__main__":

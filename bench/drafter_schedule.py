@@ -25,14 +25,23 @@ PRESETS = ("default", "eagle-h200-14b")
 
 
 def run(preset: str, steps: int, drift: float, overlap: bool, schedule: str) -> dict:
-    cfg = load_config(preset, overrides=[f"rl.steps={steps}", f"rl.acceptance_drift_per_step={drift}",
-                                         f"rl.overlap_drafter_update={str(overlap).lower()}",
-                                         f"rl.drafter_update_schedule={schedule}"])
+    cfg = load_config(
+        preset,
+        overrides=[
+            f"rl.steps={steps}",
+            f"rl.acceptance_drift_per_step={drift}",
+            f"rl.overlap_drafter_update={str(overlap).lower()}",
+            f"rl.drafter_update_schedule={schedule}",
+        ],
+    )
     st = simulate(cfg).steps_frame()
     accept = [c for c in st.columns if c.startswith("accept_mean_")]
-    return dict(total_s=float(st.total_s.sum()), generation_s=float(st.generation_s.sum()),
-                exposed_update_s=float(st.drafter_update_s.sum()),
-                accept_mean=float(st[accept[0]].mean()) if accept else float("nan"))
+    return dict(
+        total_s=float(st.total_s.sum()),
+        generation_s=float(st.generation_s.sum()),
+        exposed_update_s=float(st.drafter_update_s.sum()),
+        accept_mean=float(st[accept[0]].mean()) if accept else float("nan"),
+    )
 
 
 def main() -> int:
@@ -46,15 +55,44 @@ def main() -> int:
         for drift in (0.0, base.acceptance_drift_per_step, 2 * base.acceptance_drift_per_step):
             for overlap in (True, False):
                 every, pays = (run(preset, args.steps, drift, overlap, s) for s in ("every", "pays"))
-                data.append(dict(preset=preset, interval=base.drafter_update_interval, drift=drift, overlap=overlap,
-                                 every=every, pays=pays, pays_vs_every=every["total_s"] / pays["total_s"]))
-                rows.append([preset, base.drafter_update_interval, f"{drift:.3f}", "yes" if overlap else "no",
-                             f"{every['total_s']:.0f}", f"{pays['total_s']:.0f}",
-                             f"{every['total_s'] / pays['total_s']:.3f}x",
-                             f"{every['exposed_update_s']:.0f} / {pays['exposed_update_s']:.0f}",
-                             f"{every['accept_mean']:.3f} / {pays['accept_mean']:.3f}"])
-    text = table(["preset", "every", "drift/step", "overlap", "every RL s", "pays RL s", "pays speedup",
-                  "exposed update s every / pays", "mean acceptance every / pays"], rows)
+                data.append(
+                    dict(
+                        preset=preset,
+                        interval=base.drafter_update_interval,
+                        drift=drift,
+                        overlap=overlap,
+                        every=every,
+                        pays=pays,
+                        pays_vs_every=every["total_s"] / pays["total_s"],
+                    )
+                )
+                rows.append(
+                    [
+                        preset,
+                        base.drafter_update_interval,
+                        f"{drift:.3f}",
+                        "yes" if overlap else "no",
+                        f"{every['total_s']:.0f}",
+                        f"{pays['total_s']:.0f}",
+                        f"{every['total_s'] / pays['total_s']:.3f}x",
+                        f"{every['exposed_update_s']:.0f} / {pays['exposed_update_s']:.0f}",
+                        f"{every['accept_mean']:.3f} / {pays['accept_mean']:.3f}",
+                    ]
+                )
+    text = table(
+        [
+            "preset",
+            "every",
+            "drift/step",
+            "overlap",
+            "every RL s",
+            "pays RL s",
+            "pays speedup",
+            "exposed update s every / pays",
+            "mean acceptance every / pays",
+        ],
+        rows,
+    )
     text = f"{args.steps} RL steps per run; RL time summed over steps (simulated)\n" + text
     print(text + f"\n\n({time.time() - t0:.0f} s)")
     path = write_result("drafter_schedule", {"steps": args.steps, "rows": data}, text)

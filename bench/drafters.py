@@ -41,13 +41,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import table, write_result  # noqa: E402
 
-from rlsched.executor.model.builtin import EOS, builtin_pair, encode  # noqa: E402
 from rlsched.executor.decode.drafters import ModelDrafter, drafter_cache_len, make_drafter  # noqa: E402
 from rlsched.executor.decode.eagle import builtin_head, load_head  # noqa: E402
 from rlsched.executor.decode.eagle_drafter import EagleDrafter  # noqa: E402
-from rlsched.executor.engine.rollout import Request, RolloutEngine, reserve  # noqa: E402
-from rlsched.executor.model.loading import load_model  # noqa: E402
 from rlsched.executor.decode.sampling import SamplingParams  # noqa: E402
+from rlsched.executor.engine.rollout import Request, RolloutEngine, reserve  # noqa: E402
+from rlsched.executor.model.builtin import EOS, builtin_pair, encode  # noqa: E402
+from rlsched.executor.model.loading import load_model  # noqa: E402
 from rlsched.tasks.synthetic import make_examples  # noqa: E402
 
 SAMPLING = SamplingParams(temperature=1.0)
@@ -83,8 +83,13 @@ class Drafters:
             return None
         if name == "model":
             longest = max(len(r.prompt) for r in reqs)
-            return ModelDrafter(self.draft_model, SAMPLING, max_batch,
-                                drafter_cache_len(longest, max(r.max_new_tokens for r in reqs), K_MAX), gen)
+            return ModelDrafter(
+                self.draft_model,
+                SAMPLING,
+                max_batch,
+                drafter_cache_len(longest, max(r.max_new_tokens for r in reqs), K_MAX),
+                gen,
+            )
         if name == "eagle":
             return EagleDrafter(self.head, self.target, SAMPLING, gen)
         return make_drafter(name)
@@ -94,8 +99,17 @@ def engine(d: Drafters, drafter: str, policy: str, reqs: list[Request], max_batc
     gen = torch.Generator(device=d.device)
     d.target.capture = None  # (an EAGLE drafter sets it again: the other contenders' forwards keep no states)
     capacity = max_batch * (max(map(reserve, reqs)) + 8)
-    eng = RolloutEngine(d.target, d.make(drafter, reqs, max_batch, gen), capacity, max_batch, SAMPLING, policy,
-                        k_max=K_MAX, generator=gen, probe_every=None)
+    eng = RolloutEngine(
+        d.target,
+        d.make(drafter, reqs, max_batch, gen),
+        capacity,
+        max_batch,
+        SAMPLING,
+        policy,
+        k_max=K_MAX,
+        generator=gen,
+        probe_every=None,
+    )
     return eng, gen
 
 
@@ -118,8 +132,12 @@ def run_epochs(eng, gen, reqs: list[Request], epochs: int, seed: int) -> dict:
 
 
 def contenders(d: Drafters, quick: bool) -> list[tuple[str, str]]:
-    return [("off", "off")] + [(name, shape) for name in d.names() for shape in shapes(quick)
-                               if shape.startswith("static") or name in TREE_DRAFTERS]
+    return [("off", "off")] + [
+        (name, shape)
+        for name in d.names()
+        for shape in shapes(quick)
+        if shape.startswith("static") or name in TREE_DRAFTERS
+    ]
 
 
 def rounds(d: Drafters, reqs, max_batch: int, epochs: int, n_rounds: int, quick: bool) -> dict:
@@ -141,35 +159,48 @@ def summarise(runs: dict) -> list[dict]:
     rows = []
     for (drafter, shape), rs in runs.items():
         ratio = [x["tokens_per_s"] / o["tokens_per_s"] for o, x in zip(off, rs)]  # (samples end at eos: tokens vary)
-        rows.append(dict(drafter=drafter, shape=shape if drafter != "off" else "-",
-                         emitted_per_verify=float(np.mean([x["mean_accept_len"] for x in rs])),
-                         draft_ms_per_step=float(np.mean([1e3 * x.get("draft_s", 0.0) / max(1, x["steps"])
-                                                          for x in rs])),
-                         tokens_per_s=float(np.median([x["tokens_per_s"] for x in rs])),
-                         speedup=float(np.median(ratio))))
+        rows.append(
+            dict(
+                drafter=drafter,
+                shape=shape if drafter != "off" else "-",
+                emitted_per_verify=float(np.mean([x["mean_accept_len"] for x in rs])),
+                draft_ms_per_step=float(np.mean([1e3 * x.get("draft_s", 0.0) / max(1, x["steps"]) for x in rs])),
+                tokens_per_s=float(np.median([x["tokens_per_s"] for x in rs])),
+                speedup=float(np.median(ratio)),
+            )
+        )
     return rows
 
 
 def accept_section(d: Drafters, args) -> tuple[list[dict], str]:
     reqs = requests(args.prompts, args.group, args.max_tokens)
     rows = summarise(rounds(d, reqs, 8, args.epochs, args.rounds, args.quick))
-    text = table(["drafter", "shape", "emitted/verify", "draft ms/step", "tokens/s", "speedup vs off"],
-                 [[r["drafter"], r["shape"], r["emitted_per_verify"], r["draft_ms_per_step"], r["tokens_per_s"],
-                   r["speedup"]] for r in rows])
+    text = table(
+        ["drafter", "shape", "emitted/verify", "draft ms/step", "tokens/s", "speedup vs off"],
+        [
+            [r["drafter"], r["shape"], r["emitted_per_verify"], r["draft_ms_per_step"], r["tokens_per_s"], r["speedup"]]
+            for r in rows
+        ],
+    )
     return rows, f"accept (batch 8, {args.prompts} prompts x {args.group}, last of {args.epochs} epochs)\n{text}"
 
 
 def speedup_section(d: Drafters, args) -> tuple[dict, str]:
     out, texts = {}, []
-    for label, max_batch, prompts, group in (("batch 1", 1, max(2, args.prompts // 4), 2),
-                                             ("draining batch", args.prompts * args.group, args.prompts,
-                                              args.group)):
+    for label, max_batch, prompts, group in (
+        ("batch 1", 1, max(2, args.prompts // 4), 2),
+        ("draining batch", args.prompts * args.group, args.prompts, args.group),
+    ):
         reqs = requests(prompts, group, args.max_tokens)
         rows = summarise(rounds(d, reqs, max_batch, args.epochs, args.rounds, args.quick))
         out[label] = rows
-        texts.append(f"{label} ({prompts} prompts x {group}, max batch {max_batch})\n" + table(
-            ["drafter", "shape", "emitted/verify", "tokens/s", "speedup vs off"],
-            [[r["drafter"], r["shape"], r["emitted_per_verify"], r["tokens_per_s"], r["speedup"]] for r in rows]))
+        texts.append(
+            f"{label} ({prompts} prompts x {group}, max batch {max_batch})\n"
+            + table(
+                ["drafter", "shape", "emitted/verify", "tokens/s", "speedup vs off"],
+                [[r["drafter"], r["shape"], r["emitted_per_verify"], r["tokens_per_s"], r["speedup"]] for r in rows],
+            )
+        )
     return out, "\n\n".join(texts)
 
 
@@ -180,18 +211,34 @@ def revisit_section(d: Drafters, args) -> tuple[list[dict], str]:
     for name in [n for n in ("ngram", "suffix") if n in d.names()]:
         gen = torch.Generator(device=d.device).manual_seed(0)
         drafter = make_drafter(name, max_history=args.revisit)
-        eng = RolloutEngine(d.target, drafter, 8 * (max(map(reserve, reqs)) + 8), 8, SAMPLING, f"static:4:{name}",
-                            k_max=K_MAX, generator=gen, probe_every=None)
+        eng = RolloutEngine(
+            d.target,
+            drafter,
+            8 * (max(map(reserve, reqs)) + 8),
+            8,
+            SAMPLING,
+            f"static:4:{name}",
+            k_max=K_MAX,
+            generator=gen,
+            probe_every=None,
+        )
         draft_ms = []
         for chunk in np.array_split(np.arange(len(reqs)), 10):
             res = eng.run([reqs[i] for i in chunk])
             draft_ms.append(1e3 * res.stats["draft_s"] / max(1, res.stats["steps"]))
             last = res.stats
-        rows.append(dict(drafter=name, emitted_per_verify_last=last["mean_accept_len"],
-                         draft_ms_first=draft_ms[0], draft_ms_last=draft_ms[-1]))
-    text = table(["drafter", "emitted/verify (last tenth)", "draft ms/step (first tenth)", "(last tenth)"],
-                 [[r["drafter"], r["emitted_per_verify_last"], r["draft_ms_first"], r["draft_ms_last"]]
-                  for r in rows])
+        rows.append(
+            dict(
+                drafter=name,
+                emitted_per_verify_last=last["mean_accept_len"],
+                draft_ms_first=draft_ms[0],
+                draft_ms_last=draft_ms[-1],
+            )
+        )
+    text = table(
+        ["drafter", "emitted/verify (last tenth)", "draft ms/step (first tenth)", "(last tenth)"],
+        [[r["drafter"], r["emitted_per_verify_last"], r["draft_ms_first"], r["draft_ms_last"]] for r in rows],
+    )
     return rows, f"revisit (1 prompt x {args.revisit} samples, batch 8, static:4)\n{text}"
 
 

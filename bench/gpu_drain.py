@@ -56,11 +56,11 @@ from _common import machine  # noqa: E402
 from engine import bootstrap_interval, held_out_vs_best, lockstep  # noqa: E402
 from gpu_engine import QWEN_0_5B, QWEN_1_5B, build, table  # noqa: E402
 
+from rlsched.costs.measured import MeasuredCostModel  # noqa: E402
 from rlsched.executor.decode.drafters import ModelDrafter, drafter_cache_len  # noqa: E402
+from rlsched.executor.decode.sampling import GREEDY  # noqa: E402
 from rlsched.executor.engine.rollout import Request, RolloutEngine, build_policy, reserve  # noqa: E402
 from rlsched.executor.profiler import profile  # noqa: E402
-from rlsched.executor.decode.sampling import GREEDY  # noqa: E402
-from rlsched.costs.measured import MeasuredCostModel  # noqa: E402
 
 K_MAX = 6
 
@@ -83,8 +83,10 @@ def builtin_shapes() -> tuple[dict, dict]:
     from rlsched.executor.model.loading import load_config
 
     pair = builtin_pair(log=print)
-    return tuple({f.name: getattr(c, f.name) for f in dataclasses.fields(c)}
-                 for c in (load_config(pair.target), load_config(pair.drafter)))
+    return tuple(
+        {f.name: getattr(c, f.name) for f in dataclasses.fields(c)}
+        for c in (load_config(pair.target), load_config(pair.drafter))
+    )
 
 
 class PlantedDrafter:
@@ -106,7 +108,7 @@ class PlantedDrafter:
         for s in rows:
             prompt_len, budget = self.plan.get(s.prompt_id, (len(s.tokens), 1))
             f = min(max(len(s.tokens) - prompt_len, 0) / budget, 1.0)
-            out.append(self.base.get(s.prompt_id, 0.89) * (1 - 0.08 * f ** 2))
+            out.append(self.base.get(s.prompt_id, 0.89) * (1 - 0.08 * f**2))
         return torch.tensor(out, dtype=torch.float32)
 
     def propose(self, rows, k):
@@ -140,9 +142,13 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes and budgets, to check the script on a CPU")
-    ap.add_argument("--shape", choices=("qwen", "builtin"), default="qwen",
-                    help="qwen: the 1.5B target and a 4-layer 0.5B-wide drafter; builtin: the built-in pair's "
-                         "shapes and bench/engine.py's drain budgets (to set the planted drain beside the real one)")
+    ap.add_argument(
+        "--shape",
+        choices=("qwen", "builtin"),
+        default="qwen",
+        help="qwen: the 1.5B target and a 4-layer 0.5B-wide drafter; builtin: the built-in pair's "
+        "shapes and bench/engine.py's drain budgets (to set the planted drain beside the real one)",
+    )
     ap.add_argument("--threads", type=int, default=None, help="torch threads (CPU)")
     args = ap.parse_args()
     if args.threads:
@@ -173,8 +179,16 @@ def main() -> None:
 
     per_row = prompt_len + median // 2
     gen = torch.Generator(device=dev).manual_seed(0)
-    records = profile(target, {"model": planted(gen)}, batch_sizes=tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b <= n),
-                      k_max=K_MAX, contexts=(per_row // 2, per_row * 2), repeats=3, passes=1, sampling=GREEDY)
+    records = profile(
+        target,
+        {"model": planted(gen)},
+        batch_sizes=tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b <= n),
+        k_max=K_MAX,
+        contexts=(per_row // 2, per_row * 2),
+        repeats=3,
+        passes=1,
+        sampling=GREEDY,
+    )
     cost = MeasuredCostModel(pd.DataFrame(records))
     v = cost.verify_time(n, np.array([1.0, K_MAX + 1.0]), n * per_row)
     profile_s = time.perf_counter() - t0
@@ -184,8 +198,17 @@ def main() -> None:
     for name in names:
         g = torch.Generator(device=dev)
         pol = build_policy(name, ("model",), cost, k_max=K_MAX, max_batch=n)
-        eng = RolloutEngine(target, None if name == "off" else planted(g), n * longest, n, GREEDY, pol,
-                            cost=cost, k_max=K_MAX, generator=g)
+        eng = RolloutEngine(
+            target,
+            None if name == "off" else planted(g),
+            n * longest,
+            n,
+            GREEDY,
+            pol,
+            cost=cost,
+            k_max=K_MAX,
+            generator=g,
+        )
         if not name.startswith(("off", "static")):
             eng.run(warm)  # their estimates and learned statistics carry over, as between RL steps
         engines[name] = (eng, g)
@@ -197,33 +220,65 @@ def main() -> None:
         total = sum(t for t, _ in rounds[name])
         res = [r for _, r in rounds[name]]
         ho = held_out_vs_best(rounds, statics, name)
-        lo90, hi90 = bootstrap_interval(rounds, lambda rs, name=name: held_out_vs_best(rs, statics, name),
-                                        n=200 if args.smoke else 1000, block=2)
-        entry = dict(policy=name, total_s=total, vs_off=off_total / total, vs_best_static_held_out=ho,
-                     held_out_90=[lo90, hi90], steps=float(np.mean([r.stats["steps"] for r in res])),
-                     mean_accept_len=float(np.mean([r.stats["mean_accept_len"] for r in res])),
-                     round_seconds=[float(t) for t, _ in rounds[name]])
+        lo90, hi90 = bootstrap_interval(
+            rounds, lambda rs, name=name: held_out_vs_best(rs, statics, name), n=200 if args.smoke else 1000, block=2
+        )
+        entry = dict(
+            policy=name,
+            total_s=total,
+            vs_off=off_total / total,
+            vs_best_static_held_out=ho,
+            held_out_90=[lo90, hi90],
+            steps=float(np.mean([r.stats["steps"] for r in res])),
+            mean_accept_len=float(np.mean([r.stats["mean_accept_len"] for r in res])),
+            round_seconds=[float(t) for t, _ in rounds[name]],
+        )
         out.append(entry)
-        rows.append([name, f"{total:.2f}", f"{entry['vs_off']:.3f}x", f"{ho:.3f}x", f"{lo90:.3f}-{hi90:.3f}",
-                     f"{entry['steps']:.0f}", f"{entry['mean_accept_len']:.2f}"])
+        rows.append(
+            [
+                name,
+                f"{total:.2f}",
+                f"{entry['vs_off']:.3f}x",
+                f"{ho:.3f}x",
+                f"{lo90:.3f}-{hi90:.3f}",
+                f"{entry['steps']:.0f}",
+                f"{entry['mean_accept_len']:.2f}",
+            ]
+        )
     lens = np.array([r.max_new_tokens for r in reqs])
-    text = (f"planted-acceptance drain on {args.device} ({dtype}): echo target {target_cfg['hidden_size']}x"
-            f"{target_cfg['num_layers']}, drafter {drafter_cfg['hidden_size']}x{drafter_cfg['num_layers']}; "
-            f"{n} requests, budgets median {np.median(lens):.0f}, max {lens.max()}; "
-            f"{len(rounds['off'])} rounds in lockstep; "
-            f"a verify of {K_MAX + 1} tokens a row at {n} rows costs {v[1] / v[0]:.2f}x one token's (this profile, "
-            f"{profile_s:.0f} s with the models' set-up)\n"
-            + table(["policy", "all rounds s", "vs off", "vs best static (held out)", "held out, 90%", "steps",
-                     "mean acc len"], rows))
-    results = dict(machine=machine(), shape=args.shape,
-                   device=torch.cuda.get_device_name(0) if dev.type == "cuda" else platform.processor(),
-                   torch=torch.__version__, dtype=str(dtype), smoke=args.smoke, host=platform.node(),
-                   utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), budgets=lens.tolist(),
-                   verify_q7_over_q1=float(v[1] / v[0]), rows=out, seconds=time.perf_counter() - t0)
+    text = (
+        f"planted-acceptance drain on {args.device} ({dtype}): echo target {target_cfg['hidden_size']}x"
+        f"{target_cfg['num_layers']}, drafter {drafter_cfg['hidden_size']}x{drafter_cfg['num_layers']}; "
+        f"{n} requests, budgets median {np.median(lens):.0f}, max {lens.max()}; "
+        f"{len(rounds['off'])} rounds in lockstep; "
+        f"a verify of {K_MAX + 1} tokens a row at {n} rows costs {v[1] / v[0]:.2f}x one token's (this profile, "
+        f"{profile_s:.0f} s with the models' set-up)\n"
+        + table(
+            ["policy", "all rounds s", "vs off", "vs best static (held out)", "held out, 90%", "steps", "mean acc len"],
+            rows,
+        )
+    )
+    results = dict(
+        machine=machine(),
+        shape=args.shape,
+        device=torch.cuda.get_device_name(0) if dev.type == "cuda" else platform.processor(),
+        torch=torch.__version__,
+        dtype=str(dtype),
+        smoke=args.smoke,
+        host=platform.node(),
+        utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        budgets=lens.tolist(),
+        verify_q7_over_q1=float(v[1] / v[0]),
+        rows=out,
+        seconds=time.perf_counter() - t0,
+    )
     where = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
     where.mkdir(parents=True, exist_ok=True)
-    name = ("gpu_drain" + ("" if args.shape == "qwen" else f"_{args.shape}")
-            + ("" if dev.type == "cuda" else f"_{dev.type}"))
+    name = (
+        "gpu_drain"
+        + ("" if args.shape == "qwen" else f"_{args.shape}")
+        + ("" if dev.type == "cuda" else f"_{dev.type}")
+    )
     (where / f"{name}.json").write_text(json.dumps(results, indent=2))
     (where / f"{name}.txt").write_text(f"{results['machine']}\n\n{text}\n")
     print(text)

@@ -30,17 +30,39 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rlsched.executor.decode.drafters import ModelDrafter  # noqa: E402
+from rlsched.executor.decode.sampling import SamplingParams  # noqa: E402
 from rlsched.executor.engine.rollout import Request, RolloutEngine  # noqa: E402
 from rlsched.executor.model.transformer import ModelConfig, Transformer  # noqa: E402
 from rlsched.executor.profiler import profile, profile_cache_len  # noqa: E402
-from rlsched.executor.decode.sampling import SamplingParams  # noqa: E402
 
-QWEN_1_5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28, num_heads=12,
-                 num_kv_heads=2, head_dim=128, qkv_bias=True, tie_word_embeddings=True, rope_theta=1e6,
-                 max_position_embeddings=32768, model_type="qwen2")
-QWEN_0_5B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14,
-                 num_kv_heads=2, head_dim=64, qkv_bias=True, tie_word_embeddings=True, rope_theta=1e6,
-                 max_position_embeddings=32768, model_type="qwen2")
+QWEN_1_5B = dict(
+    vocab_size=151936,
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_layers=28,
+    num_heads=12,
+    num_kv_heads=2,
+    head_dim=128,
+    qkv_bias=True,
+    tie_word_embeddings=True,
+    rope_theta=1e6,
+    max_position_embeddings=32768,
+    model_type="qwen2",
+)
+QWEN_0_5B = dict(
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_layers=24,
+    num_heads=14,
+    num_kv_heads=2,
+    head_dim=64,
+    qkv_bias=True,
+    tie_word_embeddings=True,
+    rope_theta=1e6,
+    max_position_embeddings=32768,
+    model_type="qwen2",
+)
 
 
 def build(cfg: dict, device, dtype) -> Transformer:
@@ -65,8 +87,16 @@ def table(headers, rows) -> str:
 def plain_run(model, b: int, args, dev, sp) -> tuple[int, float]:
     """Tokens and seconds of plain decoding at batch b with the rollout engine (after a warm-up)."""
     reqs = [Request(list(range(100, 100 + args.context)), i, i, args.tokens) for i in range(b)]
-    eng = RolloutEngine(model, None, b * (args.context + args.tokens), b, sp, "off", k_max=args.k_max,
-                        generator=torch.Generator(device=dev).manual_seed(0))
+    eng = RolloutEngine(
+        model,
+        None,
+        b * (args.context + args.tokens),
+        b,
+        sp,
+        "off",
+        k_max=args.k_max,
+        generator=torch.Generator(device=dev).manual_seed(0),
+    )
     eng.run(reqs[: min(b, 4)])  # warm-up
     if dev.type == "cuda":
         torch.cuda.synchronize()
@@ -88,17 +118,19 @@ def compiled_plain(target, args, dev, sp, eager: list, results: dict) -> str:
         rows = []
         for p in eager:
             tokens, s = plain_run(target, p["batch"], args, dev, sp)
-            rows.append(dict(batch=p["batch"], tokens=tokens, seconds=s, tok_s=tokens / s,
-                             vs_eager=tokens / s / p["tok_s"]))
+            rows.append(
+                dict(batch=p["batch"], tokens=tokens, seconds=s, tok_s=tokens / s, vs_eager=tokens / s / p["tok_s"])
+            )
         target.compiled = None
     except Exception as e:  # noqa: BLE001 - the record says what failed
         results["compiled_b1"] = {"error": f"{type(e).__name__}: {e}"[:2000]}
         return f"compiled plain decoding failed: {results['compiled_b1']['error'][:300]}"
     results["compiled_plain"] = rows
     results["compiled_b1"] = {**next(r for r in rows if r["batch"] == 1), "compile_s": compile_s}
-    return (f"plain decoding with the one-token forward compiled (compile_decode; {compile_s:.0f} s to compile)\n"
-            + table(["B", "tok/s", "vs eager"], [[r["batch"], f"{r['tok_s']:,.0f}", f"{r['vs_eager']:.2f}x"]
-                                                 for r in rows]))
+    return (
+        f"plain decoding with the one-token forward compiled (compile_decode; {compile_s:.0f} s to compile)\n"
+        + table(["B", "tok/s", "vs eager"], [[r["batch"], f"{r['tok_s']:,.0f}", f"{r['vs_eager']:.2f}x"] for r in rows])
+    )
 
 
 def main() -> None:
@@ -120,19 +152,27 @@ def main() -> None:
     sp = SamplingParams(temperature=1.0)
     t0 = time.perf_counter()
     target, drafter = build(QWEN_1_5B, dev, dtype), build(QWEN_0_5B, dev, dtype)
-    results = {"device": torch.cuda.get_device_name(0) if dev.type == "cuda" else platform.processor(),
-               "torch": torch.__version__, "dtype": str(dtype), "context": args.context, "host": platform.node(),
-               "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    results = {
+        "device": torch.cuda.get_device_name(0) if dev.type == "cuda" else platform.processor(),
+        "torch": torch.__version__,
+        "dtype": str(dtype),
+        "context": args.context,
+        "host": platform.node(),
+        "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     d = ModelDrafter(drafter, sp, max(sizes), profile_cache_len((args.context,), args.k_max))
-    records = profile(target, {"model": d}, batch_sizes=sizes, k_max=args.k_max, contexts=(args.context,),
-                      repeats=5, sampling=sp)
+    records = profile(
+        target, {"model": d}, batch_sizes=sizes, k_max=args.k_max, contexts=(args.context,), repeats=5, sampling=sp
+    )
     results["profile"] = records
     verify = {(r["batch"], r["k"]): r["verify_ms"] for r in records if r["kind"] == "verify"}
     draft = {(r["batch"], r["k"]): r["draft_ms"] for r in records if r["kind"] == "draft"}
     ks = list(range(args.k_max + 1))
     rows = [[b] + [f"{verify[b, k]:.2f}" for k in ks] + [f"{verify[b, args.k_max] / verify[b, 0]:.2f}x"] for b in sizes]
-    text = ["verify ms by batch (rows) x k (columns), context " + str(args.context),
-            table(["B"] + [f"k={k}" for k in ks] + [f"k={args.k_max}/k=0"], rows)]
+    text = [
+        "verify ms by batch (rows) x k (columns), context " + str(args.context),
+        table(["B"] + [f"k={k}" for k in ks] + [f"k={args.k_max}/k=0"], rows),
+    ]
     rows = [[b] + [f"{draft[b, k]:.2f}" for k in ks[1:]] for b in sizes]
     text += ["draft ms (0.5B-shaped drafter) by batch x k", table(["B"] + [f"k={k}" for k in ks[1:]], rows)]
     plain = []
@@ -140,9 +180,13 @@ def main() -> None:
         tokens, s = plain_run(target, b, args, dev, sp)
         plain.append(dict(batch=b, tokens=tokens, seconds=s, tok_s=tokens / s))
     results["plain"] = plain
-    text += ["plain decoding with the rollout engine (prefill included)",
-             table(["B", "tokens", "seconds", "tok/s"], [[p["batch"], p["tokens"], p["seconds"], f"{p['tok_s']:,.0f}"]
-                                                        for p in plain])]
+    text += [
+        "plain decoding with the rollout engine (prefill included)",
+        table(
+            ["B", "tokens", "seconds", "tok/s"],
+            [[p["batch"], p["tokens"], p["seconds"], f"{p['tok_s']:,.0f}"] for p in plain],
+        ),
+    ]
     eager = list(plain)
     if not any(p["batch"] == 1 for p in plain):
         tokens, s = plain_run(target, 1, args, dev, sp)

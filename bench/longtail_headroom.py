@@ -30,8 +30,11 @@ from rlsched.config import load_config
 from rlsched.sim import compare as cmp
 
 POLICIES = "off,static:1,static:2,static:3,static:4,static:6,goodput,oracle"
-GRID = {"cluster.max_batch": (256, 1024), "cluster.gpu_memory_utilization": (0.9, 0.5),
-        "workload.response_len.max": (8192, 16384)}
+GRID = {
+    "cluster.max_batch": (256, 1024),
+    "cluster.gpu_memory_utilization": (0.9, 0.5),
+    "workload.response_len.max": (8192, 16384),
+}
 
 
 def main() -> int:
@@ -48,21 +51,50 @@ def main() -> int:
         report = cmp.aggregate(cfg, plan, cmp.run_jobs(cfg, plan.jobs(), args.workers))
         agg = {a["policy"]: a for a in report["aggregate"]}
         best = {b["seed"]: b["policy"] for b in report["best_static_per_seed"]}
-        row = dict(settings=dict(zip(GRID, values)),
-                   oracle=agg["oracle"]["ratio_vs_best_static"], goodput=agg["goodput"]["ratio_vs_best_static"],
-                   off=agg["off"]["ratio_vs_best_static"],
-                   best_static=best, generation_s={p: a["generation_s"]["mean"] for p, a in agg.items()})
+        row = dict(
+            settings=dict(zip(GRID, values)),
+            oracle=agg["oracle"]["ratio_vs_best_static"],
+            goodput=agg["goodput"]["ratio_vs_best_static"],
+            off=agg["off"]["ratio_vs_best_static"],
+            best_static=best,
+            generation_s={p: a["generation_s"]["mean"] for p, a in agg.items()},
+        )
         out.append(row)
-        rows.append([*values, "/".join(sorted(set(best.values()))), f"{row['off']['mean']:.3f}",
-                     f"{row['oracle']['mean']:.3f}", f"{row['oracle']['min']:.3f}-{row['oracle']['max']:.3f}",
-                     f"{row['goodput']['mean']:.3f}",
-                     f"{row['goodput']['min']:.3f}-{row['goodput']['max']:.3f}"])
-        print(f"  {overrides}: oracle {row['oracle']['mean']:.3f}, goodput {row['goodput']['mean']:.3f} "
-              f"({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
-    text = (f"longtail-grpo with overrides; x best static k per seed (seeds 1..{args.seeds}), mean and range\n\n"
-            + table(["max_batch", "gpu mem util", "max response", "best static", "off", "oracle", "oracle range",
-                     "goodput", "goodput range"], rows)
-            + f"\n({time.time() - t0:.0f} s)")
+        rows.append(
+            [
+                *values,
+                "/".join(sorted(set(best.values()))),
+                f"{row['off']['mean']:.3f}",
+                f"{row['oracle']['mean']:.3f}",
+                f"{row['oracle']['min']:.3f}-{row['oracle']['max']:.3f}",
+                f"{row['goodput']['mean']:.3f}",
+                f"{row['goodput']['min']:.3f}-{row['goodput']['max']:.3f}",
+            ]
+        )
+        print(
+            f"  {overrides}: oracle {row['oracle']['mean']:.3f}, goodput {row['goodput']['mean']:.3f} "
+            f"({time.time() - t0:.0f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+    text = (
+        f"longtail-grpo with overrides; x best static k per seed (seeds 1..{args.seeds}), mean and range\n\n"
+        + table(
+            [
+                "max_batch",
+                "gpu mem util",
+                "max response",
+                "best static",
+                "off",
+                "oracle",
+                "oracle range",
+                "goodput",
+                "goodput range",
+            ],
+            rows,
+        )
+        + f"\n({time.time() - t0:.0f} s)"
+    )
     print(text)
     write_result("longtail_headroom", dict(seeds=args.seeds, policies=POLICIES, rows=out), text)
     return 0

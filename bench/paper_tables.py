@@ -47,9 +47,11 @@ from rlsched.sim.simulate import policy_context, simulate  # noqa: E402
 
 RESPEC = {"3b": ("respec-qwen2.5-3b", 1.84), "7b": ("respec-qwen2.5-7b", 1.69), "14b": ("respec-qwen2.5-14b", 1.50)}
 GAP1_PUBLISHED = {1: 1.46, 32: 0.76}
-FIXED_TREES = {"SGLang default (5 steps, topk 4, 8 tokens)": (5, 4, 7),
-               "7 steps, topk 4, 16 tokens": (7, 4, 15),
-               "wide (5 steps, topk 8, 32 tokens)": (5, 8, 31)}
+FIXED_TREES = {
+    "SGLang default (5 steps, topk 4, 8 tokens)": (5, 4, 7),
+    "7 steps, topk 4, 16 tokens": (7, 4, 15),
+    "wide (5 steps, topk 8, 32 tokens)": (5, 8, 31),
+}
 BATCHES = [1, 2, 4, 8, 16, 32, 48, 64, 128, 256]
 POLICIES = ("off", "goodput", "twostate", "tree:5:4:7")
 RLHFSPEC_PRESET = "rlhfspec-llama3.1-8b-ppo"
@@ -66,10 +68,19 @@ def anchor() -> tuple[str, dict]:
     def speedups(a, overhead):
         spec = HardwareSpec.model_validate({**hw, "forward_overhead_ms": overhead})
         cost = RooflineCostModel(spec, model, [DrafterSpec(name="eagle", kind="eagle", acceptance={"mean": a})])
-        ctx = policy_context(load_config("default", overrides=["drafters.0.kind=eagle",
-                                                               f"drafters.0.acceptance.mean={a}"]), cost)
-        ctx = type(ctx)(**{**ctx.__dict__, "drafters": ("eagle",), "acceptance_prior": {"eagle": a},
-                           "tree_gain": {"eagle": 0.25}, "tree_top1": {}, "typical_ctx": ANCHOR_CONTEXT})
+        ctx = policy_context(
+            load_config("default", overrides=["drafters.0.kind=eagle", f"drafters.0.acceptance.mean={a}"]), cost
+        )
+        ctx = type(ctx)(
+            **{
+                **ctx.__dict__,
+                "drafters": ("eagle",),
+                "acceptance_prior": {"eagle": a},
+                "tree_gain": {"eagle": 0.25},
+                "tree_top1": {},
+                "typical_ctx": ANCHOR_CONTEXT,
+            }
+        )
         s = Strategy("eagle", *SGLANG_DEFAULT)
         return {b: step_rate(ctx, s, b) / step_rate(ctx, Strategy(), b) for b in ANCHOR}
 
@@ -78,10 +89,16 @@ def anchor() -> tuple[str, dict]:
     a, oh = grid[int(np.argmin(err))]
     fit = speedups(a, oh)
     rows = [[f"B={b}", f"{ANCHOR[b]:.2f}x", f"{fit[b]:.2f}x"] for b in ANCHOR]
-    text = table(["batch", "published", "fitted model"], rows) + \
-        f"\nfitted: draft forward overhead {oh:.2f} ms (preset: {hw['forward_overhead_ms']}), acceptance {a:.2f}"
-    return text, {"overhead_ms": float(oh), "acceptance": float(a), "speedup": fit,
-                  "preset_overhead_ms": hw["forward_overhead_ms"]}
+    text = (
+        table(["batch", "published", "fitted model"], rows)
+        + f"\nfitted: draft forward overhead {oh:.2f} ms (preset: {hw['forward_overhead_ms']}), acceptance {a:.2f}"
+    )
+    return text, {
+        "overhead_ms": float(oh),
+        "acceptance": float(a),
+        "speedup": fit,
+        "preset_overhead_ms": hw["forward_overhead_ms"],
+    }
 
 
 def step_rate(ctx, strategy: Strategy, batch: int) -> float:
@@ -93,8 +110,9 @@ def step_rate(ctx, strategy: Strategy, batch: int) -> float:
     shape = ctx.tree(drafter, strategy)
     a = np.full(batch, ctx.top1(drafter, ctx.prior(drafter)))
     tokens = batch + shape.expected_accepted(a, ctx.tree_gain[drafter]).sum()
-    t = cost.draft_time(drafter, batch, strategy.k, ctx_tokens, strategy.width) + \
-        cost.verify_time(batch, strategy.tokens_per_row, ctx_tokens)
+    t = cost.draft_time(drafter, batch, strategy.k, ctx_tokens, strategy.width) + cost.verify_time(
+        batch, strategy.tokens_per_row, ctx_tokens
+    )
     return tokens / t
 
 
@@ -115,11 +133,16 @@ def gap1(cfg) -> tuple[list, dict]:
 
     needed = brentq(at_one, 0.05, 0.95) if at_one(0.05) < 0 < at_one(0.95) else float("nan")
     out["acceptance_for_published_batch1"] = needed
-    rows.append(["ReSpec (published)"] + [f"{GAP1_PUBLISHED[b]:.2f}" if b in GAP1_PUBLISHED else "" for b in BATCHES]
-                + ["16-48"])
+    rows.append(
+        ["ReSpec (published)"]
+        + [f"{GAP1_PUBLISHED[b]:.2f}" if b in GAP1_PUBLISHED else "" for b in BATCHES]
+        + ["16-48"]
+    )
     text = table(["fixed EAGLE-3 tree, Qwen2.5-7B / H100"] + [f"B={b}" for b in BATCHES] + ["< 1 from"], rows)
-    note = (f"the preset's acceptance is {ctx.prior(ctx.drafters[0]):.2f}; the SGLang default tree gives "
-            f"ReSpec's 1.46x at batch 1 at an acceptance of {needed:.2f}")
+    note = (
+        f"the preset's acceptance is {ctx.prior(ctx.drafters[0]):.2f}; the SGLang default tree gives "
+        f"ReSpec's 1.46x at batch 1 at an acceptance of {needed:.2f}"
+    )
     return [text, note], out
 
 
@@ -141,9 +164,11 @@ def end_to_end(cfgs: dict, published: dict) -> tuple[str, str, dict]:
             t0 = time.perf_counter()
             r = simulate(cfg, p)
             recs = r.records
-            res[p] = {"step_s": float(np.mean([x.total_s for x in recs])),
-                      "generation_s": float(np.mean([x.generation_s for x in recs])),
-                      "wall_s": time.perf_counter() - t0}
+            res[p] = {
+                "step_s": float(np.mean([x.total_s for x in recs])),
+                "generation_s": float(np.mean([x.generation_s for x in recs])),
+                "wall_s": time.perf_counter() - t0,
+            }
         off = res["off"]
         share = off["generation_s"] / off["step_s"]
         out[size] = {"policies": res, "generation_share_off": share}
@@ -156,12 +181,32 @@ def end_to_end(cfgs: dict, published: dict) -> tuple[str, str, dict]:
             # the generation speedup that would give the published step speedup at this share
             needed = share / (1 / pub - (1 - share)) if pub and 1 / pub > 1 - share else None
             out[size][p] = {"e2e": e2e, "generation_speedup": gen, "amdahl": amdahl, "generation_needed": needed}
-            e2e_rows.append([cfg.name, p, f"{gen:.2f}x", f"{100 * share:.0f}%", f"{e2e:.2f}x",
-                             f"{pub:.2f}x" if pub else "", f"{e2e / pub - 1:+.0%}" if pub else "",
-                             f"{needed:.2f}x" if needed else ""])
+            e2e_rows.append(
+                [
+                    cfg.name,
+                    p,
+                    f"{gen:.2f}x",
+                    f"{100 * share:.0f}%",
+                    f"{e2e:.2f}x",
+                    f"{pub:.2f}x" if pub else "",
+                    f"{e2e / pub - 1:+.0%}" if pub else "",
+                    f"{needed:.2f}x" if needed else "",
+                ]
+            )
     share_text = table(["preset", "generation share (off)", "published"], share_rows)
-    e2e_text = table(["preset", "policy", "generation speedup", "generation share", "RL step speedup",
-                      "ReSpec average", "off by", "generation speedup for ReSpec's"], e2e_rows)
+    e2e_text = table(
+        [
+            "preset",
+            "policy",
+            "generation speedup",
+            "generation share",
+            "RL step speedup",
+            "ReSpec average",
+            "off by",
+            "generation speedup for ReSpec's",
+        ],
+        e2e_rows,
+    )
     return share_text, e2e_text, out
 
 
@@ -180,14 +225,21 @@ def main():
         all_cfgs["rlhfspec"] = load_config(RLHFSPEC_PRESET)
     ts_text, ts = twostate(all_cfgs)
     share_text, e2e_text, e2e = end_to_end(all_cfgs, {s: RESPEC[s][1] for s in sizes})
-    text = "\n\n".join([
-        "Anchor: EAGLE-3's SGLang throughput over plain decoding (Llama-3.1-8B, one H100, SGLang's default tree)",
-        anchor_text,
-        "ReSpec gap 1: speedup of a fixed EAGLE-3 tree over plain decoding by batch size (cost model x tree "
-        "acceptance model, the respec-qwen2.5-7b preset's acceptance and typical context)", *gap_text,
-        "ReSpec's two-state rule solved over the cost model", ts_text,
-        "Generation's share of the RL step without speculation", share_text,
-        "RL step speedup over no speculation (simulated), and Amdahl's decomposition", e2e_text])
+    text = "\n\n".join(
+        [
+            "Anchor: EAGLE-3's SGLang throughput over plain decoding (Llama-3.1-8B, one H100, SGLang's default tree)",
+            anchor_text,
+            "ReSpec gap 1: speedup of a fixed EAGLE-3 tree over plain decoding by batch size (cost model x tree "
+            "acceptance model, the respec-qwen2.5-7b preset's acceptance and typical context)",
+            *gap_text,
+            "ReSpec's two-state rule solved over the cost model",
+            ts_text,
+            "Generation's share of the RL step without speculation",
+            share_text,
+            "RL step speedup over no speculation (simulated), and Amdahl's decomposition",
+            e2e_text,
+        ]
+    )
     text += f"\n\n({time.perf_counter() - t0:.0f} s)"
     print(text)
     if not args.smoke:

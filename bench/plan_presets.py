@@ -46,14 +46,30 @@ def main() -> None:
         s = summary(plan)
         s.update(preset=name, wall_s=time.perf_counter() - t, knobs=plan.knobs)
         out.append(s)
-        rows.append([name, s["own_setup"], s["own_step_s"], s["winner"], s["winner_step_s"],
-                     f"{s['gain_over_own']:+.1%}", f"{s['speedup_over_baseline']:.2f}x", s.get("knob", "-")])
+        rows.append(
+            [
+                name,
+                s["own_setup"],
+                s["own_step_s"],
+                s["winner"],
+                s["winner_step_s"],
+                f"{s['gain_over_own']:+.1%}",
+                f"{s['speedup_over_baseline']:.2f}x",
+                s.get("knob", "-"),
+            ]
+        )
         print(f"{name}: {s['wall_s']:.0f} s", file=sys.stderr)
-    text = "\n".join([
-        f"the plan's winner against each preset's own setup ({args.seeds} seeds, the preset's GPUs; gain: the own "
-        "setup's step time over the winner's, minus 1; speedup: the best plain decoding's over the winner's)", "",
-        table(["preset", "preset's setup", "step s", "plan's winner", "step s", "gain", "over no SD", "knob (alone)"],
-              rows)])
+    text = "\n".join(
+        [
+            f"the plan's winner against each preset's own setup ({args.seeds} seeds, the preset's GPUs; gain: the own "
+            "setup's step time over the winner's, minus 1; speedup: the best plain decoding's over the winner's)",
+            "",
+            table(
+                ["preset", "preset's setup", "step s", "plan's winner", "step s", "gain", "over no SD", "knob (alone)"],
+                rows,
+            ),
+        ]
+    )
     print(text)
     write_result("plan_presets", dict(presets=out), text)
 

@@ -42,8 +42,9 @@ def main() -> None:
     scored, dropped = screen(base, candidates(base, Space(args.gpus, reallocs=("none",))))
     screen_s = time.perf_counter() - t
     t = time.perf_counter()
-    sim = np.array([simulate(s.config, policy=s.candidate.policy, realloc="none").summary()["generation_s"]
-                    for s in scored])
+    sim = np.array(
+        [simulate(s.config, policy=s.candidate.policy, realloc="none").summary()["generation_s"] for s in scored]
+    )
     sim_s = time.perf_counter() - t
     fluid = np.array([s.generation_s for s in scored])
     err = fluid / sim - 1
@@ -53,23 +54,45 @@ def main() -> None:
     pick = int(np.argmin(fluid))  # the screen's fastest generation stage
     gap = float(sim[pick] / sim.min() - 1)
     rows = [[scored[i].candidate.label, fluid[i], sim[i], err[i]] for i in top]
-    summary = dict(preset=args.preset, gpus=args.gpus, seed=args.seed, candidates=len(scored) + len(dropped),
-                   feasible=len(scored), dropped=len(dropped), screen_s=screen_s, simulate_all_s=sim_s,
-                   mean_abs_error=float(np.mean(np.abs(err))), worst_error=float(err[np.argmax(np.abs(err))]),
-                   spearman_all=rho_all, spearman_top10=rho_top, pick_gap=gap,
-                   pick=scored[pick].candidate.label, best=scored[int(np.argmin(sim))].candidate.label)
-    text = "\n".join([
-        f"{args.preset}, {args.gpus} GPUs, seed {args.seed}: {summary['candidates']} candidates, "
-        f"{len(dropped)} infeasible",
-        f"screen {screen_s:.1f} s, simulating all {sim_s:.1f} s; screen error mean {summary['mean_abs_error']:.2%}, "
-        f"worst {summary['worst_error']:+.2%}",
-        f"Spearman all {rho_all:.3f}, top 10 {rho_top:.3f}; the screen's pick {summary['pick']} is "
-        f"{gap:.2%} slower (simulated) than the best, {summary['best']}",
-        "", "the simulator's top 10",
-        table(["candidate", "screen s", "simulated s", "error"], rows)])
+    summary = dict(
+        preset=args.preset,
+        gpus=args.gpus,
+        seed=args.seed,
+        candidates=len(scored) + len(dropped),
+        feasible=len(scored),
+        dropped=len(dropped),
+        screen_s=screen_s,
+        simulate_all_s=sim_s,
+        mean_abs_error=float(np.mean(np.abs(err))),
+        worst_error=float(err[np.argmax(np.abs(err))]),
+        spearman_all=rho_all,
+        spearman_top10=rho_top,
+        pick_gap=gap,
+        pick=scored[pick].candidate.label,
+        best=scored[int(np.argmin(sim))].candidate.label,
+    )
+    text = "\n".join(
+        [
+            f"{args.preset}, {args.gpus} GPUs, seed {args.seed}: {summary['candidates']} candidates, "
+            f"{len(dropped)} infeasible",
+            f"screen {screen_s:.1f} s, simulating all {sim_s:.1f} s; screen error mean {summary['mean_abs_error']:.2%}, "
+            f"worst {summary['worst_error']:+.2%}",
+            f"Spearman all {rho_all:.3f}, top 10 {rho_top:.3f}; the screen's pick {summary['pick']} is "
+            f"{gap:.2%} slower (simulated) than the best, {summary['best']}",
+            "",
+            "the simulator's top 10",
+            table(["candidate", "screen s", "simulated s", "error"], rows),
+        ]
+    )
     print(text)
-    write_result("plan_screen", dict(summary=summary, rows=[dict(candidate=s.candidate.label, screen_s=f, sim_s=x)
-                                                           for s, f, x in zip(scored, fluid, sim)]), text)
+    write_result(
+        "plan_screen",
+        dict(
+            summary=summary,
+            rows=[dict(candidate=s.candidate.label, screen_s=f, sim_s=x) for s, f, x in zip(scored, fluid, sim)],
+        ),
+        text,
+    )
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from _common import table, write_result  # noqa: E402
 
 from rlsched.config import load_config  # noqa: E402
 from rlsched.plan.screen import screen  # noqa: E402
-from rlsched.plan.search import Ranked, signature, run_seed  # noqa: E402
+from rlsched.plan.search import Ranked, run_seed, signature  # noqa: E402
 from rlsched.plan.space import Space, candidates  # noqa: E402
 
 
@@ -43,8 +43,23 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "plan"
-        cmd = [sys.executable, "-m", "rlsched", "plan", "--workload", args.preset, "--gpus", str(args.gpus),
-               "--seeds", str(args.seeds), "-j", str(args.workers), "--out", str(out), "--json"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "rlsched",
+            "plan",
+            "--workload",
+            args.preset,
+            "--gpus",
+            str(args.gpus),
+            "--seeds",
+            str(args.seeds),
+            "-j",
+            str(args.workers),
+            "--out",
+            str(out),
+            "--json",
+        ]
         t = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True)
         plan_s = time.perf_counter() - t
@@ -72,22 +87,41 @@ def main() -> None:
     top = labels[:10]
     rho = float(stats.spearmanr([order.index(x) for x in top], np.arange(len(top))).statistic)
     rows = [[x, step[x], order.index(x) + 1] for x in top]
-    result = dict(preset=args.preset, gpus=args.gpus, seeds=seeds, workers=args.workers,
-                  candidates=summary["candidates"], feasible=len(scored), dropped=len(dropped),
-                  simulations=summary["simulations"], plan_s=plan_s, exhaustive_simulations=len(setups) * len(seeds),
-                  exhaustive_s=exhaustive_s, winner=winner, winner_step_s=step[winner], best=best,
-                  best_step_s=step[best], gap=gap, spearman_top10=rho, best_rank_in_plan=order.index(best) + 1)
-    text = "\n".join([
-        f"{args.preset}, {args.gpus} GPUs, seeds {seeds}, {args.workers} workers: {summary['candidates']} candidates "
-        f"({len(dropped)} cannot run)",
-        f"rlsched plan: {plan_s:.1f} s ({summary['simulations']} simulations); simulating every distinct feasible "
-        f"setup: {exhaustive_s:.1f} s ({len(setups) * len(seeds)} simulations)",
-        f"plan's winner {winner}: {step[winner]:.2f} s a step; exhaustive best {best}: {step[best]:.2f} s "
-        f"({gap:+.2%})",
-        f"Spearman of the plan's order over the exhaustive top 10: {rho:.3f}; the exhaustive best is #"
-        f"{order.index(best) + 1} in the plan",
-        "", "the exhaustive top 10",
-        table(["setup", "step s (mean over seeds)", "rank in the plan"], rows)])
+    result = dict(
+        preset=args.preset,
+        gpus=args.gpus,
+        seeds=seeds,
+        workers=args.workers,
+        candidates=summary["candidates"],
+        feasible=len(scored),
+        dropped=len(dropped),
+        simulations=summary["simulations"],
+        plan_s=plan_s,
+        exhaustive_simulations=len(setups) * len(seeds),
+        exhaustive_s=exhaustive_s,
+        winner=winner,
+        winner_step_s=step[winner],
+        best=best,
+        best_step_s=step[best],
+        gap=gap,
+        spearman_top10=rho,
+        best_rank_in_plan=order.index(best) + 1,
+    )
+    text = "\n".join(
+        [
+            f"{args.preset}, {args.gpus} GPUs, seeds {seeds}, {args.workers} workers: {summary['candidates']} candidates "
+            f"({len(dropped)} cannot run)",
+            f"rlsched plan: {plan_s:.1f} s ({summary['simulations']} simulations); simulating every distinct feasible "
+            f"setup: {exhaustive_s:.1f} s ({len(setups) * len(seeds)} simulations)",
+            f"plan's winner {winner}: {step[winner]:.2f} s a step; exhaustive best {best}: {step[best]:.2f} s "
+            f"({gap:+.2%})",
+            f"Spearman of the plan's order over the exhaustive top 10: {rho:.3f}; the exhaustive best is #"
+            f"{order.index(best) + 1} in the plan",
+            "",
+            "the exhaustive top 10",
+            table(["setup", "step s (mean over seeds)", "rank in the plan"], rows),
+        ]
+    )
     print(text)
     write_result("plan_speed", dict(summary=result, rows=[dict(setup=x, step_s=step[x]) for x in labels]), text)
 

@@ -26,10 +26,18 @@ from rlsched.sim.learn import Learner, parallel_evaluator
 STATIC = "static:1,static:2,static:3,static:4,static:6"
 ADAPTIVE = "goodput,seqgoodput,twostate,bandit,{table},oracle"
 TREES = "tree:5:4:7,tree:5:8:31"  # fixed trees where the preset drafts trees: SGLang's default, a wide one
-PRESETS = {"longtail-grpo": "none", "low-acceptance": "none", "uneven-load": "none,rebalance", "default": "none",
-           "ngram-llama8b": "none", "eagle-h200-14b": "none", "respec-qwen2.5-3b": "none",
-           "respec-qwen2.5-7b": "none", "respec-qwen2.5-14b": "none",
-           "rlhfspec-llama3.1-8b-ppo": "none"}  # every shipped rollout preset
+PRESETS = {
+    "longtail-grpo": "none",
+    "low-acceptance": "none",
+    "uneven-load": "none,rebalance",
+    "default": "none",
+    "ngram-llama8b": "none",
+    "eagle-h200-14b": "none",
+    "respec-qwen2.5-3b": "none",
+    "respec-qwen2.5-7b": "none",
+    "respec-qwen2.5-14b": "none",
+    "rlhfspec-llama3.1-8b-ppo": "none",
+}  # every shipped rollout preset
 
 
 def run_preset(name: str, realloc: str, seeds: int, workers: int) -> dict:
@@ -43,8 +51,11 @@ def run_preset(name: str, realloc: str, seeds: int, workers: int) -> dict:
     plan = cmp.make_plan(cfg, policies, realloc, seeds, 1)
     results = cmp.run_jobs(cfg, plan.jobs(), workers)
     report = cmp.aggregate(cfg, plan, results)
-    report["learned_policy"] = {"file": str(path.relative_to(RESULTS.parent.parent)), "params": pf.params,
-                                "evaluations": learner.evaluations}
+    report["learned_policy"] = {
+        "file": str(path.relative_to(RESULTS.parent.parent)),
+        "params": pf.params,
+        "evaluations": learner.evaluations,
+    }
     return report
 
 
@@ -53,10 +64,18 @@ def rows_of(report: dict) -> list[list]:
     for a in report["aggregate"]:
         name = "table (learned)" if a["policy"].startswith("table:") else a["policy"]
         vs_best = a["ratio_vs_best_static"]
-        rows.append([report["name"], name, a["realloc"], a["generation_s"]["mean"], a["speedup_vs_off"]["mean"],
-                     vs_best["mean"] if vs_best else "",
-                     f"{vs_best['min']:.3f}-{vs_best['max']:.3f}" if vs_best else "",
-                     a["mean_accept_len"]["mean"] if a["mean_accept_len"] else ""])
+        rows.append(
+            [
+                report["name"],
+                name,
+                a["realloc"],
+                a["generation_s"]["mean"],
+                a["speedup_vs_off"]["mean"],
+                vs_best["mean"] if vs_best else "",
+                f"{vs_best['min']:.3f}-{vs_best['max']:.3f}" if vs_best else "",
+                a["mean_accept_len"]["mean"] if a["mean_accept_len"] else "",
+            ]
+        )
     return rows
 
 
@@ -68,8 +87,13 @@ def checks_of(reports: dict) -> dict:
     out = {}
     lt = reports.get("longtail-grpo")
     if lt:
-        gen = {(r["policy"].split(":")[0] if r["policy"].startswith("table:") else r["policy"], r["seed"]):
-               r["summary"]["generation_s"] for r in lt["runs"] if r["realloc"] == "none"}
+        gen = {
+            (r["policy"].split(":")[0] if r["policy"].startswith("table:") else r["policy"], r["seed"]): r["summary"][
+                "generation_s"
+            ]
+            for r in lt["runs"]
+            if r["realloc"] == "none"
+        }
         seeds = lt["seeds"]
         for p in ("goodput", "table"):  # per seed, and on average over the seeds
             out[f"longtail_{p}_within_3pct_of_oracle"] = all(gen[(p, s)] <= 1.03 * gen[("oracle", s)] for s in seeds)
@@ -78,7 +102,8 @@ def checks_of(reports: dict) -> dict:
             out[f"longtail_{p}_5pct_faster_than_best_static_on_average"] = sum(v) / len(v) >= 1.05
             out[f"longtail_{p}_vs_best_static_per_seed"] = [round(x, 3) for x in v]
         out["longtail_bandit_matches_best_static_every_seed"] = all(
-            v >= 1.0 for v in per_seed(lt, "bandit", "ratio_vs_best_static"))
+            v >= 1.0 for v in per_seed(lt, "bandit", "ratio_vs_best_static")
+        )
         b = per_seed(lt, "bandit", "ratio_vs_best_static")
         out["longtail_bandit_matches_best_static_on_average"] = sum(b) / len(b) >= 1.0
         o = per_seed(lt, "oracle", "ratio_vs_best_static")
@@ -86,8 +111,10 @@ def checks_of(reports: dict) -> dict:
     la = reports.get("low-acceptance")
     if la:
         out["low_acceptance_no_adaptive_policy_1pct_slower_than_off"] = all(
-            v >= 1 / 1.01 for p in ("goodput", "seqgoodput", "twostate", "bandit", "table")
-            for v in per_seed(la, p, "speedup_vs_off"))
+            v >= 1 / 1.01
+            for p in ("goodput", "seqgoodput", "twostate", "bandit", "table")
+            for v in per_seed(la, p, "speedup_vs_off")
+        )
     ul = reports.get("uneven-load")
     if ul:
         g = {(r["policy"], r["realloc"], r["seed"]): r["summary"]["generation_s"] for r in ul["runs"]}
@@ -112,11 +139,13 @@ def main() -> int:
         reports[name] = run_preset(name, PRESETS[name], args.seeds, args.workers)
         print(f"  [{name}] done ({time.time() - t0:.0f} s)", file=sys.stderr)
     rows = [row for rep in reports.values() for row in rows_of(rep)]
-    text = table(["preset", "policy", "realloc", "gen s (mean)", "x off", "x best static", "range", "accept len"],
-                 rows)
+    text = table(["preset", "policy", "realloc", "gen s (mean)", "x off", "x best static", "range", "accept len"], rows)
     checks = checks_of(reports)
-    lines = "\n".join(f"{'PASS' if ok is True else 'FAIL' if ok is False else '    '}  {k}"
-                      + ("" if isinstance(ok, bool) else f": {ok}") for k, ok in checks.items())
+    lines = "\n".join(
+        f"{'PASS' if ok is True else 'FAIL' if ok is False else '    '}  {k}"
+        + ("" if isinstance(ok, bool) else f": {ok}")
+        for k, ok in checks.items()
+    )
     seeds = f"learned on seed 0; compared on seeds 1..{args.seeds}; ratios per seed, then averaged"
     print(f"{text}\n{seeds}\n\n{lines}\n({time.time() - t0:.0f} s)")
     slim = {n: {k: v for k, v in r.items() if k not in ("config",)} for n, r in reports.items()}

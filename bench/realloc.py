@@ -51,8 +51,9 @@ def workload(tokenizer, prompts: int, group: int, seed: int, median: int, sigma:
     return out
 
 
-def simulate(samples: pd.DataFrame, steps: pd.DataFrame, work: Path, args, link,
-             share_prompts: bool) -> dict[str, float]:
+def simulate(
+    samples: pd.DataFrame, steps: pd.DataFrame, work: Path, args, link, share_prompts: bool
+) -> dict[str, float]:
     """Predicted generation-stage seconds of this rollout on two instances, per realloc policy:
     `rlsched replay`'s simulation (costs fitted from the traces' own steps, calibrated, plus
     the per-step overhead), with the KV link the pool measured and the pool's prefill sharing
@@ -65,8 +66,17 @@ def simulate(samples: pd.DataFrame, steps: pd.DataFrame, work: Path, args, link,
     rollout = _rollout(samples, "model")
     out = {}
     for name in ("none", "rebalance"):
-        run_cfg = {"rollout": dict(max_batch=args.max_batch, k_max=args.k, max_tokens=args.cap, instances=2,
-                                   realloc=name, realloc_threshold=args.threshold, share_prompts=share_prompts)}
+        run_cfg = {
+            "rollout": dict(
+                max_batch=args.max_batch,
+                k_max=args.k,
+                max_tokens=args.cap,
+                instances=2,
+                realloc=name,
+                realloc_threshold=args.threshold,
+                share_prompts=share_prompts,
+            )
+        }
         out[name] = _simulate([rollout], f"static:{args.k}", "model", sim_cost, policy_cost, run_cfg, args.seed)[0]
     return out
 
@@ -88,8 +98,11 @@ def measure(pool, requests, reps: int, label: str) -> tuple[dict, dict]:
             res = pool.run(requests)
             measured[name].append(res.stats["seconds"])
             stats[name].append({**res.stats, "rl_step": pool.rl_step})
-            print(f"{label} rep {rep} {name:9s} {res.stats['seconds']:.2f} s, migrated {res.stats['migrated']} "
-                  f"(kv {res.stats['migrated_kv']}), finish {res.stats['instance_finish_s']}", flush=True)
+            print(
+                f"{label} rep {rep} {name:9s} {res.stats['seconds']:.2f} s, migrated {res.stats['migrated']} "
+                f"(kv {res.stats['migrated_kv']}), finish {res.stats['instance_finish_s']}",
+                flush=True,
+            )
     return measured, stats
 
 
@@ -111,12 +124,12 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=None)
     args = ap.parse_args()
 
+    from rlsched.costs.measured import MeasuredCostModel
+    from rlsched.executor.decode.sampling import SamplingParams
     from rlsched.executor.model.builtin import builtin_pair
     from rlsched.executor.model.loading import load_model
     from rlsched.executor.pool.instances import InstancePool, InstanceSpec
     from rlsched.executor.profiler import policy_profile
-    from rlsched.executor.decode.sampling import SamplingParams
-    from rlsched.costs.measured import MeasuredCostModel
     from rlsched.traces.reader import read_trace
 
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
@@ -125,19 +138,40 @@ def main() -> None:
     sampling = SamplingParams(temperature=1.0)
     requests = workload(target.tokenizer, args.prompts, args.group, args.seed, args.median, args.sigma, args.cap)
     longest = max(len(r.prompt) for r in requests) + args.cap
-    base = MeasuredCostModel(policy_profile(target.model, None, policy="off", max_batch=args.max_batch,
-                                            k_max=args.k, typical_ctx=40, sampling=sampling))
+    base = MeasuredCostModel(
+        policy_profile(
+            target.model, None, policy="off", max_batch=args.max_batch, k_max=args.k, typical_ctx=40, sampling=sampling
+        )
+    )
     measured, stats, predicted, link = {}, {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for backend in backends:
             work = (args.work or Path(tmp)) / backend
-            spec = InstanceSpec(str(pair.target), "model", str(pair.drafter), sampling, f"static:{args.k}",
-                                args.max_batch * longest, args.max_batch, args.k, longest + 2 * args.k + 8,
-                                trace_dir=str(work / "traces"), threads=1, backend=backend,
-                                max_len=longest + args.k + 1, seed=args.seed)
+            spec = InstanceSpec(
+                str(pair.target),
+                "model",
+                str(pair.drafter),
+                sampling,
+                f"static:{args.k}",
+                args.max_batch * longest,
+                args.max_batch,
+                args.k,
+                longest + 2 * args.k + 8,
+                trace_dir=str(work / "traces"),
+                threads=1,
+                backend=backend,
+                max_len=longest + args.k + 1,
+                seed=args.seed,
+            )
             # vLLM's pool prices moves by step costs its first instance measures
-            pool = InstancePool(2, spec, realloc="rebalance", threshold=args.threshold,
-                                cost=base if backend == "local" else None, seed=args.seed)
+            pool = InstancePool(
+                2,
+                spec,
+                realloc="rebalance",
+                threshold=args.threshold,
+                cost=base if backend == "local" else None,
+                seed=args.seed,
+            )
             try:
                 measured[backend], stats[backend] = measure(pool, requests, args.reps, backend)
             finally:
@@ -147,8 +181,9 @@ def main() -> None:
                 steps, samples = read_trace(work / "traces", "steps"), read_trace(work / "traces", "samples")
                 none_steps = [s["rl_step"] for s in stats[backend]["none"]]
                 first = samples[samples["rl_step"] == none_steps[0]]
-                predicted[backend] = simulate(first, steps[steps["rl_step"].isin(none_steps)], work, args, pool.cost,
-                                              spec.share_prompts)
+                predicted[backend] = simulate(
+                    first, steps[steps["rl_step"].isin(none_steps)], work, args, pool.cost, spec.share_prompts
+                )
 
     rows, cuts, lines = [], {}, []
     for backend in backends:
@@ -157,23 +192,48 @@ def main() -> None:
         best = {k: float(np.min(v)) for k, v in m.items()}
         paired = 1 - np.array(m["rebalance"]) / np.array(m["none"])  # rep by rep, run back to back
         pred = predicted.get(backend)
-        cuts[backend] = dict(measured_median=med, cut_measured=1 - med["rebalance"] / med["none"],
-                             cut_min=1 - best["rebalance"] / best["none"], cut_paired=paired.tolist(),
-                             cut_paired_mean=float(paired.mean()),
-                             cut_predicted=None if pred is None else 1 - pred["rebalance"] / pred["none"])
+        cuts[backend] = dict(
+            measured_median=med,
+            cut_measured=1 - med["rebalance"] / med["none"],
+            cut_min=1 - best["rebalance"] / best["none"],
+            cut_paired=paired.tolist(),
+            cut_paired_mean=float(paired.mean()),
+            cut_predicted=None if pred is None else 1 - pred["rebalance"] / pred["none"],
+        )
         for name in ("none", "rebalance"):
-            rows.append([backend, name, med[name], best[name], "-" if pred is None else pred[name],
-                         float(np.mean([s["migrated"] for s in stats[backend][name]]))])
+            rows.append(
+                [
+                    backend,
+                    name,
+                    med[name],
+                    best[name],
+                    "-" if pred is None else pred[name],
+                    float(np.mean([s["migrated"] for s in stats[backend][name]])),
+                ]
+            )
         c = cuts[backend]
         sim = "" if pred is None else f"; the simulator predicts {c['cut_predicted']:.1%}"
-        lines.append(f"{backend}: rebalance cuts the generation stage by {c['cut_measured']:.1%} measured (median "
-                     f"of {args.reps}), {c['cut_min']:.1%} (min), {paired.mean():.1%} as the mean of the reps' "
-                     f"back-to-back pairs ({paired.min():.1%} to {paired.max():.1%}){sim}")
+        lines.append(
+            f"{backend}: rebalance cuts the generation stage by {c['cut_measured']:.1%} measured (median "
+            f"of {args.reps}), {c['cut_min']:.1%} (min), {paired.mean():.1%} as the mean of the reps' "
+            f"back-to-back pairs ({paired.min():.1%} to {paired.max():.1%}){sim}"
+        )
     text = table(["backend", "realloc", "measured median s", "measured min s", "simulated s", "migrated"], rows)
     text += "\n\n" + "\n".join(lines)
     print(text)
-    write_result("realloc", dict(args={k: str(v) for k, v in vars(args).items()}, measured=measured,
-                                 predicted=predicted, cuts=cuts, samples=len(requests), stats=stats, link=link), text)
+    write_result(
+        "realloc",
+        dict(
+            args={k: str(v) for k, v in vars(args).items()},
+            measured=measured,
+            predicted=predicted,
+            cuts=cuts,
+            samples=len(requests),
+            stats=stats,
+            link=link,
+        ),
+        text,
+    )
 
 
 if __name__ == "__main__":

@@ -49,14 +49,18 @@ def seed_runs(labels: list[str], seed: int, steps: int, overrides: list[str], ro
         policy, _, drafter = label.partition("+")
         drafter, _, schedule = drafter.partition("/")  # builtin/every: drafter updates on the fixed interval
         extra = [f"drafter_update.schedule={schedule}"] if schedule else []
-        cfg = build_run_config({}, [f"policy={policy}", f"drafter={drafter or 'off'}", f"seed={seed}",
-                                    f"steps={steps}", *overrides, *extra])
+        cfg = build_run_config(
+            {},
+            [f"policy={policy}", f"drafter={drafter or 'off'}", f"seed={seed}", f"steps={steps}", *overrides, *extra],
+        )
         t = time.perf_counter()
         trainers[label] = Trainer(cfg, root / f"{label.replace(':', '-')}-seed{seed}")
         setup[label] = time.perf_counter() - t
     lockstep(list(trainers.values()), steps)
-    return {label: (read_trace(t.out / "traces", "rl_steps").sort_values("rl_step").reset_index(drop=True),
-                    setup[label]) for label, t in trainers.items()}
+    return {
+        label: (read_trace(t.out / "traces", "rl_steps").sort_values("rl_step").reset_index(drop=True), setup[label])
+        for label, t in trainers.items()
+    }
 
 
 def start_end(rewards: np.ndarray) -> tuple[float, float]:
@@ -75,17 +79,23 @@ def figure(runs: dict, path: Path) -> None:
     ax = fig.add_subplot(1, 2, 1)
     for (policy, seed), df in runs.items():
         colors = {lab: f"C{i}" for i, lab in enumerate(sorted({p for p, _ in runs}, key=lambda p: p != "off"))}
-        ax.plot(df.rl_step, smooth(df.reward_mean.to_numpy()), color=colors[policy],
-                alpha=0.8, label=f"{policy}" if seed == min(s for _, s in runs) else None,
-                linestyle=["-", "--", ":", "-."][seed % 4])
+        ax.plot(
+            df.rl_step,
+            smooth(df.reward_mean.to_numpy()),
+            color=colors[policy],
+            alpha=0.8,
+            label=f"{policy}" if seed == min(s for _, s in runs) else None,
+            linestyle=["-", "--", ":", "-."][seed % 4],
+        )
     ax.set(xlabel="RL step", ylabel="reward (5-step mean)", title="reward per seed: SD off and adaptive SD")
     ax.legend()
     ax = fig.add_subplot(1, 2, 2)
     policies = sorted({p for p, _ in runs}, key=lambda p: p != "off")
     bottom = np.zeros(len(policies))
     for stage in STAGES:
-        v = np.array([np.mean([df[f"{stage}_s"].mean() for (p, _), df in runs.items() if p == pol])
-                      for pol in policies])
+        v = np.array(
+            [np.mean([df[f"{stage}_s"].mean() for (p, _), df in runs.items() if p == pol]) for pol in policies]
+        )
         ax.bar(policies, v, bottom=bottom, label=stage)
         bottom += v
     ax.set(ylabel="seconds per RL step (mean over seeds)", title="stage split")
@@ -99,9 +109,11 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--policy", default="goodput", help="the adaptive policy (default: goodput)")
-    ap.add_argument("--drafters", default="builtin,builtin/every,ngram",
-                    help="drafters of the adaptive runs, comma-separated; "
-                         "DRAFTER/SCHEDULE sets drafter_update.schedule")
+    ap.add_argument(
+        "--drafters",
+        default="builtin,builtin/every,ngram",
+        help="drafters of the adaptive runs, comma-separated; DRAFTER/SCHEDULE sets drafter_update.schedule",
+    )
     ap.add_argument("--set", dest="sets", action="append", default=[], help="config override (repeatable)")
     ap.add_argument("--name", default="rl_e2e", help="results file name under bench/results/")
     args = ap.parse_args()
@@ -124,42 +136,88 @@ def main() -> None:
         speed_t = [runs["off", s].total_s.sum() / runs[label, s].total_s.sum() for s in range(args.seeds)]
         speed_g = [runs["off", s].generation_s.sum() / runs[label, s].generation_s.sum() for s in range(args.seeds)]
         r0, r1 = zip(*(start_end(df.reward_mean.to_numpy()) for df in dfs))
-        rows.append([label, total, *stage.values(), accept,
-                     float(np.mean([df.response_tokens.sum() / df.generation_s.sum() for df in dfs])),
-                     f"{np.mean(speed_t):.3f} ({min(speed_t):.2f}-{max(speed_t):.2f})",
-                     f"{np.mean(speed_g):.3f} ({min(speed_g):.2f}-{max(speed_g):.2f})",
-                     f"{np.mean(r0):.3f} -> {np.mean(r1):.3f}"])
+        rows.append(
+            [
+                label,
+                total,
+                *stage.values(),
+                accept,
+                float(np.mean([df.response_tokens.sum() / df.generation_s.sum() for df in dfs])),
+                f"{np.mean(speed_t):.3f} ({min(speed_t):.2f}-{max(speed_t):.2f})",
+                f"{np.mean(speed_g):.3f} ({min(speed_g):.2f}-{max(speed_g):.2f})",
+                f"{np.mean(r0):.3f} -> {np.mean(r1):.3f}",
+            ]
+        )
         for s, df in enumerate(dfs):
             a, b = start_end(df.reward_mean.to_numpy())
-            per_seed.append(dict(label=label, seed=s, seconds=float(df.total_s.sum()),
-                                 generation_s=float(df.generation_s.sum()), speedup_total=speed_t[s],
-                                 speedup_generation=speed_g[s], reward_start=a, reward_end=b,
-                                 setup_s=setup[label, s]))
+            per_seed.append(
+                dict(
+                    label=label,
+                    seed=s,
+                    seconds=float(df.total_s.sum()),
+                    generation_s=float(df.generation_s.sum()),
+                    speedup_total=speed_t[s],
+                    speedup_generation=speed_g[s],
+                    reward_start=a,
+                    reward_end=b,
+                    setup_s=setup[label, s],
+                )
+            )
     # on-policy safety: each SD curve's gap to the off curve against the spread between seeds
-    curves = {lab: np.stack([smooth(runs[lab, s].reward_mean.to_numpy()) for s in range(args.seeds)])
-              for lab in labels}
+    curves = {lab: np.stack([smooth(runs[lab, s].reward_mean.to_numpy()) for s in range(args.seeds)]) for lab in labels}
     spread = float(np.mean([c.std(0, ddof=1).mean() for c in curves.values()])) if args.seeds > 1 else float("nan")
     gaps = {lab: float(np.abs(curves["off"].mean(0) - curves[lab].mean(0)).mean()) for lab in labels[1:]}
     ends = {lab: [d["reward_end"] for d in per_seed if d["label"] == lab] for lab in labels}
 
-    head = ["run", "s/run", "generation", "inference", "training", "drafter upd", "accepted len", "gen tok/s",
-            "speedup total", "speedup gen", "reward start -> end"]
+    head = [
+        "run",
+        "s/run",
+        "generation",
+        "inference",
+        "training",
+        "drafter upd",
+        "accepted len",
+        "gen tok/s",
+        "speedup total",
+        "speedup gen",
+        "reward start -> end",
+    ]
     summary = "\n".join(
-        ["reward at the end (last 20% of steps), mean +- std over seeds: "
-         + ", ".join(f"{lab} {np.mean(v):.3f} +- {np.std(v):.3f}" for lab, v in ends.items()),
-         f"reward curves (5-step means): mean std between seeds {spread:.3f}; mean gap to off: "
-         + ", ".join(f"{lab} {g:.3f}" for lab, g in gaps.items())])
-    text = "\n\n".join([f"{args.seeds} seeds x {args.steps} RL steps, default config"
-                        + (f" with {' '.join(args.sets)}" if args.sets else "")
-                        + "; seconds are sums over the run's steps, means over seeds; speedups per seed against "
-                          "off (mean, min-max)", table(head, rows), summary])
+        [
+            "reward at the end (last 20% of steps), mean +- std over seeds: "
+            + ", ".join(f"{lab} {np.mean(v):.3f} +- {np.std(v):.3f}" for lab, v in ends.items()),
+            f"reward curves (5-step means): mean std between seeds {spread:.3f}; mean gap to off: "
+            + ", ".join(f"{lab} {g:.3f}" for lab, g in gaps.items()),
+        ]
+    )
+    text = "\n\n".join(
+        [
+            f"{args.seeds} seeds x {args.steps} RL steps, default config"
+            + (f" with {' '.join(args.sets)}" if args.sets else "")
+            + "; seconds are sums over the run's steps, means over seeds; speedups per seed against "
+            "off (mean, min-max)",
+            table(head, rows),
+            summary,
+        ]
+    )
     print(text)
     RESULTS.mkdir(parents=True, exist_ok=True)
     figure(runs, RESULTS / f"{args.name}.png")
-    write_result(args.name, dict(
-        seeds=args.seeds, steps=args.steps, labels=labels, overrides=args.sets,
-        rows=[dict(zip(head, r)) for r in rows], per_seed=per_seed, curve_gaps=gaps, seed_spread=spread,
-        reward_curves={f"{lab}/seed{s}": df.reward_mean.round(4).tolist() for (lab, s), df in runs.items()}), text)
+    write_result(
+        args.name,
+        dict(
+            seeds=args.seeds,
+            steps=args.steps,
+            labels=labels,
+            overrides=args.sets,
+            rows=[dict(zip(head, r)) for r in rows],
+            per_seed=per_seed,
+            curve_gaps=gaps,
+            seed_spread=spread,
+            reward_curves={f"{lab}/seed{s}": df.reward_mean.round(4).tolist() for (lab, s), df in runs.items()},
+        ),
+        text,
+    )
 
 
 if __name__ == "__main__":

@@ -45,11 +45,23 @@ def long_tail(seeds: int, prompts: int | None) -> tuple[list[list], dict]:
         cfg = load_config("longtail-grpo", overrides=over)
         times = {p: simulate(cfg, p).summary()["generation_s"] for p in policies}
         best_static = min((times[p], p) for p in policies if p.startswith("static"))
-        rows.append([seed, times["off"], best_static[1], best_static[0], times["goodput"],
-                     times["off"] / times["goodput"], best_static[0] / times["goodput"]])
-        data[seed] = {"generation_s": times, "best_static": best_static[1],
-                      "goodput_vs_off": times["off"] / times["goodput"],
-                      "goodput_vs_best_static": best_static[0] / times["goodput"]}
+        rows.append(
+            [
+                seed,
+                times["off"],
+                best_static[1],
+                best_static[0],
+                times["goodput"],
+                times["off"] / times["goodput"],
+                best_static[0] / times["goodput"],
+            ]
+        )
+        data[seed] = {
+            "generation_s": times,
+            "best_static": best_static[1],
+            "goodput_vs_off": times["off"] / times["goodput"],
+            "goodput_vs_best_static": best_static[0] / times["goodput"],
+        }
     return rows, data
 
 
@@ -66,8 +78,9 @@ def main() -> int:
     t2 = table(["seed", "off s", "best static", "its s", "goodput s", "vs off", "vs best static"], rows)
     print("\nLong-tail GRPO rollout (longtail-grpo): generation-stage time\n" + t2)
     checks = {
-        "best_static_above_1.3x_at_batch_1_to_8": all(max(sweep[b][f"static:{k}"] for k in KS) > 1.3
-                                                      for b in (1, 2, 4, 8)),
+        "best_static_above_1.3x_at_batch_1_to_8": all(
+            max(sweep[b][f"static:{k}"] for k in KS) > 1.3 for b in (1, 2, 4, 8)
+        ),
         "k4_falls_with_batch": all(sweep[a]["static:4"] >= sweep[b]["static:4"] for a, b in zip(BATCHES, BATCHES[1:])),
         "k4_below_1x_at_batch_256_up": all(sweep[b]["static:4"] < 1.0 for b in BATCHES if b >= 256),
         "k8_below_1x_at_batch_128_up": all(sweep[b]["static:8"] < 1.0 for b in BATCHES if b >= 128),
@@ -77,8 +90,11 @@ def main() -> int:
     print("\n" + "\n".join(f"{'PASS' if ok else 'FAIL'}  {name}" for name, ok in checks.items()))
     print(f"\n({time.time() - t0:.1f} s)")
     if not args.quick:
-        path = write_result("sim_effects", {"batch_sweep": sweep, "long_tail": tail, "checks": checks},
-                            t1 + "\n\n" + t2 + "\n\n" + "\n".join(f"{k}: {v}" for k, v in checks.items()))
+        path = write_result(
+            "sim_effects",
+            {"batch_sweep": sweep, "long_tail": tail, "checks": checks},
+            t1 + "\n\n" + t2 + "\n\n" + "\n".join(f"{k}: {v}" for k, v in checks.items()),
+        )
         print(f"results: {path}")
     return 0 if all(checks.values()) else 1
 

@@ -39,15 +39,22 @@ def run_one(name: str, policy: str) -> dict:
     res = simulate(cfg, policy)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     s = res.summary()
-    return {"scenario": name, "policy": policy, "instances": cfg.cluster.instances, "samples": s["samples_per_step"],
-            "engine_steps": s["engine_steps"], "wall_s": wall, "cpu_s": cpu, "steps_per_s": s["engine_steps"] / cpu,
-            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "generation_s_simulated": s["generation_s"]}
+    return {
+        "scenario": name,
+        "policy": policy,
+        "instances": cfg.cluster.instances,
+        "samples": s["samples_per_step"],
+        "engine_steps": s["engine_steps"],
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "steps_per_s": s["engine_steps"] / cpu,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "generation_s_simulated": s["generation_s"],
+    }
 
 
 def child(name: str, policy: str) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--one", name, policy], capture_output=True, text=True,
-                         check=True)
+    out = subprocess.run([sys.executable, __file__, "--one", name, policy], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -70,12 +77,27 @@ def main() -> int:
     for name, policy in plan:
         r = child(name, policy)
         results.append(r)
-        print(f"{name:26s} {policy:9s} {r['engine_steps']:>10,d} steps  {r['wall_s']:7.2f} s  "
-              f"{r['steps_per_s']:>9,.0f} steps/s  {r['peak_rss_mib']:7.0f} MiB", file=sys.stderr)
-    rows = [[r["scenario"], r["policy"], r["instances"], r["samples"], r["engine_steps"], r["wall_s"],
-             round(r["steps_per_s"]), round(r["peak_rss_mib"])] for r in results]
-    text = table(["scenario", "policy", "instances", "samples", "engine steps", "wall s", "steps/s (1 core)",
-                  "peak MiB"], rows)
+        print(
+            f"{name:26s} {policy:9s} {r['engine_steps']:>10,d} steps  {r['wall_s']:7.2f} s  "
+            f"{r['steps_per_s']:>9,.0f} steps/s  {r['peak_rss_mib']:7.0f} MiB",
+            file=sys.stderr,
+        )
+    rows = [
+        [
+            r["scenario"],
+            r["policy"],
+            r["instances"],
+            r["samples"],
+            r["engine_steps"],
+            r["wall_s"],
+            round(r["steps_per_s"]),
+            round(r["peak_rss_mib"]),
+        ]
+        for r in results
+    ]
+    text = table(
+        ["scenario", "policy", "instances", "samples", "engine steps", "wall s", "steps/s (1 core)", "peak MiB"], rows
+    )
     print(text)
     big = [r for r in results if r["scenario"] == "cluster-64x8192-16k"]
     checks = {
@@ -84,8 +106,11 @@ def main() -> int:
         "at_least_50k_steps_per_s_all_policies": all(r["steps_per_s"] >= 50_000 for r in big),
     }
     print("\n" + "\n".join(f"{'PASS' if ok else 'FAIL'}  {k}" for k, ok in checks.items()))
-    path = write_result("sim_speed", {"results": results, "checks": checks},
-                        text + "\n\n" + "\n".join(f"{k}: {v}" for k, v in checks.items()))
+    path = write_result(
+        "sim_speed",
+        {"results": results, "checks": checks},
+        text + "\n\n" + "\n".join(f"{k}: {v}" for k, v in checks.items()),
+    )
     print(f"results: {path}")
     return 0 if all(checks.values()) else 1
 

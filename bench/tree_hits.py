@@ -53,10 +53,10 @@ from scipy.optimize import least_squares
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import table, write_result  # noqa: E402
 
-from rlsched.executor.model.builtin import EOS, builtin_pair, encode  # noqa: E402
-from rlsched.executor.model.loading import load_model  # noqa: E402
 from rlsched.executor.decode.sampling import SamplingParams, probs  # noqa: E402
 from rlsched.executor.decode.speculative import generate  # noqa: E402
+from rlsched.executor.model.builtin import EOS, builtin_pair, encode  # noqa: E402
+from rlsched.executor.model.loading import load_model  # noqa: E402
 from rlsched.policies.tree import rank_probs  # noqa: E402
 from rlsched.tasks.synthetic import make_examples  # noqa: E402
 
@@ -77,15 +77,13 @@ def fit_tree(h, a: float | None = None) -> dict:
     h = np.asarray(h, dtype=float)
     r = len(h)
     if a is None:
-        res = least_squares(lambda x: tree_hits(x[0], x[1], r) - h, [h[0], 0.25],
-                            bounds=([0.0, 1e-6], [1.0, 1 - 1e-6]))
+        res = least_squares(lambda x: tree_hits(x[0], x[1], r) - h, [h[0], 0.25], bounds=([0.0, 1e-6], [1.0, 1 - 1e-6]))
         a, gain = res.x
     else:
         res = least_squares(lambda x: tree_hits(a, x[0], r) - h, [0.25], bounds=([1e-6], [1 - 1e-6]))
         gain = res.x[0]
     err = tree_hits(a, gain, r) - h
-    return dict(a=float(a), gain=float(gain), rmse=float(np.sqrt(np.mean(err ** 2))),
-                max_err=float(np.abs(err).max()))
+    return dict(a=float(a), gain=float(gain), rmse=float(np.sqrt(np.mean(err**2))), max_err=float(np.abs(err).max()))
 
 
 @torch.inference_mode()
@@ -96,7 +94,7 @@ def position_stats(target, drafter, prompts: list[list[int]], responses: list[li
     seqs = [p + r for p, r in zip(prompts, responses)]
     ids = torch.zeros((len(seqs), max(map(len, seqs))), dtype=torch.long)
     for i, s in enumerate(seqs):
-        ids[i, :len(s)] = torch.tensor(s)
+        ids[i, : len(s)] = torch.tensor(s)
     rows = torch.tensor([i for i, r in enumerate(responses) for _ in r], dtype=torch.long)
     at = torch.tensor([len(p) - 1 + j for p, r in zip(prompts, responses) for j in range(len(r))], dtype=torch.long)
     token = ids[rows, at + 1]
@@ -113,8 +111,8 @@ def sample_responses(target, prompts: list[list[int]], max_new: int, batch: int,
     gen = torch.Generator().manual_seed(seed)
     out = []
     for i in range(0, len(prompts), batch):
-        tokens, _, _ = generate(target, prompts[i:i + batch], max_new, SamplingParams(temperature=1.0), generator=gen)
-        out += [t[:t.index(EOS) + 1] if EOS in t else t for t in tokens]
+        tokens, _, _ = generate(target, prompts[i : i + batch], max_new, SamplingParams(temperature=1.0), generator=gen)
+        out += [t[: t.index(EOS) + 1] if EOS in t else t for t in tokens]
     return out
 
 
@@ -153,8 +151,10 @@ def main(argv=None) -> None:
     examples = make_examples(args.prompts, seed=PROMPT_SEED)
     prompts = [encode(e.prompt) for e in examples]
     responses = sample_responses(target, prompts, args.max_new, args.batch, args.seed)
-    parts = [position_stats(target, drafter, prompts[i:i + args.batch], responses[i:i + args.batch])
-             for i in range(0, len(prompts), args.batch)]
+    parts = [
+        position_stats(target, drafter, prompts[i : i + args.batch], responses[i : i + args.batch])
+        for i in range(0, len(prompts), args.batch)
+    ]
     rank, mass, overlap = (np.concatenate([p[k] for p in parts]) for k in ("rank", "mass", "overlap"))
     response = np.repeat(np.arange(len(responses)), [len(r) for r in responses])
     task = np.repeat([e.task for e in examples], [len(r) for r in responses])
@@ -170,29 +170,58 @@ def main(argv=None) -> None:
     for name in sorted(set(task)):
         sel = task == name
         f = fit_tree(hit_rates(rank[sel])[:R_FIT])
-        tasks.append(dict(task=name, positions=int(sel.sum()), h1=float((rank[sel] == 1).mean()),
-                          overlap=float(overlap[sel].mean()), a=f["a"], gain=f["gain"], rmse=f["rmse"]))
+        tasks.append(
+            dict(
+                task=name,
+                positions=int(sel.sum()),
+                h1=float((rank[sel] == 1).mean()),
+                overlap=float(overlap[sel].mean()),
+                a=f["a"],
+                gain=f["gain"],
+                rmse=f["rmse"],
+            )
+        )
     seconds = time.perf_counter() - start
 
-    text = "\n\n".join([
-        f"{len(rank)} positions of {len(responses)} responses (temperature 1, at most {args.max_new} tokens), "
-        f"{seconds:.0f} s",
-        table(["r", "measured h_r", "expected h_r", f"model (a={a:.3f}, gain={gain:.3f})",
-               "independent 1-(1-a)^r"], rows),
-        f"fit on r=1..{R_FIT}: a {a:.3f}, gain {gain:.3f}, rmse {both['rmse']:.4f}, max error "
-        f"{both['max_err']:.4f}; r=1..{R_MAX}: rmse {np.sqrt(np.mean((model - h) ** 2)):.4f}\n"
-        f"gain alone with a = h_1 = {h[0]:.3f}: gain {gain_only['gain']:.3f}, rmse {gain_only['rmse']:.4f}\n"
-        f"gain 5-95% over {args.bootstrap} resamples of the responses: {spread[0]:.3f}-{spread[1]:.3f}\n"
-        f"sampled chain's acceptance (mean of sum min(p, q)): {overlap.mean():.3f}; top-1 hit rate h_1: {h[0]:.3f}",
-        table(["task", "positions", "h_1", "overlap", "a", "gain", "rmse"],
-              [[t["task"], t["positions"], t["h1"], t["overlap"], t["a"], t["gain"], round(t["rmse"], 4)]
-               for t in tasks]),
-    ])
+    text = "\n\n".join(
+        [
+            f"{len(rank)} positions of {len(responses)} responses (temperature 1, at most {args.max_new} tokens), "
+            f"{seconds:.0f} s",
+            table(
+                ["r", "measured h_r", "expected h_r", f"model (a={a:.3f}, gain={gain:.3f})", "independent 1-(1-a)^r"],
+                rows,
+            ),
+            f"fit on r=1..{R_FIT}: a {a:.3f}, gain {gain:.3f}, rmse {both['rmse']:.4f}, max error "
+            f"{both['max_err']:.4f}; r=1..{R_MAX}: rmse {np.sqrt(np.mean((model - h) ** 2)):.4f}\n"
+            f"gain alone with a = h_1 = {h[0]:.3f}: gain {gain_only['gain']:.3f}, rmse {gain_only['rmse']:.4f}\n"
+            f"gain 5-95% over {args.bootstrap} resamples of the responses: {spread[0]:.3f}-{spread[1]:.3f}\n"
+            f"sampled chain's acceptance (mean of sum min(p, q)): {overlap.mean():.3f}; top-1 hit rate h_1: {h[0]:.3f}",
+            table(
+                ["task", "positions", "h_1", "overlap", "a", "gain", "rmse"],
+                [
+                    [t["task"], t["positions"], t["h1"], t["overlap"], t["a"], t["gain"], round(t["rmse"], 4)]
+                    for t in tasks
+                ],
+            ),
+        ]
+    )
     print(text)
-    payload = dict(args=vars(args), positions=int(len(rank)), responses=len(responses), seconds=seconds,
-                   h_measured=h.tolist(), h_expected=h_exp.tolist(), model=model.tolist(),
-                   independent=independent.tolist(), fit=both, fit_gain_at_h1=gain_only, gain_5_95=spread,
-                   chain_acceptance=float(overlap.mean()), h1=float(h[0]), tasks=tasks)
+    payload = dict(
+        args=vars(args),
+        positions=int(len(rank)),
+        responses=len(responses),
+        seconds=seconds,
+        h_measured=h.tolist(),
+        h_expected=h_exp.tolist(),
+        model=model.tolist(),
+        independent=independent.tolist(),
+        fit=both,
+        fit_gain_at_h1=gain_only,
+        gain_5_95=spread,
+        chain_acceptance=float(overlap.mean()),
+        h1=float(h[0]),
+        tasks=tasks,
+    )
     folder = os.environ.get("OUT")
     write_result("tree_hits", payload, text, Path(folder) if folder else None)
 

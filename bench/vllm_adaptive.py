@@ -57,9 +57,9 @@ def planted_pair(folder: Path, smoke: bool, seed: int, prompt_vocab: int) -> tup
     above the prompts' vocabulary, never emitted) are set to token t's embedding, for each
     prompt token t below `prompt_vocab`."""
     import torch
-
     from gpu_drain import builtin_shapes, echo_target
     from gpu_engine import QWEN_0_5B, QWEN_1_5B
+
     from rlsched.executor.model.saving import save_model
 
     if smoke:  # (a vocabulary with room for the stand-ins)
@@ -68,8 +68,12 @@ def planted_pair(folder: Path, smoke: bool, seed: int, prompt_vocab: int) -> tup
     else:
         target_cfg, drafter_cfg = dict(QWEN_1_5B), dict(QWEN_0_5B, num_layers=4)
     target_cfg = dict(target_cfg, max_position_embeddings=4096 if not smoke else target_cfg["max_position_embeddings"])
-    drafter_cfg = dict(drafter_cfg, tie_word_embeddings=False, vocab_size=target_cfg["vocab_size"],
-                       max_position_embeddings=target_cfg["max_position_embeddings"])
+    drafter_cfg = dict(
+        drafter_cfg,
+        tie_word_embeddings=False,
+        vocab_size=target_cfg["vocab_size"],
+        max_position_embeddings=target_cfg["max_position_embeddings"],
+    )
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     out = []
@@ -104,9 +108,9 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="planted models at the built-in pair's shapes")
     args = ap.parse_args()
 
+    from rlsched.executor.decode.sampling import SamplingParams
     from rlsched.executor.model.builtin import builtin_pair
     from rlsched.executor.model.loading import load_model
-    from rlsched.executor.decode.sampling import SamplingParams
     from rlsched.executor.vllm.engine import VllmRolloutEngine
     from rlsched.policies.draft import PolicyContext
     from rlsched.policies.lookup import TwoStatePolicy
@@ -127,10 +131,21 @@ def main() -> None:
         dtype = "float32" if args.smoke else "bfloat16"
 
     def engine(policy: str, cost=None):
-        return VllmRolloutEngine(target, "off" if policy == "off" else drafter, sampling, policy,
-                                 max_batch=args.max_batch, k_max=args.k_max, max_len=longest + args.k_max + 1,
-                                 trace_dir=work / policy.replace(":", "_"), seed=args.seed, threads=args.threads,
-                                 cost=cost, typical_ctx=typical, dtype=dtype)
+        return VllmRolloutEngine(
+            target,
+            "off" if policy == "off" else drafter,
+            sampling,
+            policy,
+            max_batch=args.max_batch,
+            k_max=args.k_max,
+            max_len=longest + args.k_max + 1,
+            trace_dir=work / policy.replace(":", "_"),
+            seed=args.seed,
+            threads=args.threads,
+            cost=cost,
+            typical_ctx=typical,
+            dtype=dtype,
+        )
 
     arms: dict[str, VllmRolloutEngine] = {"off": engine("off")}
     for k in args.static.split(","):
@@ -142,8 +157,16 @@ def main() -> None:
     calibration_s = first.calibration_s or time.perf_counter() - t
     warm = arms["static:" + args.static.split(",")[-1]].run(requests)  # the acceptance the table is solved at
     accept = warm.stats["accepted"] / max(1, warm.stats["drafted"])
-    two = TwoStatePolicy.solve(PolicyContext(cost, ("model",), k_max=args.k_max, max_batch=args.max_batch,
-                                             typical_ctx=typical, acceptance_prior={"model": accept}))
+    two = TwoStatePolicy.solve(
+        PolicyContext(
+            cost,
+            ("model",),
+            k_max=args.k_max,
+            max_batch=args.max_batch,
+            typical_ctx=typical,
+            acceptance_prior={"model": accept},
+        )
+    )
     table_policy = f"twostate:{two.max_batch_on}:{two.k}"  # (max_batch_on 0: SD never pays, plain)
     arms[f"table ({table_policy})"] = engine(table_policy)
     if adaptive:
@@ -171,28 +194,50 @@ def main() -> None:
         hook_ms = float(np.median([1e3 * r["hook_s"] / max(1, r["steps"]) for r in rs]))
         step_ms = 1e3 * sec / max(1.0, steps)
         acc = sum(r["accepted"] for r in rs) / max(1, sum(r["drafted"] for r in rs))
-        out[name] = dict(seconds=sec, runs_s=[r["seconds"] for r in rs], speedup_vs_off=off / sec, steps=steps,
-                         step_ms=step_ms, hook_ms_per_step=hook_ms, acceptance=acc,
-                         tokens=int(np.median([r["tokens"] for r in rs])))
+        out[name] = dict(
+            seconds=sec,
+            runs_s=[r["seconds"] for r in rs],
+            speedup_vs_off=off / sec,
+            steps=steps,
+            step_ms=step_ms,
+            hook_ms_per_step=hook_ms,
+            acceptance=acc,
+            tokens=int(np.median([r["tokens"] for r in rs])),
+        )
         rows.append([name, sec, off / sec, steps, step_ms, hook_ms, acc])
     statics = {n: v for n, v in out.items() if n.startswith("static:")}
     best = min(statics, key=lambda n: statics[n]["seconds"]) if statics else None
-    models = "the built-in pair" if args.models == "builtin" else (
-        "the planted pair" + (" (built-in shapes)" if args.smoke else " (Qwen2.5-1.5B, 4 layers of 0.5B)"))
-    text = (f"vLLM {arms and next(iter(arms.values())).vllm_version} on {models}: {len(requests)} samples "
-            f"({args.prompts} prompts x {args.group}), long-tailed budgets (median {args.median}), "
-            f"max_batch {args.max_batch}, k_max {args.k_max}; median of {args.reps} interleaved rounds\n"
-            f"step costs measured through vLLM in {calibration_s:.1f} s at start-up; best static after the fact: "
-            f"{best}\n\n"
-            + table(["arm", "rollout s", "x off", "steps", "ms/step", "hook ms/step", "acceptance"], rows))
+    models = (
+        "the built-in pair"
+        if args.models == "builtin"
+        else ("the planted pair" + (" (built-in shapes)" if args.smoke else " (Qwen2.5-1.5B, 4 layers of 0.5B)"))
+    )
+    text = (
+        f"vLLM {arms and next(iter(arms.values())).vllm_version} on {models}: {len(requests)} samples "
+        f"({args.prompts} prompts x {args.group}), long-tailed budgets (median {args.median}), "
+        f"max_batch {args.max_batch}, k_max {args.k_max}; median of {args.reps} interleaved rounds\n"
+        f"step costs measured through vLLM in {calibration_s:.1f} s at start-up; best static after the fact: "
+        f"{best}\n\n" + table(["arm", "rollout s", "x off", "steps", "ms/step", "hook ms/step", "acceptance"], rows)
+    )
     if best:
         text += "\n\nagainst the best static: " + ", ".join(
-            f"{n} {statics[best]['seconds'] / v['seconds']:.3f}x" for n, v in out.items()
-            if not n.startswith(("static:", "off")))
+            f"{n} {statics[best]['seconds'] / v['seconds']:.3f}x"
+            for n, v in out.items()
+            if not n.startswith(("static:", "off"))
+        )
     print(text)
-    write_result(result_name, {"args": vars(args), "arms": out, "best_static": best, "table_policy": table_policy,
-                               "calibration_s": calibration_s}, text,
-                 folder=os.environ.get("OUT") or None)  # a GPU machine's results go to $OUT
+    write_result(
+        result_name,
+        {
+            "args": vars(args),
+            "arms": out,
+            "best_static": best,
+            "table_policy": table_policy,
+            "calibration_s": calibration_s,
+        },
+        text,
+        folder=os.environ.get("OUT") or None,
+    )  # a GPU machine's results go to $OUT
 
 
 if __name__ == "__main__":

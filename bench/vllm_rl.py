@@ -60,9 +60,25 @@ def main() -> None:
             dirs = {b: root / f"{b}-seed{seed}" for b in backends}
             todo = [b for b in backends if not (dirs[b] / "summary.json").is_file()]
             if todo:
-                lockstep([Trainer(build_run_config({}, [f"policy={args.policy}", "drafter=builtin", f"seed={seed}",
-                                                        f"steps={args.steps}", f"rollout.backend={b}"]), dirs[b])
-                          for b in todo], args.steps)
+                lockstep(
+                    [
+                        Trainer(
+                            build_run_config(
+                                {},
+                                [
+                                    f"policy={args.policy}",
+                                    "drafter=builtin",
+                                    f"seed={seed}",
+                                    f"steps={args.steps}",
+                                    f"rollout.backend={b}",
+                                ],
+                            ),
+                            dirs[b],
+                        )
+                        for b in todo
+                    ],
+                    args.steps,
+                )
             for b, d in dirs.items():
                 runs[b, seed] = read_trace(d / "traces", "rl_steps").sort_values("rl_step").reset_index(drop=True)
             steps = read_trace(dirs["vllm"] / "traces", "steps")
@@ -73,10 +89,13 @@ def main() -> None:
                     fit = fit_path(d)
                     r = replay_run(d).summary()
                     held_out = {op: f.quality.get("mape_heldout") for op, f in fit.ops.items()}
-                    fidelity[b] = dict(fit_mape_heldout=held_out,
-                                       replay_mape_pct=r["mape_pct"], measured_generation_s=r["measured_generation_s"],
-                                       predicted_generation_s=r["predicted_generation_s"],
-                                       overhead_ms_per_step=r["overhead_ms_per_step"])
+                    fidelity[b] = dict(
+                        fit_mape_heldout=held_out,
+                        replay_mape_pct=r["mape_pct"],
+                        measured_generation_s=r["measured_generation_s"],
+                        predicted_generation_s=r["predicted_generation_s"],
+                        overhead_ms_per_step=r["overhead_ms_per_step"],
+                    )
 
     rows, out = [], {}
     for b in backends:
@@ -84,31 +103,67 @@ def main() -> None:
         se = [start_end(df.reward_mean.to_numpy()) for df in mine]
         stage = {st: float(np.mean([df[f"{st}_s"].sum() for df in mine])) for st in STAGES}
         acc = float(np.mean([df.mean_accept_len.mean() for df in mine]))
-        out[b] = dict(reward_start=float(np.mean([a for a, _ in se])), reward_end=float(np.mean([e for _, e in se])),
-                      reward_start_end_per_seed=se, stage_s=stage, mean_accept_len=acc)
+        out[b] = dict(
+            reward_start=float(np.mean([a for a, _ in se])),
+            reward_end=float(np.mean([e for _, e in se])),
+            reward_start_end_per_seed=se,
+            stage_s=stage,
+            mean_accept_len=acc,
+        )
         rows.append([b, out[b]["reward_start"], out[b]["reward_end"], *(stage[st] for st in STAGES), acc])
     decode = pd.concat(ks)
     by_batch = []
     for lo, hi in BATCHES:
         d = decode[(decode.batch >= lo) & (decode.batch <= hi)]
-        by_batch.append(dict(batch=f"{lo}-{hi}", steps=int(len(d)), mean_k=float(d.k.mean()) if len(d) else None,
-                             share_drafting=float((d.drafted > 0).mean()) if len(d) else None))
-    text = (f"{args.seeds} seeds x {args.steps} RL steps, default config, policy {args.policy} with the built-in "
-            "drafter; rewards are means over seeds of the first and last 20% of steps, seconds sums over the run\n\n"
-            + table(["backend", "reward start", "reward end", *(f"{s} s" for s in STAGES), "accepted len"], rows)
-            + "\n\nvLLM: the draft length the policy chose by batch size (decode steps)\n\n"
-            + table(["batch", "steps", "mean k", "share of steps drafting"],
-                    [[r["batch"], r["steps"], r["mean_k"], r["share_drafting"]] for r in by_batch]))
+        by_batch.append(
+            dict(
+                batch=f"{lo}-{hi}",
+                steps=int(len(d)),
+                mean_k=float(d.k.mean()) if len(d) else None,
+                share_drafting=float((d.drafted > 0).mean()) if len(d) else None,
+            )
+        )
+    text = (
+        f"{args.seeds} seeds x {args.steps} RL steps, default config, policy {args.policy} with the built-in "
+        "drafter; rewards are means over seeds of the first and last 20% of steps, seconds sums over the run\n\n"
+        + table(["backend", "reward start", "reward end", *(f"{s} s" for s in STAGES), "accepted len"], rows)
+        + "\n\nvLLM: the draft length the policy chose by batch size (decode steps)\n\n"
+        + table(
+            ["batch", "steps", "mean k", "share of steps drafting"],
+            [[r["batch"], r["steps"], r["mean_k"], r["share_drafting"]] for r in by_batch],
+        )
+    )
     ops = sorted({op for f in fidelity.values() for op in f["fit_mape_heldout"]})
-    text += ("\n\nseed 0's runs: `rlsched fit` held-out MAPE per op (%), `rlsched replay` per-RL-step MAPE of the "
-             "generation stage and its sum, predicted against measured\n\n"
-             + table(["backend", *(f"fit {op}" for op in ops), "replay MAPE %", "measured gen s", "predicted gen s"],
-                     [[b, *(_pct(f["fit_mape_heldout"].get(op)) for op in ops), f["replay_mape_pct"],
-                       f["measured_generation_s"], f["predicted_generation_s"]] for b, f in fidelity.items()]))
+    text += (
+        "\n\nseed 0's runs: `rlsched fit` held-out MAPE per op (%), `rlsched replay` per-RL-step MAPE of the "
+        "generation stage and its sum, predicted against measured\n\n"
+        + table(
+            ["backend", *(f"fit {op}" for op in ops), "replay MAPE %", "measured gen s", "predicted gen s"],
+            [
+                [
+                    b,
+                    *(_pct(f["fit_mape_heldout"].get(op)) for op in ops),
+                    f["replay_mape_pct"],
+                    f["measured_generation_s"],
+                    f["predicted_generation_s"],
+                ]
+                for b, f in fidelity.items()
+            ],
+        )
+    )
     print(text)
     curves = {f"{b}-seed{s}": df.reward_mean.tolist() for (b, s), df in runs.items()}
-    write_result("vllm_rl", dict(args={k: str(v) for k, v in vars(args).items()}, backends=out, k_by_batch=by_batch,
-                                 fidelity=fidelity, reward_curves=curves), text)
+    write_result(
+        "vllm_rl",
+        dict(
+            args={k: str(v) for k, v in vars(args).items()},
+            backends=out,
+            k_by_batch=by_batch,
+            fidelity=fidelity,
+            reward_curves=curves,
+        ),
+        text,
+    )
 
 
 def _pct(x) -> str:

@@ -13,7 +13,7 @@ import tomllib
 from functools import cached_property
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -32,6 +32,7 @@ class Strict(BaseModel):
 
 
 # ----------------------------------------------------------------------------- presets
+
 
 def _preset_dir(kind: str):
     return resources.files("rlsched.presets").joinpath(kind)
@@ -54,6 +55,7 @@ def _resolve(kind: str, value: Any) -> Any:
 
 
 # ----------------------------------------------------------------------------- specs
+
 
 class HardwareSpec(Strict):
     """One accelerator: peaks, achievable fractions of them, and fixed overheads."""
@@ -113,8 +115,10 @@ class ModelSpec(Strict):
         """The weights that take in another model's hidden states (`fused_inputs`)."""
         if not self.fused_inputs:
             return 0
-        return self.fused_inputs * self.hidden * self.hidden + self.hidden * (self.heads + 2 * self.kv_heads) * \
-            self.head_dim
+        return (
+            self.fused_inputs * self.hidden * self.hidden
+            + self.hidden * (self.heads + 2 * self.kv_heads) * self.head_dim
+        )
 
     @cached_property
     def matmul_params(self) -> int:
@@ -140,15 +144,18 @@ class ModelSpec(Strict):
         return self.heads * self.head_dim
 
 
-
 def eagle_head(target: ModelSpec, draft_vocab: int = 32000) -> ModelSpec:
     """An EAGLE-3 draft head for `target`: one decoder layer of the target's shape fed three of
     the target's hidden states (fused to one) beside the token's embedding, and an LM head over
     a reduced draft vocabulary (the embedding is the target's, read by row, not multiplied)."""
     data = target.model_dump() | {
-        "name": f"{target.name}-eagle3", "layers": 1, "tied_embeddings": True, "fused_inputs": 3,
+        "name": f"{target.name}-eagle3",
+        "layers": 1,
+        "tied_embeddings": True,
+        "fused_inputs": 3,
         "vocab": min(draft_vocab, target.vocab),
-        "description": f"EAGLE-3 head for {target.name}, {draft_vocab} draft tokens"}
+        "description": f"EAGLE-3 head for {target.name}, {draft_vocab} draft tokens",
+    }
     return ModelSpec.model_validate(data)  # not model_copy: that would keep the target's cached sizes
 
 
@@ -220,7 +227,7 @@ class EmpiricalLength(Strict):
     max: PosInt | None = None
 
 
-LengthDist = Annotated[Union[FixedLength, LognormalLength, EmpiricalLength], Field(discriminator="dist")]
+LengthDist = Annotated[FixedLength | LognormalLength | EmpiricalLength, Field(discriminator="dist")]
 
 
 class WorkloadSpec(Strict):
@@ -316,7 +323,7 @@ class SimConfig(Strict):
     # A fitted cost-model file (`rlsched fit`, `--cost`): verify, draft and prefill times of
     # the profiled machine and models instead of the roofline of `hardware` and `model`
     # (which still set KV capacity, KV transfer and the RL step's other stages).
-    cost_file: Optional[str] = None
+    cost_file: str | None = None
 
     @field_validator("hardware", mode="before")
     @classmethod
@@ -355,10 +362,7 @@ def read_config_file(path: Path) -> dict:
         raise UserError(f"config file '{path}' does not exist; pass an existing .yaml/.toml file or --preset NAME")
     text = path.read_text()
     try:
-        if path.suffix == ".toml":
-            data = tomllib.loads(text)
-        else:
-            data = yaml.safe_load(text)
+        data = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
     except (yaml.YAMLError, tomllib.TOMLDecodeError) as e:
         where = getattr(e, "problem_mark", None)
         line = f" at line {where.line + 1}" if where is not None else ""

@@ -28,10 +28,13 @@ def check_cluster_address(address: str | None, what: str, timeout: float = 3.0) 
     hostport = address.split("://", 1)[-1].rstrip("/")
     host, sep, port = hostport.rpartition(":")
     if not sep or not port.isdigit():
-        raise UserError(f"{what}: '{address}' is not a Ray address; give host:port (as `ray start --head` "
-                        "prints) or 'auto'")
+        raise UserError(
+            f"{what}: '{address}' is not a Ray address; give host:port (as `ray start --head` prints) or 'auto'"
+        )
     try:
         socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout).close()
     except OSError as e:
-        raise UserError(f"{what}: no Ray cluster answers at {hostport} ({e.strerror or e}); start one with "
-                        "`ray start --head`, or give the address it printed") from None
+        raise UserError(
+            f"{what}: no Ray cluster answers at {hostport} ({e.strerror or e}); start one with "
+            "`ray start --head`, or give the address it printed"
+        ) from None

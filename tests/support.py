@@ -11,25 +11,35 @@ from pathlib import Path
 def rlsched(*args: str, cwd: Path, env_extra: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run the real entry point (`python -m rlsched`) with wide columns, so errors stay one line."""
     env = dict(os.environ, COLUMNS="400", **(env_extra or {}))
-    return subprocess.run([sys.executable, "-m", "rlsched", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "rlsched", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
-def run_then_kill(config: Path, out: Path, cwd: Path, steps_recorded: int, timeout: float,
-                  checkpoint: bool = False) -> None:
+def run_then_kill(
+    config: Path, out: Path, cwd: Path, steps_recorded: int, timeout: float, checkpoint: bool = False
+) -> None:
     """`rlsched run --config config --out out`, killed (-9, with everything it started: Ray,
     vLLM) once `steps_recorded` RL-step records are written (and a checkpoint, if asked)."""
     import signal
     import time
 
-    proc = subprocess.Popen([sys.executable, "-m", "rlsched", "run", "--config", str(config), "--out", str(out)],
-                            cwd=cwd, env=dict(os.environ, COLUMNS="400"), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlsched", "run", "--config", str(config), "--out", str(out)],
+        cwd=cwd,
+        env=dict(os.environ, COLUMNS="400"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     journal = out / "traces" / "rl_steps"
     deadline = time.time() + timeout
     while time.time() < deadline and proc.poll() is None:
-        if ((not checkpoint or (out / "checkpoint.pt").is_file()) and journal.is_dir()
-                and sum(p.read_text().count("\n") for p in journal.glob("*.jsonl")) >= steps_recorded):
+        if (
+            (not checkpoint or (out / "checkpoint.pt").is_file())
+            and journal.is_dir()
+            and sum(p.read_text().count("\n") for p in journal.glob("*.jsonl")) >= steps_recorded
+        ):
             break
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL)
@@ -61,8 +71,14 @@ def tiny_pair(folder: Path, vocab: int):
     from rlsched.executor.model.loading import load_model
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     hf = transformers.LlamaForCausalLM(config)
     with torch.no_grad():
         for name, p in hf.named_parameters():

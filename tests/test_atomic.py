@@ -10,10 +10,9 @@ from rlsched.atomic import atomic_folder, atomic_path, write_text_atomic
 def test_a_file_is_replaced_whole_or_left_as_it_was(tmp_path):
     path = tmp_path / "out" / "a.json"
     write_text_atomic(path, "old")
-    with pytest.raises(RuntimeError):
-        with atomic_path(path) as tmp:
-            tmp.write_text("half")
-            raise RuntimeError("killed mid-write")
+    with pytest.raises(RuntimeError), atomic_path(path) as tmp:
+        tmp.write_text("half")
+        raise RuntimeError("killed mid-write")
     assert path.read_text() == "old" and os.listdir(path.parent) == ["a.json"]
     with atomic_path(path, fsync=True) as tmp:
         tmp.write_text("new")
@@ -26,10 +25,9 @@ def test_a_folder_is_replaced_whole_or_left_as_it_was(tmp_path):
     out = tmp_path / "run"
     with atomic_folder(out) as tmp:
         (tmp / "x").write_text("1")
-    with pytest.raises(RuntimeError):
-        with atomic_folder(out) as tmp:
-            (tmp / "y").write_text("2")
-            raise RuntimeError("killed mid-write")
+    with pytest.raises(RuntimeError), atomic_folder(out) as tmp:
+        (tmp / "y").write_text("2")
+        raise RuntimeError("killed mid-write")
     assert sorted(os.listdir(out)) == ["x"] and os.listdir(tmp_path) == ["run"]
     with atomic_folder(out) as tmp:
         (tmp / "y").write_text("2")

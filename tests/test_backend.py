@@ -10,13 +10,14 @@ import pytest
 
 pytest.importorskip("torch")
 
+from support import tiny_pair  # noqa: E402
+
 from rlsched.executor.backends import RolloutBackend  # noqa: E402
 from rlsched.executor.decode.drafters import NgramDrafter  # noqa: E402
+from rlsched.executor.decode.sampling import GREEDY  # noqa: E402
 from rlsched.executor.engine.rollout import Request, RolloutEngine  # noqa: E402
 from rlsched.executor.pool.instances import InstancePool  # noqa: E402
-from rlsched.executor.decode.sampling import GREEDY  # noqa: E402
 from rlsched.executor.vllm.engine import VllmRolloutEngine  # noqa: E402
-from support import tiny_pair  # noqa: E402
 
 METHODS = [name for name, v in vars(RolloutBackend).items() if inspect.isfunction(v) and not name.startswith("_")]
 

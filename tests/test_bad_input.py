@@ -3,12 +3,11 @@ field, no traceback, and nothing written."""
 
 from __future__ import annotations
 
-
 import pytest
 import yaml
+from support import rlsched, snapshot
 
 from rlsched.config import load_preset_data
-from support import rlsched, snapshot
 
 SMALL = ["--set", "rl.steps=1", "--set", "workload.prompts=8"]
 
@@ -28,19 +27,30 @@ CASES = [
     ("max-batch-zero", {}, ["--set", "cluster.max_batch=0"], ["cluster.max_batch"]),
     ("max-batch-negative", {}, ["--set", "cluster.max_batch=-4"], ["cluster.max_batch", "-4"]),
     ("acceptance-above-one", {}, ["--set", "drafters.0.acceptance.mean=1.5"], ["drafters.0.acceptance.mean", "1.5"]),
-    ("acceptance-negative", {}, ["--set", "drafters.0.acceptance.mean=-0.1"],
-     ["drafters.0.acceptance.mean", "-0.1"]),
-    ("malformed-yaml", {"bad.yaml": "name: x\nworkload: [1, 2\n  prompts: : :\n"}, ["--config", "bad.yaml"],
-     ["bad.yaml"]),
-    ("malformed-toml", {"bad.toml": "name = \"x\"\nworkload = [1, 2\n[[[cluster\n"}, ["--config", "bad.toml"],
-     ["bad.toml"]),
+    ("acceptance-negative", {}, ["--set", "drafters.0.acceptance.mean=-0.1"], ["drafters.0.acceptance.mean", "-0.1"]),
+    (
+        "malformed-yaml",
+        {"bad.yaml": "name: x\nworkload: [1, 2\n  prompts: : :\n"},
+        ["--config", "bad.yaml"],
+        ["bad.yaml"],
+    ),
+    (
+        "malformed-toml",
+        {"bad.toml": 'name = "x"\nworkload = [1, 2\n[[[cluster\n'},
+        ["--config", "bad.toml"],
+        ["bad.toml"],
+    ),
     ("missing-config", {}, ["--config", "does-not-exist.yaml"], ["does-not-exist.yaml"]),
     ("unknown-field", {}, ["--set", "cluster.nosuchfield=1"], ["cluster.nosuchfield"]),
     ("unknown-section", {}, ["--set", "nosuchsection.x=1"], ["nosuchsection"]),
     ("value-not-section", {}, ["--set", "cluster.max_batch.x=1"], ["cluster.max_batch"]),
     ("set-without-equals", {}, ["--set", "cluster.max_batch"], ["--set", "cluster.max_batch"]),
-    ("preset-and-config", {"some.yaml": valid_config_text()}, ["--preset", "default", "--config", "some.yaml"],
-     ["--preset", "--config"]),
+    (
+        "preset-and-config",
+        {"some.yaml": valid_config_text()},
+        ["--preset", "default", "--config", "some.yaml"],
+        ["--preset", "--config"],
+    ),
     ("negative-seed", {}, ["--seed", "-3"], ["--seed"]),
 ]
 
@@ -78,9 +88,11 @@ def test_bad_input_without_out_writes_nothing(tmp_path):
 
 
 def test_presets_unknown_show_and_kind(tmp_path):
-    for args, name in ((["presets", "--show", "no-such-job"], "no-such-job"),
-                       (["presets", "--kind", "gadgets"], "--kind"),
-                       (["presets", "--kind", "models", "--show", "no-such-model"], "no-such-model")):
+    for args, name in (
+        (["presets", "--show", "no-such-job"], "no-such-job"),
+        (["presets", "--kind", "gadgets"], "--kind"),
+        (["presets", "--kind", "models", "--show", "no-such-model"], "no-such-model"),
+    ):
         proc = rlsched(*args, cwd=tmp_path)
         detail = f"{args}: exit {proc.returncode}\nstderr:\n{proc.stderr}"
         assert proc.returncode == 2, detail

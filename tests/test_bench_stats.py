@@ -60,8 +60,14 @@ def test_the_held_out_interval_is_centred_when_rounds_are_drawn_in_pairs():
     datasets = [_rounds(rng, statics + ["adaptive"], 30) for _ in range(40)]
     mids = {}
     for block in (1, 2):
-        mids[block] = np.mean([np.mean(bootstrap_interval(rounds, lambda rs: held_out_vs_best(rs, statics, "adaptive"),
-                                                          n=200, block=block)) for rounds in datasets])
+        mids[block] = np.mean(
+            [
+                np.mean(
+                    bootstrap_interval(rounds, lambda rs: held_out_vs_best(rs, statics, "adaptive"), n=200, block=block)
+                )
+                for rounds in datasets
+            ]
+        )
     assert abs(mids[2] - 1.0) < 0.006
     assert mids[1] < 0.99
 
@@ -70,9 +76,9 @@ def test_lockstep_gives_each_contender_the_samples_of_its_own_run(tmp_path):
     """The drain's contenders take engine steps in turn (`lockstep`); each keeps its own
     generator, so what it samples cannot depend on who stepped in between: its tokens are
     those of a fresh engine's `run` with the round's seed, and every round is timed."""
+    from engine import lockstep, make_engine, seeded, timed_run
     from support import tiny_pair
 
-    from engine import lockstep, make_engine, seeded, timed_run
     from rlsched.executor.engine.rollout import Request
     from rlsched.policies.draft import StaticPolicy
 

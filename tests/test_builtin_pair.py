@@ -12,12 +12,22 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from rlsched.executor.model.builtin import (EOS, SHIPPED, BuiltinPair, Recipe, built_pair, builtin_pair, decode, encode,  # noqa: E402
-                                      export_builtin, shipped_pair)
-from rlsched.executor.model.loading import load_model  # noqa: E402
-from rlsched.executor.model.transformer import ModelConfig, Transformer  # noqa: E402
-from rlsched.executor.model.saving import save_model  # noqa: E402
 from rlsched.executor.decode.sampling import GREEDY, SamplingParams  # noqa: E402
+from rlsched.executor.model.builtin import (  # noqa: E402
+    EOS,
+    SHIPPED,
+    BuiltinPair,
+    Recipe,
+    built_pair,
+    builtin_pair,
+    decode,
+    encode,
+    export_builtin,
+    shipped_pair,
+)
+from rlsched.executor.model.loading import load_model  # noqa: E402
+from rlsched.executor.model.saving import save_model  # noqa: E402
+from rlsched.executor.model.transformer import ModelConfig, Transformer  # noqa: E402
 from rlsched.tasks.synthetic import TASKS, exact_match, make_examples  # noqa: E402
 
 
@@ -28,8 +38,17 @@ def pair():
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
 def test_saved_models_load_back_with_the_same_logits(tmp_path, model_type):
-    c = ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
-                    num_kv_heads=2, head_dim=8, qkv_bias=model_type == "qwen2", model_type=model_type)
+    c = ModelConfig(
+        vocab_size=40,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        qkv_bias=model_type == "qwen2",
+        model_type=model_type,
+    )
     torch.manual_seed(0)
     m = Transformer(c)
     m.rope.materialize("cpu")
@@ -65,8 +84,15 @@ def _rollout(pair, sampling, examples, k=4):
 
     target = load_model(pair.target).model
     drafter = load_model(pair.drafter).model
-    engine = RolloutEngine(target, ModelDrafter(drafter, sampling, 64, 300), 64 * 300, 64, sampling, f"static:{k}",
-                           generator=torch.Generator().manual_seed(0))
+    engine = RolloutEngine(
+        target,
+        ModelDrafter(drafter, sampling, 64, 300),
+        64 * 300,
+        64,
+        sampling,
+        f"static:{k}",
+        generator=torch.Generator().manual_seed(0),
+    )
     return engine.run([Request(encode(e.prompt), i, i, 160, EOS) for i, e in enumerate(examples)])
 
 
@@ -99,9 +125,11 @@ def test_the_drafter_agrees_often_but_not_always(pair):
 
 # --- the shipped pair -----------------------------------------------------------------------
 
-SHIPPED_FILES = {"build.json"} | {f"{w}/{n}" for w in ("target", "drafter")
-                                  for n in ("config.json", "model.safetensors", "tokenizer.json",
-                                            "tokenizer_config.json")}
+SHIPPED_FILES = {"build.json"} | {
+    f"{w}/{n}"
+    for w in ("target", "drafter")
+    for n in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+}
 
 
 def _files(root):
@@ -119,7 +147,7 @@ def _dtypes(folder):
     from safetensors import safe_open
 
     with safe_open(str(folder / "model.safetensors"), framework="pt") as h:
-        return {h.get_slice(name).get_dtype() for name in h.keys()}
+        return {h.get_slice(name).get_dtype() for name in h.keys()}  # noqa: SIM118 - not a dict
 
 
 def test_the_shipped_pair_is_the_default_recipes():
@@ -130,7 +158,8 @@ def test_the_shipped_pair_is_the_default_recipes():
     recipe = Recipe()
     assert shipped.info["key"] == recipe.key(), (
         "the shipped pair was built from another recipe: regenerate it with "
-        "`python -m rlsched.executor.model.builtin --export rlsched/executor/model/builtin_pair`")
+        "`python -m rlsched.executor.model.builtin --export rlsched/executor/model/builtin_pair`"
+    )
     assert shipped.info["recipe"] == json.loads(json.dumps(dataclasses.asdict(recipe)))
     assert builtin_pair() == shipped and builtin_pair(recipe) == shipped
     assert shipped.info["weights_dtype"] == "bfloat16"
@@ -170,8 +199,10 @@ def _profile(pair, n=32, seed=5, k=4):
     """Mean accepted length (tokens a step, at most k + 1) greedy and sampling at temperature 1,
     on fixed prompts."""
     examples = make_examples(n, seed=seed)
-    return {"greedy": _rollout(pair, GREEDY, examples, k).stats["mean_accept_len"],
-            "sampled": _rollout(pair, SamplingParams(temperature=1.0), examples, k).stats["mean_accept_len"]}
+    return {
+        "greedy": _rollout(pair, GREEDY, examples, k).stats["mean_accept_len"],
+        "sampled": _rollout(pair, SamplingParams(temperature=1.0), examples, k).stats["mean_accept_len"],
+    }
 
 
 def test_the_shipped_pairs_acceptance_is_in_the_expected_range():
@@ -183,11 +214,14 @@ def test_the_shipped_pairs_acceptance_is_in_the_expected_range():
 
 
 # A tiny recipe that builds in seconds: the build, cache and export paths without the real training.
-TINY = Recipe(max_len=64, target=(("hidden_size", 32), ("intermediate_size", 64), ("num_layers", 2),
-                                  ("num_heads", 2), ("num_kv_heads", 1)),
-              drafter=(("hidden_size", 32), ("intermediate_size", 64), ("num_layers", 1),
-                       ("num_heads", 2), ("num_kv_heads", 1)),
-              stages=((1, 3), (2, 3)), drafter_steps=3, batch=4)
+TINY = Recipe(
+    max_len=64,
+    target=(("hidden_size", 32), ("intermediate_size", 64), ("num_layers", 2), ("num_heads", 2), ("num_kv_heads", 1)),
+    drafter=(("hidden_size", 32), ("intermediate_size", 64), ("num_layers", 1), ("num_heads", 2), ("num_kv_heads", 1)),
+    stages=((1, 3), (2, 3)),
+    drafter_steps=3,
+    batch=4,
+)
 
 
 def test_another_recipe_is_built_into_the_cache_and_exports_to_bfloat16(tmp_path, monkeypatch):

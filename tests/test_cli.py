@@ -10,16 +10,14 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
+from support import ok, rlsched
 
 from rlsched import __version__
 from rlsched.config import load_preset_data
 from rlsched.traces import read_trace
-from support import ok, rlsched
 
 SMALL = ["--set", "rl.steps=1", "--set", "workload.prompts=8"]
 RUN_FILES = {"timeline.parquet", "samples.parquet", "rl_steps.parquet", "summary.json", "config.yaml", "meta.json"}
-
-
 
 
 def small_config_data() -> dict:
@@ -52,6 +50,7 @@ def dump_toml(data: dict) -> str:
 
 
 # ----------------------------------------------------------------------------- help, version, presets
+
 
 def test_version(tmp_path):
     proc = ok(rlsched("--version", cwd=tmp_path))
@@ -90,6 +89,7 @@ def test_presets_show_default_prints_yaml(tmp_path):
 
 # ----------------------------------------------------------------------------- simulate
 
+
 @pytest.fixture(scope="module")
 def json_run(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("json_run")
@@ -116,7 +116,7 @@ def test_simulate_json_stdout_is_only_json(json_run):
 def test_simulate_writes_the_run_folder(json_run):
     proc, out = json_run
     assert out.is_dir()
-    assert RUN_FILES <= {p.name for p in out.iterdir()}
+    assert {p.name for p in out.iterdir()} >= RUN_FILES
     on_disk = json.loads((out / "summary.json").read_text())
     printed = json.loads(proc.stdout)
     assert on_disk == printed
@@ -188,14 +188,27 @@ def test_config_file_runs(tmp_path, fmt):
     assert summary["name"] == "small-from-file"
     assert summary["samples_per_step"] == 16
     assert summary["rl_steps"] == 1
-    assert RUN_FILES <= {p.name for p in (tmp_path / "out").iterdir()}
+    assert {p.name for p in (tmp_path / "out").iterdir()} >= RUN_FILES
 
 
 def test_config_file_with_overrides(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(small_config_data(), sort_keys=False))
-    proc = ok(rlsched("simulate", "--json", "--config", str(path), "--set", "workload.prompts=2",
-                      "--policy", "off", "--out", "out", cwd=tmp_path))
+    proc = ok(
+        rlsched(
+            "simulate",
+            "--json",
+            "--config",
+            str(path),
+            "--set",
+            "workload.prompts=2",
+            "--policy",
+            "off",
+            "--out",
+            "out",
+            cwd=tmp_path,
+        )
+    )
     summary = json.loads(proc.stdout)
     assert summary["samples_per_step"] == 8
     assert summary["policy"] == "off"

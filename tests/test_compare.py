@@ -81,8 +81,9 @@ def agg(report: dict, policy: str, realloc: str = "none") -> dict:
 def serial(tmp_path_factory):
     """One compare run, serial, with --json, --plot and --out."""
     cwd = tmp_path_factory.mktemp("serial")
-    proc = ok(rlsched("compare", *SMALL, *POLICIES, "--workers", "1", "--json", "--plot", "fig.png",
-                      "--out", "cmp", cwd=cwd))
+    proc = ok(
+        rlsched("compare", *SMALL, *POLICIES, "--workers", "1", "--json", "--plot", "fig.png", "--out", "cmp", cwd=cwd)
+    )
     return cwd, proc, json.loads(proc.stdout)
 
 
@@ -96,8 +97,15 @@ def test_json_report_holds_per_policy_ratios(serial):
     for p in report["policies"]:
         a = agg(report, p)
         assert a["seeds"] == 2
-        for key in ("generation_s", "tokens_per_s", "speedup_vs_off", "ratio_vs_best_static", "mean_accept_len",
-                    "sd_step_fraction", "migrations"):
+        for key in (
+            "generation_s",
+            "tokens_per_s",
+            "speedup_vs_off",
+            "ratio_vs_best_static",
+            "mean_accept_len",
+            "sd_step_fraction",
+            "migrations",
+        ):
             assert a[key] is not None and set(a[key]) >= {"mean", "std", "min", "max"}, (p, key)
         assert a["speedup_vs_off"]["min"] <= a["speedup_vs_off"]["mean"] <= a["speedup_vs_off"]["max"]
     # the baseline against itself: exactly 1, per seed and on average
@@ -106,7 +114,7 @@ def test_json_report_holds_per_policy_ratios(serial):
     # speculation helps on this small job, and each ratio is off's time / the policy's on the same seed
     assert agg(report, "goodput")["speedup_vs_off"]["mean"] > 1.0
     runs = {(r["policy"], r["seed"]): r for r in report["runs"]}
-    for (p, s), r in runs.items():
+    for (_, s), r in runs.items():
         off = runs[("off", s)]["summary"]["generation_s"]
         assert r["speedup_vs_off"] == pytest.approx(off / r["summary"]["generation_s"], rel=1e-12)
     # the table went to stderr, the JSON alone to stdout
@@ -145,8 +153,18 @@ def test_plot_and_output_folder(serial):
     df = pd.read_parquet(cwd / "cmp" / "compare.parquet")
     assert len(df) == len(report["runs"])
     assert (df.loc[df["policy"] == "off", "speedup_vs_off"] == 1.0).all()
-    assert set(df.columns) >= {"policy", "realloc", "seed", "generation_s", "tokens_per_s", "speedup_vs_off",
-                               "ratio_vs_best_static", "mean_accept_len", "sd_step_fraction", "migrations"}
+    assert set(df.columns) >= {
+        "policy",
+        "realloc",
+        "seed",
+        "generation_s",
+        "tokens_per_s",
+        "speedup_vs_off",
+        "ratio_vs_best_static",
+        "mean_accept_len",
+        "sd_step_fraction",
+        "migrations",
+    }
     assert not [p for p in cwd.iterdir() if p.name.startswith(".")], "temporary files left behind"
 
 
@@ -154,15 +172,24 @@ def test_plot_as_pdf(serial, tmp_path):
     from rlsched.analysis.plots import plot_compare
 
     _, _, report = serial
-    trace = {"label": "goodput", "seed": 0, "instance": 0, "rl_step": 0, "time_s": [0.0, 1.0, 2.5],
-             "batch": [32, 20, 4], "k": [2, 4, 6], "end_s": 3.0}
+    trace = {
+        "label": "goodput",
+        "seed": 0,
+        "instance": 0,
+        "rl_step": 0,
+        "time_s": [0.0, 1.0, 2.5],
+        "batch": [32, 20, 4],
+        "k": [2, 4, 6],
+        "end_s": 3.0,
+    }
     plot_compare(report, [trace], tmp_path / "f.pdf")
     assert (tmp_path / "f.pdf").read_bytes().startswith(b"%PDF")
 
 
 def test_baseline_added_and_no_static(tmp_path):
-    proc = ok(rlsched("compare", *SMALL[:-1], "1", "--policies", "goodput:1", "--realloc", "none,rebalance",
-                      cwd=tmp_path))
+    proc = ok(
+        rlsched("compare", *SMALL[:-1], "1", "--policies", "goodput:1", "--realloc", "none,rebalance", cwd=tmp_path)
+    )
     out = proc.stdout
     assert "added as the baseline" in out and "no static:K policy" in out
     for name in ("off", "goodput:1", "rebalance"):
@@ -175,8 +202,10 @@ def test_ray_runs_the_same_numbers(serial, tmp_path):
     (tmp_path / "fake" / "ray").mkdir(parents=True)
     (tmp_path / "fake" / "ray" / "__init__.py").write_text(FAKE_RAY)
     log = tmp_path / "ray.log"
-    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path / "fake"), os.environ.get("PYTHONPATH", "")]),
-           "FAKE_RAY_LOG": str(log)}
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(tmp_path / "fake"), os.environ.get("PYTHONPATH", "")]),
+        "FAKE_RAY_LOG": str(log),
+    }
     proc = ok(rlsched("compare", *SMALL, *POLICIES, "--ray", "auto", "--json", cwd=tmp_path, env_extra=env))
     assert json.loads(proc.stdout)["runs"] == report["runs"]
     calls = log.read_text().splitlines()
@@ -211,8 +240,20 @@ def test_bad_input(tmp_path, args, broken, names):
         env["PYTHONPATH"] = os.pathsep.join([str(fake), os.environ.get("PYTHONPATH", "")])
     before = snapshot(tmp_path)
     base = ["--preset", "default", "--set", "workload.prompts=8", "--set", "rl.steps=1", "--seeds", "1"]
-    proc = rlsched("compare", *base, "--policies", "off,static:2", "--out", "out", "--plot", "fig.png", *args,
-                   "--json", cwd=tmp_path, env_extra=env)
+    proc = rlsched(
+        "compare",
+        *base,
+        "--policies",
+        "off,static:2",
+        "--out",
+        "out",
+        "--plot",
+        "fig.png",
+        *args,
+        "--json",
+        cwd=tmp_path,
+        env_extra=env,
+    )
     detail = f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     assert proc.returncode == 2, detail
     assert proc.stdout == "", detail
@@ -225,12 +266,32 @@ def test_bad_input(tmp_path, args, broken, names):
 
 def test_real_ray_gives_the_serial_numbers(tmp_path):
     pytest.importorskip("ray")
-    args = ["compare", "--set", "workload.prompts=8", "--set", "rl.steps=1", "--seeds", "2",
-            "--policies", "off,static:2,goodput", "--json"]
-    ray_run = subprocess.run([sys.executable, "-m", "rlsched", *args, "--ray", "local"], capture_output=True,
-                             text=True, cwd=tmp_path, timeout=300)
-    serial = subprocess.run([sys.executable, "-m", "rlsched", *args, "--workers", "1"], capture_output=True,
-                            text=True, cwd=tmp_path, timeout=300)
+    args = [
+        "compare",
+        "--set",
+        "workload.prompts=8",
+        "--set",
+        "rl.steps=1",
+        "--seeds",
+        "2",
+        "--policies",
+        "off,static:2,goodput",
+        "--json",
+    ]
+    ray_run = subprocess.run(
+        [sys.executable, "-m", "rlsched", *args, "--ray", "local"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    serial = subprocess.run(
+        [sys.executable, "-m", "rlsched", *args, "--workers", "1"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert ray_run.returncode == 0, ray_run.stderr
     a, b = json.loads(ray_run.stdout), json.loads(serial.stdout)
     assert [r["summary"] for r in a["runs"]] == [r["summary"] for r in b["runs"]]

@@ -8,12 +8,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlsched.config import eagle_head, load_config
+from rlsched.costs.roofline import RooflineCostModel
 from rlsched.errors import UserError
-from rlsched.policies import (OFF, AcceptanceEstimator, EngineState, PolicyContext, Strategy, expected_tokens,
-                              make_draft_policy)
+from rlsched.policies import (
+    OFF,
+    AcceptanceEstimator,
+    EngineState,
+    PolicyContext,
+    Strategy,
+    expected_tokens,
+    make_draft_policy,
+)
 from rlsched.policies.draft import drain_tokens
 from rlsched.policies.types import StepOutcome
-from rlsched.costs.roofline import RooflineCostModel
 
 
 @pytest.fixture(scope="module")
@@ -43,15 +50,17 @@ def test_an_eagle3_head_is_priced_with_its_real_shapes():
         assert eagle.draft_time("model", b, 1, b * 1000) < 0.25 * eagle.verify_time(b, 1, b * 1000)
     # a smaller draft vocabulary is cheaper at many tokens, where the LM head's compute counts
     big = load_config("default", overrides=["drafters.0.kind=eagle", "drafters.0.draft_vocab=152064"])
-    assert RooflineCostModel.from_config(big).draft_time("model", 256, 1, 256 * 1000) > \
-        eagle.draft_time("model", 256, 1, 256 * 1000)
+    assert RooflineCostModel.from_config(big).draft_time("model", 256, 1, 256 * 1000) > eagle.draft_time(
+        "model", 256, 1, 256 * 1000
+    )
 
 
 def test_array_and_scalar_prices_agree(cost):
     ks = np.arange(1, 9)
     np.testing.assert_allclose(cost.verify_time(64, ks + 1, 64000), [cost.verify_time(64, k + 1, 64000) for k in ks])
-    np.testing.assert_allclose(cost.draft_time("model", 64, ks, 64000),
-                               [cost.draft_time("model", 64, k, 64000) for k in ks])
+    np.testing.assert_allclose(
+        cost.draft_time("model", 64, ks, 64000), [cost.draft_time("model", 64, k, 64000) for k in ks]
+    )
     ctx = np.array([1000, 5000, 9000])
     np.testing.assert_allclose(cost.verify_time(8, 3, ctx), [cost.verify_time(8, 3, c) for c in ctx])
 
@@ -114,8 +123,10 @@ def test_estimator_sample_decay_follows_a_change_and_keeps_prompt_counts():
     """Acceptance that falls mid-response: the decayed estimate follows it, the plain one stays
     near the response's mean; both fold the same counts into the prompt."""
     # "read": decay 0.7, read every step (pending steps must decay as applied ones do)
-    ests = {d: AcceptanceEstimator(["model"], prior_mean=0.5, sample_decay=1.0 if d == 1.0 else 0.7)
-            for d in (1.0, 0.7, "read")}
+    ests = {
+        d: AcceptanceEstimator(["model"], prior_mean=0.5, sample_decay=1.0 if d == 1.0 else 0.7)
+        for d in (1.0, 0.7, "read")
+    }
     ids = np.array([0])
     for d, est in ests.items():
         est.begin_rollout(2, np.array([0, 0]))

@@ -9,14 +9,14 @@ from rlsched.policies.drafter_schedule import DrafterSchedule, chain_tokens
 def rollout(a, k=3, rows=1000):
     """Totals of a rollout whose chains of k drafts accept each draft with probability a
     (expected counts: accepted a + ... + a^k a chain, rejected 1 - a^k)."""
-    acc = sum(a ** j for j in range(1, k + 1)) * rows
-    return dict(drafted=k * rows, accepted=int(round(acc)), rejected=int(round((1 - a ** k) * rows)), sd_rows=rows)
+    acc = sum(a**j for j in range(1, k + 1)) * rows
+    return dict(drafted=k * rows, accepted=int(round(acc)), rejected=int(round((1 - a**k) * rows)), sd_rows=rows)
 
 
 def test_chain_tokens():
     assert chain_tokens(0.8, 3) == pytest.approx(1 + 0.8 + 0.64 + 0.512)
     assert chain_tokens(1.0, 4) == 5.0 and chain_tokens(0.0, 4) == 1.0
-    assert chain_tokens(0.5, 2.5) == pytest.approx((1 - 0.5 ** 3.5) / 0.5)  # a mean draft length
+    assert chain_tokens(0.5, 2.5) == pytest.approx((1 - 0.5**3.5) / 0.5)  # a mean draft length
 
 
 def test_every_updates_on_its_interval_and_never_at_zero():

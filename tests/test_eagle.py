@@ -10,18 +10,41 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from rlsched.errors import UserError  # noqa: E402
-from rlsched.executor.decode.eagle import (VLLM_ARCHITECTURE, VLLM_CONFIG_FIELDS, VLLM_WEIGHTS, EagleHead,  # noqa: E402
-                                    HeadConfig, default_aux_layers, distill_head, draft, frequent_tokens,
-                                    init_head, load_head, save_head, target_features, train_head, ttt_loss)
-from rlsched.executor.model.transformer import ModelConfig, Transformer  # noqa: E402
+from rlsched.executor.decode.eagle import (  # noqa: E402
+    VLLM_ARCHITECTURE,
+    VLLM_CONFIG_FIELDS,
+    VLLM_WEIGHTS,
+    EagleHead,
+    HeadConfig,
+    default_aux_layers,
+    distill_head,
+    draft,
+    frequent_tokens,
+    init_head,
+    load_head,
+    save_head,
+    target_features,
+    train_head,
+    ttt_loss,
+)
 from rlsched.executor.decode.sampling import SamplingParams  # noqa: E402
+from rlsched.executor.model.transformer import ModelConfig, Transformer  # noqa: E402
 
 VOCAB, AUX = 40, (1, 2, 4)
 
 
 def tiny_target(seed: int = 0) -> Transformer:
-    c = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4,
-                    num_kv_heads=2, head_dim=8, tie_word_embeddings=True, max_position_embeddings=128)
+    c = ModelConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        tie_word_embeddings=True,
+        max_position_embeddings=128,
+    )
     torch.manual_seed(seed)
     m = Transformer(c)
     m.rope.materialize("cpu")
@@ -70,8 +93,7 @@ def test_shapes_and_the_draft_vocabulary_mapping(target):
     steps = head.unroll(aux[:, :8], torch.cat([x[:, 1:], x[:, :2]], 1), 3)
     assert [s.shape for s in steps] == [(2, 8, 24)] * 3
 
-    tokens, probs = draft(head, aux, x, 5, SamplingParams(1.0),
-                          torch.Generator().manual_seed(0))
+    tokens, probs = draft(head, aux, x, 5, SamplingParams(1.0), torch.Generator().manual_seed(0))
     assert tokens.shape == (2, 5) and probs.shape == (2, 5, VOCAB)
     assert bool(head.t2d[tokens].all())  # drafts lie in the draft vocabulary ...
     assert torch.allclose(probs.sum(-1), torch.ones(2, 5)) and float(probs[:, :, ~head.t2d].abs().sum()) == 0
@@ -108,11 +130,11 @@ def test_the_unrolled_steps_read_the_heads_own_output_not_later_target_states(ta
     t = 4
     # the target's states after anchor t (positions t+1.. that step j > 0 predicts from) are not read
     later = aux.clone()
-    later[:, t + 1:] += 5 * torch.randn_like(later[:, t + 1:])
+    later[:, t + 1 :] += 5 * torch.randn_like(later[:, t + 1 :])
     moved = head.unroll(later[:, :9], tokens, 3)
     for j in range(3):
-        assert torch.allclose(moved[j][:, :t + 1], base[j][:, :t + 1], atol=1e-5), j
-        assert not torch.allclose(moved[j][:, t + 1:], base[j][:, t + 1:], atol=1e-3), j
+        assert torch.allclose(moved[j][:, : t + 1], base[j][:, : t + 1], atol=1e-5), j
+        assert not torch.allclose(moved[j][:, t + 1 :], base[j][:, t + 1 :], atol=1e-3), j
     # ... while what the head itself output at step 0 is: nudge step 0's layer output only
     calls = []
 
@@ -135,9 +157,9 @@ def test_greedy_drafts_are_the_unrolled_chain_fed_its_own_drafts(target):
     x = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(4))
     aux, _ = target_features(target, x, AUX)
     k, t = 4, 7
-    tokens, probs = draft(head, aux[:, :t], x[:, 1:t + 1], k)
+    tokens, probs = draft(head, aux[:, :t], x[:, 1 : t + 1], k)
     assert torch.equal(probs.argmax(-1), tokens) and torch.allclose(probs.sum(-1), torch.ones(2, k))
-    fed = torch.cat([x[:, 1:t + 1], tokens[:, :k - 1]], 1)  # anchor t-1's chain, teacher-forced with the drafts
+    fed = torch.cat([x[:, 1 : t + 1], tokens[:, : k - 1]], 1)  # anchor t-1's chain, teacher-forced with the drafts
     steps = head.unroll(aux[:, :t], fed, k)
     again = torch.stack([head.draft_ids[s[:, t - 1].argmax(-1)] for s in steps], 1)
     assert torch.equal(again, tokens)
@@ -159,8 +181,11 @@ def test_saved_folder_is_vllms_eagle3_layout_and_loads_back_with_identical_draft
     assert set(VLLM_CONFIG_FIELDS) <= set(config)
     assert config["architectures"] == [VLLM_ARCHITECTURE] and config["num_hidden_layers"] == 1
     assert config["draft_vocab_size"] == 24 and config["vocab_size"] == VOCAB
-    assert config["eagle_aux_hidden_state_layer_ids"] == list(AUX) == config["eagle_config"][
-        "eagle_aux_hidden_state_layer_ids"]
+    assert (
+        config["eagle_aux_hidden_state_layer_ids"]
+        == list(AUX)
+        == config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    )
 
     back = load_head(tmp_path / "head", target)
     assert not any(n.startswith("target") for n in back.state_dict())
@@ -199,9 +224,20 @@ def test_reward_weights_scale_each_samples_tokens(target):
         head = tiny_head(target)
         buf = ReplayBuffer(1)
         buf.add([ReplaySample(low, 3, 0.0), ReplaySample(high, 3, 1.0)])
-        out = distill_head(target, head, torch.optim.SGD(head.parameters(), lr=0.5), buf, steps=2, batch=2,
-                           weighting="reward", weight_min=0.0, weight_max=2.0, temperature=1.0,
-                           generator=torch.Generator().manual_seed(0), pad_id=0)
+        out = distill_head(
+            target,
+            head,
+            torch.optim.SGD(head.parameters(), lr=0.5),
+            buf,
+            steps=2,
+            batch=2,
+            weighting="reward",
+            weight_min=0.0,
+            weight_max=2.0,
+            temperature=1.0,
+            generator=torch.Generator().manual_seed(0),
+            pad_id=0,
+        )
         assert out["samples"] == 2 and np.isfinite(out["kl_before"]) and np.isfinite(out["kl_after"])
         assert not head.training and not any(p.requires_grad for p in head.parameters())
         return [p.detach().clone() for p in head.parameters()]
@@ -221,10 +257,10 @@ def builtin():
 
 
 def test_the_builtin_head_drafts_for_the_builtin_target(builtin):
-    from rlsched.executor.model.builtin import EOS, encode
-    from rlsched.executor.model.loading import load_model
     from rlsched.executor.decode.sampling import GREEDY
     from rlsched.executor.decode.speculative import generate
+    from rlsched.executor.model.builtin import EOS, encode
+    from rlsched.executor.model.loading import load_model
     from rlsched.tasks.synthetic import make_examples
 
     assert builtin.folder.name == f"eagle-{builtin.info['key']}"
@@ -236,11 +272,11 @@ def test_the_builtin_head_drafts_for_the_builtin_target(builtin):
     outs, _, _ = generate(target, prompts, 24, GREEDY)
     hits = total = 0
     for p, o in zip(prompts, outs):
-        o = o[:o.index(EOS) + 1] if EOS in o else o
+        o = o[: o.index(EOS) + 1] if EOS in o else o
         s = torch.tensor([p + o])
         aux, _ = target_features(target, s, head.config.aux_layers)
         for n in range(len(p) + 1, s.shape[1]):  # first draft after each position of the response
-            tok, _ = draft(head, aux[:, :n - 1], s[:, 1:n], 1)
+            tok, _ = draft(head, aux[:, : n - 1], s[:, 1:n], 1)
             hits += int(tok[0, 0] == s[0, n])
             total += 1
     assert hits / total > 0.5, (hits, total)

@@ -9,12 +9,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from rlsched.executor.model.builtin import EOS, builtin_pair, encode  # noqa: E402
 from rlsched.executor.decode.eagle import builtin_head, load_head, target_features  # noqa: E402
 from rlsched.executor.decode.eagle_drafter import EagleDrafter  # noqa: E402
-from rlsched.executor.engine.rollout import Request, RolloutEngine  # noqa: E402
-from rlsched.executor.model.loading import load_model  # noqa: E402
 from rlsched.executor.decode.sampling import GREEDY, SamplingParams  # noqa: E402
+from rlsched.executor.engine.rollout import Request, RolloutEngine  # noqa: E402
+from rlsched.executor.model.builtin import EOS, builtin_pair, encode  # noqa: E402
+from rlsched.executor.model.loading import load_model  # noqa: E402
 from rlsched.tasks.synthetic import make_examples  # noqa: E402
 
 
@@ -25,8 +25,11 @@ def models():
 
 
 def requests(n_prompts=6, group=2, max_new=24):
-    return [Request(encode(e.prompt), p, p * group + i, max_new, EOS)
-            for p, e in enumerate(make_examples(n_prompts, 12345)) for i in range(group)]
+    return [
+        Request(encode(e.prompt), p, p * group + i, max_new, EOS)
+        for p, e in enumerate(make_examples(n_prompts, 12345))
+        for i in range(group)
+    ]
 
 
 def engine(models, policy, sampling=GREEDY, drafter=True):
@@ -54,7 +57,7 @@ def test_the_states_kept_per_row_are_the_targets(models, policy):
             n = len(row.seq.tokens) - 1
             assert entry[2] == n
             want, _ = target_features(models[0], torch.tensor([row.seq.tokens[:n]]), models[1].config.aux_layers)
-            torch.testing.assert_close(entry[1], want[0, -d.window:], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(entry[1], want[0, -d.window :], atol=1e-4, rtol=1e-4)
             checked += 1
     assert checked >= 20
 
@@ -104,8 +107,8 @@ def test_one_engine_switches_among_the_head_the_draft_model_and_the_suffix_draft
     with each of them in turn; the head keeps its rows' states through the steps the others
     draft, and greedy output stays plain decoding's."""
     from rlsched.executor.decode.drafters import ModelDrafter
-    from rlsched.executor.engine.rollout import build_policy
     from rlsched.executor.decode.suffix import SuffixDrafter
+    from rlsched.executor.engine.rollout import build_policy
     from rlsched.traces.reader import read_trace
 
     target, head = models

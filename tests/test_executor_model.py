@@ -20,22 +20,34 @@ from rlsched.executor.model.loading import load_config, load_model  # noqa: E402
 
 TOL = 1e-4
 VOCAB = 97
-SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2)
-LLAMA3 = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 8}  # short, so every branch of the ramp is used
+SMALL = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=112,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 4.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8,
+}  # short, so every branch of the ramp is used
 
 # name -> (config class, model class, config kwargs, save kwargs)
 MODELS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}, {}),
-    "llama-llama3-tied": ("LlamaConfig", "LlamaForCausalLM",
-                          dict(rope_scaling=LLAMA3, tie_word_embeddings=True), {}),
-    "llama-linear-bias": ("LlamaConfig", "LlamaForCausalLM",
-                          dict(rope_scaling={"rope_type": "linear", "factor": 2.0},
-                               attention_bias=True, mlp_bias=True), {}),
+    "llama-llama3-tied": ("LlamaConfig", "LlamaForCausalLM", dict(rope_scaling=LLAMA3, tie_word_embeddings=True), {}),
+    "llama-linear-bias": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(rope_scaling={"rope_type": "linear", "factor": 2.0}, attention_bias=True, mlp_bias=True),
+        {},
+    ),
     "qwen2-tied": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True), {}),
-    "qwen2-sharded": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False),
-                      dict(max_shard_size="60KB")),
+    "qwen2-sharded": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False), dict(max_shard_size="60KB")),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=24), {}),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=24), {}),
 }
@@ -100,8 +112,8 @@ def test_wide_ragged_batch_equals_transformers(models, name, max_tokens, monkeyp
     a 1-token step SDPA with one and the next the batched matmuls (which a 1-token step takes
     from `BMM_MIN_BATCH` rows); then rows move to other slots (as the engine compacts) and a
     last step reads them there."""
-    from rlsched.executor.model.transformer import transformer as model_module
     from rlsched.executor.decode.speculative import length_groups, prefill
+    from rlsched.executor.model.transformer import transformer as model_module
 
     folder, hf = models[name]
     model = load_model(folder).model
@@ -153,7 +165,7 @@ def test_incremental_decode_equals_transformers(models, name):
             out = model(ids, cache, slots=slots, n_new=[len(t) for t in new])
         for r, t in enumerate(new):
             seqs[r] = seqs[r] + t
-            _check(name, out[r, :len(t)], _ref(hf, seqs[r])[-len(t):])
+            _check(name, out[r, : len(t)], _ref(hf, seqs[r])[-len(t) :])
         assert cache.lengths[slots].tolist() == [len(s) for s in seqs]
 
     prompts, seqs = seqs, [[], []]
@@ -171,8 +183,9 @@ def test_incremental_decode_equals_transformers(models, name):
 def test_dynamic_rope_prefill_equals_transformers(tmp_path):
     """NTK-dynamic scaling: within max_position_embeddings it is plain RoPE; beyond, the base
     grows with the longest position of the forward (as transformers does on a fresh model)."""
-    config = transformers.LlamaConfig(**SMALL, max_position_embeddings=12,
-                                      rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    config = transformers.LlamaConfig(
+        **SMALL, max_position_embeddings=12, rope_scaling={"rope_type": "dynamic", "factor": 2.0}
+    )
     torch.manual_seed(3)
     hf = transformers.LlamaForCausalLM(config).eval()
     hf.save_pretrained(tmp_path)
@@ -228,7 +241,8 @@ def test_sharded_checkpoint_has_an_index(models):
 
 
 def test_tokenizer_loaded_when_present(models, tmp_path):
-    from tokenizers import Tokenizer, models as tok_models
+    from tokenizers import Tokenizer
+    from tokenizers import models as tok_models
 
     folder, _ = models["llama"]
     assert load_model(folder).tokenizer is None
@@ -243,6 +257,7 @@ def test_tokenizer_loaded_when_present(models, tmp_path):
 
 
 # --- bad folders ----------------------------------------------------------------------------
+
 
 def _copy(models, tmp_path, name="llama"):
     dst = tmp_path / "m"
@@ -270,20 +285,29 @@ def test_missing_folder_and_config(tmp_path):
         load_model(tmp_path)
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(model_type="gpt2"), r"field 'model_type' is 'gpt2'; supported: llama"),
-    (dict(model_type=None), r"field 'model_type' is missing"),
-    (dict(hidden_size=None), r"field 'hidden_size' is missing"),
-    (dict(num_attention_heads="four"), r"field 'num_attention_heads' must be a positive integer"),
-    (dict(num_key_value_heads=3), r"field 'num_key_value_heads' \(3\) must divide"),
-    (dict(hidden_act="gelu"), r"field 'hidden_act' is 'gelu'"),
-    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
-     r"field 'rope_parameters.rope_type' is 'yarn'; supported"),
-    (dict(rope_parameters=None, rope_scaling={"type": "longrope"}),
-     r"field 'rope_scaling.rope_type' is 'longrope'"),
-    (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}),
-     r"field 'rope_parameters.original_max_position_embeddings'"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(model_type="gpt2"), r"field 'model_type' is 'gpt2'; supported: llama"),
+        (dict(model_type=None), r"field 'model_type' is missing"),
+        (dict(hidden_size=None), r"field 'hidden_size' is missing"),
+        (dict(num_attention_heads="four"), r"field 'num_attention_heads' must be a positive integer"),
+        (dict(num_key_value_heads=3), r"field 'num_key_value_heads' \(3\) must divide"),
+        (dict(hidden_act="gelu"), r"field 'hidden_act' is 'gelu'"),
+        (
+            dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
+            r"field 'rope_parameters.rope_type' is 'yarn'; supported",
+        ),
+        (
+            dict(rope_parameters=None, rope_scaling={"type": "longrope"}),
+            r"field 'rope_scaling.rope_type' is 'longrope'",
+        ),
+        (
+            dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}),
+            r"field 'rope_parameters.original_max_position_embeddings'",
+        ),
+    ],
+)
 def test_bad_config_fields(models, tmp_path, change, message):
     folder = _copy(models, tmp_path)
     _edit_config(folder, **change)
@@ -369,9 +393,9 @@ def test_compiled_decode_equals_transformers(models, name):
         for new, keep, last_only in (([5], 1, False), ([7, 8], 1, False), ([9], 1, True)):
             out = model(torch.tensor([new]), cache, slots=slots, n_new=[keep], last_only=last_only)
             seq = seq + new
-            want = _ref(hf, seq)[-len(new):]
-            _check(name, out[0], want[keep - 1:keep] if last_only else want)
-            seq = seq[:len(seq) - len(new) + keep]
+            want = _ref(hf, seq)[-len(new) :]
+            _check(name, out[0], want[keep - 1 : keep] if last_only else want)
+            seq = seq[: len(seq) - len(new) + keep]
             assert cache.lengths.tolist() == [0, len(seq)]
     assert [tuple(s) for s in calls] == [(1, 1), (1, 2), (1, 1)]
 
@@ -407,7 +431,7 @@ def test_compiled_rows_equal_transformers_with_one_graph_for_every_batch_and_len
             for i, s in enumerate(seqs):
                 want = _ref(hf, s + new[i].tolist())[-2:]
                 _check("qwen3", out[i], want)
-                seqs[i] = s + new[i, :int(keep[i])].tolist()
+                seqs[i] = s + new[i, : int(keep[i])].tolist()
             assert cache.lengths.tolist() == [len(s) for s in seqs]
     assert calls == [(4, 1), (4, 2), (3, 1), (3, 2)]
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs

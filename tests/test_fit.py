@@ -10,12 +10,12 @@ import json
 import numpy as np
 import pandas as pd
 import pytest
+from support import ok, rlsched, snapshot
 
 from rlsched.costs.costfile import draft_ms, load_cost_model, prefill_ms, read_cost_file, verify_ms
 from rlsched.costs.fit import fit_path, fit_records, mape, r_squared
 from rlsched.errors import UserError
 from rlsched.traces.writer import TraceWriter
-from support import ok, rlsched, snapshot
 
 V = dict(t0=2.0, s=0.8, u=0.3, a=0.05, m=3.0, p=3.0, r=0.05, c=3e-4, kv=5e-4)
 D = dict(e=0.3, d=1e-4, t0=0.4, a=0.02, m=1.0, p=2.0, c=1e-4, s=0.1)
@@ -25,8 +25,27 @@ BATCHES, CONTEXTS, K_MAX = (1, 2, 4, 8, 16, 32, 64), (64, 192), 6
 
 
 def _rec(kind, b, k, L, **kw):
-    return dict(rl_step=0, instance=0, step=0, time_s=0.0, kind=kind, batch=b, drafter="", k=k, width=1,
-                drafted=b * k, accepted=0, emitted=0, draft_ms=0.0, verify_ms=0.0, step_ms=0.0, ctx_tokens=b * L) | kw
+    return (
+        dict(
+            rl_step=0,
+            instance=0,
+            step=0,
+            time_s=0.0,
+            kind=kind,
+            batch=b,
+            drafter="",
+            k=k,
+            width=1,
+            drafted=b * k,
+            accepted=0,
+            emitted=0,
+            draft_ms=0.0,
+            verify_ms=0.0,
+            step_ms=0.0,
+            ctx_tokens=b * L,
+        )
+        | kw
+    )
 
 
 def profile_records(verify=None, noise=0.01, seed=1) -> pd.DataFrame:
@@ -39,13 +58,15 @@ def profile_records(verify=None, noise=0.01, seed=1) -> pd.DataFrame:
     for L in CONTEXTS:
         for b in BATCHES:
             rows.append(_rec("prefill", b, 0, L, step_ms=float(prefill_ms(P, b * L, b * L * L)) * jitter()))
-            rows.append(_rec("feed", b, 0, L, drafter="model",
-                             step_ms=float(prefill_ms(F, b * L, b * L * L)) * jitter()))
+            rows.append(
+                _rec("feed", b, 0, L, drafter="model", step_ms=float(prefill_ms(F, b * L, b * L * L)) * jitter())
+            )
             for k in range(K_MAX + 1):
                 rows.append(_rec("verify", b, k, L, verify_ms=verify(b, k + 1, L) * jitter()))
                 if k:
-                    rows.append(_rec("draft", b, k, L, drafter="model",
-                                     draft_ms=float(draft_ms(D, b, k, L)) * jitter()))
+                    rows.append(
+                        _rec("draft", b, k, L, drafter="model", draft_ms=float(draft_ms(D, b, k, L)) * jitter())
+                    )
     return pd.DataFrame(rows)
 
 
@@ -126,14 +147,15 @@ def test_file_round_trips_into_a_cost_model_equal_to_the_fit(synthetic, zigzag, 
     assert cm.prefill_time(0) == 0.0
     f = synthetic.ops["feed:model"]  # the drafter's catch-up: prefill's form, its own parameters
     for b, L in ((1, 50), (48, 300)):
-        assert cm.drafter_prefill_time("model", b * L, b * L * L) == pytest.approx(float(f.predict_ms(b, 1, L)) / 1e3,
-                                                                                  rel=1e-12)
+        assert cm.drafter_prefill_time("model", b * L, b * L * L) == pytest.approx(
+            float(f.predict_ms(b, 1, L)) / 1e3, rel=1e-12
+        )
     assert cm.drafter_prefill_time("model", 0) == 0.0
     # a file from before drafters' feeds were profiled prices the catch-up at zero
     old = synthetic.to_json()
     del old["ops"]["feed"]
     (tmp_path / "old.json").write_text(json.dumps(old))
-    assert load_cost_model(tmp_path / "old.json").drafter_prefill_time("model", 1000, 10 ** 5) == 0.0
+    assert load_cost_model(tmp_path / "old.json").drafter_prefill_time("model", 1000, 10**5) == 0.0
     ctx = np.array([100, 400, 900])  # the simulator prices a run of steps at once: the context as an array
     np.testing.assert_allclose(cm.verify_time(4, 3, ctx), v.predict_ms(4, 3, ctx / 4) / 1e3, rtol=1e-12)
     np.testing.assert_allclose(cm.draft_time("model", 4, 2, ctx), d.predict_ms(4, 2, ctx / 4) / 1e3, rtol=1e-12)
@@ -153,8 +175,16 @@ def test_run_folder_records_keep_uniform_steps(tmp_path):
     rows = []
     for i in range(300):
         b, L, k = int(rng.integers(1, 64)), int(rng.integers(20, 400)), int(rng.integers(0, 6))
-        row = _rec("decode", b, k, L, drafter="model" if k else "off", verify_ms=float(verify_ms(V, b, k + 1, L)),
-                   draft_ms=float(draft_ms(D, b, k, L)) if k else 0.0, step=i)
+        row = _rec(
+            "decode",
+            b,
+            k,
+            L,
+            drafter="model" if k else "off",
+            verify_ms=float(verify_ms(V, b, k + 1, L)),
+            draft_ms=float(draft_ms(D, b, k, L)) if k else 0.0,
+            step=i,
+        )
         if i % 10 == 9 and k:
             row["drafted"] -= 1  # one row capped: the step's shape is unknown
             row["verify_ms"] *= 3
@@ -174,8 +204,20 @@ def test_run_folder_records_keep_uniform_steps(tmp_path):
 def test_speculative_steps_timed_as_a_whole_are_refused_with_the_reason(tmp_path):
     """vLLM's speculative rollouts give one time per interval, draft and verify together: the
     fit names that and what to fit instead (exit 2 through the CLI, nothing written)."""
-    rows = [_rec("decode", 20 + i, 3, 40, drafter="model", verify_ms=float("nan"), draft_ms=float("nan"),
-                 step_ms=40.0 + i, steps=10) for i in range(4)]
+    rows = [
+        _rec(
+            "decode",
+            20 + i,
+            3,
+            40,
+            drafter="model",
+            verify_ms=float("nan"),
+            draft_ms=float("nan"),
+            step_ms=40.0 + i,
+            steps=10,
+        )
+        for i in range(4)
+    ]
     write_steps(tmp_path / "vllm-run", pd.DataFrame(rows))
     proc = rlsched("fit", str(tmp_path / "vllm-run"), "--out", str(tmp_path / "c.json"), cwd=tmp_path)
     assert proc.returncode == 2 and "timed as a whole" in proc.stderr and "policy off" in proc.stderr
@@ -184,18 +226,22 @@ def test_speculative_steps_timed_as_a_whole_are_refused_with_the_reason(tmp_path
 
 # ----------------------------------------------------------------------------- bad files
 
-@pytest.mark.parametrize("case,expect", [
-    ("missing", "does not exist"),
-    ("not-json", "is not valid JSON"),
-    ("wrong-kind", "is not an rlsched cost model"),
-    ("wrong-version", "has version 99, this rlsched reads version 1"),
-    ("no-ops", "lacks field 'ops'"),
-    ("no-param", "'ops.verify.params.a'"),
-    ("negative-param", "'ops.draft.model.params.c'"),
-    ("bad-grid", "'ops.verify.grid'"),
-    ("unknown-form", "'ops.prefill.form'"),
-    ("form-v2", "'roofline-verify-v2', this rlsched knows 'roofline-verify-v3'"),  # before the KV-read term
-])
+
+@pytest.mark.parametrize(
+    "case,expect",
+    [
+        ("missing", "does not exist"),
+        ("not-json", "is not valid JSON"),
+        ("wrong-kind", "is not an rlsched cost model"),
+        ("wrong-version", "has version 99, this rlsched reads version 1"),
+        ("no-ops", "lacks field 'ops'"),
+        ("no-param", "'ops.verify.params.a'"),
+        ("negative-param", "'ops.draft.model.params.c'"),
+        ("bad-grid", "'ops.verify.grid'"),
+        ("unknown-form", "'ops.prefill.form'"),
+        ("form-v2", "'roofline-verify-v2', this rlsched knows 'roofline-verify-v3'"),  # before the KV-read term
+    ],
+)
 def test_bad_cost_files_name_the_file_and_the_fault(tmp_path, synthetic, case, expect):
     data, path = synthetic.to_json(), tmp_path / "cm.json"
     write = lambda d: path.write_text(d if isinstance(d, str) else json.dumps(d))  # noqa: E731
@@ -235,25 +281,45 @@ def test_a_config_drafter_the_file_lacks_is_refused(tmp_path, synthetic):
         load_cost_model(path, drafters=["eagle"])
 
 
-SMALL_SIM = ["-p", "default", "--set", "cluster.instances=1", "--set", "workload.samples_per_prompt=1",
-             "--set", "rl.steps=1", "--set", "workload.prompts=4", "--set", "cluster.max_batch=4",
-             "--set", "workload.prompt_len={dist: fixed, value: 40}",
-             "--set", "workload.response_len={dist: fixed, value: 60}"]
+SMALL_SIM = [
+    "-p",
+    "default",
+    "--set",
+    "cluster.instances=1",
+    "--set",
+    "workload.samples_per_prompt=1",
+    "--set",
+    "rl.steps=1",
+    "--set",
+    "workload.prompts=4",
+    "--set",
+    "cluster.max_batch=4",
+    "--set",
+    "workload.prompt_len={dist: fixed, value: 40}",
+    "--set",
+    "workload.response_len={dist: fixed, value: 60}",
+]
 
 
-@pytest.mark.parametrize("command,args,expect", [
-    ("fit", ["nowhere", "--out", "cm.json"], "fit: 'nowhere' does not exist"),
-    ("fit", ["empty", "--out", "cm.json"], "fit: 'empty' holds no step traces"),
-    ("fit", ["corrupt", "--out", "cm.json"], "is corrupt or truncated"),
-    ("fit", ["prof", "--out", "cm.yaml"], "--out 'cm.yaml' must end in .json"),
-    ("fit", ["prof", "--out", "cm.json", "--plot", "fit.svg"], "--plot 'fit.svg' must end in .png or .pdf"),
-    ("simulate", [*SMALL_SIM, "--cost", "bad.json", "--out", "sim"], "cost model file"),
-    ("simulate", [*SMALL_SIM, "--cost", "v2.json", "--out", "sim"], "has version 2"),
-    ("simulate", [*SMALL_SIM, "--cost", "absent.json", "--out", "sim"], "absent.json' does not exist"),
-    ("compare", [*SMALL_SIM, "--cost", "bad.json", "--out", "cmp", "--seeds", "1"], "is not valid JSON"),
-    ("learn", ["-p", "eagle-h200-14b", "--cost", "good.json", "--out", "pol.json"],
-     "no draft fit for drafter(s) eagle"),
-])
+@pytest.mark.parametrize(
+    "command,args,expect",
+    [
+        ("fit", ["nowhere", "--out", "cm.json"], "fit: 'nowhere' does not exist"),
+        ("fit", ["empty", "--out", "cm.json"], "fit: 'empty' holds no step traces"),
+        ("fit", ["corrupt", "--out", "cm.json"], "is corrupt or truncated"),
+        ("fit", ["prof", "--out", "cm.yaml"], "--out 'cm.yaml' must end in .json"),
+        ("fit", ["prof", "--out", "cm.json", "--plot", "fit.svg"], "--plot 'fit.svg' must end in .png or .pdf"),
+        ("simulate", [*SMALL_SIM, "--cost", "bad.json", "--out", "sim"], "cost model file"),
+        ("simulate", [*SMALL_SIM, "--cost", "v2.json", "--out", "sim"], "has version 2"),
+        ("simulate", [*SMALL_SIM, "--cost", "absent.json", "--out", "sim"], "absent.json' does not exist"),
+        ("compare", [*SMALL_SIM, "--cost", "bad.json", "--out", "cmp", "--seeds", "1"], "is not valid JSON"),
+        (
+            "learn",
+            ["-p", "eagle-h200-14b", "--cost", "good.json", "--out", "pol.json"],
+            "no draft fit for drafter(s) eagle",
+        ),
+    ],
+)
 def test_bad_input_through_the_cli(tmp_path, synthetic, command, args, expect):
     (tmp_path / "empty").mkdir()
     write_steps(tmp_path / "prof", profile_records())
@@ -271,6 +337,7 @@ def test_bad_input_through_the_cli(tmp_path, synthetic, command, args, expect):
 
 
 # ----------------------------------------------------------------------------- end to end
+
 
 def test_fit_a_synthetic_profile_then_simulate_on_it(tmp_path):
     """`rlsched fit` writes the file, the table and the plot; `simulate --cost` prices every
@@ -290,25 +357,72 @@ def test_compare_and_learn_run_on_the_fitted_costs(tmp_path, synthetic):
     (tmp_path / "cm.json").write_text(json.dumps(synthetic.to_json()))
     one = ["--policy", "static:2", "--cost", "cm.json", "--json", "--no-baseline"]
     sim = json.loads(ok(rlsched("simulate", *SMALL_SIM, *one, "--out", "sim", cwd=tmp_path)).stdout)
-    cmp = json.loads(ok(rlsched("compare", *SMALL_SIM, "--policies", "static:2", "--seeds", "1", "--workers", "2",
-                                "--cost", "cm.json", "--json", cwd=tmp_path)).stdout)
+    cmp = json.loads(
+        ok(
+            rlsched(
+                "compare",
+                *SMALL_SIM,
+                "--policies",
+                "static:2",
+                "--seeds",
+                "1",
+                "--workers",
+                "2",
+                "--cost",
+                "cm.json",
+                "--json",
+                cwd=tmp_path,
+            )
+        ).stdout
+    )
     run = next(r for r in cmp["runs"] if r["policy"] == "static:2")
     assert run["summary"]["generation_s"] == pytest.approx(sim["generation_s"], rel=1e-12)
     assert cmp["config"]["cost_file"] == str(tmp_path / "cm.json")
-    learned = json.loads(ok(rlsched("learn", *SMALL_SIM, "--cost", "cm.json", "--out", "pol.json", "-j", "1",
-                                    "--json", cwd=tmp_path)).stdout)
+    learned = json.loads(
+        ok(
+            rlsched("learn", *SMALL_SIM, "--cost", "cm.json", "--out", "pol.json", "-j", "1", "--json", cwd=tmp_path)
+        ).stdout
+    )
     pf = json.loads((tmp_path / "pol.json").read_text())
     assert pf["learned_on"]["cost_model"]["kind"] == "fitted"
-    again = json.loads(ok(rlsched("simulate", *SMALL_SIM, "--policy", "table:pol.json", "--cost", "cm.json",
-                                  "--json", "--no-baseline", "--out", "sim2", cwd=tmp_path)).stdout)
+    again = json.loads(
+        ok(
+            rlsched(
+                "simulate",
+                *SMALL_SIM,
+                "--policy",
+                "table:pol.json",
+                "--cost",
+                "cm.json",
+                "--json",
+                "--no-baseline",
+                "--out",
+                "sim2",
+                cwd=tmp_path,
+            )
+        ).stdout
+    )
     assert again["generation_s"] == pytest.approx(learned["generation_s"], rel=1e-9)
 
 
 def _simulate_on(tmp_path, cm_path):
-    roof = json.loads(ok(rlsched("simulate", *SMALL_SIM, "--policy", "static:2", "--out", "sim0", "--json",
-                                 cwd=tmp_path)).stdout)
-    proc = ok(rlsched("simulate", *SMALL_SIM, "--policy", "static:2", "--cost", str(cm_path), "--out", "sim1",
-                      "--json", cwd=tmp_path))
+    roof = json.loads(
+        ok(rlsched("simulate", *SMALL_SIM, "--policy", "static:2", "--out", "sim0", "--json", cwd=tmp_path)).stdout
+    )
+    proc = ok(
+        rlsched(
+            "simulate",
+            *SMALL_SIM,
+            "--policy",
+            "static:2",
+            "--cost",
+            str(cm_path),
+            "--out",
+            "sim1",
+            "--json",
+            cwd=tmp_path,
+        )
+    )
     fitted = json.loads(proc.stdout)
     assert "step costs: fitted" in proc.stderr
     assert fitted["generation_s"] != roof["generation_s"]
@@ -316,8 +430,9 @@ def _simulate_on(tmp_path, cm_path):
     tl = pd.read_parquet(tmp_path / "sim1" / "timeline.parquet").sort_values(["rl_step", "instance", "step"])
     joined = (tl.kind.shift(1) == "prefill") & (tl.instance.shift(1) == tl.instance)  # the drafter catches up
     dec, caught_up = tl[tl.kind == "decode"], joined[tl.kind == "decode"].to_numpy()
-    np.testing.assert_allclose(dec.verify_ms / 1e3,
-                               [cm.verify_time(b, 3, c) for b, c in zip(dec.batch, dec.ctx_tokens)], rtol=1e-9)
+    np.testing.assert_allclose(
+        dec.verify_ms / 1e3, [cm.verify_time(b, 3, c) for b, c in zip(dec.batch, dec.ctx_tokens)], rtol=1e-9
+    )
     draft = np.array([cm.draft_time("model", b, 2, c) for b, c in zip(dec.batch, dec.ctx_tokens)])
     assert caught_up.any() and (dec.draft_ms.to_numpy()[caught_up] / 1e3 > draft[caught_up]).all()
     np.testing.assert_allclose(dec.draft_ms.to_numpy()[~caught_up] / 1e3, draft[~caught_up], rtol=1e-9)
@@ -332,8 +447,25 @@ def test_fit_a_real_profile_end_to_end(tmp_path):
 
     builtin_pair()  # cached after the first build
     # one thread: on a shared 2-core machine two threads wait on each other (measured: 39 s against 5 s)
-    ok(rlsched("profile", "--batch-sizes", "1,4,16", "--k-max", "3", "--contexts", "32,96", "--repeats", "2",
-               "--threads", "1", "--out", "prof", cwd=tmp_path, timeout=300))
+    ok(
+        rlsched(
+            "profile",
+            "--batch-sizes",
+            "1,4,16",
+            "--k-max",
+            "3",
+            "--contexts",
+            "32,96",
+            "--repeats",
+            "2",
+            "--threads",
+            "1",
+            "--out",
+            "prof",
+            cwd=tmp_path,
+            timeout=300,
+        )
+    )
     proc = ok(rlsched("fit", "prof", "--out", "cm.json", "--plot", "fit.pdf", cwd=tmp_path))
     for text in ("verify", "prefill", "draft:model", "feed:model", "MAPE held-out", "batch sizes 4"):
         assert text in proc.stdout

@@ -13,11 +13,11 @@ import pytest
 pytest.importorskip("torch")
 
 import pandas as pd  # noqa: E402
+from support import ok, rlsched, snapshot  # noqa: E402
 
 from rlsched.executor.model.builtin import builtin_pair  # noqa: E402
 from rlsched.traces.reader import read_trace  # noqa: E402
 from rlsched.traces.schema import SAMPLE_SCHEMA, STEP_SCHEMA  # noqa: E402
-from support import ok, rlsched, snapshot  # noqa: E402
 
 FAST = ["--n", "2", "--max-tokens", "24", "--max-batch", "8", "--k-max", "3"]
 
@@ -33,11 +33,25 @@ def _prompts(path, lines):
 
 
 def test_generate_writes_samples_traces_and_summary(pair, tmp_path):
-    prompts = _prompts(tmp_path / "p.jsonl", ['{"prompt": "count 3 to 9=", "id": "a", "answer": "3 4 5 6 7 8 9"}',
-                                              '{"prompt": "rev abc="}'])
+    prompts = _prompts(
+        tmp_path / "p.jsonl",
+        ['{"prompt": "count 3 to 9=", "id": "a", "answer": "3 4 5 6 7 8 9"}', '{"prompt": "rev abc="}'],
+    )
     out = tmp_path / "gen"
-    proc = ok(rlsched("generate", "--prompts", str(prompts), "--policy", "static:3", *FAST, "--out", str(out),
-                      "--json", cwd=tmp_path))
+    proc = ok(
+        rlsched(
+            "generate",
+            "--prompts",
+            str(prompts),
+            "--policy",
+            "static:3",
+            *FAST,
+            "--out",
+            str(out),
+            "--json",
+            cwd=tmp_path,
+        )
+    )
     summary = json.loads(proc.stdout)
     assert summary["samples"] == 4 and summary["drafter"] == "model" and summary["mean_accept_len"] > 1.0
     df = pd.read_parquet(out / "samples.parquet")
@@ -61,9 +75,28 @@ def test_generate_writes_samples_traces_and_summary(pair, tmp_path):
 
 def test_profile_then_goodput_on_the_measured_costs(pair, tmp_path):
     prof = tmp_path / "prof"
-    proc = ok(rlsched("profile", "--batch-sizes", "1,4", "--k-max", "2", "--contexts", "16", "--repeats", "1",
-                      "--drafter", "builtin", "--drafter", "ngram", "--statistic", "min", "--out", str(prof),
-                      cwd=tmp_path))
+    proc = ok(
+        rlsched(
+            "profile",
+            "--batch-sizes",
+            "1,4",
+            "--k-max",
+            "2",
+            "--contexts",
+            "16",
+            "--repeats",
+            "1",
+            "--drafter",
+            "builtin",
+            "--drafter",
+            "ngram",
+            "--statistic",
+            "min",
+            "--out",
+            str(prof),
+            cwd=tmp_path,
+        )
+    )
     assert "verify ms" in proc.stdout and json.loads((prof / "profile.json").read_text())["statistic"] == "min"
     rec = read_trace(prof / "traces", "steps")
     assert set(rec.kind) == {"prefill", "feed", "verify", "draft"} and set(rec.drafter) >= {"model", "ngram"}
@@ -72,12 +105,40 @@ def test_profile_then_goodput_on_the_measured_costs(pair, tmp_path):
     assert len(feed) == len(rec[rec.kind == "prefill"]) and (feed.step_ms > 0).all()
     assert len(rec[rec.kind == "verify"]) == 2 * 3 and (rec.verify_ms[rec.kind == "verify"] > 0).all()
     out = tmp_path / "gen"
-    summary = json.loads(ok(rlsched("generate", "--policy", "goodput", "--cost-model", str(prof), *FAST, "--out",
-                                    str(out), "--json", cwd=tmp_path)).stdout)
+    summary = json.loads(
+        ok(
+            rlsched(
+                "generate",
+                "--policy",
+                "goodput",
+                "--cost-model",
+                str(prof),
+                *FAST,
+                "--out",
+                str(out),
+                "--json",
+                cwd=tmp_path,
+            )
+        ).stdout
+    )
     assert summary["policy"] == "goodput" and summary["samples"] == 64
     # twostate solves its threshold and k over the same measured costs
-    summary = json.loads(ok(rlsched("generate", "--policy", "twostate", "--cost-model", str(prof), *FAST, "--out",
-                                    str(tmp_path / "ts"), "--json", cwd=tmp_path)).stdout)
+    summary = json.loads(
+        ok(
+            rlsched(
+                "generate",
+                "--policy",
+                "twostate",
+                "--cost-model",
+                str(prof),
+                *FAST,
+                "--out",
+                str(tmp_path / "ts"),
+                "--json",
+                cwd=tmp_path,
+            )
+        ).stdout
+    )
     assert summary["policy"] == "twostate" and summary["samples"] == 64
 
 
@@ -98,16 +159,25 @@ def test_a_profile_point_is_priced_from_all_its_runs_over_the_passes(pair):
     import torch
 
     from rlsched.executor.decode.drafters import ModelDrafter, NgramDrafter
+    from rlsched.executor.decode.sampling import SamplingParams
     from rlsched.executor.model.loading import load_model
     from rlsched.executor.profiler import profile, profile_cache_len, typical_ms
-    from rlsched.executor.decode.sampling import SamplingParams
 
     target, drafter = load_model(pair.target).model, load_model(pair.drafter).model
     sampling = SamplingParams(temperature=1.0)
     drafters = {"model": ModelDrafter(drafter, sampling, 2, profile_cache_len([8], 1)), "ngram": NgramDrafter()}
     torch.manual_seed(0)
-    records = profile(target, drafters, batch_sizes=(1, 2), k_max=1, contexts=(8,), repeats=4, passes=2,
-                      sampling=sampling, statistic=len)  # the price = how many runs it saw
+    records = profile(
+        target,
+        drafters,
+        batch_sizes=(1, 2),
+        k_max=1,
+        contexts=(8,),
+        repeats=4,
+        passes=2,
+        sampling=sampling,
+        statistic=len,
+    )  # the price = how many runs it saw
     runs = {(r["kind"], r["k"]): r for r in records}
     # verify and draft: 2 runs a pass x 2 passes; prefill and the drafter's feed half as many
     assert all(r["step_ms"] == 4 for r in records if r["kind"] in ("verify", "draft"))
@@ -119,8 +189,24 @@ def test_a_profile_point_is_priced_from_all_its_runs_over_the_passes(pair):
 
 def test_generate_with_ngram_and_auto_profile(pair, tmp_path):
     out = tmp_path / "gen"
-    summary = json.loads(ok(rlsched("generate", "--drafter", "ngram", "--policy", "goodput", *FAST, "--max-batch",
-                                    "4", "--out", str(out), "--json", cwd=tmp_path)).stdout)
+    summary = json.loads(
+        ok(
+            rlsched(
+                "generate",
+                "--drafter",
+                "ngram",
+                "--policy",
+                "goodput",
+                *FAST,
+                "--max-batch",
+                "4",
+                "--out",
+                str(out),
+                "--json",
+                cwd=tmp_path,
+            )
+        ).stdout
+    )
     assert summary["drafter"] == "ngram" and summary["tokens"] > 0
 
 
@@ -130,9 +216,31 @@ def test_generate_with_the_suffix_drafter_on_revisited_prompts(pair, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "repeat: abcabc ="}) + "\n")
     out = tmp_path / "gen"
-    summary = json.loads(ok(rlsched("generate", "--drafter", "suffix", "--policy", "static:3", "--prompts",
-                                    str(prompts), "--n", "12", "--max-tokens", "24", "--max-batch", "4",
-                                    "--k-max", "3", "--out", str(out), "--json", cwd=tmp_path)).stdout)
+    summary = json.loads(
+        ok(
+            rlsched(
+                "generate",
+                "--drafter",
+                "suffix",
+                "--policy",
+                "static:3",
+                "--prompts",
+                str(prompts),
+                "--n",
+                "12",
+                "--max-tokens",
+                "24",
+                "--max-batch",
+                "4",
+                "--k-max",
+                "3",
+                "--out",
+                str(out),
+                "--json",
+                cwd=tmp_path,
+            )
+        ).stdout
+    )
     assert summary["drafter"] == "suffix" and summary["tokens"] > 0
     steps = read_trace(out / "traces", "steps")
     assert steps.accepted.sum() > 0 and steps.drafted.sum() > 0
@@ -143,28 +251,101 @@ def test_generate_with_the_eagle_head_and_a_draft_tree(pair, tmp_path):
 
     builtin_head()  # built once here (about a minute on first use), not inside the timed command
     out = tmp_path / "gen"
-    summary = json.loads(ok(rlsched("generate", "--drafter", "eagle", "--policy", "static:3", *FAST, "--out",
-                                    str(out), "--json", cwd=tmp_path)).stdout)
+    summary = json.loads(
+        ok(
+            rlsched(
+                "generate",
+                "--drafter",
+                "eagle",
+                "--policy",
+                "static:3",
+                *FAST,
+                "--out",
+                str(out),
+                "--json",
+                cwd=tmp_path,
+            )
+        ).stdout
+    )
     assert summary["drafter"] == "eagle" and summary["accepted"] > 0
-    tree = json.loads(ok(rlsched("generate", "--policy", "tree:3:2:6", *FAST, "--k-max", "6", "--out",
-                                 str(tmp_path / "tree"), "--json", cwd=tmp_path)).stdout)
+    tree = json.loads(
+        ok(
+            rlsched(
+                "generate",
+                "--policy",
+                "tree:3:2:6",
+                *FAST,
+                "--k-max",
+                "6",
+                "--out",
+                str(tmp_path / "tree"),
+                "--json",
+                cwd=tmp_path,
+            )
+        ).stdout
+    )
     assert tree["drafter"] == "model" and tree["mean_accept_len"] > 1.0
     # the head's drafting profiled, then goodput over its chains and trees priced by that profile
     prof = tmp_path / "prof"
-    ok(rlsched("profile", "--drafter", "eagle", "--batch-sizes", "1,4", "--k-max", "3", "--width-max", "2",
-               "--contexts", "16", "--repeats", "1", "--out", str(prof), cwd=tmp_path))
+    ok(
+        rlsched(
+            "profile",
+            "--drafter",
+            "eagle",
+            "--batch-sizes",
+            "1,4",
+            "--k-max",
+            "3",
+            "--width-max",
+            "2",
+            "--contexts",
+            "16",
+            "--repeats",
+            "1",
+            "--out",
+            str(prof),
+            cwd=tmp_path,
+        )
+    )
     rec = read_trace(prof / "traces", "steps")
     drafts = rec[rec.kind == "draft"]
     assert set(drafts.drafter) == {"eagle"} and (drafts.draft_ms > 0).all()
     # chains and trees of width 2, each depth 1..3 at each batch size
     assert sorted(drafts.groupby("width").size().items()) == [(1, 6), (2, 6)]
     assert "feed" not in set(rec.kind)  # the head is handed the target's states: nothing to catch up
-    adaptive = json.loads(ok(rlsched("generate", "--drafter", "eagle", "--policy", "goodput", "--cost-model",
-                                     str(prof), "--width-max", "2", *FAST, "--out",
-                                     str(tmp_path / "adaptive"), "--json", cwd=tmp_path)).stdout)
+    adaptive = json.loads(
+        ok(
+            rlsched(
+                "generate",
+                "--drafter",
+                "eagle",
+                "--policy",
+                "goodput",
+                "--cost-model",
+                str(prof),
+                "--width-max",
+                "2",
+                *FAST,
+                "--out",
+                str(tmp_path / "adaptive"),
+                "--json",
+                cwd=tmp_path,
+            )
+        ).stdout
+    )
     assert adaptive["drafter"] == "eagle" and adaptive["samples"] == 64
-    proc = rlsched("generate", "--model", str(pair.target), "--drafter", "eagle", "--policy", "static:2",
-                   "--out", str(tmp_path / "bad"), cwd=tmp_path)
+    proc = rlsched(
+        "generate",
+        "--model",
+        str(pair.target),
+        "--drafter",
+        "eagle",
+        "--policy",
+        "static:2",
+        "--out",
+        str(tmp_path / "bad"),
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2 and "drafter eagle is the built-in target's EAGLE-3 head" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "bad").exists()
 
@@ -172,9 +353,29 @@ def test_generate_with_the_eagle_head_and_a_draft_tree(pair, tmp_path):
 def test_kill_minus_nine_keeps_completed_steps_readable(pair, tmp_path):
     out = tmp_path / "gen"
     env = dict(os.environ, COLUMNS="400")
-    proc = subprocess.Popen([sys.executable, "-m", "rlsched", "generate", "--policy", "static:2", "--n", "8",
-                             "--max-tokens", "200", "--ignore-eos", "--max-batch", "4", "--out", str(out)],
-                            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "rlsched",
+            "generate",
+            "--policy",
+            "static:2",
+            "--n",
+            "8",
+            "--max-tokens",
+            "200",
+            "--ignore-eos",
+            "--max-batch",
+            "4",
+            "--out",
+            str(out),
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     journal = out / "traces" / "steps" / "part-000000.jsonl"  # the records of the part being filled
     deadline = time.time() + 120
     while time.time() < deadline and (not journal.exists() or journal.read_text().count("\n") < 12):
@@ -188,27 +389,33 @@ def test_kill_minus_nine_keeps_completed_steps_readable(pair, tmp_path):
     assert not (out / "summary.json").exists()
 
 
-@pytest.mark.parametrize("case, args, message", [
-    ("missing model", ["--model", "{tmp}/nope"], "model folder {tmp}/nope does not exist"),
-    ("corrupt model", ["--model", "{tmp}/corrupt"], "is not valid JSON"),
-    ("unsupported arch", ["--model", "{tmp}/gpt2"], "field 'model_type' is 'gpt2'"),
-    ("drafter vocab", ["--drafter", "{tmp}/othervocab"], "vocabulary of 50 tokens"),
-    ("bad prompts json", ["--prompts", "{tmp}/bad.jsonl"], "line 2: not valid JSON"),
-    ("prompt field", ["--prompts", "{tmp}/nofield.jsonl"], "line 1: needs a non-empty string field 'prompt'"),
-    ("no prompts file", ["--prompts", "{tmp}/absent.jsonl"], "prompts file {tmp}/absent.jsonl does not exist"),
-    ("unknown policy", ["--policy", "fastest"], "fastest"),
-    ("priced policy spec", ["--policy", "goodput:0"], "refresh interval must be a whole number"),
-    ("cost model folder", ["--policy", "goodput", "--cost-model", "{tmp}/noprof"],
-     "--cost-model: {tmp}/noprof is neither a `rlsched profile` folder"),
-    ("temperature", ["--temperature", "-1"], "temperature must be >= 0"),
-    ("top-p", ["--top-p", "0"], "top_p must lie in (0, 1]"),
-    ("n", ["--n", "0"], "--n must be >= 1"),
-    ("kv budget", ["--kv-budget", "10"], "exceed the KV cache capacity (10)"),
-    ("device", ["--device", "tpu"], "device 'tpu'"),
-    ("compile with instances", ["--compile", "--instances", "2"], "--compile runs in this process"),
-    ("width max", ["--width-max", "0"], "--width-max must be >= 1"),
-    ("trees of a chain drafter", ["--drafter", "ngram", "--width-max", "2"], "the ngram drafter drafts no trees"),
-])
+@pytest.mark.parametrize(
+    "case, args, message",
+    [
+        ("missing model", ["--model", "{tmp}/nope"], "model folder {tmp}/nope does not exist"),
+        ("corrupt model", ["--model", "{tmp}/corrupt"], "is not valid JSON"),
+        ("unsupported arch", ["--model", "{tmp}/gpt2"], "field 'model_type' is 'gpt2'"),
+        ("drafter vocab", ["--drafter", "{tmp}/othervocab"], "vocabulary of 50 tokens"),
+        ("bad prompts json", ["--prompts", "{tmp}/bad.jsonl"], "line 2: not valid JSON"),
+        ("prompt field", ["--prompts", "{tmp}/nofield.jsonl"], "line 1: needs a non-empty string field 'prompt'"),
+        ("no prompts file", ["--prompts", "{tmp}/absent.jsonl"], "prompts file {tmp}/absent.jsonl does not exist"),
+        ("unknown policy", ["--policy", "fastest"], "fastest"),
+        ("priced policy spec", ["--policy", "goodput:0"], "refresh interval must be a whole number"),
+        (
+            "cost model folder",
+            ["--policy", "goodput", "--cost-model", "{tmp}/noprof"],
+            "--cost-model: {tmp}/noprof is neither a `rlsched profile` folder",
+        ),
+        ("temperature", ["--temperature", "-1"], "temperature must be >= 0"),
+        ("top-p", ["--top-p", "0"], "top_p must lie in (0, 1]"),
+        ("n", ["--n", "0"], "--n must be >= 1"),
+        ("kv budget", ["--kv-budget", "10"], "exceed the KV cache capacity (10)"),
+        ("device", ["--device", "tpu"], "device 'tpu'"),
+        ("compile with instances", ["--compile", "--instances", "2"], "--compile runs in this process"),
+        ("width max", ["--width-max", "0"], "--width-max must be >= 1"),
+        ("trees of a chain drafter", ["--drafter", "ngram", "--width-max", "2"], "the ngram drafter drafts no trees"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(pair, tmp_path, case, args, message):
     (tmp_path / "corrupt").mkdir()
     (tmp_path / "corrupt" / "config.json").write_text("{not json")
@@ -220,6 +427,7 @@ def test_bad_input_is_one_line_and_exit_2(pair, tmp_path, case, args, message):
     (other / "config.json").write_text(json.dumps({**raw, "vocab_size": 50}))
     import torch
     from safetensors.torch import load_file, save_file
+
     state = load_file(str(pair.drafter / "model.safetensors"))
     state["model.embed_tokens.weight"] = state["model.embed_tokens.weight"][:50].clone()
     save_file(state, str(other / "model.safetensors"))
@@ -236,18 +444,33 @@ def test_bad_input_is_one_line_and_exit_2(pair, tmp_path, case, args, message):
     assert snapshot(tmp_path) == before  # nothing written
 
 
-@pytest.mark.parametrize("drafter, policy, message", [
-    ("{tmp}/nodrafter", "static:9", "policy 'static:9': K = 9 is above --k-max = 3; lower K or raise --k-max"),
-    ("{tmp}/nodrafter", "fastest", "unknown policy 'fastest'"),
-    ("off", "static:2", "--drafter is off; give --drafter builtin"),
-    ("ngram", "static:2:model", "unknown drafter 'model'; --drafter gives ngram"),
-])
+@pytest.mark.parametrize(
+    "drafter, policy, message",
+    [
+        ("{tmp}/nodrafter", "static:9", "policy 'static:9': K = 9 is above --k-max = 3; lower K or raise --k-max"),
+        ("{tmp}/nodrafter", "fastest", "unknown policy 'fastest'"),
+        ("off", "static:2", "--drafter is off; give --drafter builtin"),
+        ("ngram", "static:2:model", "unknown drafter 'model'; --drafter gives ngram"),
+    ],
+)
 def test_the_policy_is_checked_before_any_model_is_loaded(tmp_path, drafter, policy, message):
     """The model folders do not exist: were they loaded first, that would be the error."""
     before = snapshot(tmp_path)
     drafter = drafter.replace("{tmp}", str(tmp_path))
-    proc = rlsched("generate", "--model", str(tmp_path / "nomodel"), "--drafter", drafter, "--policy", policy,
-                   "--k-max", "3", "--out", str(tmp_path / "out"), cwd=tmp_path)
+    proc = rlsched(
+        "generate",
+        "--model",
+        str(tmp_path / "nomodel"),
+        "--drafter",
+        drafter,
+        "--policy",
+        policy,
+        "--k-max",
+        "3",
+        "--out",
+        str(tmp_path / "out"),
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
@@ -267,6 +490,20 @@ def test_profile_bad_input(pair, tmp_path):
 def test_a_model_folder_defaults_to_the_ngram_drafter(pair, tmp_path):
     """The built-in drafter only fits the built-in target; another model drafts with n-grams
     unless told otherwise."""
-    summary = json.loads(ok(rlsched("generate", "--model", str(pair.target), "--policy", "static:2", *FAST,
-                                    "--out", str(tmp_path / "g"), "--json", cwd=tmp_path)).stdout)
+    summary = json.loads(
+        ok(
+            rlsched(
+                "generate",
+                "--model",
+                str(pair.target),
+                "--policy",
+                "static:2",
+                *FAST,
+                "--out",
+                str(tmp_path / "g"),
+                "--json",
+                cwd=tmp_path,
+            )
+        ).stdout
+    )
     assert summary["drafter"] == "ngram" and summary["model"] == str(pair.target)

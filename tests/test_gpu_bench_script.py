@@ -34,10 +34,30 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 def test_gpu_engine_script_smoke_runs_on_cpu(tmp_path):
-    proc = subprocess.run([sys.executable, "-c", RUN_WITHOUT, ",".join(ABSENT_ON_DEVICE),
-                           str(ROOT / "bench" / "gpu_engine.py"), "--device", "cpu", "--smoke",
-                           "--batch-sizes", "1,4", "--k-max", "2", "--context", "16", "--tokens", "4"],
-                          env=dict(os.environ, OUT=str(tmp_path)), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            RUN_WITHOUT,
+            ",".join(ABSENT_ON_DEVICE),
+            str(ROOT / "bench" / "gpu_engine.py"),
+            "--device",
+            "cpu",
+            "--smoke",
+            "--batch-sizes",
+            "1,4",
+            "--k-max",
+            "2",
+            "--context",
+            "16",
+            "--tokens",
+            "4",
+        ],
+        env=dict(os.environ, OUT=str(tmp_path)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads((tmp_path / "gpu_engine.json").read_text())
     kinds = {r["kind"] for r in result["profile"]}
@@ -49,14 +69,18 @@ def test_gpu_engine_script_smoke_runs_on_cpu(tmp_path):
     assert [r["batch"] for r in compiled] == [1, 4] and all(r["tok_s"] > 0 for r in compiled)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--device", "cuda", "--sections", "plain,drain"], "plain time CPU peers; on --device cuda choose from drain"),
-    (["--sections", "drian"], "--sections: unknown drian"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--device", "cuda", "--sections", "plain,drain"], "plain time CPU peers; on --device cuda choose from drain"),
+        (["--sections", "drian"], "--sections: unknown drian"),
+    ],
+)
 def test_engine_bench_refuses_sections_it_cannot_run(args, message):
     """bench/engine.py --device cuda runs the drains only (the other sections time CPU peers)."""
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "engine.py"), *args],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "engine.py"), *args], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-1000:]
 
 
@@ -76,8 +100,13 @@ def test_gpu_drain_script_needs_nothing_carried(tmp_path):
     (stub / "python3").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'calls'}\necho 'torch (stub) GPU'\n")
     (stub / "python3").chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k not in ("OUT", "RLSCHED_CACHE")}
-    proc = subprocess.run(["bash", str(work / "bench" / "gpu_engine.sh"), "drain"], capture_output=True, text=True,
-                          env=dict(env, PATH=f"{stub}:/usr/bin:/bin"), timeout=60)
+    proc = subprocess.run(
+        ["bash", str(work / "bench" / "gpu_engine.sh"), "drain"],
+        capture_output=True,
+        text=True,
+        env=dict(env, PATH=f"{stub}:/usr/bin:/bin"),
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     calls = (tmp_path / "calls").read_text().splitlines()
     assert calls[-1].startswith("bench/engine.py --device cuda --sections drain"), calls
@@ -106,22 +135,36 @@ def test_planted_drafter_is_accepted_exactly_up_to_its_planted_rejection():
     slots = torch.arange(b)
     last = prefill(target, cache, slots, prompts)
     seqs = [Seq(list(p), i, i) for i, p in enumerate(prompts)]
-    planted = PlantedDrafter(ModelDrafter(drafter, GREEDY, b, 32, gen), {i: a for i in range(b)},
-                             {i: (6, 10 ** 6) for i in range(b)}, gen, 512)
+    planted = PlantedDrafter(
+        ModelDrafter(drafter, GREEDY, b, 32, gen), {i: a for i in range(b)}, {i: (6, 10**6) for i in range(b)}, gen, 512
+    )
     drafts, q, dk = planted.propose(seqs, k)
     out = step(target, cache, slots, last, GREEDY, drafts, q, dk, gen)
     last_tokens = torch.tensor([p[-1] for p in prompts])
     cut = (drafts == last_tokens[:, None]).long().cumprod(1).sum(1)  # echoes before the planted token
     assert torch.equal(out.accepted.cpu(), cut)  # kept exactly the planted prefix
     assert (out.tokens[torch.arange(b), out.accepted] == last_tokens).all()
-    expected = sum(a ** j for j in range(1, k + 1))  # truncated geometric mean: 1.3056
+    expected = sum(a**j for j in range(1, k + 1))  # truncated geometric mean: 1.3056
     assert abs(out.accepted.float().mean().item() - expected) < 0.15
 
 
 def test_gpu_drain_script_smoke_runs_on_cpu(tmp_path):
-    proc = subprocess.run([sys.executable, "-c", RUN_WITHOUT, ",".join(ABSENT_ON_DEVICE),
-                           str(ROOT / "bench" / "gpu_drain.py"), "--device", "cpu", "--smoke"],
-                          env=dict(os.environ, OUT=str(tmp_path)), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            RUN_WITHOUT,
+            ",".join(ABSENT_ON_DEVICE),
+            str(ROOT / "bench" / "gpu_drain.py"),
+            "--device",
+            "cpu",
+            "--smoke",
+        ],
+        env=dict(os.environ, OUT=str(tmp_path)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads((tmp_path / "gpu_drain_cpu.json").read_text())
     by = {r["policy"]: r for r in result["rows"]}
@@ -138,10 +181,37 @@ def test_gpu_drain_script_smoke_runs_on_cpu(tmp_path):
 def test_gpu_vllm_path_runs_on_vllms_cpu_build(tmp_path):
     """bench/gpu_vllm.sh's benchmark with the planted pair at the built-in pair's shapes:
     every arm runs, and drafts are accepted at a planted rate (per request 1, 1/2, 1/3 or 1/4)."""
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "vllm_adaptive.py"), "--models", "planted", "--smoke",
-                           "--reps", "1", "--prompts", "3", "--group", "4", "--median", "12", "--max-batch", "8",
-                           "--k-max", "3", "--static", "2", "--adaptive", "seqgoodput", "--threads", "1"],
-                          env=dict(os.environ, OUT=str(tmp_path)), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "vllm_adaptive.py"),
+            "--models",
+            "planted",
+            "--smoke",
+            "--reps",
+            "1",
+            "--prompts",
+            "3",
+            "--group",
+            "4",
+            "--median",
+            "12",
+            "--max-batch",
+            "8",
+            "--k-max",
+            "3",
+            "--static",
+            "2",
+            "--adaptive",
+            "seqgoodput",
+            "--threads",
+            "1",
+        ],
+        env=dict(os.environ, OUT=str(tmp_path)),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "vllm_adaptive_planted_smoke.json").read_text())
     assert set(result["arms"]) >= {"off", "static:2", "seqgoodput"}

@@ -43,9 +43,13 @@ def _add_import(node, package: str, names: set[str]) -> None:
 
 def test_only_the_cli_imports_the_generate_command():
     command = "rlsched.executor.generate"
-    offenders = [str(p.relative_to(PACKAGE.parent)) for p in sorted(PACKAGE.rglob("*.py"))
-                 if not _within(_module(p), "rlsched.cli") and p != PACKAGE / "executor" / "generate.py"
-                 and any(n == command or n.startswith(command + ".") for n in _imported(p))]
+    offenders = [
+        str(p.relative_to(PACKAGE.parent))
+        for p in sorted(PACKAGE.rglob("*.py"))
+        if not _within(_module(p), "rlsched.cli")
+        and p != PACKAGE / "executor" / "generate.py"
+        and any(n == command or n.startswith(command + ".") for n in _imported(p))
+    ]
     assert not offenders, f"library modules import the `generate` command's module: {offenders}"
 
 
@@ -65,17 +69,26 @@ def _within(name: str, package: str) -> bool:
 
 @pytest.mark.parametrize("package", sorted(NEVER_IMPORTS))
 def test_no_upward_imports(package):
-    files = [p for p in sorted(PACKAGE.rglob("*.py"))
-             if _within(".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts), package)]
+    files = [
+        p
+        for p in sorted(PACKAGE.rglob("*.py"))
+        if _within(".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts), package)
+    ]
     assert files, f"no modules found for {package}"
-    offenders = sorted(f"{p.relative_to(PACKAGE.parent)} imports {n}" for p in files for n in _imported(p)
-                       if any(_within(n, banned) for banned in NEVER_IMPORTS[package]))
+    offenders = sorted(
+        f"{p.relative_to(PACKAGE.parent)} imports {n}"
+        for p in files
+        for n in _imported(p)
+        if any(_within(n, banned) for banned in NEVER_IMPORTS[package])
+    )
     assert not offenders, f"{package} imports a package it must not: {offenders}"
 
 
 def test_importing_costs_loads_neither_torch_nor_matplotlib():
-    code = ("import sys, rlsched.costs; "
-            "print(sorted(m for m in sys.modules if m.partition('.')[0] in ('torch', 'matplotlib'))[:3])")
+    code = (
+        "import sys, rlsched.costs; "
+        "print(sorted(m for m in sys.modules if m.partition('.')[0] in ('torch', 'matplotlib'))[:3])"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr[-2000:] or out.stdout
 
@@ -103,8 +116,10 @@ def _module_level_imports(path: Path) -> set[str]:
 
 
 def _module_graph() -> dict[str, set[str]]:
-    files = {".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__"): p
-             for p in PACKAGE.rglob("*.py")}
+    files = {
+        ".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in PACKAGE.rglob("*.py")
+    }
     return {m: {n for n in _module_level_imports(p) if n in files and n != m} for m, p in files.items()}
 
 

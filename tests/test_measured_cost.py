@@ -4,8 +4,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from rlsched.errors import UserError
 from rlsched.costs.measured import MeasuredCostModel
+from rlsched.errors import UserError
 
 
 def _records(verify, draft, batches=(1, 2, 4, 8), ks=range(0, 4), per_row=(32, 96)):
@@ -17,8 +17,18 @@ def _records(verify, draft, batches=(1, 2, 4, 8), ks=range(0, 4), per_row=(32, 9
                 rows.append({**base, "kind": "verify", "verify_ms": verify(b, k + 1, L)})
                 if k:
                     rows.append({**base, "kind": "draft", "drafter": "model", "draft_ms": draft(b, k, L)})
-            rows.append(dict(kind="prefill", batch=b, k=0, ctx_tokens=b * L, drafter="", draft_ms=0.0,
-                             verify_ms=0.0, step_ms=2.0 + 0.01 * b * L))
+            rows.append(
+                dict(
+                    kind="prefill",
+                    batch=b,
+                    k=0,
+                    ctx_tokens=b * L,
+                    drafter="",
+                    draft_ms=0.0,
+                    verify_ms=0.0,
+                    step_ms=2.0 + 0.01 * b * L,
+                )
+            )
     return pd.DataFrame(rows)
 
 
@@ -42,8 +52,21 @@ def test_grid_points_are_exact_and_between_is_linear():
     assert d[0] == 0.0 and np.allclose(d[1:], [draft(8, k, 96) / 1e3 for k in ks[1:]])
     assert m.prefill_time(1000) == pytest.approx((2.0 + 0.01 * 1000) / 1e3)
     assert m.drafter_prefill_time("model", 1000) == 0.0  # no feed timed: no catch-up priced
-    feed = pd.DataFrame([dict(kind="feed", batch=b, k=0, ctx_tokens=b * 32, drafter="model", draft_ms=0.0,
-                              verify_ms=0.0, step_ms=0.5 + 0.002 * b * 32) for b in (1, 2, 4, 8)])
+    feed = pd.DataFrame(
+        [
+            dict(
+                kind="feed",
+                batch=b,
+                k=0,
+                ctx_tokens=b * 32,
+                drafter="model",
+                draft_ms=0.0,
+                verify_ms=0.0,
+                step_ms=0.5 + 0.002 * b * 32,
+            )
+            for b in (1, 2, 4, 8)
+        ]
+    )
     fed = MeasuredCostModel(pd.concat([_records(verify, draft), feed], ignore_index=True))
     assert fed.drafter_prefill_time("model", 1000) == pytest.approx((0.5 + 0.002 * 1000) / 1e3)
     assert fed.drafter_prefill_time("model", 0) == 0.0 and fed.prefill_time(1000) == m.prefill_time(1000)
@@ -57,7 +80,7 @@ def test_lookups_are_scipys_trilinear_interpolation_and_extrapolation():
     from scipy.interpolate import RegularGridInterpolator
 
     def verify(b, q, L):  # not linear
-        return 1.0 + 0.3 * b ** 1.3 * q ** 0.7 + 0.002 * L * np.sqrt(b)
+        return 1.0 + 0.3 * b**1.3 * q**0.7 + 0.002 * L * np.sqrt(b)
 
     m = MeasuredCostModel(_records(verify, lambda b, k, L: 0.2 * k))
     axes = [np.log2([1, 2, 4, 8]), np.arange(1.0, 5.0), np.array([32.0, 96.0])]
@@ -89,16 +112,17 @@ def test_extrapolation_never_prices_a_step_below_the_fastest_measured():
 
 def test_goodput_runs_on_a_measured_model():
     from rlsched.policies import PolicyContext, make_draft_policy
-    from rlsched.policies.types import EngineState
     from rlsched.policies.acceptance import AcceptanceEstimator
+    from rlsched.policies.types import EngineState
 
     # verify nearly free at batch 1, ~q times dearer at batch 8: SD at small batch only
     def verify(b, q, L):
         return 1.0 + (0.05 if b == 1 else 1.0) * b * q
 
     m = MeasuredCostModel(_records(verify, lambda b, k, L: 0.05 * k))
-    pol = make_draft_policy("goodput", PolicyContext(cost=m, drafters=("model",), k_max=3,
-                                                      acceptance_prior={"model": 0.8}))
+    pol = make_draft_policy(
+        "goodput", PolicyContext(cost=m, drafters=("model",), k_max=3, acceptance_prior={"model": 0.8})
+    )
     est = AcceptanceEstimator(("model",))
     est.begin_rollout(8, np.arange(8))
 
@@ -140,8 +164,8 @@ def test_calibrated_goodput_charges_a_plain_step_for_the_drafter_feed_it_defers(
     price is the cost model's: none without feed records, the profile's with them."""
     from dataclasses import replace
 
-    from rlsched.policies.acceptance import AcceptanceEstimator
     from rlsched.policies import PolicyContext, make_draft_policy
+    from rlsched.policies.acceptance import AcceptanceEstimator
     from rlsched.policies.types import EngineState, StepOutcome
 
     def verify(b, q, L):  # SD pays at batch 1 only
@@ -164,8 +188,21 @@ def test_calibrated_goodput_charges_a_plain_step_for_the_drafter_feed_it_defers(
     assert live._feed["model"] == pytest.approx(0.2e-3)
     assert live.choose(state(8, 2)).k >= 1
     assert make_draft_policy("goodput:1", ctx).choose(state(8, 3)).is_off
-    feed = pd.DataFrame([dict(kind="feed", batch=b, k=0, ctx_tokens=b * 32, drafter="model", draft_ms=0.0,
-                              verify_ms=0.0, step_ms=0.5 + 0.2 * b * 32) for b in (1, 2, 4, 8)])
+    feed = pd.DataFrame(
+        [
+            dict(
+                kind="feed",
+                batch=b,
+                k=0,
+                ctx_tokens=b * 32,
+                drafter="model",
+                draft_ms=0.0,
+                verify_ms=0.0,
+                step_ms=0.5 + 0.2 * b * 32,
+            )
+            for b in (1, 2, 4, 8)
+        ]
+    )
     fed = MeasuredCostModel(pd.concat([_records(verify, lambda b, k, L: 0.05 * k), feed], ignore_index=True))
     assert make_draft_policy("goodput:1", replace(ctx, cost=fed)).choose(state(8, 4)).k >= 1
 
@@ -173,6 +210,7 @@ def test_calibrated_goodput_charges_a_plain_step_for_the_drafter_feed_it_defers(
 def test_trees_are_priced_as_timed_where_profiled_else_as_width_rows_a_row():
     """Draft records of width 2 (a profile's trees) price width-2 trees and leave the chain's
     grid as it was; a width not timed is priced as drafts of batch x width rows."""
+
     def verify(b, q, L):
         return 1.0 + 0.25 * q
 

@@ -38,8 +38,13 @@ main()
 
 def test_executor_commands_without_torch_say_what_to_install(tmp_path):
     code = NO_TORCH.replace("OUT", repr(str(tmp_path / "out")))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={"COLUMNS": "300", "PATH": "/usr/bin:/bin"})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"COLUMNS": "300", "PATH": "/usr/bin:/bin"},
+    )
     assert out.returncode == 2, out.stderr[-2000:]
     assert "needs the executor extra (torch is missing): pip install 'rlsched[executor]'" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
@@ -65,8 +70,11 @@ def test_fit_and_simulate_on_its_file_without_torch(tmp_path):
     from test_fit import profile_records, write_steps
 
     prof = write_steps(tmp_path / "prof", profile_records())
-    code = (FIT_NO_TORCH.replace("PROF", repr(str(prof))).replace("OUT", repr(str(tmp_path / "cm.json")))
-            .replace("PLOT", repr(str(tmp_path / "fit.png"))))
+    code = (
+        FIT_NO_TORCH.replace("PROF", repr(str(prof)))
+        .replace("OUT", repr(str(tmp_path / "cm.json")))
+        .replace("PLOT", repr(str(tmp_path / "fit.png")))
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert (tmp_path / "cm.json").is_file() and (tmp_path / "fit.png").is_file()

@@ -8,14 +8,33 @@ import json
 
 import pytest
 import yaml
-
 from support import ok, rlsched
 
 # a small space: plain decoding, static:1, static:3, goodput and twostate over the default preset's
 # drafter on 2 GPUs (colocated, or 1 GPU), tp 1, two batch limits, with and without rebalance
-SPACE = ["--workload", "default", "--gpus", "2", "--tp", "1", "--max-batch", "64,256", "--seeds", "2",
-         "--survivors", "4", "-j", "1", "--set", "rl.steps=1", "--model-path", "builtin", "--drafter-path", "builtin",
-         "--no-learn"]
+SPACE = [
+    "--workload",
+    "default",
+    "--gpus",
+    "2",
+    "--tp",
+    "1",
+    "--max-batch",
+    "64,256",
+    "--seeds",
+    "2",
+    "--survivors",
+    "4",
+    "-j",
+    "1",
+    "--set",
+    "rl.steps=1",
+    "--model-path",
+    "builtin",
+    "--drafter-path",
+    "builtin",
+    "--no-learn",
+]
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +47,16 @@ def planned(tmp_path_factory):
 
 def test_the_plan_ranks_its_simulations_and_compares_the_winner(planned):
     _, out, summary, plan = planned
-    assert {p.name for p in out.iterdir()} == {"plan.json", "summary.json", "candidates.csv", "pareto.png",
-                                               "sim.yaml", "run.yaml", "vllm_engine.json", "verl_rollout.yaml"}
+    assert {p.name for p in out.iterdir()} == {
+        "plan.json",
+        "summary.json",
+        "candidates.csv",
+        "pareto.png",
+        "sim.yaml",
+        "run.yaml",
+        "vllm_engine.json",
+        "verl_rollout.yaml",
+    }
     rows = plan["rows"]
     simulated = [r for r in rows if r["step_s"] is not None]
     assert rows[0]["setup"] == summary["winner"] and rows[0]["seeds"] == 2
@@ -49,8 +76,18 @@ def test_the_plan_ranks_its_simulations_and_compares_the_winner(planned):
 
 def test_the_written_simulator_config_reproduces_the_winner(planned):
     root, out, summary, plan = planned
-    proc = ok(rlsched("simulate", "--config", str(out / "sim.yaml"), "--no-baseline", "--json", "--out",
-                      str(root / "sim"), cwd=root))
+    proc = ok(
+        rlsched(
+            "simulate",
+            "--config",
+            str(out / "sim.yaml"),
+            "--no-baseline",
+            "--json",
+            "--out",
+            str(root / "sim"),
+            cwd=root,
+        )
+    )
     winner = plan["rows"][0]
     assert json.loads(proc.stdout)["rl_step_s"] == pytest.approx(winner["step_s_by_seed"]["0"], rel=1e-9)
 
@@ -60,12 +97,19 @@ def test_the_written_vllm_and_verl_settings_are_the_winners(planned):
     winner = plan["rows"][0]
     args = json.loads((out / "vllm_engine.json").read_text())
     assert (args["tensor_parallel_size"], args["max_num_seqs"], args["gpu_memory_utilization"]) == (
-        winner["tp"], winner["max_batch"], winner["memory"])
+        winner["tp"],
+        winner["max_batch"],
+        winner["memory"],
+    )
     assert args["model"] == "builtin"
     section = yaml.safe_load((out / "verl_rollout.yaml").read_text())["actor_rollout_ref"]
     verl = section["rollout"]
-    assert verl["tensor_model_parallel_size"] == winner["tp"] and verl["n"] == 8 and verl["max_num_seqs"] == (
-        winner["max_batch"]) and verl["max_model_len"] == args["max_model_len"]
+    assert (
+        verl["tensor_model_parallel_size"] == winner["tp"]
+        and verl["n"] == 8
+        and verl["max_num_seqs"] == (winner["max_batch"])
+        and verl["max_model_len"] == args["max_model_len"]
+    )
     # a winner that offloads training's states says so in the actor's FSDP settings
     assert ("actor" in section) == winner["offload"]
     if winner["policy"] == "off":
@@ -89,11 +133,36 @@ def test_the_written_run_config_runs(planned):
     assert run["rollout"]["backend"] == "vllm" and run["model"] == "builtin"
     assert run["rollout"]["max_batch"] == plan["rows"][0]["max_batch"]
     # the built-in pair on this CPU: the local engine, one instance, a few short prompts
-    proc = ok(rlsched("run", "--config", str(out / "run.yaml"), "--set", "rollout.backend=local",
-                      "--set", "rollout.instances=1", "--set", "rollout.realloc=none", "--set", "steps=1",
-                      "--set", "rollout.prompts_per_step=2", "--set", "rollout.group_size=2",
-                      "--set", "rollout.max_tokens=8", "--set", "rollout.max_batch=8", "--set", "threads=1",
-                      "--out", str(root / "run"), "--json", cwd=root, timeout=600))
+    proc = ok(
+        rlsched(
+            "run",
+            "--config",
+            str(out / "run.yaml"),
+            "--set",
+            "rollout.backend=local",
+            "--set",
+            "rollout.instances=1",
+            "--set",
+            "rollout.realloc=none",
+            "--set",
+            "steps=1",
+            "--set",
+            "rollout.prompts_per_step=2",
+            "--set",
+            "rollout.group_size=2",
+            "--set",
+            "rollout.max_tokens=8",
+            "--set",
+            "rollout.max_batch=8",
+            "--set",
+            "threads=1",
+            "--out",
+            str(root / "run"),
+            "--json",
+            cwd=root,
+            timeout=600,
+        )
+    )
     assert json.loads(proc.stdout)["steps"] == 1
 
 
@@ -106,15 +175,18 @@ def test_the_report_page_draws_the_plan(planned):
     assert 'id="pareto"' in text and summary["winner"] in text
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--gpus", "0"], "--gpus must be >= 1 (got 0)"),
-    (["--hardware", "tpu-v9"], "hardware"),
-    (["--model", "llama-3.1-70b", "--gpus", "1"], "no setup of llama-3.1-70b fits on 1 x h100-sxm"),
-    (["--drafters", "eagle"], "--drafters: eagle is not a drafter of default (it has model)"),
-    (["--objective", "cheapest"], "--objective must be one of step-time, tokens-per-gpu-s"),
-    (["--from", "runs/x", "--workload", "default"], "--from plans from a run's own workload"),
-    (["--tp", "0"], "--tp must be comma-separated whole numbers >= 1"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--gpus", "0"], "--gpus must be >= 1 (got 0)"),
+        (["--hardware", "tpu-v9"], "hardware"),
+        (["--model", "llama-3.1-70b", "--gpus", "1"], "no setup of llama-3.1-70b fits on 1 x h100-sxm"),
+        (["--drafters", "eagle"], "--drafters: eagle is not a drafter of default (it has model)"),
+        (["--objective", "cheapest"], "--objective must be one of step-time, tokens-per-gpu-s"),
+        (["--from", "runs/x", "--workload", "default"], "--from plans from a run's own workload"),
+        (["--tp", "0"], "--tp must be comma-separated whole numbers >= 1"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     proc = rlsched("plan", *args, "--out", str(tmp_path / "plan"), cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
@@ -136,12 +208,43 @@ drafter_update: {every: 0}
 def test_a_plan_from_a_run_uses_its_fitted_costs_and_workload(tmp_path):
     pytest.importorskip("torch")
     (tmp_path / "run.yaml").write_text(TINY_RUN)
-    ok(rlsched("run", "--config", str(tmp_path / "run.yaml"), "--policy", "static:2", "--out", str(tmp_path / "run"),
-               cwd=tmp_path, timeout=600))
+    ok(
+        rlsched(
+            "run",
+            "--config",
+            str(tmp_path / "run.yaml"),
+            "--policy",
+            "static:2",
+            "--out",
+            str(tmp_path / "run"),
+            cwd=tmp_path,
+            timeout=600,
+        )
+    )
     out = tmp_path / "plan"
-    proc = ok(rlsched("plan", "--from", str(tmp_path / "run"), "--gpus", "2", "--max-batch", "4,8", "--seeds", "1",
-                      "--survivors", "3", "-j", "1", "--no-learn", "--out", str(out), "--json", cwd=tmp_path,
-                      timeout=600))
+    proc = ok(
+        rlsched(
+            "plan",
+            "--from",
+            str(tmp_path / "run"),
+            "--gpus",
+            "2",
+            "--max-batch",
+            "4,8",
+            "--seeds",
+            "1",
+            "--survivors",
+            "3",
+            "-j",
+            "1",
+            "--no-learn",
+            "--out",
+            str(out),
+            "--json",
+            cwd=tmp_path,
+            timeout=600,
+        )
+    )
     summary = json.loads(proc.stdout)
     assert summary["workload"] == "replay-of-run" and summary["gpus"] == 2
     sim = yaml.safe_load((out / "sim.yaml").read_text())
@@ -149,14 +252,39 @@ def test_a_plan_from_a_run_uses_its_fitted_costs_and_workload(tmp_path):
     assert sim["workload"]["prompts"] == 4 and sim["workload"]["samples_per_prompt"] == 4
     assert sim["workload"]["response_len"]["dist"] == "empirical"  # the lengths the run produced
     assert {r["tp"] for r in json.loads((out / "plan.json").read_text())["rows"]} == {1}  # one device's costs
-    ok(rlsched("simulate", "--config", str(out / "sim.yaml"), "--no-baseline", "--out", str(tmp_path / "sim"),
-               cwd=tmp_path))
+    ok(
+        rlsched(
+            "simulate", "--config", str(out / "sim.yaml"), "--no-baseline", "--out", str(tmp_path / "sim"), cwd=tmp_path
+        )
+    )
 
 
 def test_the_terminal_output_names_the_winner_and_its_comparisons(tmp_path):
-    proc = ok(rlsched("plan", "--workload", "default", "--gpus", "2", "--tp", "1", "--max-batch", "256", "--seeds",
-                      "1", "--survivors", "2", "-j", "1", "--set", "rl.steps=1", "--no-learn", "--out",
-                      str(tmp_path / "p"), cwd=tmp_path))
+    proc = ok(
+        rlsched(
+            "plan",
+            "--workload",
+            "default",
+            "--gpus",
+            "2",
+            "--tp",
+            "1",
+            "--max-batch",
+            "256",
+            "--seeds",
+            "1",
+            "--survivors",
+            "2",
+            "-j",
+            "1",
+            "--set",
+            "rl.steps=1",
+            "--no-learn",
+            "--out",
+            str(tmp_path / "p"),
+            cwd=tmp_path,
+        )
+    )
     summary = json.loads((tmp_path / "p" / "summary.json").read_text())
     assert f"winner: {summary['winner']}" in proc.stdout
     assert "over the best plain decoding" in proc.stdout and "over the workload's own setup" in proc.stdout
@@ -170,10 +298,28 @@ def test_on_a_ray_cluster_the_plan_is_the_same(tmp_path):
     (tmp_path / "fake" / "ray").mkdir(parents=True)
     (tmp_path / "fake" / "ray" / "__init__.py").write_text(FAKE_RAY)
     log = tmp_path / "ray.log"
-    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path / "fake"), os.environ.get("PYTHONPATH", "")]),
-           "FAKE_RAY_LOG": str(log)}
-    small = ["--workload", "default", "--gpus", "2", "--tp", "1", "--max-batch", "256", "--seeds", "1",
-             "--survivors", "2", "--set", "rl.steps=1", "--no-explain", "--no-learn"]
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(tmp_path / "fake"), os.environ.get("PYTHONPATH", "")]),
+        "FAKE_RAY_LOG": str(log),
+    }
+    small = [
+        "--workload",
+        "default",
+        "--gpus",
+        "2",
+        "--tp",
+        "1",
+        "--max-batch",
+        "256",
+        "--seeds",
+        "1",
+        "--survivors",
+        "2",
+        "--set",
+        "rl.steps=1",
+        "--no-explain",
+        "--no-learn",
+    ]
     ok(rlsched("plan", *small, "-j", "1", "--out", str(tmp_path / "local"), cwd=tmp_path))
     ok(rlsched("plan", *small, "--ray", "auto", "--out", str(tmp_path / "ray"), cwd=tmp_path, env_extra=env))
     rows = [json.loads((tmp_path / d / "plan.json").read_text())["rows"] for d in ("local", "ray")]
@@ -207,10 +353,22 @@ def test_a_table_learned_for_the_best_chain_setup_is_ranked_and_written(tmp_path
     spec = json.loads((out / "vllm_engine.json").read_text())["speculative_config"]
     if "num_speculative_tokens_per_batch_size" in spec:
         assert run["policy"] == f"table:{(out / 'vllm_table.json').resolve()}"
-        assert json.loads((out / "vllm_table.json").read_text())["num_speculative_tokens_per_batch_size"] == (
-            spec["num_speculative_tokens_per_batch_size"])
+        assert (
+            json.loads((out / "vllm_table.json").read_text())["num_speculative_tokens_per_batch_size"]
+            == (spec["num_speculative_tokens_per_batch_size"])
+        )
     else:
         assert run["policy"] == f"static:{spec['num_speculative_tokens']}"
-    proc = ok(rlsched("simulate", "--config", str(out / "sim.yaml"), "--no-baseline", "--json", "--out",
-                      str(tmp_path / "sim"), cwd=tmp_path))
+    proc = ok(
+        rlsched(
+            "simulate",
+            "--config",
+            str(out / "sim.yaml"),
+            "--no-baseline",
+            "--json",
+            "--out",
+            str(tmp_path / "sim"),
+            cwd=tmp_path,
+        )
+    )
     assert json.loads(proc.stdout)["rl_step_s"] == pytest.approx(learned[0].runs[0]["step_s"], rel=1e-9)

@@ -11,12 +11,18 @@ from rlsched.costs.choose import cost_model_for
 from rlsched.plan.fluid import expected_tokens_per_row, stage_time
 from rlsched.sim.simulate import simulate
 
-CASES = {"default": ["rl.steps=1"],
-         "default-queued": ["rl.steps=1", "cluster.max_batch=64"],  # rows wait for a slot
-         "respec-qwen2.5-7b": ["rl.steps=1", "speculation.width_max=1"],
-         # 171 rows an instance queue for 64 slots: the slowest instance is the one whose long rows join late
-         "respec-qwen2.5-7b-queued": ["rl.steps=1", "speculation.width_max=1", "cluster.instances=6",
-                                      "cluster.max_batch=64"]}
+CASES = {
+    "default": ["rl.steps=1"],
+    "default-queued": ["rl.steps=1", "cluster.max_batch=64"],  # rows wait for a slot
+    "respec-qwen2.5-7b": ["rl.steps=1", "speculation.width_max=1"],
+    # 171 rows an instance queue for 64 slots: the slowest instance is the one whose long rows join late
+    "respec-qwen2.5-7b-queued": [
+        "rl.steps=1",
+        "speculation.width_max=1",
+        "cluster.instances=6",
+        "cluster.max_batch=64",
+    ],
+}
 
 
 @pytest.mark.parametrize("policy", ["off", "static:3", "goodput", "twostate"])

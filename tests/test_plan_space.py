@@ -28,8 +28,15 @@ def test_placements_are_whole_gpus():
 
 
 def test_candidates_cover_the_space(base):
-    space = Space(16, tps=(1, 8), max_batches=(64, 256), static_ks=(2, 4, 12), reallocs=("none", "rebalance"),
-                  colocated=(1.0,), split=())
+    space = Space(
+        16,
+        tps=(1, 8),
+        max_batches=(64, 256),
+        static_ks=(2, 4, 12),
+        reallocs=("none", "rebalance"),
+        colocated=(1.0,),
+        split=(),
+    )
     cs = candidates(base, space)
     # off, static:2, static:4 (12 is above k_max 8), goodput over chains, over trees, twostate; realloc for
     # all but static, only where there are instances to move rows between (tp 8: 2 instances; tp 1: 16)
@@ -45,8 +52,16 @@ def test_candidates_cover_the_space(base):
 
 
 def test_a_candidates_config_is_the_base_with_its_setup(base):
-    c = next(c for c in candidates(base, Space(16)) if c.train_gpus == 4 and c.tp == 2 and c.max_batch == 256
-             and c.policy == "goodput" and c.width_max == 1 and c.realloc == "rebalance")
+    c = next(
+        c
+        for c in candidates(base, Space(16))
+        if c.train_gpus == 4
+        and c.tp == 2
+        and c.max_batch == 256
+        and c.policy == "goodput"
+        and c.width_max == 1
+        and c.realloc == "rebalance"
+    )
     cfg = to_config(base, c)
     assert (cfg.cluster.tp, cfg.cluster.instances, cfg.cluster.max_batch) == (2, 6, 256)
     assert cfg.cluster.gpu_memory_utilization == 0.9 and cfg.cluster.realloc == "rebalance"
@@ -88,8 +103,9 @@ def test_the_screen_ranks_feasible_setups_and_says_why_it_drops_the_rest(base):
 
 
 def test_successive_halving_keeps_the_better_half_and_runs_the_pinned_on_every_seed(base):
-    cs = candidates(base, Space(16, tps=(2, 4), max_batches=(1024,), static_ks=(2,), reallocs=("none",),
-                                colocated=(1.0,), split=()))
+    cs = candidates(
+        base, Space(16, tps=(2, 4), max_batches=(1024,), static_ks=(2,), reallocs=("none",), colocated=(1.0,), split=())
+    )
     scored, _ = screen(base, cs)
     off = next(s for s in scored if s.candidate.policy == "off")
     result = search(scored, survivors=4, seeds=[0, 1, 2], pinned=[off])

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from rlsched.config import load_config
+from rlsched.costs.roofline import RooflineCostModel
 from rlsched.errors import UserError
 from rlsched.policies import OFF, AcceptanceEstimator, EngineState, StepOutcome, Strategy, make_draft_policy
 from rlsched.policies.lookup import TablePolicy, TwoStatePolicy
 from rlsched.policies.policyfile import load_policy_file, save_policy_file
-from rlsched.costs.roofline import RooflineCostModel
 from rlsched.sim.learn import ACCEPT_EDGES, MIN_GAIN, Learner, ctx_edges, vllm_table
 from rlsched.sim.simulate import config_identity, policy_context, simulate
 
@@ -38,8 +38,11 @@ def state(batch, step=0, ctx_per_seq=1000):
 
 
 def test_twostate_solve_turns_sd_off_at_large_batch(ctx):
-    short = ["cluster.max_batch=1024", "workload.prompt_len={dist: fixed, value: 64}",
-             "workload.response_len={dist: fixed, value: 128}"]  # short contexts: compute-bound at large batch
+    short = [
+        "cluster.max_batch=1024",
+        "workload.prompt_len={dist: fixed, value: 64}",
+        "workload.response_len={dist: fixed, value: 128}",
+    ]  # short contexts: compute-bound at large batch
     big = policy_context(load_config("default", overrides=short), ctx.cost)
     pol = TwoStatePolicy.solve(big)
     assert 1 <= pol.max_batch_on < big.max_batch and pol.k >= 1
@@ -73,7 +76,7 @@ def test_bandit_explores_only_the_leaders_neighbours(ctx):
         s = pol.choose(state(8, step))
         pol.observe(StepOutcome(0, step, s, 8, 0, 0, int(1000 - 100 * abs(s.k - 3)), 1.0, 0.0, 1.0))
         chosen.append(s.k)
-    explored = set(chosen[len(pol.arms):])
+    explored = set(chosen[len(pol.arms) :])
     assert {2, 4} <= explored <= {2, 3, 4}  # the leader's neighbours, after the first sweep
 
 
@@ -141,8 +144,9 @@ def test_calibrated_goodput_does_not_price_drafting_by_a_catch_up_step(ctx):
     assert first.k > 0
     draft, verify = ctx.cost.draft_time(first.drafter, 1, first.k, 1000), ctx.cost.verify_time(1, first.k + 1, 1000)
     for step in range(1, 6):  # every step caught up: 30x the drafting price each time
-        live.observe(StepOutcome(0, step, first, 1, first.k, 0, 1, 30 * draft + verify, 30 * draft, verify,
-                                 catch_up=200))
+        live.observe(
+            StepOutcome(0, step, first, 1, first.k, 0, 1, 30 * draft + verify, 30 * draft, verify, catch_up=200)
+        )
         assert not live.choose(state(1, step + 1)).is_off and live._scale_at(first.drafter, 1) == 1.0
     s = first
     live.observe(StepOutcome(0, 6, s, 1, s.k, 0, 1, 30 * draft + verify, 30 * draft, verify))  # a steady one counts
@@ -191,8 +195,17 @@ def test_table_with_context_buckets_drafts_once_contexts_are_long(ctx):
     # 212 steps of one token per sequence bring 300 to 512: the 211 after this one are steady
     assert table.steady_steps(s, table.choose(s), max_growth=768) == 211
     # a file round trip keeps the axis; a table without one still loads (one context bucket)
-    assert TablePolicy(big, "model", table.batch_edges, table.accept_edges, table.params()["k"],
-                       ctx_edges=table.params()["ctx_edges"]).params() == table.params()
+    assert (
+        TablePolicy(
+            big,
+            "model",
+            table.batch_edges,
+            table.accept_edges,
+            table.params()["k"],
+            ctx_edges=table.params()["ctx_edges"],
+        ).params()
+        == table.params()
+    )
     flat = TablePolicy.analytic(big, "model")
     assert "ctx_edges" not in flat.params() and flat.steady_steps(s, flat.choose(s), 768) > 10**6
 
@@ -212,6 +225,7 @@ def test_adaptive_policies_run_in_the_simulator_deterministically(cfg, policy):
 def test_learn_keeps_a_change_only_if_it_gains_enough(cfg, gain, kept):
     """Scored by an evaluator where every change from the analytic table gains `gain`: below
     MIN_GAIN (the learning seed's luck) the analytic table stands."""
+
     def evaluate(jobs):
         ks = [load_policy_file(spec.split(":", 1)[1], config_identity(cfg)).params["k"] for _, spec, _ in jobs]
         return [100.0 if k == analytic else 100.0 * (1 - gain) for k in ks]
@@ -228,8 +242,11 @@ def test_learn_writes_a_policy_file_that_runs(cfg, tmp_path):
     pf, t = learner.learn("table")
     assert learner.evaluations > 1 and t > 0
     # context buckets sit around this workload's typical context per sequence
-    assert pf.params["ctx_edges"] == ctx_edges(learner.ctx.typical_ctx) == [
-        0, *(round(learner.ctx.typical_ctx * 2 ** (i / 2)) for i in range(-2, 5))]
+    assert (
+        pf.params["ctx_edges"]
+        == ctx_edges(learner.ctx.typical_ctx)
+        == [0, *(round(learner.ctx.typical_ctx * 2 ** (i / 2)) for i in range(-2, 5))]
+    )
     path = tmp_path / "p.json"
     save_policy_file(path, pf)
     assert load_policy_file(path, config_identity(cfg)).kind == "table"
@@ -258,15 +275,18 @@ def good_file(cfg, tmp_path):
     return json.loads(pf.model_dump_json())
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda d: "{not json", "not valid JSON"),
-    (lambda d: {**d, "format": "other"}, "not an rlsched policy file"),
-    (lambda d: {**d, "version": 0}, "format version 0"),
-    (lambda d: {**d, "learned_on": {**d["learned_on"], "model": "llama-3.1-8b"}}, "learned for"),
-    (lambda d: {**d, "drafter": "eagle"}, "lacks"),
-    (lambda d: {**d, "kind": "twostate"}, "twostate params"),
-    (lambda d: {**d, "params": {**d["params"], "k": [[1]]}}, "params.k"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda d: "{not json", "not valid JSON"),
+        (lambda d: {**d, "format": "other"}, "not an rlsched policy file"),
+        (lambda d: {**d, "version": 0}, "format version 0"),
+        (lambda d: {**d, "learned_on": {**d["learned_on"], "model": "llama-3.1-8b"}}, "learned for"),
+        (lambda d: {**d, "drafter": "eagle"}, "lacks"),
+        (lambda d: {**d, "kind": "twostate"}, "twostate params"),
+        (lambda d: {**d, "params": {**d["params"], "k": [[1]]}}, "params.k"),
+    ],
+)
 def test_bad_policy_files_are_refused(cfg, tmp_path, good_file, mutate, message):
     path = _write(tmp_path, mutate(good_file))
     with pytest.raises(UserError, match=message):
@@ -276,37 +296,86 @@ def test_bad_policy_files_are_refused(cfg, tmp_path, good_file, mutate, message)
 def test_bad_policy_file_through_the_cli(tmp_path, good_file):
     path = _write(tmp_path, {**good_file, "version": 99})
     out = tmp_path / "out"
-    r = subprocess.run([sys.executable, "-m", "rlsched", "simulate", "--policy", f"table:{path}", "--out", str(out),
-                        "--set", "workload.prompts=8"], capture_output=True, text=True, env={"COLUMNS": "400",
-                                                                                              "PATH": ""})
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlsched",
+            "simulate",
+            "--policy",
+            f"table:{path}",
+            "--out",
+            str(out),
+            "--set",
+            "workload.prompts=8",
+        ],
+        capture_output=True,
+        text=True,
+        env={"COLUMNS": "400", "PATH": ""},
+    )
     assert r.returncode == 2
     assert len(r.stderr.strip().splitlines()) == 1 and "version 99" in r.stderr
     assert not out.exists()
 
 
 def _cli(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "rlsched", *args], capture_output=True, text=True, cwd=cwd,
-                          env={"COLUMNS": "400", "PATH": ""})
+    return subprocess.run(
+        [sys.executable, "-m", "rlsched", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env={"COLUMNS": "400", "PATH": ""},
+    )
 
 
 def test_learn_end_to_end(tmp_path):
-    r = _cli("learn", "--set", "workload.prompts=8", "--set", "rl.steps=1", "--out", "p.json", "--vllm-table",
-             "v.json", "--json", "-j", "1", cwd=tmp_path)
+    r = _cli(
+        "learn",
+        "--set",
+        "workload.prompts=8",
+        "--set",
+        "rl.steps=1",
+        "--out",
+        "p.json",
+        "--vllm-table",
+        "v.json",
+        "--json",
+        "-j",
+        "1",
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout)
     assert summary["evaluations"] > 1
     ranges = json.loads((tmp_path / "v.json").read_text())["num_speculative_tokens_per_batch_size"]
     assert ranges[0][0] == 1
-    sim = _cli("simulate", "--set", "workload.prompts=8", "--set", "rl.steps=1", "--policy", "table:p.json",
-               "--json", "--no-baseline", "--out", "o", cwd=tmp_path)
+    sim = _cli(
+        "simulate",
+        "--set",
+        "workload.prompts=8",
+        "--set",
+        "rl.steps=1",
+        "--policy",
+        "table:p.json",
+        "--json",
+        "--no-baseline",
+        "--out",
+        "o",
+        cwd=tmp_path,
+    )
     assert sim.returncode == 0, sim.stderr
     assert json.loads(sim.stdout)["generation_s"] == pytest.approx(summary["generation_s"], rel=1e-9)
 
 
-@pytest.mark.parametrize("args, field", [
-    (["--kind", "tree"], "--kind"), (["--seeds", "0"], "--seeds"), (["--vllm-table", "v.txt"], "--vllm-table"),
-    (["--set", "drafters=[]"], "drafter"),
-])
+@pytest.mark.parametrize(
+    "args, field",
+    [
+        (["--kind", "tree"], "--kind"),
+        (["--seeds", "0"], "--seeds"),
+        (["--vllm-table", "v.txt"], "--vllm-table"),
+        (["--set", "drafters=[]"], "drafter"),
+    ],
+)
 def test_learn_bad_input(tmp_path, args, field):
     r = _cli("learn", "--out", "p.json", *args, cwd=tmp_path)
     assert r.returncode == 2 and field in r.stderr and len(r.stderr.strip().splitlines()) == 1
@@ -324,9 +393,12 @@ def test_per_sequence_drafting_gives_likely_sequences_longer_drafts():
     assert (np.diff(s.k_per_row) >= 0).all()  # more likely, longer
     # better than every uniform k by the policy's own yardstick
     a, cost = truth, ctx.cost
+
     def rate(ks):
-        return ((1 - a ** (ks + 1)) / (1 - a)).sum() / (cost.draft_time_per_row("model", ks, 128000)
-                                                       + cost.verify_time(64, 1 + ks.mean(), 128000))
+        return ((1 - a ** (ks + 1)) / (1 - a)).sum() / (
+            cost.draft_time_per_row("model", ks, 128000) + cost.verify_time(64, 1 + ks.mean(), 128000)
+        )
+
     assert all(rate(s.k_per_row) >= rate(np.full(64, k)) for k in range(1, 9))
 
 
@@ -337,10 +409,18 @@ def test_seqgoodput_runs_and_conserves_tokens(cfg):
 
 
 def test_cached_choices_do_not_leak_into_the_next_rollout():
-    over = ["cluster.instances=1", "workload.prompts=1", "workload.samples_per_prompt=1", "rl.steps=2",
-            "workload.response_len={dist: fixed, value: 3000}", "drafters.0.acceptance.mean=0.93",
-            "drafters.0.acceptance.prompt_concentration=null", "drafters.0.acceptance.sample_concentration=null",
-            "rl.acceptance_drift_per_step=0.86", "rl.acceptance_floor=0.0"]
+    over = [
+        "cluster.instances=1",
+        "workload.prompts=1",
+        "workload.samples_per_prompt=1",
+        "rl.steps=2",
+        "workload.response_len={dist: fixed, value: 3000}",
+        "drafters.0.acceptance.mean=0.93",
+        "drafters.0.acceptance.prompt_concentration=null",
+        "drafters.0.acceptance.sample_concentration=null",
+        "rl.acceptance_drift_per_step=0.86",
+        "rl.acceptance_floor=0.0",
+    ]
     tl = simulate(load_config("default", overrides=over), "goodput").timeline_frame()
     second = tl[(tl.rl_step == 1) & (tl.kind == "decode")]
     assert (second.k >= 4).mean() < 0.05  # acceptance is 0.07 now: long drafts would be a stale choice
@@ -360,11 +440,19 @@ def test_the_simulator_probes_as_the_executor_does(probe_every):
     speculation.probe_every the simulator drafts once after that many off steps in a row (k = 2,
     `policies/probe.py`, the executor's rule), runs of steps priced at once stopping short of
     each probe (the same steps as one at a time); without it, never."""
-    over = ["cluster.instances=1", "workload.prompts=1", "workload.samples_per_prompt=1", "rl.steps=2",
-            "workload.response_len={dist: fixed, value: 3000}", "drafters.0.acceptance.mean=0.93",
-            "drafters.0.acceptance.prompt_concentration=null", "drafters.0.acceptance.sample_concentration=null",
-            "rl.acceptance_drift_per_step=0.86", "rl.acceptance_floor=0.0",
-            f"speculation.probe_every={'null' if probe_every is None else probe_every}"]
+    over = [
+        "cluster.instances=1",
+        "workload.prompts=1",
+        "workload.samples_per_prompt=1",
+        "rl.steps=2",
+        "workload.response_len={dist: fixed, value: 3000}",
+        "drafters.0.acceptance.mean=0.93",
+        "drafters.0.acceptance.prompt_concentration=null",
+        "drafters.0.acceptance.sample_concentration=null",
+        "rl.acceptance_drift_per_step=0.86",
+        "rl.acceptance_floor=0.0",
+        f"speculation.probe_every={'null' if probe_every is None else probe_every}",
+    ]
     runs = {}
     for max_run in (1, 10_000):
         cfg = load_config("default", overrides=over + [f"max_steady_run={max_run}"])
@@ -389,11 +477,18 @@ def test_learned_twostate_file_runs(cfg, tmp_path):
     assert {**res, "policy": ""} == {**want, "policy": ""}
 
 
-@pytest.mark.parametrize("params", [
-    {"batch_edges": [1, "x", 4]}, {"accept_edges": [0, None, 1]}, {"batch_edges": [1, 2.5]},
-    {"k": [[True] * 9] * 7}, {"ctx_edges": [5, 10, 20, 40, 80]}, {"ctx_edges": [0, 512, 256, 1024, 2048]},
-    {"ctx_edges": [0, 512]},  # two context buckets, but k has five
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"batch_edges": [1, "x", 4]},
+        {"accept_edges": [0, None, 1]},
+        {"batch_edges": [1, 2.5]},
+        {"k": [[True] * 9] * 7},
+        {"ctx_edges": [5, 10, 20, 40, 80]},
+        {"ctx_edges": [0, 512, 256, 1024, 2048]},
+        {"ctx_edges": [0, 512]},  # two context buckets, but k has five
+    ],
+)
 def test_policy_file_values_of_the_wrong_type_are_refused(cfg, tmp_path, good_file, params):
     path = _write(tmp_path, {**good_file, "params": {**good_file["params"], **params}})
     with pytest.raises(UserError, match="params"):

@@ -15,13 +15,14 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 ray = pytest.importorskip("ray")
 
+from support import ok, rlsched, tiny_pair  # noqa: E402
+
 from rlsched.executor.decode.drafters import ModelDrafter  # noqa: E402
+from rlsched.executor.decode.sampling import GREEDY  # noqa: E402
 from rlsched.executor.engine.rollout import Request, RolloutEngine  # noqa: E402
 from rlsched.executor.pool.instances import InstancePool, InstanceSpec  # noqa: E402
-from rlsched.executor.decode.sampling import GREEDY  # noqa: E402
 from rlsched.policies.types import Migration  # noqa: E402
 from rlsched.traces import read_trace  # noqa: E402
-from support import ok, rlsched, tiny_pair  # noqa: E402
 
 V = 16
 MAX_BATCH = 8
@@ -48,15 +49,33 @@ def long_tail_requests(n_prompts: int = 8, group: int = 3, seed: int = 0, budget
 
 def spec_of(pair, trace_dir=None, policy="static:2") -> InstanceSpec:
     folder, _, _ = pair
-    return InstanceSpec(str(folder), "model", str(folder), GREEDY, policy, MAX_BATCH * 50, MAX_BATCH, 4, 64,
-                        trace_dir=None if trace_dir is None else str(trace_dir), threads=1)
+    return InstanceSpec(
+        str(folder),
+        "model",
+        str(folder),
+        GREEDY,
+        policy,
+        MAX_BATCH * 50,
+        MAX_BATCH,
+        4,
+        64,
+        trace_dir=None if trace_dir is None else str(trace_dir),
+        threads=1,
+    )
 
 
 def reference(pair, requests, model=None) -> list[list[int]]:
     """What one engine that never moves a sequence emits (greedy: the plain greedy tokens)."""
     _, target, drafter = pair
-    eng = RolloutEngine(model or target, ModelDrafter(drafter, GREEDY, MAX_BATCH, 64), MAX_BATCH * 50, MAX_BATCH,
-                        GREEDY, "static:2", k_max=4)
+    eng = RolloutEngine(
+        model or target,
+        ModelDrafter(drafter, GREEDY, MAX_BATCH, 64),
+        MAX_BATCH * 50,
+        MAX_BATCH,
+        GREEDY,
+        "static:2",
+        k_max=4,
+    )
     return [s.tokens for s in eng.run(requests).samples]
 
 
@@ -83,8 +102,7 @@ class MoveHalf:
 
 @pytest.fixture(scope="module")
 def pool(pair):
-    p = InstancePool(2, spec_of(pair), target_state=pair[1].state_dict(), drafter_state=pair[2].state_dict(),
-                     seed=1)
+    p = InstancePool(2, spec_of(pair), target_state=pair[1].state_dict(), drafter_state=pair[2].state_dict(), seed=1)
     yield p
     p.close()
 
@@ -116,13 +134,14 @@ def test_migrated_sequences_lose_and_duplicate_no_token(pair, pool, mode):
 
 def test_rebalance_on_live_states_is_lossless(pair, pool, tmp_path):
     """The real ReallocPolicy (rebalance, priced by a measured cost model) on the live views."""
-    from rlsched.executor.profiler import policy_profile
-    from rlsched.executor.pool.instances import HostCost
     from rlsched.costs.measured import MeasuredCostModel
+    from rlsched.executor.pool.instances import HostCost
+    from rlsched.executor.profiler import policy_profile
     from rlsched.policies.realloc import make_realloc_policy
 
-    base = MeasuredCostModel(policy_profile(pair[1], None, policy="off", max_batch=MAX_BATCH, k_max=4,
-                                            typical_ctx=16, sampling=GREEDY))
+    base = MeasuredCostModel(
+        policy_profile(pair[1], None, policy="off", max_batch=MAX_BATCH, k_max=4, typical_ctx=16, sampling=GREEDY)
+    )
     pool.cost, pool.threshold = HostCost(base, 256, 1e-3, 1e9), 4
     pool.realloc = make_realloc_policy("rebalance")
     # instance 0 gets every long prompt: uneven loads
@@ -177,8 +196,9 @@ def test_new_weights_reach_every_instance(pair, pool):
 
 
 def test_each_instance_writes_its_own_traces(pair, tmp_path):
-    p = InstancePool(2, spec_of(pair, tmp_path / "traces"), target_state=pair[1].state_dict(),
-                     drafter_state=pair[2].state_dict())
+    p = InstancePool(
+        2, spec_of(pair, tmp_path / "traces"), target_state=pair[1].state_dict(), drafter_state=pair[2].state_dict()
+    )
     p.realloc = MoveHalf("reprefill")
     try:
         requests = long_tail_requests(seed=7, budgets=(24, 40))  # still running when the move lands
@@ -196,9 +216,27 @@ def test_each_instance_writes_its_own_traces(pair, tmp_path):
 def test_generate_with_instances_through_the_cli(tmp_path, ray_address):
     """On a running cluster (RAY_ADDRESS), which refuses a CPU count from a joining driver."""
     out = tmp_path / "gen"
-    proc = ok(rlsched("generate", "--instances", "2", "--realloc", "rebalance", "--policy", "static:2", "--n", "2",
-                      "--max-tokens", "24", "--out", str(out), "--json", cwd=tmp_path, timeout=300,
-                      env_extra=ray_address))
+    proc = ok(
+        rlsched(
+            "generate",
+            "--instances",
+            "2",
+            "--realloc",
+            "rebalance",
+            "--policy",
+            "static:2",
+            "--n",
+            "2",
+            "--max-tokens",
+            "24",
+            "--out",
+            str(out),
+            "--json",
+            cwd=tmp_path,
+            timeout=300,
+            env_extra=ray_address,
+        )
+    )
     import json
 
     summary = json.loads(proc.stdout)
@@ -210,8 +248,10 @@ def test_generate_with_instances_through_the_cli(tmp_path, ray_address):
     assert set(read_trace(out / "traces", "samples")["instance"]) == {0, 1}
 
 
-@pytest.mark.parametrize("args, field", [(["--instances", "0"], "--instances"),
-                                         (["--instances", "2", "--realloc", "shuffle"], "reallocation")])
+@pytest.mark.parametrize(
+    "args, field",
+    [(["--instances", "0"], "--instances"), (["--instances", "2", "--realloc", "shuffle"], "reallocation")],
+)
 def test_bad_pool_arguments(tmp_path, args, field):
     proc = rlsched("generate", *args, "--out", str(tmp_path / "o"), cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
@@ -223,8 +263,16 @@ def test_bad_pool_arguments(tmp_path, args, field):
 def test_a_ray_address_with_no_cluster_is_one_line_at_once(tmp_path, command):
     """ray.init retries an address where nothing listens for minutes; both commands check it
     before they profile, load or write anything."""
-    proc = rlsched(command, "--instances", "2", "--out", str(tmp_path / "o"), cwd=tmp_path, timeout=60,
-                   env_extra={"RAY_ADDRESS": "127.0.0.1:1"})
+    proc = rlsched(
+        command,
+        "--instances",
+        "2",
+        "--out",
+        str(tmp_path / "o"),
+        cwd=tmp_path,
+        timeout=60,
+        env_extra={"RAY_ADDRESS": "127.0.0.1:1"},
+    )
     assert proc.returncode == 2, proc.stderr
     line = proc.stderr.strip()
     assert len(line.splitlines()) == 1 and "RAY_ADDRESS" in line and "127.0.0.1:1" in line, line
@@ -235,10 +283,17 @@ def test_without_ray_one_line_says_how_to_get_it(tmp_path):
     import subprocess
     import sys
 
-    code = ("import sys; sys.modules['ray'] = None; from rlsched.cli import main; "
-            f"sys.argv = ['rlsched', 'generate', '--instances', '2', '--out', {str(tmp_path / 'o')!r}]; main()")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
-                          env={**__import__("os").environ, "COLUMNS": "400"})
+    code = (
+        "import sys; sys.modules['ray'] = None; from rlsched.cli import main; "
+        f"sys.argv = ['rlsched', 'generate', '--instances', '2', '--out', {str(tmp_path / 'o')!r}]; main()"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**__import__("os").environ, "COLUMNS": "400"},
+    )
     assert proc.returncode == 2, proc.stderr
     assert "distributed" in proc.stderr and "ray" in proc.stderr.lower()
     assert not (tmp_path / "o").exists()
@@ -248,10 +303,32 @@ def test_rl_run_on_two_instances_through_the_cli(tmp_path, ray_address):
     """`rlsched run --instances 2 --realloc rebalance`: the rollouts run on two Ray actors
     that get the new weights after every update; the traces hold both instances."""
     out = tmp_path / "run"
-    ok(rlsched("run", "--instances", "2", "--realloc", "rebalance", "--policy", "static:2",
-               "--set", "steps=2", "--set", "rollout.prompts_per_step=4", "--set", "rollout.group_size=4",
-               "--set", "rollout.max_tokens=16", "--set", "checkpoint_every=1", "--out", str(out),
-               cwd=tmp_path, timeout=600, env_extra=ray_address))
+    ok(
+        rlsched(
+            "run",
+            "--instances",
+            "2",
+            "--realloc",
+            "rebalance",
+            "--policy",
+            "static:2",
+            "--set",
+            "steps=2",
+            "--set",
+            "rollout.prompts_per_step=4",
+            "--set",
+            "rollout.group_size=4",
+            "--set",
+            "rollout.max_tokens=16",
+            "--set",
+            "checkpoint_every=1",
+            "--out",
+            str(out),
+            cwd=tmp_path,
+            timeout=600,
+            env_extra=ray_address,
+        )
+    )
     rl = read_trace(out / "traces", "rl_steps")
     assert list(rl["rl_step"]) == [0, 1] and "migrated" in rl and (rl["samples"] == 16).all()
     samples = read_trace(out / "traces", "samples")
@@ -289,8 +366,9 @@ def _rows_round_trip(model, drafter, requests, with_kv: bool, dtype=torch.float3
     back into the same engine, finish: what comes out, and the acceptance counts before/after."""
     import pickle
 
-    eng = RolloutEngine(model, ModelDrafter(drafter, GREEDY, MAX_BATCH, 64), MAX_BATCH * 50, MAX_BATCH,
-                        GREEDY, "static:2", k_max=4)
+    eng = RolloutEngine(
+        model, ModelDrafter(drafter, GREEDY, MAX_BATCH, 64), MAX_BATCH * 50, MAX_BATCH, GREEDY, "static:2", k_max=4
+    )
     prompt_of = np.array([r.prompt_id for r in requests])
     eng.begin(prompt_of, max(len(r.prompt) + r.max_new_tokens for r in requests))
     eng.submit(list(enumerate(requests)))

@@ -9,12 +9,11 @@ import numpy as np
 import pytest
 
 from rlsched.config import load_config
-from rlsched.errors import UserError
-from rlsched.policies.realloc import Consolidate, NoRealloc, Rebalance, make_realloc_policy
-from rlsched.policies.types import InstanceView, Migration, ReallocEvent
-from rlsched.policies.realloc import split_kv_reprefill
-from rlsched.sim.cluster import GenerationStage
 from rlsched.costs.roofline import RooflineCostModel
+from rlsched.errors import UserError
+from rlsched.policies.realloc import Consolidate, NoRealloc, Rebalance, make_realloc_policy, split_kv_reprefill
+from rlsched.policies.types import InstanceView, Migration, ReallocEvent
+from rlsched.sim.cluster import GenerationStage
 from rlsched.sim.instance import Instance
 from rlsched.sim.simulate import simulate
 
@@ -88,7 +87,7 @@ def test_kv_transfers_take_time_and_delay_the_moved_samples(cost):
     log = res.records[0].stage.migration_log
     kv = [m for m in log if m[5] == "kv"]
     assert kv, "running sequences moved"
-    for t, src, dst, n, ctx, mode, seconds in kv:
+    for _, _, _, n, ctx, _, seconds in kv:
         assert seconds > 0 and seconds == pytest.approx(cost.kv_transfer_time(ctx, n))
     assert all(m[6] == 0 for m in log if m[5] == "tokens")  # queued samples move free
 

@@ -2,15 +2,23 @@
 words, and the help texts built from it."""
 
 import pytest
+from support import rlsched
 
 from rlsched.errors import UserError
 from rlsched.policies.draft import GoodputPolicy, OffPolicy, PolicyContext, StaticPolicy
 from rlsched.policies.registry import FAMILIES, GENERATE, SIMULATOR, make_draft_policy, parse_policy, run_words, usage
-from support import rlsched
 
-EXAMPLES = {"off": "off", "static": "static:3", "goodput": "goodput:drain", "seqgoodput": "seqgoodput:4",
-            "twostate": "twostate:16:2", "bandit": "bandit:0.2", "table": "table:p.json", "oracle": "oracle:seq",
-            "tree": "tree:6:4:24"}
+EXAMPLES = {
+    "off": "off",
+    "static": "static:3",
+    "goodput": "goodput:drain",
+    "seqgoodput": "seqgoodput:4",
+    "twostate": "twostate:16:2",
+    "bandit": "bandit:0.2",
+    "table": "table:p.json",
+    "oracle": "oracle:seq",
+    "tree": "tree:6:4:24",
+}
 
 
 def test_every_family_has_an_example_and_parses_to_itself():
@@ -30,20 +38,34 @@ def test_arguments_are_parsed_once():
     bare = parse_policy("learned.json")
     assert bare.family is None and bare.file == "learned.json"
     # what needs a cost model: the priced families, and twostate only when it solves
-    assert [parse_policy(t).priced for t in ("goodput", "seqgoodput", "oracle", "twostate", "twostate:8:2",
-                                             "twostate:p.json", "static:3", "bandit", "table:p.json")] == \
-        [True, True, True, True, False, False, False, False, False]
+    assert [
+        parse_policy(t).priced
+        for t in (
+            "goodput",
+            "seqgoodput",
+            "oracle",
+            "twostate",
+            "twostate:8:2",
+            "twostate:p.json",
+            "static:3",
+            "bandit",
+            "table:p.json",
+        )
+    ] == [True, True, True, True, False, False, False, False, False]
 
 
-@pytest.mark.parametrize("text, message", [
-    ("static:x", "K must be a whole number >= 0, as in static:4"),
-    ("goodput:0", "refresh interval must be a whole number >= 1 or 'drain'"),
-    ("seqgoodput:drain", "refresh interval must be a whole number >= 1, as in seqgoodput:1"),
-    ("twostate:8", "expected twostate:MAX_BATCH:K"),
-    ("bandit:2", "epsilon must be a number in [0, 1]"),
-    ("table", "needs a policy file"),
-    ("fastest", "unknown policy 'fastest'; choose from off, static:K[:DRAFTER]"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("static:x", "K must be a whole number >= 0, as in static:4"),
+        ("goodput:0", "refresh interval must be a whole number >= 1 or 'drain'"),
+        ("seqgoodput:drain", "refresh interval must be a whole number >= 1, as in seqgoodput:1"),
+        ("twostate:8", "expected twostate:MAX_BATCH:K"),
+        ("bandit:2", "epsilon must be a number in [0, 1]"),
+        ("table", "needs a policy file"),
+        ("fastest", "unknown policy 'fastest'; choose from off, static:K[:DRAFTER]"),
+    ],
+)
 def test_malformed_specs_are_one_line(text, message):
     with pytest.raises(UserError) as e:
         parse_policy(text)
@@ -97,11 +119,14 @@ def test_help_texts_come_from_the_registry(tmp_path):
         assert ("oracle[:seq]" in " ".join(out.split())) == (engine == "simulator")
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--policy", "static:9", "--k-max", "6"], "policy 'static:9': K = 9 is above --k-max = 6"),
-    (["--drafter", "off", "--policy", "static:3"], "policy 'static:3' drafts, but --drafter is off"),
-    (["--policy", "oracle"], "policy 'oracle' reads the simulator's true acceptance"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--policy", "static:9", "--k-max", "6"], "policy 'static:9': K = 9 is above --k-max = 6"),
+        (["--drafter", "off", "--policy", "static:3"], "policy 'static:3' drafts, but --drafter is off"),
+        (["--policy", "oracle"], "policy 'oracle' reads the simulator's true acceptance"),
+    ],
+)
 def test_generate_refuses_what_it_cannot_run(tmp_path, args, message):
     pytest.importorskip("torch")
     proc = rlsched("generate", *args, "--n", "1", "--max-tokens", "8", "--out", str(tmp_path / "g"), cwd=tmp_path)

@@ -7,9 +7,10 @@ import pytest
 
 pytest.importorskip("torch")
 
+from support import ok, rlsched  # noqa: E402
+
 from rlsched.costs.fit import fit_path  # noqa: E402
 from rlsched.traces.reader import read_trace  # noqa: E402
-from support import ok, rlsched  # noqa: E402
 
 TINY = """
 steps: 3
@@ -36,8 +37,11 @@ def runs(tmp_path_factory):
 
 def test_replay_reports_predicted_against_measured_per_step(runs):
     root, out = runs
-    proc = ok(rlsched("replay", str(out["sd"]), "--baseline", str(out["off"]), "--plot", str(root / "r.png"),
-                      "--json", cwd=root))
+    proc = ok(
+        rlsched(
+            "replay", str(out["sd"]), "--baseline", str(out["off"]), "--plot", str(root / "r.png"), "--json", cwd=root
+        )
+    )
     s = json.loads(proc.stdout)
     assert s["rl_steps"] == 3 and s["policy"] == "static:2" and s["drafter"] == "model"
     assert s["predicted_generation_s"] > 0 and s["measured_generation_s"] > 0
@@ -71,10 +75,13 @@ def test_replayed_engine_steps_are_the_executors_under_constant_costs(runs, tmp_
     assert s["predicted_generation_s"] == pytest.approx(want, rel=1e-6)
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda p: p / "missing", "does not exist"),
-    (lambda p: p, "no config.yaml"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda p: p / "missing", "does not exist"),
+        (lambda p: p, "no config.yaml"),
+    ],
+)
 def test_bad_run_folders_are_one_line_exit_2(tmp_path, make, message):
     proc = rlsched("replay", str(make(tmp_path)), cwd=tmp_path)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
@@ -93,11 +100,14 @@ def test_corrupt_traces_name_the_file(runs, tmp_path):
     assert proc.returncode == 2 and part.name in proc.stderr and "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("damage, message", [
-    ("version", "schema version 99"),
-    ("columns", "lacks columns"),
-    ("truncated", "corrupt or truncated"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("version", "schema version 99"),
+        ("columns", "lacks columns"),
+        ("truncated", "corrupt or truncated"),
+    ],
+)
 def test_mixed_versions_missing_columns_and_truncation_name_the_file(runs, tmp_path, damage, message):
     import shutil
 
@@ -155,8 +165,25 @@ def test_a_run_that_profiled_at_its_start_borrows_its_plain_steps(runs, tmp_path
     steps = read_trace(sd / "traces", "steps")
     assert _plain_steps_uncovered(steps)
     # a start-of-run profile as `rlsched run` saves it (a short grid: these are tiny runs)
-    ok(rlsched("profile", "--batch-sizes", "1,2,4,8", "--k-max", "3", "--contexts", "24", "--repeats", "5",
-               "--passes", "1", "--out", str(tmp_path / "prof"), cwd=root, timeout=300))
+    ok(
+        rlsched(
+            "profile",
+            "--batch-sizes",
+            "1,2,4,8",
+            "--k-max",
+            "3",
+            "--contexts",
+            "24",
+            "--repeats",
+            "5",
+            "--passes",
+            "1",
+            "--out",
+            str(tmp_path / "prof"),
+            cwd=root,
+            timeout=300,
+        )
+    )
     profile = read_trace(tmp_path / "prof" / "traces", "steps")
     profile.to_parquet(sd / "profile.parquet")
     plain = profile[(profile.kind == "verify") & (profile.k == 0) & (profile.batch >= 2)]
@@ -166,8 +193,10 @@ def test_a_run_that_profiled_at_its_start_borrows_its_plain_steps(runs, tmp_path
     # (the median log error, within 2x: the run's steps and the profile are timed minutes apart
     # on a shared machine under two test workers, and a fit from a noisy stretch of either was
     # seen 1.7-1.8x off on two of three points)
-    err = [abs(math.log(cost.verify_time(int(b), 1, float(ctx)) * 1e3 / ms))
-           for b, ctx, ms in plain[["batch", "ctx_tokens", "verify_ms"]].itertuples(index=False)]
+    err = [
+        abs(math.log(cost.verify_time(int(b), 1, float(ctx)) * 1e3 / ms))
+        for b, ctx, ms in plain[["batch", "ctx_tokens", "verify_ms"]].itertuples(index=False)
+    ]
     assert sorted(err)[len(err) // 2] < math.log(2), err
     s = json.loads(ok(rlsched("replay", str(sd), "--json", cwd=root)).stdout)
     assert s["cost"]["borrowed_plain_steps"] == len(plain)

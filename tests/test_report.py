@@ -13,12 +13,13 @@ import pytest
 
 pytest.importorskip("torch")
 
+from support import ok, rlsched  # noqa: E402
+from test_rl_run import TINY  # noqa: E402
+
 from rlsched.analysis.folder import expected_tokens, figures_for, load_folder  # noqa: E402
 from rlsched.analysis.plots import batch_k_figure  # noqa: E402
 from rlsched.errors import UserError  # noqa: E402
 from rlsched.traces.reader import read_trace  # noqa: E402
-from support import ok, rlsched  # noqa: E402
-from test_rl_run import TINY  # noqa: E402
 
 FIGURES = ["fit", "speedup", "acceptance", "batch_k", "stages", "learning_curve"]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -32,8 +33,20 @@ def run(tmp_path_factory):
     builtin_pair()
     root = tmp_path_factory.mktemp("report")
     (root / "run.yaml").write_text(TINY.format(steps=2))
-    ok(rlsched("run", "--config", str(root / "run.yaml"), "--policy", "goodput", "--out", str(root / "run"), "--json",
-               cwd=root, timeout=300))
+    ok(
+        rlsched(
+            "run",
+            "--config",
+            str(root / "run.yaml"),
+            "--policy",
+            "goodput",
+            "--out",
+            str(root / "run"),
+            "--json",
+            cwd=root,
+            timeout=300,
+        )
+    )
     return root / "run"
 
 
@@ -121,8 +134,11 @@ def test_report_is_one_page_with_the_numbers_and_the_figures(run, tmp_path):
     rate = f"{rl.accepted.sum() / rl.drafted.sum():.3f}" if rl.drafted.sum() else "n/a"
     assert "acceptance rate (accepted / drafted): first -> last (all)" in text and f"({rate})" in text
     assert "grpo / goodput / model" in text
-    assert f"{summary['seconds']:.1f} (" + " / ".join(
-        f"{summary['stage_s'][k]:.1f}" for k in ("generation", "inference", "training", "drafter_update")) in text
+    assert (
+        f"{summary['seconds']:.1f} ("
+        + " / ".join(f"{summary['stage_s'][k]:.1f}" for k in ("generation", "inference", "training", "drafter_update"))
+        in text
+    )
     assert info["numbers"]["tokens_per_s"] == pytest.approx(summary["tokens_per_s"])
 
 
@@ -160,8 +176,23 @@ def test_a_run_priced_as_an_earlier_run_takes_its_profile_and_takes_none_itself(
     then decides alike); a plain goodput run would profile again and save profile.parquet."""
     (tmp_path / "run.yaml").write_text(TINY.format(steps=1))
     again = tmp_path / "again"
-    summary = json.loads(ok(rlsched("run", "--config", str(tmp_path / "run.yaml"), "--policy", "goodput",
-                                    "--set", f"cost_model={run}", "--out", str(again), "--json", cwd=tmp_path,
-                                    timeout=300)).stdout)
+    summary = json.loads(
+        ok(
+            rlsched(
+                "run",
+                "--config",
+                str(tmp_path / "run.yaml"),
+                "--policy",
+                "goodput",
+                "--set",
+                f"cost_model={run}",
+                "--out",
+                str(again),
+                "--json",
+                cwd=tmp_path,
+                timeout=300,
+            )
+        ).stdout
+    )
     assert summary["steps"] == 1 and summary["policy"] == "goodput"
     assert not (again / "profile.parquet").exists() and (run / "profile.parquet").is_file()

@@ -8,13 +8,22 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from rlsched.executor.rl.algos import (  # noqa: E402
-    aggregate, gae, grpo_advantages, make_batch, policy_loss, terminal_rewards, token_logprobs, value_loss)
+    aggregate,
+    gae,
+    grpo_advantages,
+    make_batch,
+    policy_loss,
+    terminal_rewards,
+    token_logprobs,
+    value_loss,
+)
 from rlsched.executor.rl.distill import ReplayBuffer, ReplaySample, reward_weights  # noqa: E402
 
 
 def test_make_batch_places_response_positions_and_logprobs():
-    b = make_batch([[5, 6, 7], [8]], [[9, 10], [11, 12, 13]], [[-0.1, -0.2], [-0.3, -0.4, -0.5]], pad_id=0,
-                   valid=[True, False])
+    b = make_batch(
+        [[5, 6, 7], [8]], [[9, 10], [11, 12, 13]], [[-0.1, -0.2], [-0.3, -0.4, -0.5]], pad_id=0, valid=[True, False]
+    )
     assert b.ids.tolist() == [[5, 6, 7, 9, 10], [8, 11, 12, 13, 0]]
     # row 0: positions 2, 3 predict the response tokens 9, 10; row 1 is left out of the loss
     assert b.mask.tolist() == [[False, False, True, True], [False] * 4]
@@ -77,8 +86,9 @@ def test_policy_loss_clips_like_ppo():
 
 def test_policy_loss_gradient_at_ratio_one_is_advantage_weighted_logp():
     logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
-    loss, _ = policy_loss(logp, logp.detach(), torch.tensor([[2.0, -1.0]]), torch.ones(1, 2, dtype=torch.bool),
-                          0.2, "token")
+    loss, _ = policy_loss(
+        logp, logp.detach(), torch.tensor([[2.0, -1.0]]), torch.ones(1, 2, dtype=torch.bool), 0.2, "token"
+    )
     loss.backward()
     assert logp.grad.flatten().tolist() == pytest.approx([-1.0, 0.5])
 
@@ -106,9 +116,9 @@ def test_value_loss_clips_the_new_value():
     ret = torch.full((1, 1), 3.0)
     mask = torch.ones(1, 1, dtype=torch.bool)
     # the value jumps from 0 to 2: the clipped value 0.2 is further from the return 3 and counts
-    assert value_loss(torch.full((1, 1), 2.0), old, ret, mask, 0.2, "token").item() == pytest.approx(0.5 * 2.8 ** 2)
+    assert value_loss(torch.full((1, 1), 2.0), old, ret, mask, 0.2, "token").item() == pytest.approx(0.5 * 2.8**2)
     # a move within the clip range is the plain squared error
-    assert value_loss(torch.full((1, 1), 0.1), old, ret, mask, 0.2, "token").item() == pytest.approx(0.5 * 2.9 ** 2)
+    assert value_loss(torch.full((1, 1), 0.1), old, ret, mask, 0.2, "token").item() == pytest.approx(0.5 * 2.9**2)
 
 
 def test_token_logprobs_agree_with_a_manual_softmax():
@@ -140,6 +150,11 @@ def test_reward_weights_have_mean_one_and_favour_high_rewards():
 def test_replay_buffer_keeps_the_last_rollouts_and_drops_failed_or_empty_samples():
     buf = ReplayBuffer(2)
     for step in range(3):
-        buf.add([ReplaySample([1, 2, 3], 2, float(step)), ReplaySample([1, 2], 2, 1.0),
-                 ReplaySample([1, 2, 4], 2, float("nan"))])
+        buf.add(
+            [
+                ReplaySample([1, 2, 3], 2, float(step)),
+                ReplaySample([1, 2], 2, 1.0),
+                ReplaySample([1, 2, 4], 2, float("nan")),
+            ]
+        )
     assert [s.reward for s in buf.samples()] == [1.0, 2.0]

@@ -22,6 +22,7 @@ def _write(path, rows):
 
 # --- built-in tasks -------------------------------------------------------------------------
 
+
 def test_builtin_same_seed_and_step_same_prompts_across_objects():
     a, b = builtin_tasks(("count", "repeat", "rev"), seed=3), builtin_tasks(("count", "repeat", "rev"), seed=3)
     assert a.batch(7, 16) == b.batch(7, 16)
@@ -71,6 +72,7 @@ def test_make_source_specs(tmp_path):
 
 # --- JSONL datasets -------------------------------------------------------------------------
 
+
 @pytest.fixture
 def seven(tmp_path):
     rows = [{"prompt": f"q{i}", "answer": str(i), "id": f"id{i}"} for i in range(7)]
@@ -81,7 +83,7 @@ def test_jsonl_epochs_cover_every_item_once(seven):
     src = jsonl_dataset(seven, seed=5)
     assert len(src) == 7
     draws = [i for s in range(7) for i in src.batch(s, 3)]  # 21 draws = 3 epochs, batches cross epochs
-    epochs = [draws[e * 7:(e + 1) * 7] for e in range(3)]
+    epochs = [draws[e * 7 : (e + 1) * 7] for e in range(3)]
     for epoch in epochs:
         assert Counter(i.key for i in epoch) == Counter(f"id{i}" for i in range(7))
     orders = [[i.key for i in epoch] for epoch in epochs]
@@ -117,12 +119,15 @@ def test_jsonl_keys_default_to_line_numbers(tmp_path):
     assert keys == ["12", "3"]
 
 
-@pytest.mark.parametrize("rows, line, words", [
-    (["{\"prompt\": \"a\"}", "{not json"], 2, "not valid JSON"),
-    ([{"prompt": "a"}, {"answer": "1"}], 2, "'prompt'"),
-    ([{"prompt": ""}], 1, "'prompt'"),
-    ([{"prompt": "a", "answer": 3}], 1, "'answer' must be a string"),
-])
+@pytest.mark.parametrize(
+    "rows, line, words",
+    [
+        (['{"prompt": "a"}', "{not json"], 2, "not valid JSON"),
+        ([{"prompt": "a"}, {"answer": "1"}], 2, "'prompt'"),
+        ([{"prompt": ""}], 1, "'prompt'"),
+        ([{"prompt": "a", "answer": 3}], 1, "'answer' must be a string"),
+    ],
+)
 def test_bad_lines_name_the_file_and_line(tmp_path, rows, line, words):
     f = _write(tmp_path / "bad.jsonl", rows)
     with pytest.raises(UserError) as e:
@@ -151,11 +156,13 @@ def test_bad_step_or_size_is_a_programming_error(seven):
 
 
 def test_builtin_source_does_not_import_torch():
-    code = ("import sys\nfrom rlsched.executor.rl.data import make_source\n"
-            "make_source('builtin:add', 0).batch(3, 4)\n"
-            "from rlsched.executor.rl.rewards import resolve_reward\n"
-            "resolve_reward('math'); resolve_reward('exact_match')\n"
-            "assert 'torch' not in sys.modules, 'torch imported'\nprint('ok')\n")
+    code = (
+        "import sys\nfrom rlsched.executor.rl.data import make_source\n"
+        "make_source('builtin:add', 0).batch(3, 4)\n"
+        "from rlsched.executor.rl.rewards import resolve_reward\n"
+        "resolve_reward('math'); resolve_reward('exact_match')\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\nprint('ok')\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 

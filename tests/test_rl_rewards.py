@@ -13,11 +13,14 @@ from rlsched.executor.rl.rewards import RewardInput, resolve_reward
 
 
 def _items(*triples, prompt="p"):
-    return [RewardInput(prompt, response, answer, prompt_id=i // 2, sample_id=i)
-            for i, (response, answer) in enumerate(triples)]
+    return [
+        RewardInput(prompt, response, answer, prompt_id=i // 2, sample_id=i)
+        for i, (response, answer) in enumerate(triples)
+    ]
 
 
 # --- exact_match and math -------------------------------------------------------------------
+
 
 def test_exact_match_and_missing_answer():
     fn = resolve_reward("exact_match")
@@ -29,29 +32,32 @@ def test_exact_match_and_missing_answer():
     assert '"answer"' in out.errors[0] and "\n" not in out.errors[0]
 
 
-@pytest.mark.parametrize("response, answer, want", [
-    (r"so the total is \boxed{42}.", "42", 1.0),
-    (r"first \boxed{7}, on reflection \boxed{8}", "8", 1.0),  # the last box
-    (r"\boxed{\frac{3}{4}}", "0.75", 1.0),
-    (r"\boxed{x = 5}", "5", 1.0),
-    (r"\boxed{\text{Paris}}", "paris", 1.0),
-    ("He owes -17 dollars", "-17", 1.0),
-    ("The answer is -3.5.", "-3.5", 1.0),
-    ("about 2.50 litres", "2.5", 1.0),
-    ("They sold 1,234 cakes.", "1234", 1.0),
-    ("They sold 1234 cakes", "1,234", 1.0),
-    ("I have 1,234, and then 5", "5", 1.0),  # the last number, not part of 1,234
-    ("half of 3/2 is 3/4", "0.75", 1.0),
-    ("0.3333333", "1/3", 1.0),  # relative tolerance 1e-6
-    ("0.3333", "1/3", 0.0),
-    ("5-3 leaves 2", "2", 1.0),
-    ("5 - 3 = 7", "2", 0.0),  # wrong answer
-    ("first 10 then 20", "10", 0.0),  # only the last number counts
-    ("I do not know", "12", 0.0),  # no number
-    ("  Yes ", "yes", 1.0),  # text answers compared normalised
-    ("$x + 1$", "x + 1", 1.0),
-    (r"\boxed{12}", "13", 0.0),
-])
+@pytest.mark.parametrize(
+    "response, answer, want",
+    [
+        (r"so the total is \boxed{42}.", "42", 1.0),
+        (r"first \boxed{7}, on reflection \boxed{8}", "8", 1.0),  # the last box
+        (r"\boxed{\frac{3}{4}}", "0.75", 1.0),
+        (r"\boxed{x = 5}", "5", 1.0),
+        (r"\boxed{\text{Paris}}", "paris", 1.0),
+        ("He owes -17 dollars", "-17", 1.0),
+        ("The answer is -3.5.", "-3.5", 1.0),
+        ("about 2.50 litres", "2.5", 1.0),
+        ("They sold 1,234 cakes.", "1234", 1.0),
+        ("They sold 1234 cakes", "1,234", 1.0),
+        ("I have 1,234, and then 5", "5", 1.0),  # the last number, not part of 1,234
+        ("half of 3/2 is 3/4", "0.75", 1.0),
+        ("0.3333333", "1/3", 1.0),  # relative tolerance 1e-6
+        ("0.3333", "1/3", 0.0),
+        ("5-3 leaves 2", "2", 1.0),
+        ("5 - 3 = 7", "2", 0.0),  # wrong answer
+        ("first 10 then 20", "10", 0.0),  # only the last number counts
+        ("I do not know", "12", 0.0),  # no number
+        ("  Yes ", "yes", 1.0),  # text answers compared normalised
+        ("$x + 1$", "x + 1", 1.0),
+        (r"\boxed{12}", "13", 0.0),
+    ],
+)
 def test_math_cases(response, answer, want):
     out = resolve_reward("math").score(_items((response, answer)))
     assert out.rewards[0] == want, (response, answer)
@@ -66,7 +72,7 @@ def test_math_without_answer_fails_that_sample_only():
 
 # --- user functions -------------------------------------------------------------------------
 
-USER_MODULE = '''
+USER_MODULE = """
 import math
 
 def length(prompt, response, answer):
@@ -99,7 +105,7 @@ def two_args(prompt, response):
     return 1.0
 
 NOT_A_FUNCTION = 3
-'''
+"""
 
 
 @pytest.fixture
@@ -124,7 +130,8 @@ def test_user_function_by_module_and_by_file(user_module):
 def test_failing_samples_fail_alone(user_module):
     _, file = user_module
     out = resolve_reward(f"{file}:picky").score(
-        _items(("ok", "ok"), ("boom", "x"), ("fine", "x"), ("nan", "x"), ("str", "x"), ("none", "x")))
+        _items(("ok", "ok"), ("boom", "x"), ("fine", "x"), ("nan", "x"), ("str", "x"), ("none", "x"))
+    )
     assert out.failed.tolist() == [False, True, False, True, True, True]
     assert out.rewards[0] == 1.0 and out.rewards[2] == 0.5 and np.isnan(out.rewards[out.failed]).all()
     assert len(out.errors) == 4 and all("\n" not in e for e in out.errors)
@@ -146,17 +153,20 @@ def test_batched_functions(user_module):
     assert down.failed.all() and "RuntimeError: reward server down" in down.errors[2]
 
 
-@pytest.mark.parametrize("spec, words", [
-    ("", "empty"),
-    ("accuracy", "not known"),
-    ("rl_no_such_module_xyz:fn", "cannot import module 'rl_no_such_module_xyz'"),
-    ("{module}:missing", "has no attribute 'missing'"),
-    ("{module}:NOT_A_FUNCTION", "not a function"),
-    ("{module}:two_args", "three positional arguments"),
-    ("{file}:missing", "has no attribute 'missing'"),
-    ("nowhere/rewards.py:fn", "does not exist"),
-    ("{module}:", "module:function"),
-])
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        ("", "empty"),
+        ("accuracy", "not known"),
+        ("rl_no_such_module_xyz:fn", "cannot import module 'rl_no_such_module_xyz'"),
+        ("{module}:missing", "has no attribute 'missing'"),
+        ("{module}:NOT_A_FUNCTION", "not a function"),
+        ("{module}:two_args", "three positional arguments"),
+        ("{file}:missing", "has no attribute 'missing'"),
+        ("nowhere/rewards.py:fn", "does not exist"),
+        ("{module}:", "module:function"),
+    ],
+)
 def test_bad_specs_are_user_errors(user_module, spec, words):
     name, file = user_module
     spec = spec.format(module=name, file=file)
@@ -177,8 +187,13 @@ def test_file_that_fails_to_import(tmp_path):
 
 # --- reward models --------------------------------------------------------------------------
 
-TEXTS = [("count 3 to 7=", "3 4 5 6 7"), ("add 12+5=", "17"), ("rev abc=", "cba xyz long tail"),
-         ("sort 9 1=", ""), ("repeat ab 3=", "ab ab ab")]
+TEXTS = [
+    ("count 3 to 7=", "3 4 5 6 7"),
+    ("add 12+5=", "17"),
+    ("rev abc=", "cba xyz long tail"),
+    ("sort 9 1=", ""),
+    ("repeat ab 3=", "ab ab ab"),
+]
 TOL = 1e-4
 
 
@@ -189,8 +204,15 @@ def _reward_model(folder, kind: str, num_labels: int = 1):
 
     torch.manual_seed(7)
     config = getattr(transformers, f"{kind}Config")(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, num_labels=num_labels, pad_token_id=0)
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_labels=num_labels,
+        pad_token_id=0,
+    )
     model = getattr(transformers, f"{kind}ForSequenceClassification")(config).eval()
     with torch.no_grad():  # HF initialises biases 0 and norms 1: randomise all
         for pname, p in model.named_parameters():
@@ -242,8 +264,11 @@ def test_reward_model_refusals(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
         resolve_reward(f"model:{tmp_path / 'absent'}")
 
-    lm = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4))
+    lm = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4
+        )
+    )
     lm.save_pretrained(tmp_path / "lm", safe_serialization=True)
     write_tokenizer(tmp_path / "lm", 64)
     with pytest.raises(UserError, match="ForSequenceClassification"):

@@ -15,10 +15,10 @@ pytest.importorskip("torch")
 
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
+from support import ok, rlsched, snapshot  # noqa: E402
 
 from rlsched.executor.model.builtin import builtin_pair  # noqa: E402
 from rlsched.traces.reader import read_trace  # noqa: E402
-from support import ok, rlsched, snapshot  # noqa: E402
 
 TINY = """
 steps: {steps}
@@ -44,8 +44,11 @@ def _config(tmp_path, steps=4, extra=""):
 
 def test_run_writes_traces_rollouts_checkpoint_plot_and_summary(pair, tmp_path):
     out = tmp_path / "run"
-    proc = ok(rlsched("run", "--config", str(_config(tmp_path, steps=3)), "--out", str(out), "--json", cwd=tmp_path,
-                      timeout=300))
+    proc = ok(
+        rlsched(
+            "run", "--config", str(_config(tmp_path, steps=3)), "--out", str(out), "--json", cwd=tmp_path, timeout=300
+        )
+    )
     summary = json.loads(proc.stdout)
     assert summary["steps"] == 3 and summary["drafter"] == "model" and summary["policy"] == "static:2"
     rl = read_trace(out / "traces", "rl_steps")
@@ -72,16 +75,35 @@ def test_run_writes_traces_rollouts_checkpoint_plot_and_summary(pair, tmp_path):
     ck = torch.load(out / "checkpoint.pt", weights_only=False)
     assert ck["next_step"] == 3
     # a finished run's folder may be reused: it is replaced
-    ok(rlsched("run", "--config", str(_config(tmp_path, steps=1)), "--out", str(out), "--json", cwd=tmp_path,
-               timeout=300))
+    ok(
+        rlsched(
+            "run", "--config", str(_config(tmp_path, steps=1)), "--out", str(out), "--json", cwd=tmp_path, timeout=300
+        )
+    )
     assert read_trace(out / "traces", "rl_steps").rl_step.tolist() == [0]
 
 
 def test_ppo_runs_with_a_critic(pair, tmp_path):
     (tmp_path / "dense.py").write_text("def length(prompt, response, answer):\n    return len(response) / 10\n")
     out = tmp_path / "ppo"
-    ok(rlsched("run", "--config", str(_config(tmp_path, steps=2)), "--set", "algorithm.name=ppo", "--policy", "off",
-               "--set", f"reward={tmp_path}/dense.py:length", "--out", str(out), "--json", cwd=tmp_path, timeout=300))
+    ok(
+        rlsched(
+            "run",
+            "--config",
+            str(_config(tmp_path, steps=2)),
+            "--set",
+            "algorithm.name=ppo",
+            "--policy",
+            "off",
+            "--set",
+            f"reward={tmp_path}/dense.py:length",
+            "--out",
+            str(out),
+            "--json",
+            cwd=tmp_path,
+            timeout=300,
+        )
+    )
     rl = read_trace(out / "traces", "rl_steps")
     assert (rl.value_loss > 0).all() and (rl.reward_mean > 0).all()
     assert (rl.critic_s > 0).all() and (rl.reference_s > 0).all() and (rl.reward_s > 0).all()
@@ -103,8 +125,13 @@ def test_kill_9_then_resume_loses_nothing_and_matches_an_uninterrupted_run(pair,
 
     cut = tmp_path / "cut"
     env = dict(os.environ, COLUMNS="400")
-    proc = subprocess.Popen([sys.executable, "-m", "rlsched", "run", "--config", str(config), "--out", str(cut)],
-                            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlsched", "run", "--config", str(config), "--out", str(cut)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     journal_dir = cut / "traces" / "rl_steps"
     deadline = time.time() + 240
     while time.time() < deadline:  # kill during the third step (two rl_steps records written)
@@ -143,41 +170,73 @@ def test_reward_failures_are_counted_then_stop_the_run_past_the_threshold(pair, 
         "        raise ValueError('cannot score this one')\n"
         "    return float(response == answer)\n"
         "def always(prompt, response, answer):\n"
-        "    raise RuntimeError('the reward server is down')\n")
+        "    raise RuntimeError('the reward server is down')\n"
+    )
     out = tmp_path / "flaky"
-    proc = ok(rlsched("run", "--config", str(_config(tmp_path, steps=2)), "--set", f"reward={tmp_path}/flaky.py:some",
-                      "--set", "max_reward_failures=1.0", "--out", str(out), "--json", cwd=tmp_path, timeout=300))
+    proc = ok(
+        rlsched(
+            "run",
+            "--config",
+            str(_config(tmp_path, steps=2)),
+            "--set",
+            f"reward={tmp_path}/flaky.py:some",
+            "--set",
+            "max_reward_failures=1.0",
+            "--out",
+            str(out),
+            "--json",
+            cwd=tmp_path,
+            timeout=300,
+        )
+    )
     rl = read_trace(out / "traces", "rl_steps")
     roll = pd.concat(pd.read_parquet(p) for p in sorted((out / "rollouts").glob("*.parquet")))
     assert rl.reward_failures.sum() == roll.reward_failed.sum()
     assert json.loads(proc.stdout)["steps"] == 2
 
     out = tmp_path / "down"
-    proc = rlsched("run", "--config", str(_config(tmp_path, steps=3)), "--set", f"reward={tmp_path}/flaky.py:always",
-                   "--out", str(out), cwd=tmp_path, timeout=300)
+    proc = rlsched(
+        "run",
+        "--config",
+        str(_config(tmp_path, steps=3)),
+        "--set",
+        f"reward={tmp_path}/flaky.py:always",
+        "--out",
+        str(out),
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "failed on 16 of 16 samples at step 0" in proc.stderr and "the reward server is down" in proc.stderr
     assert "--resume" in proc.stderr
     assert (out / "config.yaml").is_file() and not (out / "summary.json").exists()
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--set", "rollout.group_size=0"], "rollout.group_size"),
-    (["--set", "rollout.probe_every=0"], "rollout.probe_every"),
-    (["--set", "drafter_update.schedule=sometimes"], "drafter_update.schedule"),
-    (["--set", "algoritm.lr=1"], "unknown field 'algoritm'"),
-    (["--set", "data=missing.jsonl"], "missing.jsonl"),
-    (["--set", "reward=nosuchmodule:fn"], "nosuchmodule"),
-    (["--policy", "bogus"], "bogus"),
-    (["--policy", "seqgoodput:drain"], "seqgoodput:drain"),  # refused before the auto profile
-    (["--set", "model=/no/such/model"], "/no/such/model"),
-    (["--policy", "goodput", "--set", "cost_model=/no/such/profile"], "cost_model: /no/such/profile is neither"),
-    # in the run's words, and before any model is loaded (the model folder does not exist)
-    (["--policy", "static:9", "--set", "model=/no/such/model"], "K = 9 is above rollout.k_max = 3"),
-    (["--policy", "static:2", "--set", "drafter=off", "--set", "model=/no/such/model"], "drafter is off; set drafter"),
-    (["--set", "rollout.width_max=2", "--set", "rollout.backend=vllm", "--set", "model=/no/such/model"],
-     "rollout.width_max 2: draft trees run on the local engine only"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--set", "rollout.group_size=0"], "rollout.group_size"),
+        (["--set", "rollout.probe_every=0"], "rollout.probe_every"),
+        (["--set", "drafter_update.schedule=sometimes"], "drafter_update.schedule"),
+        (["--set", "algoritm.lr=1"], "unknown field 'algoritm'"),
+        (["--set", "data=missing.jsonl"], "missing.jsonl"),
+        (["--set", "reward=nosuchmodule:fn"], "nosuchmodule"),
+        (["--policy", "bogus"], "bogus"),
+        (["--policy", "seqgoodput:drain"], "seqgoodput:drain"),  # refused before the auto profile
+        (["--set", "model=/no/such/model"], "/no/such/model"),
+        (["--policy", "goodput", "--set", "cost_model=/no/such/profile"], "cost_model: /no/such/profile is neither"),
+        # in the run's words, and before any model is loaded (the model folder does not exist)
+        (["--policy", "static:9", "--set", "model=/no/such/model"], "K = 9 is above rollout.k_max = 3"),
+        (
+            ["--policy", "static:2", "--set", "drafter=off", "--set", "model=/no/such/model"],
+            "drafter is off; set drafter",
+        ),
+        (
+            ["--set", "rollout.width_max=2", "--set", "rollout.backend=vllm", "--set", "model=/no/such/model"],
+            "rollout.width_max 2: draft trees run on the local engine only",
+        ),
+    ],
+)
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(pair, tmp_path, args, message):
     out = tmp_path / "bad"
     proc = rlsched("run", "--config", str(_config(tmp_path, steps=1)), *args, "--out", str(out), cwd=tmp_path)
@@ -199,13 +258,33 @@ def test_a_reward_model_folder_scores_the_samples(pair, tmp_path):
 
     folder = tmp_path / "rm"
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=0)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_labels=1,
+        pad_token_id=0,
+    )
     transformers.LlamaForSequenceClassification(config).save_pretrained(folder)
     write_tokenizer(folder, 64)
     out = tmp_path / "rm-run"
-    ok(rlsched("run", "--config", str(_config(tmp_path, steps=1)), "--set", f"reward=model:{folder}",
-               "--out", str(out), "--json", cwd=tmp_path, timeout=300))
+    ok(
+        rlsched(
+            "run",
+            "--config",
+            str(_config(tmp_path, steps=1)),
+            "--set",
+            f"reward=model:{folder}",
+            "--out",
+            str(out),
+            "--json",
+            cwd=tmp_path,
+            timeout=300,
+        )
+    )
     roll = pd.read_parquet(out / "rollouts" / "step-000000.parquet")
     assert roll.reward.notna().all() and roll.reward.nunique() > 4  # real scores, not 0/1
 
@@ -217,16 +296,26 @@ def test_a_policy_file_learned_for_another_model_is_refused(pair, tmp_path):
     from rlsched.executor.model.loading import load_config as model_config
     from rlsched.sim.learn import Learner
 
-    cfg = load_config("default", overrides=["workload.prompts=16", "rl.steps=1", "model=qwen2.5-7b",
-                                     "speculation.k_max=3"])
+    cfg = load_config(
+        "default", overrides=["workload.prompts=16", "rl.steps=1", "model=qwen2.5-7b", "speculation.k_max=3"]
+    )
     pf, _ = Learner(cfg, [0], evaluate=lambda jobs: [1.0] * len(jobs), log=lambda *_: None).learn("table")
     data = json.loads(pf.model_dump_json())
     assert data["learned_on"]["model_shape"]["hidden"] == 3584
     other = tmp_path / "qwen.json"
     other.write_text(json.dumps(data))
     out = tmp_path / "bad"
-    proc = rlsched("run", "--config", str(_config(tmp_path, steps=1)), "--policy", f"table:{other}", "--out", str(out),
-                   cwd=tmp_path, timeout=300)
+    proc = rlsched(
+        "run",
+        "--config",
+        str(_config(tmp_path, steps=1)),
+        "--policy",
+        f"table:{other}",
+        "--out",
+        str(out),
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "was learned for another model" in proc.stderr and "hidden 3584" in proc.stderr
     assert "Traceback" not in proc.stderr and not out.exists()
@@ -234,7 +323,19 @@ def test_a_policy_file_learned_for_another_model_is_refused(pair, tmp_path):
     data["learned_on"]["model_shape"] = model_config(builtin_pair().target).shape
     mine.write_text(json.dumps(data))
     out = tmp_path / "good"
-    ok(rlsched("run", "--config", str(_config(tmp_path, steps=1)), "--policy", f"table:{mine}", "--out", str(out),
-               "--json", cwd=tmp_path, timeout=300))
+    ok(
+        rlsched(
+            "run",
+            "--config",
+            str(_config(tmp_path, steps=1)),
+            "--policy",
+            f"table:{mine}",
+            "--out",
+            str(out),
+            "--json",
+            cwd=tmp_path,
+            timeout=300,
+        )
+    )
     summary = json.loads((out / "summary.json").read_text())
     assert summary["model_shape"] == data["learned_on"]["model_shape"]  # a run records what it ran

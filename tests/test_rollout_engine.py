@@ -12,16 +12,17 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from support import tiny_pair  # noqa: E402
+
 from rlsched.errors import UserError  # noqa: E402
 from rlsched.executor.decode.drafters import ModelDrafter, NgramDrafter  # noqa: E402
-from rlsched.executor.engine.rollout import Request, RolloutEngine, build_policy  # noqa: E402
 from rlsched.executor.decode.sampling import GREEDY, SamplingParams  # noqa: E402
 from rlsched.executor.decode.speculative import generate  # noqa: E402
 from rlsched.executor.decode.suffix import SuffixDrafter  # noqa: E402
+from rlsched.executor.engine.rollout import Request, RolloutEngine, build_policy  # noqa: E402
 from rlsched.policies.acceptance import AcceptanceEstimator  # noqa: E402
 from rlsched.policies.types import OFF, Strategy  # noqa: E402
 from rlsched.traces import read_trace  # noqa: E402
-from support import tiny_pair  # noqa: E402
 
 V = 16
 PROMPTS = [[1, 2, 3], [4, 4, 4, 4], [7, 1, 7, 1, 7], [2], [5, 6, 5, 6, 5, 6], [3, 9, 12]]
@@ -35,7 +36,7 @@ def pair(tmp_path_factory):
 def requests(n_per_prompt: int = 2, max_new: int = 20, eos: int | None = None) -> list[Request]:
     out = []
     for pid, prompt in enumerate(PROMPTS):
-        for j in range(n_per_prompt):
+        for _ in range(n_per_prompt):
             out.append(Request(list(prompt), pid, 100 + len(out), max_new, eos))
     return out
 
@@ -53,8 +54,9 @@ def engine(pair, drafter_kind, policy, max_batch=4, capacity=1000, trace_dir=Non
     names = () if drafter is None else (drafter.name,)
     if isinstance(policy, str):
         policy = build_policy(policy, names)
-    return RolloutEngine(pair[0], drafter, capacity, max_batch, sampling, policy,
-                         AcceptanceEstimator(names), trace_dir, **kw)
+    return RolloutEngine(
+        pair[0], drafter, capacity, max_batch, sampling, policy, AcceptanceEstimator(names), trace_dir, **kw
+    )
 
 
 def test_continuous_batching_completes_every_request(pair):
@@ -76,7 +78,7 @@ def test_kv_budget_limits_the_batch_and_eos_stops_a_sample(pair):
     got = engine(pair, "ngram", "static:2", max_batch=8, capacity=2 * need).run(requests(2, 12, eos))
     for a, b in zip(ref.samples, got.samples):
         if eos in a.tokens:
-            assert b.tokens == a.tokens[:a.tokens.index(eos) + 1]
+            assert b.tokens == a.tokens[: a.tokens.index(eos) + 1]
         else:
             assert b.tokens == a.tokens
     with pytest.raises(UserError, match="cache capacity"):
@@ -137,8 +139,9 @@ def test_goodput_chooses_draft_trees_where_they_pay_and_stays_lossless(pair, kin
     reqs = requests(3, 20)
     want, _, _ = generate(pair[0], [r.prompt for r in reqs], 20, GREEDY)
     for width_max in (3, 1):
-        policy = build_policy("goodput", (kind,), TreesPay(), k_max=8, max_batch=4, width_max=width_max, nodes_max=8,
-                              calibrate=False)
+        policy = build_policy(
+            "goodput", (kind,), TreesPay(), k_max=8, max_batch=4, width_max=width_max, nodes_max=8, calibrate=False
+        )
         traces = tmp_path / f"w{width_max}"
         sd = engine(pair, kind, policy, trace_dir=traces, k_max=8).run(reqs)
         assert [s.tokens for s in sd.samples] == want
@@ -149,8 +152,8 @@ def test_goodput_chooses_draft_trees_where_they_pay_and_stays_lossless(pair, kin
 def test_a_tree_step_shows_the_estimator_rank_1_trials():
     """Root -> node 0 (rank 1) -> node 2 (rank 1); root -> node 1 (rank 2). Accepted nodes are
     hits (rank 1) or misses; where the walk stopped, a present rank-1 child is a miss."""
-    from rlsched.executor.engine.rollout import _rank1_trials
     from rlsched.executor.decode.tree_verify import DraftTree
+    from rlsched.executor.engine.rollout import _rank1_trials
 
     tree = DraftTree(parent=(-1, -1, 0), rank=(1, 2, 1), depth=(1, 1, 2))
     path = torch.tensor([[0, 2], [1, -1], [-1, -1], [0, -1], [0, -1]])
@@ -185,8 +188,15 @@ def test_compiled_engine_equals_eager_greedy(pair):
     for name, m in (("target", target), ("drafter", drafter)):
         graph = m.compiled._graph
         m.compiled._graph = lambda *a, g=graph, n=name: rows[n].append(a[0].shape[0]) or g(*a)
-    e = RolloutEngine(target, ModelDrafter(drafter, GREEDY, max_batch=2, max_len=64), 1000, 2, GREEDY,
-                      build_policy("static:2", ("model",)), AcceptanceEstimator(("model",)))
+    e = RolloutEngine(
+        target,
+        ModelDrafter(drafter, GREEDY, max_batch=2, max_len=64),
+        1000,
+        2,
+        GREEDY,
+        build_policy("static:2", ("model",)),
+        AcceptanceEstimator(("model",)),
+    )
     sd = e.run(reqs)
     assert [s.tokens for s in sd.samples] == want
     assert sd.stats["accepted"] > 0
@@ -243,8 +253,12 @@ def test_model_drafter_feeds_a_joining_prompt_apart_from_the_running_rows(pair):
     assert drafting == [(3, 1), (3, 1)] and len(feeds) == 2, shapes
     # `length_groups` may pad one short row to the prompt (cheaper than a forward), not both
     assert sum(b * q for b, q in feeds) <= 2 * len(fresh.tokens) + 1 < 3 * len(fresh.tokens), shapes
-    want = torch.cat([make_drafter(pair, "model").propose([Seq(list(r.tokens), r.slot, r.prompt_id)], 3)[0]
-                      for r in running + [fresh]])
+    want = torch.cat(
+        [
+            make_drafter(pair, "model").propose([Seq(list(r.tokens), r.slot, r.prompt_id)], 3)[0]
+            for r in running + [fresh]
+        ]
+    )
     assert torch.equal(drafts, want)
 
 
@@ -257,11 +271,13 @@ def test_a_policy_kept_off_by_its_acceptance_prior_probes_and_learns(pair, probe
     from rlsched.policies.draft import PolicyContext
     from rlsched.policies.lookup import TablePolicy
 
-    table = TablePolicy(PolicyContext(cost=None, drafters=("model",), k_max=4), "model", [1], [0.0, 0.7, 1.0],
-                        [[0], [3]])
+    table = TablePolicy(
+        PolicyContext(cost=None, drafters=("model",), k_max=4), "model", [1], [0.0, 0.7, 1.0], [[0], [3]]
+    )
     drafter = ModelDrafter(pair[1], GREEDY, max_batch=1, max_len=256)
-    e = RolloutEngine(pair[0], drafter, 1000, 1, GREEDY, table, AcceptanceEstimator(("model",)),
-                      probe_every=probe_every)
+    e = RolloutEngine(
+        pair[0], drafter, 1000, 1, GREEDY, table, AcceptanceEstimator(("model",)), probe_every=probe_every
+    )
     res = e.run([Request(list(PROMPTS[0]), 0, 0, 120)])
     if probe_every is None:
         assert res.stats["drafted"] == 0 and e.probes == 0
@@ -276,8 +292,9 @@ def test_the_probe_count_runs_on_across_rollouts(pair):
     from rlsched.policies.draft import PolicyContext
     from rlsched.policies.lookup import TablePolicy
 
-    table = TablePolicy(PolicyContext(cost=None, drafters=("model",), k_max=4), "model", [1], [0.0, 0.99, 1.0],
-                        [[0], [3]])
+    table = TablePolicy(
+        PolicyContext(cost=None, drafters=("model",), k_max=4), "model", [1], [0.0, 0.99, 1.0], [[0], [3]]
+    )
     drafter = ModelDrafter(pair[1], GREEDY, max_batch=1, max_len=256)
     e = RolloutEngine(pair[0], drafter, 1000, 1, GREEDY, table, AcceptanceEstimator(("model",)), probe_every=30)
     e.run([Request(list(PROMPTS[0]), 0, 0, 20)])
@@ -311,19 +328,26 @@ def test_shared_prompt_prefill_changes_nothing_but_the_work(pair, kind, tmp_path
     still running when it joins (max_batch 2: the third sample of prompt 0 joins when the
     first finishes, while the second runs). Greedy tokens and log-probs as without sharing."""
     prompt = list(PROMPTS[0])
-    reqs = [Request(prompt, 0, 0, 4), Request(prompt, 0, 1, 14), Request(prompt, 0, 2, 10),
-            Request(list(PROMPTS[1]), 1, 3, 6)]
+    reqs = [
+        Request(prompt, 0, 0, 4),
+        Request(prompt, 0, 1, 14),
+        Request(prompt, 0, 2, 10),
+        Request(list(PROMPTS[1]), 1, 3, 6),
+    ]
     runs = {}
     for share in (False, True):
-        e = engine(pair, kind, "static:2" if kind else "off", max_batch=2, trace_dir=tmp_path / str(share),
-                   share_prompts=share)
+        e = engine(
+            pair, kind, "static:2" if kind else "off", max_batch=2, trace_dir=tmp_path / str(share), share_prompts=share
+        )
         runs[share] = e.run(reqs)
         e.close()
     assert [s.tokens for s in runs[True].samples] == [s.tokens for s in runs[False].samples]
     for a, b in zip(runs[True].samples, runs[False].samples):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
-    prefilled = {share: read_trace(tmp_path / str(share) / "steps", "steps").query("kind == 'prefill'")
-                 for share in (False, True)}
+    prefilled = {
+        share: read_trace(tmp_path / str(share) / "steps", "steps").query("kind == 'prefill'")
+        for share in (False, True)
+    }
     assert int(prefilled[False]["batch"].sum()) == 4
     assert int(prefilled[True]["batch"].sum()) == 2  # prompt 0 once, prompt 1 once
     assert int(prefilled[True]["ctx_tokens"].sum()) == len(PROMPTS[0]) + len(PROMPTS[1])
@@ -347,8 +371,9 @@ def test_traces_read_back_and_count_tokens(pair, tmp_path):
     assert "acceptance_model" in samples.columns
     # the rollout's chain trials (what the drafter-update schedule reads) are the samples' summed
     st = res.stats
-    assert (st["drafted"], st["accepted"], st["rejected"]) == tuple(int(samples[c].sum()) for c in
-                                                                     ("drafted", "accepted", "rejected"))
+    assert (st["drafted"], st["accepted"], st["rejected"]) == tuple(
+        int(samples[c].sum()) for c in ("drafted", "accepted", "rejected")
+    )
     assert st["sd_rows"] == int((dec["k"] > 0).mul(dec["batch"]).sum()) and 0 < st["rejected"] <= st["sd_rows"]
     assert not list((tmp_path / "steps").glob("part-*.jsonl"))  # closed: every journal became a part
 
@@ -418,8 +443,11 @@ def test_cost_free_adaptive_policies_run_losslessly(pair, policy):
 def test_engine_does_not_import_the_simulator():
     import subprocess
     import sys
-    code = ("import sys, rlsched.executor.engine.rollout; "
-            "assert not [m for m in sys.modules if m.startswith('rlsched.sim')]")
+
+    code = (
+        "import sys, rlsched.executor.engine.rollout; "
+        "assert not [m for m in sys.modules if m.startswith('rlsched.sim')]"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -465,9 +493,10 @@ def test_model_drafter_feeds_rows_apart_when_a_ragged_feed_would_overflow_its_ca
     """A fresh row's whole prompt beside a row deep in its context: padding both to the
     prompt's length would write past the cache; the drafter feeds them one by one and drafts
     what it drafts with room to spare (greedy, so the drafts can be compared)."""
+    from support import tiny_pair
+
     from rlsched.executor.decode.drafters import ModelDrafter, Seq
     from rlsched.executor.decode.sampling import GREEDY
-    from support import tiny_pair
 
     _, drafter = tiny_pair(tmp_path / "m", vocab=50)
     long_row, fresh = list(range(1, 41)), list(range(5, 35))
@@ -480,4 +509,3 @@ def test_model_drafter_feeds_rows_apart_when_a_ragged_feed_would_overflow_its_ca
     tight_tokens, _, _ = tight.propose(a, 3)
     roomy_tokens, _, _ = roomy.propose(b, 3)
     assert tight_tokens.tolist() == roomy_tokens.tolist()
-

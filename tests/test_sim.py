@@ -10,17 +10,27 @@ from rlsched.costs.roofline import RooflineCostModel
 from rlsched.sim.simulate import simulate
 
 ONE_INSTANCE = [
-    "cluster.instances=1", "workload.samples_per_prompt=1", "rl.steps=1",
+    "cluster.instances=1",
+    "workload.samples_per_prompt=1",
+    "rl.steps=1",
     "workload.prompt_len={dist: fixed, value: 100}",
-    "drafters.0.acceptance.prompt_concentration=null", "drafters.0.acceptance.sample_concentration=null",
+    "drafters.0.acceptance.prompt_concentration=null",
+    "drafters.0.acceptance.sample_concentration=null",
 ]
 
 
 def one_instance(batch: int, response: int, acceptance: float, extra=()):
-    return load_config("default", overrides=ONE_INSTANCE + [
-        f"workload.prompts={batch}", f"cluster.max_batch={batch}",
-        f"workload.response_len={{dist: fixed, value: {response}}}",
-        f"drafters.0.acceptance.mean={acceptance}", *extra])
+    return load_config(
+        "default",
+        overrides=ONE_INSTANCE
+        + [
+            f"workload.prompts={batch}",
+            f"cluster.max_batch={batch}",
+            f"workload.response_len={{dist: fixed, value: {response}}}",
+            f"drafters.0.acceptance.mean={acceptance}",
+            *extra,
+        ],
+    )
 
 
 @pytest.mark.parametrize("a", [0.5, 0.8])
@@ -42,7 +52,7 @@ def test_makespan_is_the_sum_of_the_cost_models_step_times():
     cost = RooflineCostModel.from_config(cfg)
     dec = tl[tl.kind == "decode"]
     want = [cost.verify_time(b, 4, c) + cost.draft_time("model", b, 3, c) for b, c in zip(dec.batch, dec.ctx_tokens)]
-    want[0] += cost.drafter_prefill_time("model", 8 * 100, 8 * 100 ** 2)  # the drafter takes the prompts in
+    want[0] += cost.drafter_prefill_time("model", 8 * 100, 8 * 100**2)  # the drafter takes the prompts in
     np.testing.assert_allclose(dec.step_ms / 1e3, want, rtol=1e-9)
 
 
@@ -50,8 +60,10 @@ def _catch_up_s(cfg, policy):
     """(timeline, each decode step's time beyond its verify and drafting: the drafter's catch-up)."""
     tl = simulate(cfg, policy).timeline_frame().sort_values("step").reset_index(drop=True)
     cost = RooflineCostModel.from_config(cfg)
-    plain = [cost.verify_time(b, k + 1, c) + (cost.draft_time("model", b, k, c) if k else 0.0)
-             for b, k, c in zip(tl.batch, tl.k, tl.ctx_tokens)]
+    plain = [
+        cost.verify_time(b, k + 1, c) + (cost.draft_time("model", b, k, c) if k else 0.0)
+        for b, k, c in zip(tl.batch, tl.k, tl.ctx_tokens)
+    ]
     return tl, cost, tl.step_ms.to_numpy() / 1e3 - np.array(plain)
 
 
@@ -62,26 +74,41 @@ def test_a_drafter_pays_to_take_in_rows_that_join():
     after_prefill = (tl.kind.shift(1) == "prefill").to_numpy() & (tl.kind == "decode").to_numpy()
     n_pre = tl.ctx_tokens.shift(1).to_numpy()
     dec = (tl.kind == "decode").to_numpy()
-    want = np.where(after_prefill, [cost.drafter_prefill_time("model", int(n), int(n) * 100) if a else 0.0
-                                    for a, n in zip(after_prefill, np.nan_to_num(n_pre))], 0.0)
+    want = np.where(
+        after_prefill,
+        [
+            cost.drafter_prefill_time("model", int(n), int(n) * 100) if a else 0.0
+            for a, n in zip(after_prefill, np.nan_to_num(n_pre))
+        ],
+        0.0,
+    )
     assert after_prefill.sum() >= 2
     np.testing.assert_allclose(extra[dec], want[dec], rtol=1e-9, atol=1e-12)
 
 
 def test_fresh_samples_of_a_prompt_are_fed_to_the_drafter_once():
-    cfg = load_config("default", overrides=[*ONE_INSTANCE, "workload.prompts=2", "workload.samples_per_prompt=4",
-                                             "cluster.max_batch=8", "workload.response_len={dist: fixed, value: 30}"])
+    cfg = load_config(
+        "default",
+        overrides=[
+            *ONE_INSTANCE,
+            "workload.prompts=2",
+            "workload.samples_per_prompt=4",
+            "cluster.max_batch=8",
+            "workload.response_len={dist: fixed, value: 30}",
+        ],
+    )
     tl, cost, extra = _catch_up_s(cfg, "static:3")
     first = int(np.flatnonzero((tl.kind == "decode").to_numpy())[0])
-    assert extra[first] == pytest.approx(cost.drafter_prefill_time("model", 2 * 100, 2 * 100 ** 2), rel=1e-9)
+    assert extra[first] == pytest.approx(cost.drafter_prefill_time("model", 2 * 100, 2 * 100**2), rel=1e-9)
 
 
 def test_drafting_after_off_steps_first_feeds_the_drafter_what_it_missed():
     """twostate:4:3 decodes 8 rows without drafts until 4 remain: the first drafting step feeds
     the drafter every remaining row's whole context (prompt and the off steps' tokens); later
     steps feed nothing more (steady feeds are in draft_time)."""
-    cfg = one_instance(8, 60, 0.7,
-                       ["workload.response_len={dist: empirical, values: [20, 30, 40, 50, 60, 70, 80, 90]}"])
+    cfg = one_instance(
+        8, 60, 0.7, ["workload.response_len={dist: empirical, values: [20, 30, 40, 50, 60, 70, 80, 90]}"]
+    )
     tl, cost, extra = _catch_up_s(cfg, "twostate:4:3")
     dec = tl[tl.kind == "decode"]
     sd = dec[dec.k > 0]
@@ -98,7 +125,7 @@ def test_off_reproduces_plain_decoding_time_exactly():
     batch, prompt, length = 12, 100, 300
     cfg = one_instance(batch, length, 0.7)
     cost = RooflineCostModel.from_config(cfg)
-    plain = cost.prefill_time(batch * prompt, batch * prompt ** 2)
+    plain = cost.prefill_time(batch * prompt, batch * prompt**2)
     plain += sum(cost.verify_time(batch, 1, batch * (prompt + j)) for j in range(length))
     got = simulate(cfg, "off").summary()["generation_s"]
     assert got == pytest.approx(plain, rel=1e-12)
@@ -108,8 +135,13 @@ def test_shared_prompts_prefill_each_prompt_once():
     """3 prompts x 4 samples, all in one batch: with cluster.share_prompts the prefill is of
     3 prompts, not 12; nothing else changes."""
     batch, prompt, length = 12, 100, 50
-    base = [*ONE_INSTANCE, "workload.prompts=3", "workload.samples_per_prompt=4", f"cluster.max_batch={batch}",
-            f"workload.response_len={{dist: fixed, value: {length}}}"]
+    base = [
+        *ONE_INSTANCE,
+        "workload.prompts=3",
+        "workload.samples_per_prompt=4",
+        f"cluster.max_batch={batch}",
+        f"workload.response_len={{dist: fixed, value: {length}}}",
+    ]
     times = {}
     for share in (False, True):
         cfg = load_config("default", overrides=[*base, f"cluster.share_prompts={share}"])
@@ -117,17 +149,24 @@ def test_shared_prompts_prefill_each_prompt_once():
         times[share] = tl
     cost = RooflineCostModel.from_config(cfg)
     pre = {share: tl[tl.kind == "prefill"].step_ms.sum() / 1e3 for share, tl in times.items()}
-    assert pre[False] == pytest.approx(cost.prefill_time(batch * prompt, batch * prompt ** 2), rel=1e-12)
-    assert pre[True] == pytest.approx(cost.prefill_time(3 * prompt, 3 * prompt ** 2), rel=1e-12)
+    assert pre[False] == pytest.approx(cost.prefill_time(batch * prompt, batch * prompt**2), rel=1e-12)
+    assert pre[True] == pytest.approx(cost.prefill_time(3 * prompt, 3 * prompt**2), rel=1e-12)
     dec = {share: tl[tl.kind == "decode"].step_ms.sum() for share, tl in times.items()}
     assert dec[True] == pytest.approx(dec[False], rel=1e-12)
 
 
-@pytest.mark.parametrize("preset, policy, extra", [
-    ("default", "off", []), ("default", "static:4", []), ("default", "goodput", []),
-    # one instance: instances share one acceptance estimator, and a steady run's outcomes reach
-    # the others when the run ends, not step by step (a learning policy may then choose apart)
-    ("ngram-llama8b", "seqgoodput", ["cluster.instances=1"]), ("eagle-h200-14b", "static:3", [])])
+@pytest.mark.parametrize(
+    "preset, policy, extra",
+    [
+        ("default", "off", []),
+        ("default", "static:4", []),
+        ("default", "goodput", []),
+        # one instance: instances share one acceptance estimator, and a steady run's outcomes reach
+        # the others when the run ends, not step by step (a learning policy may then choose apart)
+        ("ngram-llama8b", "seqgoodput", ["cluster.instances=1"]),
+        ("eagle-h200-14b", "static:3", []),
+    ],
+)
 def test_steady_runs_equal_step_by_step(preset, policy, extra):
     cfg = load_config(preset, overrides=["rl.steps=2", "workload.prompts=24", *extra])
     fast = simulate(cfg, policy)
@@ -149,8 +188,10 @@ def _tokens_conserved(res):
 
 
 def test_preemption_loses_and_duplicates_no_tokens():
-    cfg = load_config("default", overrides=["rl.steps=1", "workload.prompts=32", "cluster.instances=1",
-                                             "cluster.kv_capacity_tokens=60000"])
+    cfg = load_config(
+        "default",
+        overrides=["rl.steps=1", "workload.prompts=32", "cluster.instances=1", "cluster.kv_capacity_tokens=60000"],
+    )
     res = simulate(cfg, "goodput")
     assert res.summary()["preemptions"] > 0
     _tokens_conserved(res)
@@ -174,8 +215,16 @@ def test_same_seed_same_summary_other_seed_differs():
 
 
 def test_drift_lowers_acceptance_and_an_update_restores_it():
-    cfg = load_config("default", overrides=["workload.prompts=8", "rl.steps=5", "rl.acceptance_drift_per_step=0.1",
-                                             "rl.drafter_update_interval=3", "rl.overlap_drafter_update=false"])
+    cfg = load_config(
+        "default",
+        overrides=[
+            "workload.prompts=8",
+            "rl.steps=5",
+            "rl.acceptance_drift_per_step=0.1",
+            "rl.drafter_update_interval=3",
+            "rl.overlap_drafter_update=false",
+        ],
+    )
     steps = simulate(cfg).steps_frame()
     m = steps["accept_mean_model"].round(6).tolist()
     assert m[:4] == pytest.approx([0.7, 0.6, 0.5, 0.7])  # update after the 3rd step restores it
@@ -188,8 +237,10 @@ def test_goodput_matches_the_best_static_k_and_beats_off_on_a_long_tail():
     and beats off and every longer static k."""
     cfg = load_config("longtail-grpo", overrides=["workload.prompts=64", "cluster.instances=2"])
     good = simulate(cfg, "goodput").summary()["generation_s"]
-    times = {pol: simulate(cfg, pol).summary()["generation_s"] for pol in ["off", "static:1", "static:2", "static:4",
-                                                                            "static:6"]}
+    times = {
+        pol: simulate(cfg, pol).summary()["generation_s"]
+        for pol in ["off", "static:1", "static:2", "static:4", "static:6"]
+    }
     assert good <= 1.01 * min(times.values()), times
     for pol in ["off", "static:2", "static:4", "static:6"]:
         assert good < times[pol], pol
@@ -203,8 +254,10 @@ def test_pays_schedule_updates_as_often_as_staleness_costs():
     base = ["workload.prompts=8", "rl.steps=10", "rl.drafter_update_interval=2", "rl.overlap_drafter_update=false"]
 
     def updates(drift, schedule):
-        cfg = load_config("default", overrides=[*base, f"rl.acceptance_drift_per_step={drift}",
-                                                 f"rl.drafter_update_schedule={schedule}"])
+        cfg = load_config(
+            "default",
+            overrides=[*base, f"rl.acceptance_drift_per_step={drift}", f"rl.drafter_update_schedule={schedule}"],
+        )
         steps = simulate(cfg).steps_frame()
         return steps.index[steps.drafter_update_s > 0].tolist(), steps
 

@@ -20,11 +20,11 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from rlsched.executor.decode.drafters import ModelDrafter, NgramDrafter, OffDrafter, Seq, make_drafter  # noqa: E402
 from support import tiny_pair  # noqa: E402
+
+from rlsched.executor.decode.drafters import ModelDrafter, NgramDrafter, OffDrafter, Seq, make_drafter  # noqa: E402
 from rlsched.executor.decode.sampling import GREEDY, SamplingParams, probs, sample  # noqa: E402
-from rlsched.executor.decode.speculative import (PAD, decode_step, generate, prefill, step,  # noqa: E402
-                                          verify)
+from rlsched.executor.decode.speculative import PAD, decode_step, generate, prefill, step, verify  # noqa: E402
 
 V = 16
 ALPHA = 1e-3
@@ -32,8 +32,9 @@ P_VALUES: dict[str, float] = {}  # printed at the end with -s
 
 
 def _chi2_sf(stat: float, df: int) -> float:
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
-                                         torch.tensor(stat / 2, dtype=torch.float64)))
+    return float(
+        torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64))
+    )
 
 
 def chi2_gof(counts: torch.Tensor, expected_p: torch.Tensor, min_expected: float = 5.0) -> float:
@@ -56,9 +57,10 @@ def chi2_gof(counts: torch.Tensor, expected_p: torch.Tensor, min_expected: float
 
 # --- sampling ---------------------------------------------------------------------------------
 
+
 def test_probs_match_transformers_warpers():
-    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
-                                                        TopPLogitsWarper)
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0)) * 2
     for t, k, p in [(1.0, 0, 1.0), (0.7, 0, 0.9), (1.3, 5, 1.0), (0.5, 10, 0.8)]:
         x = TemperatureLogitsWarper(t)(None, logits.clone())
@@ -168,7 +170,7 @@ def test_logprobs_and_padding_never_accepted():
         toks = out.row_tokens(b)
         want = [math.log(float(target[b, i, t])) for i, t in enumerate(toks)]
         assert out.row_logprobs(b) == pytest.approx(want, abs=1e-5)
-        assert (out.tokens[b, len(toks):] == PAD).all()
+        assert (out.tokens[b, len(toks) :] == PAD).all()
     with pytest.raises(ValueError, match="k per row"):
         verify(target, drafts, None, torch.full((500,), 4), g)
     with pytest.raises(ValueError, match="draft_tokens must have shape"):
@@ -201,14 +203,14 @@ def exact_joint(model, prompt: list[int], sp: SamplingParams) -> torch.Tensor:
 
 def _joint_counts(gen: list[list[int]]) -> torch.Tensor:
     t = torch.tensor([g[:3] for g in gen])
-    return torch.bincount(t[:, 0] * V * V + t[:, 1] * V + t[:, 2], minlength=V ** 3)
+    return torch.bincount(t[:, 0] * V * V + t[:, 1] * V + t[:, 2], minlength=V**3)
 
 
 def _fit(pair, sp, gen, label):
     target = pair[0]
     ps = []
     for i, prompt in enumerate(PROMPTS):
-        ps.append(chi2_gof(_joint_counts(gen[i * N_ROWS:(i + 1) * N_ROWS]), exact_joint(target, prompt, sp)))
+        ps.append(chi2_gof(_joint_counts(gen[i * N_ROWS : (i + 1) * N_ROWS]), exact_joint(target, prompt, sp)))
         P_VALUES[f"{label}, prompt {i}"] = ps[-1]
     return min(ps) * len(ps)  # Bonferroni over the prompts
 
@@ -216,8 +218,17 @@ def _fit(pair, sp, gen, label):
 def _run(pair, sp, drafter, k, seed, k_per_row=None):
     prompts = [p for p in PROMPTS for _ in range(N_ROWS)]
     ids = [i for i in range(len(PROMPTS)) for _ in range(N_ROWS)]
-    return generate(pair[0], prompts, 3, sp, drafter=drafter, k=k, k_per_row=k_per_row,
-                    prompt_ids=ids, generator=torch.Generator().manual_seed(seed))
+    return generate(
+        pair[0],
+        prompts,
+        3,
+        sp,
+        drafter=drafter,
+        k=k,
+        k_per_row=k_per_row,
+        prompt_ids=ids,
+        generator=torch.Generator().manual_seed(seed),
+    )
 
 
 def _ngram(pair, sp):
@@ -266,8 +277,9 @@ def test_ragged_k_is_lossless(pair):
     assert _fit(pair, sp, gen, "model ragged k=0..6 t1.0") > ALPHA
 
 
-@pytest.mark.parametrize("name, k", [("ngram", 1), ("ngram", 3), ("ngram", 6), ("model", 1),
-                                     ("model", 3), ("model", 6), ("off", 4)])
+@pytest.mark.parametrize(
+    "name, k", [("ngram", 1), ("ngram", 3), ("ngram", 6), ("model", 1), ("model", 3), ("model", 6), ("off", 4)]
+)
 def test_greedy_sd_equals_greedy_plain(pair, name, k):
     prompts = PROMPTS + [[4, 4, 4, 4], [7, 1, 7, 1, 7], [2]]
     want, want_lp, _ = generate(pair[0], prompts, 30, GREEDY)
@@ -317,8 +329,9 @@ def test_model_drafter_cache_stays_in_sync(pair):
     prompts = [PROMPTS[i % 2][: 3 + i % 6] for i in range(64)]
     kr = torch.randint(1, 5, (64,), generator=torch.Generator().manual_seed(5))
     for seed in (6, 7):  # the second rollout reuses the freed rows
-        gen, _, stats = generate(target, prompts, 20, sp, drafter=drafter, k=4, k_per_row=kr,
-                                 generator=torch.Generator().manual_seed(seed))
+        gen, _, stats = generate(
+            target, prompts, 20, sp, drafter=drafter, k=4, k_per_row=kr, generator=torch.Generator().manual_seed(seed)
+        )
         assert stats["accepted"] >= 0.999 * stats["drafted"], stats
         assert all(len(g) == 20 for g in gen)
 

@@ -15,15 +15,40 @@ from rlsched.traces.writer import write_table
 
 
 def step_record(i: int) -> dict:
-    return {"rl_step": 0, "instance": i % 2, "step": i, "time_s": 0.01 * i, "kind": "decode", "batch": 4,
-            "drafter": "model", "k": 3, "width": 1, "drafted": 12, "accepted": 7, "emitted": 11,
-            "draft_ms": 0.5, "verify_ms": 1.5, "step_ms": 2.0, "ctx_tokens": 100 + i}
+    return {
+        "rl_step": 0,
+        "instance": i % 2,
+        "step": i,
+        "time_s": 0.01 * i,
+        "kind": "decode",
+        "batch": 4,
+        "drafter": "model",
+        "k": 3,
+        "width": 1,
+        "drafted": 12,
+        "accepted": 7,
+        "emitted": 11,
+        "draft_ms": 0.5,
+        "verify_ms": 1.5,
+        "step_ms": 2.0,
+        "ctx_tokens": 100 + i,
+    }
 
 
 def sample_frame(n: int = 5) -> pd.DataFrame:
-    return pd.DataFrame({"rl_step": [0] * n, "sample_id": range(n), "prompt_id": [i // 2 for i in range(n)],
-                         "instance": [0] * n, "prompt_len": [10] * n, "response_len": [20 + i for i in range(n)],
-                         "finish_s": [1.0 + i for i in range(n)], "preemptions": [0] * n, "migrations": [0] * n})
+    return pd.DataFrame(
+        {
+            "rl_step": [0] * n,
+            "sample_id": range(n),
+            "prompt_id": [i // 2 for i in range(n)],
+            "instance": [0] * n,
+            "prompt_len": [10] * n,
+            "response_len": [20 + i for i in range(n)],
+            "finish_s": [1.0 + i for i in range(n)],
+            "preemptions": [0] * n,
+            "migrations": [0] * n,
+        }
+    )
 
 
 def write_samples(path) -> None:
@@ -31,6 +56,7 @@ def write_samples(path) -> None:
 
 
 # ----------------------------------------------------------------------------- writer and reader
+
 
 def test_trace_writer_appends_parts_read_back_in_order(tmp_path):
     w = TraceWriter(tmp_path, "steps", flush_every=3)
@@ -91,6 +117,7 @@ def test_read_trace_missing_path(tmp_path):
 
 
 # ----------------------------------------------------------------------------- broken files
+
 
 def test_truncated_file(tmp_path):
     path = tmp_path / "samples.parquet"

@@ -44,8 +44,14 @@ def test_hit_rates_count_ranks():
 
 
 def test_smoke_runs(tmp_path):
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke"], env=dict(os.environ, OUT=str(tmp_path)),
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke"],
+        env=dict(os.environ, OUT=str(tmp_path)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads((tmp_path / "tree_hits.json").read_text())
     h = result["h_measured"]

@@ -23,14 +23,14 @@ from scipy import stats
 torch = pytest.importorskip("torch")
 
 from rlsched.executor.decode import tree_verify as tv  # noqa: E402
-from rlsched.executor.model.builtin import builtin_pair, encode  # noqa: E402
 from rlsched.executor.decode.drafters import ModelDrafter  # noqa: E402
 from rlsched.executor.decode.eagle import builtin_head, draft_tree, load_head, target_features  # noqa: E402
 from rlsched.executor.decode.eagle_drafter import EagleDrafter  # noqa: E402
-from rlsched.executor.model.loading import load_model  # noqa: E402
 from rlsched.executor.decode.sampling import GREEDY, SamplingParams  # noqa: E402
 from rlsched.executor.decode.speculative import PAD, Seq, generate, prefill, tree_step  # noqa: E402
 from rlsched.executor.decode.tree_verify import DraftTree, draw_children, tree_of, tree_verify  # noqa: E402
+from rlsched.executor.model.builtin import builtin_pair, encode  # noqa: E402
+from rlsched.executor.model.loading import load_model  # noqa: E402
 from rlsched.policies.tree import tree_shape  # noqa: E402
 from rlsched.tasks.synthetic import make_examples  # noqa: E402
 
@@ -65,6 +65,7 @@ def chi2_pvalue(counts: np.ndarray, probs: np.ndarray, min_expected: float = 5.0
 
 
 # --- the synthetic pair -------------------------------------------------------------------------
+
 
 def _hash(code: torch.Tensor, salt: float) -> torch.Tensor:
     """(B,) prefix codes -> (B, V) pseudo-random values in [0, 1)."""
@@ -140,6 +141,7 @@ def joint_pvalue(x1: torch.Tensor, x2: torch.Tensor, sp: SamplingParams) -> floa
 
 # --- the tree --------------------------------------------------------------------------------------
 
+
 def test_tree_from_shape_is_bfs_with_parents_first():
     t = tree_of(3, 2, 6, 0.6, 0.25)
     assert t.parent == (-1, -1, 0, 0, 1, 2) and t.rank == (1, 2, 1, 2, 1, 1) and t.depth == (1, 1, 2, 2, 2, 3)
@@ -171,6 +173,7 @@ def test_draw_children_is_sampling_without_replacement():
 
 
 # --- losslessness on the synthetic pair ------------------------------------------------------------
+
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("sampled", [True, False], ids=["sampled", "deterministic"])
@@ -227,6 +230,7 @@ def test_greedy_tree_verify_follows_the_argmax():
 
 
 # --- on the built-in pair ------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def pair():
@@ -304,7 +308,7 @@ def tree_generate(target, drafter, prompts, max_new, sp, tree, g=None):
         assert cache.lengths[slots].tolist() == [len(s.tokens) - 1 for s in rows]
         active = [i for i in active if len(seqs[i].tokens) - len(prompts[i]) < max_new]
         steps += 1
-    return [s.tokens[len(p):len(p) + max_new] for s, p in zip(seqs, prompts)], steps
+    return [s.tokens[len(p) : len(p) + max_new] for s, p in zip(seqs, prompts)], steps
 
 
 def test_eagle_tree_nodes_get_the_distribution_of_their_path_as_a_chain(pair, head):

@@ -8,6 +8,7 @@ import itertools
 import numpy as np
 import pytest
 from scipy import stats
+from support import rlsched
 
 from rlsched.config import load_config
 from rlsched.costs.roofline import RooflineCostModel
@@ -19,7 +20,6 @@ from rlsched.policies.registry import GENERATE, parse_policy, run_words
 from rlsched.policies.tree import GRID, TreeTable, draw_tree, max_nodes, rank_probs, tree_options, tree_shape
 from rlsched.sim.learn import ACCEPT_EDGES, Learner, ctx_edges
 from rlsched.sim.simulate import policy_context, simulate
-from support import rlsched
 
 GAIN = 0.25
 
@@ -36,7 +36,7 @@ def test_a_chain_is_the_tree_of_width_one():
     a = np.array([0.3, 0.7, 0.95])
     shape = tree_shape(5, 1, 5, 0.7, GAIN)
     np.testing.assert_allclose(shape.reach(a, GAIN), a[:, None] ** np.arange(1, 6), rtol=1e-12)
-    np.testing.assert_allclose(shape.expected_accepted(a, GAIN), (a - a ** 6) / (1 - a), rtol=1e-12)
+    np.testing.assert_allclose(shape.expected_accepted(a, GAIN), (a - a**6) / (1 - a), rtol=1e-12)
 
 
 def test_two_candidates_at_one_level():
@@ -55,7 +55,8 @@ def test_the_shape_is_the_likeliest_paths_and_its_expectation_their_sum(k, width
     # P(accepted >= d) is the mass of the depth-d nodes; the expectation their sum
     for d in range(1, k + 1):
         assert shape.reach(np.array([a]), GAIN)[0, d - 1] == pytest.approx(
-            sum(probs[q] for q in best if len(q) == d), rel=1e-9)
+            sum(probs[q] for q in best if len(q) == d), rel=1e-9
+        )
 
 
 @pytest.mark.parametrize("k,width,nodes,a", [(4, 2, 10, 0.7), (6, 4, 24, 0.55)])
@@ -85,11 +86,19 @@ def test_a_broken_draw_fails_the_same_check():
 
 @pytest.mark.parametrize("top1", [1.0, 0.8])
 def test_the_simulator_emits_what_the_model_expects(top1):
-    over = ["workload.prompts=8", "workload.samples_per_prompt=4", "workload.prompt_len={dist: fixed, value: 64}",
-            "workload.response_len={dist: fixed, value: 6000}", "drafters.0.acceptance.mean=0.65",
-            "drafters.0.acceptance.prompt_concentration=null", "drafters.0.acceptance.sample_concentration=null",
-            "cluster.instances=1", "drafters.0.acceptance.tree_gain=0.3", "rl.steps=1",
-            f"drafters.0.acceptance.tree_top1={top1}"]
+    over = [
+        "workload.prompts=8",
+        "workload.samples_per_prompt=4",
+        "workload.prompt_len={dist: fixed, value: 64}",
+        "workload.response_len={dist: fixed, value: 6000}",
+        "drafters.0.acceptance.mean=0.65",
+        "drafters.0.acceptance.prompt_concentration=null",
+        "drafters.0.acceptance.sample_concentration=null",
+        "cluster.instances=1",
+        "drafters.0.acceptance.tree_gain=0.3",
+        "rl.steps=1",
+        f"drafters.0.acceptance.tree_top1={top1}",
+    ]
     cfg = load_config("default", overrides=over)
     tl = simulate(cfg, "tree:5:2:12").timeline_frame()
     dec = tl[(tl.kind == "decode") & (tl.batch == 32)]
@@ -121,8 +130,13 @@ def _state(batch, ctx_per_seq=1000, prior=0.8):
 
 
 def test_goodput_chooses_trees_at_small_batch_and_drops_them_at_large():
-    over = ["drafters.0.kind=eagle", "drafters.0.acceptance.mean=0.8", "speculation.width_max=8",
-            "speculation.nodes_max=64", "cluster.max_batch=1024"]
+    over = [
+        "drafters.0.kind=eagle",
+        "drafters.0.acceptance.mean=0.8",
+        "speculation.width_max=8",
+        "speculation.nodes_max=64",
+        "cluster.max_batch=1024",
+    ]
     cfg = load_config("default", overrides=over)
     ctx = policy_context(cfg, RooflineCostModel.from_config(cfg))
     small = make_draft_policy("goodput", ctx).choose(_state(1))
@@ -138,8 +152,12 @@ def test_fixed_tree_spelling():
     p = parse_policy("tree:6:4:24")
     assert (p.k, p.width, p.nodes, p.drafter) == (6, 4, 24, None)
     assert Strategy("model", 6, 4, 24).label == "model:6x4:24"
-    for bad, word in [("tree:6:4", "expected tree:K:W:N"), ("tree:6:1:8", "W \\(candidates"),
-                      ("tree:2:2:9", "at most 6"), ("tree:6:4:3", "N \\(drafts")]:
+    for bad, word in [
+        ("tree:6:4", "expected tree:K:W:N"),
+        ("tree:6:1:8", "W \\(candidates"),
+        ("tree:2:2:9", "at most 6"),
+        ("tree:6:4:3", "N \\(drafts"),
+    ]:
         with pytest.raises(UserError, match=word):
             parse_policy(bad)
     parse_policy("tree:3:2:6").check(("model",), 8, GENERATE)  # rlsched's engine verifies trees
@@ -173,8 +191,7 @@ def test_a_tree_cell_is_checked_in_a_policy_file():
     params = {"batch_edges": [1, 2], "accept_edges": [0.0, 1.0], "k": [[[3, 1, 5], 2]]}
     with pytest.raises(ValueError, match=r"\[k, width, nodes\]"):
         PolicyFile(format=FORMAT, version=VERSION, kind="table", drafter="eagle", params=params)
-    PolicyFile(format=FORMAT, version=VERSION, kind="table", drafter="eagle",
-               params={**params, "k": [[[3, 2, 5], 2]]})
+    PolicyFile(format=FORMAT, version=VERSION, kind="table", drafter="eagle", params={**params, "k": [[[3, 2, 5], 2]]})
 
 
 def test_learn_refuses_a_vllm_table_for_a_tree_policy(tmp_path):

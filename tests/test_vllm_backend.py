@@ -17,16 +17,17 @@ import pytest
 pytest.importorskip("torch")
 
 import torch  # noqa: E402
+from support import ok, rlsched  # noqa: E402
 
 from rlsched.errors import UserError  # noqa: E402
 from rlsched.executor.vllm.engine import TABLE_FIELD, check_vllm_backend, speculative_plan  # noqa: E402
-from support import ok, rlsched  # noqa: E402
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not importable here (make test-vllm sets up .venv-vllm)")
 
 
 # ----------------------------------------------------------------------------- no vLLM needed
+
 
 def test_policies_map_onto_speculative_config(tmp_path):
     plan = lambda p, d=Path("d"): speculative_plan(p, d, k_max=4, max_batch=16)  # noqa: E731
@@ -44,8 +45,7 @@ def test_policies_map_onto_speculative_config(tmp_path):
     assert plan("twostate:32:2")["table"] is None  # one K for every batch up to max_batch: plain static
     table = tmp_path / "vllm.json"  # `rlsched learn --vllm-table` output
     table.write_text(json.dumps({TABLE_FIELD: [[1, 8, 3], [9, 16, 1]]}))
-    assert plan(f"table:{table}") == {"k": 3, "table": [[1, 8, 3], [9, 16, 1]], "drafter": "model",
-                                      "native": True}
+    assert plan(f"table:{table}") == {"k": 3, "table": [[1, 8, 3], [9, 16, 1]], "drafter": "model", "native": True}
     table.write_text(json.dumps([[1, 16, 0]]))
     assert plan(f"table:{table}") is None
     # rlsched's own policies choose k inside vLLM (vllm_hook), up to k_max
@@ -53,12 +53,15 @@ def test_policies_map_onto_speculative_config(tmp_path):
         assert plan(p) == {"k": 4, "table": None, "drafter": "model", "native": False}, p
 
 
-@pytest.mark.parametrize("policy, match", [
-    ("oracle", r"policy 'oracle' reads the simulator's true acceptance"),
-    ("goodput:x", r"goodput"),
-    ("static:x", r"K must be a whole number"),
-    ("table:missing.json", r"does not exist; write one with `rlsched learn --vllm-table"),
-])
+@pytest.mark.parametrize(
+    "policy, match",
+    [
+        ("oracle", r"policy 'oracle' reads the simulator's true acceptance"),
+        ("goodput:x", r"goodput"),
+        ("static:x", r"K must be a whole number"),
+        ("table:missing.json", r"does not exist; write one with `rlsched learn --vllm-table"),
+    ],
+)
 def test_policies_vllm_cannot_express_are_one_line(policy, match):
     with pytest.raises(UserError, match=match) as e:
         speculative_plan(policy, Path("d"), k_max=4, max_batch=16)
@@ -67,8 +70,11 @@ def test_policies_vllm_cannot_express_are_one_line(policy, match):
 
 def test_bad_tables_and_a_drafting_policy_without_drafter(tmp_path):
     bad = tmp_path / "bad.json"
-    for table, match in (([[2, 8, 3]], "must start at batch size 1"), ([[1, 8, 3], [4, 9, 1]], "not overlapping"),
-                         ([[1, 8]], "list of \\[start_bs, end_bs, K\\]")):
+    for table, match in (
+        ([[2, 8, 3]], "must start at batch size 1"),
+        ([[1, 8, 3], [4, 9, 1]], "not overlapping"),
+        ([[1, 8]], "list of \\[start_bs, end_bs, K\\]"),
+    ):
         bad.write_text(json.dumps({TABLE_FIELD: table}))
         with pytest.raises(UserError, match=match):
             speculative_plan(f"table:{bad}", Path("d"), k_max=4, max_batch=16)
@@ -89,11 +95,23 @@ def test_without_vllm_the_engine_says_how_to_get_it(tmp_path):
         check_vllm_backend("static:2", "ngram", k_max=2, max_batch=4)
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 256}))
     with pytest.raises(UserError, match=r"needs vLLM, which is not importable.*make test-vllm.*pip install vllm"):
-        VllmRolloutEngine(tmp_path, "off", SamplingParams(1.0), "off", max_batch=4, k_max=2, max_len=64,
-                          trace_dir=None, seed=0, threads=1, dtype="float32")
+        VllmRolloutEngine(
+            tmp_path,
+            "off",
+            SamplingParams(1.0),
+            "off",
+            max_batch=4,
+            k_max=2,
+            max_len=64,
+            trace_dir=None,
+            seed=0,
+            threads=1,
+            dtype="float32",
+        )
 
 
 # ----------------------------------------------------------------------------- the real engine
+
 
 @pytest.fixture(scope="module")
 def pair():
@@ -109,8 +127,10 @@ def requests_(pair):
     from rlsched.tasks.synthetic import make_examples
 
     tok = load_model(pair.target).tokenizer
-    return [Request(tok.encode(e.prompt, add_special_tokens=False).ids, i // 2, i, 24, 1)
-            for i, e in enumerate(make_examples(12, 3))]
+    return [
+        Request(tok.encode(e.prompt, add_special_tokens=False).ids, i // 2, i, 24, 1)
+        for i, e in enumerate(make_examples(12, 3))
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -120,9 +140,19 @@ def self_engine(pair, tmp_path_factory):
     from rlsched.executor.vllm.engine import VllmRolloutEngine
 
     torch.set_num_threads(1)
-    eng = VllmRolloutEngine(pair.target, pair.target, SamplingParams(1.0), "static:3", max_batch=8, k_max=4,
-                            max_len=128, trace_dir=tmp_path_factory.mktemp("traces"), seed=0, threads=1,
-                            dtype="float32")
+    eng = VllmRolloutEngine(
+        pair.target,
+        pair.target,
+        SamplingParams(1.0),
+        "static:3",
+        max_batch=8,
+        k_max=4,
+        max_len=128,
+        trace_dir=tmp_path_factory.mktemp("traces"),
+        seed=0,
+        threads=1,
+        dtype="float32",
+    )
     yield eng
     eng.close()
 
@@ -134,7 +164,7 @@ def _our_logprobs(model, requests, result) -> list[torch.Tensor]:
     with torch.no_grad():
         for r, x in zip(requests, result.samples):
             ids = torch.tensor([r.prompt + x.tokens])
-            out.append(token_logprobs(model, ids, 1.0)[0, len(r.prompt) - 1:])
+            out.append(token_logprobs(model, ids, 1.0)[0, len(r.prompt) - 1 :])
     return out
 
 
@@ -225,8 +255,9 @@ def test_traces_of_each_run(self_engine, requests_):
 def test_a_request_past_vllms_window_is_refused(self_engine):
     from rlsched.executor.engine.rollout import Request
 
-    with pytest.raises(UserError,
-                       match=r"sample 5: prompt \+ max_new_tokens \(1003 tokens\) exceed vLLM's max_model_len"):
+    with pytest.raises(
+        UserError, match=r"sample 5: prompt \+ max_new_tokens \(1003 tokens\) exceed vLLM's max_model_len"
+    ):
         self_engine.run([Request([3, 4, 5], 0, 5, 1000, 1)])
 
 
@@ -235,12 +266,23 @@ def test_a_request_past_vllms_window_is_refused(self_engine):
 def test_ngram_drafting(pair, requests_):
     """vLLM's n-gram proposer (prompt lookup): lossless log-probs, drafts on repeating text.
     (A second engine in the process: the first one's metrics are this one's from now on.)"""
-    from rlsched.executor.model.loading import load_model
     from rlsched.executor.decode.sampling import SamplingParams
+    from rlsched.executor.model.loading import load_model
     from rlsched.executor.vllm.engine import VllmRolloutEngine
 
-    eng = VllmRolloutEngine(pair.target, "ngram", SamplingParams(1.0), "static:2", max_batch=8, k_max=3,
-                            max_len=128, trace_dir=None, seed=0, threads=1, dtype="float32")
+    eng = VllmRolloutEngine(
+        pair.target,
+        "ngram",
+        SamplingParams(1.0),
+        "static:2",
+        max_batch=8,
+        k_max=3,
+        max_len=128,
+        trace_dir=None,
+        seed=0,
+        threads=1,
+        dtype="float32",
+    )
     try:
         res = eng.run(requests_)
         assert res.stats["drafted"] > 0 and 0 < res.stats["accepted"] < res.stats["drafted"]
@@ -315,8 +357,19 @@ def test_plain_vllm_run_traces_fit(pair, tmp_path):
 @pytest.mark.vllm
 @needs_vllm
 def test_a_policy_vllm_cannot_run_is_one_line_exit_2(tmp_path):
-    proc = rlsched("run", "--backend", "vllm", "--policy", "oracle", "--set", "steps=1", "--out", str(tmp_path / "r"),
-                   cwd=tmp_path, timeout=300)
+    proc = rlsched(
+        "run",
+        "--backend",
+        "vllm",
+        "--policy",
+        "oracle",
+        "--set",
+        "steps=1",
+        "--out",
+        str(tmp_path / "r"),
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and "policy 'oracle' reads the simulator's true acceptance" in lines[0]
@@ -349,8 +402,9 @@ def test_a_vllm_run_killed_and_resumed_restores_its_policy_and_loses_nothing(pai
     """goodput on one vLLM engine, killed (-9) once a checkpoint is written and resumed: every
     step once, every sample once, and the resumed engine runs on the checkpoint's estimator
     and policy (no start-up calibration the second time)."""
-    from rlsched.traces.reader import read_trace
     from support import run_then_kill
+
+    from rlsched.traces.reader import read_trace
 
     cfg = tmp_path / "run.yaml"
     cfg.write_text(RUN.format(steps=4, policy="goodput", drafter="builtin"))

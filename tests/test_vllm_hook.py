@@ -60,9 +60,17 @@ class Cycling:
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-hook")
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
-                                      bos_token_id=0, eos_token_id=V - 1)
+    config = transformers.LlamaConfig(
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=0,
+        eos_token_id=V - 1,
+    )
     hf = transformers.LlamaForCausalLM(config)
     with torch.no_grad():
         for name, p in hf.named_parameters():
@@ -82,9 +90,20 @@ def llm(folders):
     from rlsched.executor.vllm import hook as vllm_hook
     from rlsched.executor.vllm.engine import start_llm
 
-    llm = start_llm(folders[0], {"method": "draft_model", "model": str(folders[1]), "num_speculative_tokens": 6,
-                                 "draft_sample_method": "probabilistic"}, max_batch=256, max_model_len=64, seed=0,
-                    dtype="float32", scheduler_cls=vllm_hook.scheduler_class())
+    llm = start_llm(
+        folders[0],
+        {
+            "method": "draft_model",
+            "model": str(folders[1]),
+            "num_speculative_tokens": 6,
+            "draft_sample_method": "probabilistic",
+        },
+        max_batch=256,
+        max_model_len=64,
+        seed=0,
+        dtype="float32",
+        scheduler_cls=vllm_hook.scheduler_class(),
+    )
     yield llm
 
 
@@ -111,8 +130,14 @@ def _generate(llm, hook, sp: SamplingParams, seed: int):
     prompts = [p for p in PROMPTS for _ in range(N_ROWS)]
     vllm_hook.attach(llm, hook)
     hook.begin(np.repeat(np.arange(len(PROMPTS)), N_ROWS))
-    params = VP(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k or -1, max_tokens=8, ignore_eos=True,
-                detokenize=False)
+    params = VP(
+        temperature=sp.temperature,
+        top_p=sp.top_p,
+        top_k=sp.top_k or -1,
+        max_tokens=8,
+        ignore_eos=True,
+        detokenize=False,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
@@ -123,8 +148,8 @@ def _generate(llm, hook, sp: SamplingParams, seed: int):
 def _p_value(folders, sp, gen) -> float:
     ps = []
     for i, prompt in enumerate(PROMPTS):
-        t = torch.tensor([g[:3] for g in gen[i * N_ROWS:(i + 1) * N_ROWS]])
-        counts = torch.bincount(t[:, 0] * V * V + t[:, 1] * V + t[:, 2], minlength=V ** 3)
+        t = torch.tensor([g[:3] for g in gen[i * N_ROWS : (i + 1) * N_ROWS]])
+        counts = torch.bincount(t[:, 0] * V * V + t[:, 1] * V + t[:, 2], minlength=V**3)
         ps.append(chi2_gof(counts, exact_joint(folders[0], prompt, sp)))
     return min(ps) * len(ps)  # Bonferroni over the prompts
 
@@ -132,8 +157,9 @@ def _p_value(folders, sp, gen) -> float:
 def _hook(policy, hook_cls=None, records=None):
     from rlsched.executor.vllm.hook import StepHook
 
-    return (hook_cls or StepHook)(policy, AcceptanceEstimator(["model"]), "model", 6,
-                                  record=None if records is None else records.append)
+    return (hook_cls or StepHook)(
+        policy, AcceptanceEstimator(["model"]), "model", 6, record=None if records is None else records.append
+    )
 
 
 @pytest.mark.parametrize("per_request", [False, True], ids=["k-per-step", "k-per-request"])

@@ -12,9 +12,24 @@ from rlsched.policies.types import EngineState
 
 
 def _rec(kind, batch, k, drafted, draft_ms=0.0, verify_ms=0.0, step_ms=0.0, ctx=0):
-    return dict(rl_step=0, instance=0, step=0, time_s=0.0, kind=kind, batch=batch, drafter="model", k=k, width=1,
-                drafted=drafted, accepted=0, emitted=batch, draft_ms=draft_ms, verify_ms=verify_ms,
-                step_ms=step_ms or draft_ms + verify_ms, ctx_tokens=ctx)
+    return dict(
+        rl_step=0,
+        instance=0,
+        step=0,
+        time_s=0.0,
+        kind=kind,
+        batch=batch,
+        drafter="model",
+        k=k,
+        width=1,
+        drafted=drafted,
+        accepted=0,
+        emitted=batch,
+        draft_ms=draft_ms,
+        verify_ms=verify_ms,
+        step_ms=step_ms or draft_ms + verify_ms,
+        ctx_tokens=ctx,
+    )
 
 
 def test_sweep_cycles_k_step_by_step():
@@ -31,9 +46,11 @@ def test_cost_records_keep_uniform_steps_of_swept_batches():
     for b in sizes:
         for k in range(3):
             records.append(_rec("decode", b, k, b * k, draft_ms=2.0 * k, verify_ms=10.0 + b + k))
-    records += [_rec("decode", 3, 2, 6, draft_ms=1, verify_ms=1),  # a batch that began to drain
-                _rec("decode", 4, 2, 5, draft_ms=1, verify_ms=1),  # a row capped near its budget
-                _rec("mixed", 4, 1, 4, draft_ms=1, verify_ms=1)]
+    records += [
+        _rec("decode", 3, 2, 6, draft_ms=1, verify_ms=1),  # a batch that began to drain
+        _rec("decode", 4, 2, 5, draft_ms=1, verify_ms=1),  # a row capped near its budget
+        _rec("mixed", 4, 1, 4, draft_ms=1, verify_ms=1),
+    ]
     out = cost_records(records, ctx, sizes)
     kinds = pd.DataFrame(out).groupby("kind").size().to_dict()
     assert kinds == {"prefill": 2, "verify": 6, "draft": 4}

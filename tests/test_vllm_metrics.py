@@ -22,12 +22,11 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from support import ok, rlsched
 
 from rlsched.errors import UserError
 from rlsched.traces.reader import read_trace
-from rlsched.traces.vllm_metrics import (NEEDED, build, engine_totals, import_vllm, parse_prometheus,
-                                         read_source)
-from support import ok, rlsched
+from rlsched.traces.vllm_metrics import NEEDED, build, engine_totals, import_vllm, parse_prometheus, read_source
 
 DATA = Path(__file__).parent / "data"
 FIX_JSON, FIX_PROM = DATA / "vllm_metrics.json", DATA / "vllm_metrics.prom"
@@ -52,26 +51,33 @@ def _row(steps: pd.DataFrame, label: str, kind: str) -> dict:
 
 # ----------------------------------------------------------------------------- parsing
 
+
 def test_prometheus_text_parses_like_get_metrics():
-    text = "\n".join([
-        "# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.",
-        "# TYPE vllm:spec_decode_num_drafts_total counter",
-        'vllm:spec_decode_num_drafts_total{engine="0",model_name="a \\"quoted\\" name, with comma"} 32.0',
-        'vllm:spec_decode_num_drafts_created{engine="0",model_name="x"} 1.79e+09',
-        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",position="1"} 24.0',
-        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",position="0"} 29.0',
-        "# TYPE vllm:inter_token_latency_seconds histogram",
-        'vllm:inter_token_latency_seconds_bucket{engine="0",le="0.01"} 3.0',
-        'vllm:inter_token_latency_seconds_bucket{engine="0",le="+Inf"} 5.0',
-        'vllm:inter_token_latency_seconds_count{engine="0"} 5.0',
-        'vllm:inter_token_latency_seconds_sum{engine="0"} 0.125',
-        "vllm:num_requests_running{engine=\"0\",} 2",
-        'python_gc_objects_collected_total{generation="0"} 123.0',
-        "# EOF",
-    ])
+    text = "\n".join(
+        [
+            "# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.",
+            "# TYPE vllm:spec_decode_num_drafts_total counter",
+            'vllm:spec_decode_num_drafts_total{engine="0",model_name="a \\"quoted\\" name, with comma"} 32.0',
+            'vllm:spec_decode_num_drafts_created{engine="0",model_name="x"} 1.79e+09',
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",position="1"} 24.0',
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",position="0"} 29.0',
+            "# TYPE vllm:inter_token_latency_seconds histogram",
+            'vllm:inter_token_latency_seconds_bucket{engine="0",le="0.01"} 3.0',
+            'vllm:inter_token_latency_seconds_bucket{engine="0",le="+Inf"} 5.0',
+            'vllm:inter_token_latency_seconds_count{engine="0"} 5.0',
+            'vllm:inter_token_latency_seconds_sum{engine="0"} 0.125',
+            'vllm:num_requests_running{engine="0",} 2',
+            'python_gc_objects_collected_total{generation="0"} 123.0',
+            "# EOF",
+        ]
+    )
     got = {m["name"]: m for m in parse_prometheus(text)}
-    assert set(got) == {"vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens_per_pos",
-                        "vllm:inter_token_latency_seconds", "vllm:num_requests_running"}
+    assert set(got) == {
+        "vllm:spec_decode_num_drafts",
+        "vllm:spec_decode_num_accepted_tokens_per_pos",
+        "vllm:inter_token_latency_seconds",
+        "vllm:num_requests_running",
+    }
     drafts = got["vllm:spec_decode_num_drafts"]
     assert drafts["type"] == "counter" and drafts["value"] == 32.0
     assert drafts["labels"] == {"engine": "0", "model_name": 'a "quoted" name, with comma'}
@@ -102,6 +108,7 @@ def test_totals_of_a_snapshot_by_hand(fixture_doc):
 
 
 # ----------------------------------------------------------------------------- records
+
 
 def test_plain_intervals_by_hand(imported):
     s = imported.steps
@@ -176,6 +183,7 @@ def test_one_bare_get_metrics_list_is_one_interval_from_engine_start(fixture_doc
 
 # ----------------------------------------------------------------------------- end to end
 
+
 def test_import_vllm_then_fit_end_to_end(tmp_path):
     out = tmp_path / "imp"
     proc = ok(rlsched("import-vllm", str(FIX_PROM), "--out", str(out), "--json", cwd=tmp_path))
@@ -195,12 +203,26 @@ def test_import_vllm_then_fit_end_to_end(tmp_path):
 
 # ----------------------------------------------------------------------------- bad input
 
+
 def _doc_with(fixture_doc, snapshots) -> dict:
     return {**fixture_doc, "snapshots": snapshots}
 
 
-@pytest.mark.parametrize("case", ["missing", "not-text", "truncated-json", "not-prometheus", "no-spec",
-                                  "backwards", "k-conflict", "no-histograms", "bad-metric", "out-is-file"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "missing",
+        "not-text",
+        "truncated-json",
+        "not-prometheus",
+        "no-spec",
+        "backwards",
+        "k-conflict",
+        "no-histograms",
+        "bad-metric",
+        "out-is-file",
+    ],
+)
 def test_bad_input_is_one_error_and_nothing_written(case, fixture_doc, tmp_path):
     src, out, k = tmp_path / "m.json", tmp_path / "out", None
     snaps = fixture_doc["snapshots"]
@@ -237,11 +259,14 @@ def test_bad_input_is_one_error_and_nothing_written(case, fixture_doc, tmp_path)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
 
 
-@pytest.mark.parametrize("args, says", [
-    (["nope.json"], ["nope.json", "does not exist"]),
-    (["bad.prom"], ["bad.prom", "Prometheus"]),
-    ([str(FIX_JSON), "--k", "-1"], ["--k"]),
-])
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["nope.json"], ["nope.json", "does not exist"]),
+        (["bad.prom"], ["bad.prom", "Prometheus"]),
+        ([str(FIX_JSON), "--k", "-1"], ["--k"]),
+    ],
+)
 def test_bad_input_through_the_entry_point(args, says, tmp_path):
     (tmp_path / "bad.prom").write_text("vllm:spec_decode_num_drafts_total{engine=0} 3\n")
     proc = rlsched("import-vllm", *args, "--out", "out", cwd=tmp_path)
@@ -266,9 +291,27 @@ def test_real_vllm_run_imports(tmp_path):
     from rlsched.executor.model.builtin import builtin_pair
 
     pair = builtin_pair()
-    cmd = [str(VLLM_PY), str(ROOT / "bench" / "peers" / "vllm_spec_metrics.py"), "--target", str(pair.target),
-           "--drafter", str(pair.drafter), "--out", str(tmp_path / "m.json"), "--prom", str(tmp_path / "m.prom"),
-           "--batches", "1,3", "--ks", "0,2", "--max-tokens", "8", "--ignore-eos", "--threads", "1"]
+    cmd = [
+        str(VLLM_PY),
+        str(ROOT / "bench" / "peers" / "vllm_spec_metrics.py"),
+        "--target",
+        str(pair.target),
+        "--drafter",
+        str(pair.drafter),
+        "--out",
+        str(tmp_path / "m.json"),
+        "--prom",
+        str(tmp_path / "m.prom"),
+        "--batches",
+        "1,3",
+        "--ks",
+        "0,2",
+        "--max-tokens",
+        "8",
+        "--ignore-eos",
+        "--threads",
+        "1",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ))
     assert proc.returncode == 0, proc.stderr[-3000:]
     a, b = build(read_source(tmp_path / "m.json")), build(read_source(tmp_path / "m.prom"))

@@ -11,13 +11,17 @@ import numpy as np
 import pytest
 
 pytest.importorskip("torch")
-pytestmark = [pytest.mark.vllm, pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None or importlib.util.find_spec("ray") is None,
-    reason="vllm and ray are importable only in .venv-vllm (make test-vllm)")]
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None or importlib.util.find_spec("ray") is None,
+        reason="vllm and ray are importable only in .venv-vllm (make test-vllm)",
+    ),
+]
 
+from rlsched.executor.decode.sampling import SamplingParams  # noqa: E402
 from rlsched.executor.engine.rollout import Request  # noqa: E402
 from rlsched.executor.pool.instances import InstancePool, InstanceSpec  # noqa: E402
-from rlsched.executor.decode.sampling import SamplingParams  # noqa: E402
 from rlsched.traces.reader import read_trace  # noqa: E402
 
 SHORT, LONG = 8, 48
@@ -48,8 +52,23 @@ def vpool(tmp_path_factory):
 
     pair = builtin_pair()
     trace_dir = tmp_path_factory.mktemp("traces")
-    spec = InstanceSpec(str(pair.target), "model", str(pair.drafter), SamplingParams(1.0), "goodput", 8 * 128, 8, 3, 0,
-                        trace_dir=str(trace_dir), threads=1, backend="vllm", max_len=128, seed=0, typical_ctx=32)
+    spec = InstanceSpec(
+        str(pair.target),
+        "model",
+        str(pair.drafter),
+        SamplingParams(1.0),
+        "goodput",
+        8 * 128,
+        8,
+        3,
+        0,
+        trace_dir=str(trace_dir),
+        threads=1,
+        backend="vllm",
+        max_len=128,
+        seed=0,
+        typical_ctx=32,
+    )
     pool = InstancePool(2, spec, realloc="rebalance", threshold=4, seed=0)
     yield pool, trace_dir
     pool.close()

@@ -31,12 +31,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default), 1 = sampled")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-gib", type=int, default=1, help="CPU KV-cache space, GiB (VLLM_CPU_KVCACHE_SPACE)")
-    p.add_argument("--max-model-len", type=int, default=0,
-                   help="0 = longest prompt + max-tokens (capped by the model's own limit)")
-    p.add_argument("--compile", action="store_true",
-                   help="let vLLM torch.compile the model (default: enforce_eager, faster start)")
-    p.add_argument("--tokenizer", action="store_true",
-                   help="load the model's tokenizer (default: skip_tokenizer_init, token ids only)")
+    p.add_argument(
+        "--max-model-len", type=int, default=0, help="0 = longest prompt + max-tokens (capped by the model's own limit)"
+    )
+    p.add_argument(
+        "--compile", action="store_true", help="let vLLM torch.compile the model (default: enforce_eager, faster start)"
+    )
+    p.add_argument(
+        "--tokenizer",
+        action="store_true",
+        help="load the model's tokenizer (default: skip_tokenizer_init, token ids only)",
+    )
     args = p.parse_args(argv)
     if args.max_tokens < 1 or args.repeats < 1 or args.threads < 1:
         p.error("--max-tokens, --repeats and --threads must be >= 1")
@@ -46,8 +51,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def load_prompts(path: str) -> list[list[int]]:
     with open(path) as f:
         prompts = json.load(f)
-    if (not isinstance(prompts, list) or not prompts
-            or not all(isinstance(s, list) and s and all(isinstance(t, int) for t in s) for s in prompts)):
+    if (
+        not isinstance(prompts, list)
+        or not prompts
+        or not all(isinstance(s, list) and s and all(isinstance(t, int) for t in s) for s in prompts)
+    ):
         raise SystemExit(f"{path}: expected a non-empty JSON list of non-empty lists of token ids")
     return prompts
 
@@ -63,9 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout = sys.stderr
 
     # Must be set before vllm / torch are imported.
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"    # engine core in this process
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_gib)
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"   # only read by the mp executor; be explicit
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # only read by the mp executor; be explicit
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     # libgomp's default spin-waiting collapses throughput when any other process wants a core
     # (a 2-core box with one busy neighbour); PASSIVE keeps it.
@@ -78,10 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     t_import = time.perf_counter()
     import torch
 
-    torch.set_num_threads(args.threads)   # the CPU worker disables set_num_threads later on
+    torch.set_num_threads(args.threads)  # the CPU worker disables set_num_threads later on
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+
     import_s = time.perf_counter() - t_import
 
     model_limit = None
@@ -107,13 +116,18 @@ def main(argv: list[str] | None = None) -> int:
         distributed_executor_backend="uni",
         skip_tokenizer_init=not args.tokenizer,
         seed=args.seed,
-        enable_prefix_caching=False,   # repeats must not reuse the prompts' cache
+        enable_prefix_caching=False,  # repeats must not reuse the prompts' cache
     )
     startup_s = time.perf_counter() - t0
 
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
-                            min_tokens=args.max_tokens, ignore_eos=True, seed=None,
-                            detokenize=args.tokenizer)
+    params = SamplingParams(
+        temperature=args.temperature,
+        max_tokens=args.max_tokens,
+        min_tokens=args.max_tokens,
+        ignore_eos=True,
+        seed=None,
+        detokenize=args.tokenizer,
+    )
     inputs = [TokensPrompt(prompt_token_ids=s) for s in prompts]
 
     def run() -> tuple[float, int]:
@@ -127,20 +141,28 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(args.repeats):
         dt, tokens = run()
         times.append(dt)
-        print(f"[vllm_plain] repeat {i}: {tokens} tokens in {dt:.3f} s = {tokens / dt:.1f} tok/s",
-              file=sys.stderr)
+        print(f"[vllm_plain] repeat {i}: {tokens} tokens in {dt:.3f} s = {tokens / dt:.1f} tok/s", file=sys.stderr)
     if tokens != batch * args.max_tokens:
-        print(f"[vllm_plain] WARNING: generated {tokens} tokens, expected {batch * args.max_tokens}",
-              file=sys.stderr)
+        print(f"[vllm_plain] WARNING: generated {tokens} tokens, expected {batch * args.max_tokens}", file=sys.stderr)
     best = min(times)
     result = {
-        "engine": "vllm-cpu", "version": vllm.__version__, "torch": torch.__version__,
-        "batch": batch, "max_tokens": args.max_tokens, "prompt_tokens": sum(len(s) for s in prompts),
-        "temperature": args.temperature, "threads": args.threads,
-        "omp_wait_policy": os.environ["OMP_WAIT_POLICY"], "enforce_eager": not args.compile,
-        "tokens": tokens, "seconds": round(best, 6), "tokens_per_s": round(tokens / best, 2),
-        "all_seconds": [round(t, 6) for t in times], "warmup_s": round(warm_s, 6),
-        "startup_s": round(startup_s, 3), "import_s": round(import_s, 3),
+        "engine": "vllm-cpu",
+        "version": vllm.__version__,
+        "torch": torch.__version__,
+        "batch": batch,
+        "max_tokens": args.max_tokens,
+        "prompt_tokens": sum(len(s) for s in prompts),
+        "temperature": args.temperature,
+        "threads": args.threads,
+        "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
+        "enforce_eager": not args.compile,
+        "tokens": tokens,
+        "seconds": round(best, 6),
+        "tokens_per_s": round(tokens / best, 2),
+        "all_seconds": [round(t, 6) for t in times],
+        "warmup_s": round(warm_s, 6),
+        "startup_s": round(startup_s, 3),
+        "import_s": round(import_s, 3),
     }
     result_out.write(json.dumps(result) + "\n")
     result_out.flush()

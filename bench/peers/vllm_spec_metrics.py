@@ -56,34 +56,55 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 FORMAT, VERSION = "rlsched-vllm-metrics", 1
 # the metrics `rlsched import-vllm` reads (rlsched/traces/vllm_metrics.py: NEEDED); --only-imported keeps these
-IMPORTED = ("vllm:generation_tokens", "vllm:inter_token_latency_seconds", "vllm:iteration_tokens_total",
-            "vllm:num_preemptions", "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:prompt_tokens",
-            "vllm:request_prefill_time_seconds", "vllm:request_success", "vllm:spec_decode_num_accepted_tokens",
-            "vllm:spec_decode_num_accepted_tokens_per_pos", "vllm:spec_decode_num_draft_tokens",
-            "vllm:spec_decode_num_drafts", "vllm:time_to_first_token_seconds")
+IMPORTED = (
+    "vllm:generation_tokens",
+    "vllm:inter_token_latency_seconds",
+    "vllm:iteration_tokens_total",
+    "vllm:num_preemptions",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:prompt_tokens",
+    "vllm:request_prefill_time_seconds",
+    "vllm:request_success",
+    "vllm:spec_decode_num_accepted_tokens",
+    "vllm:spec_decode_num_accepted_tokens_per_pos",
+    "vllm:spec_decode_num_draft_tokens",
+    "vllm:spec_decode_num_drafts",
+    "vllm:time_to_first_token_seconds",
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="target model: a local HF folder")
     p.add_argument("--drafter", default=None, help="draft model folder (needed for --method draft_model)")
-    p.add_argument("--method", default="draft_model", choices=("draft_model", "ngram"),
-                   help="vLLM speculative method (default draft_model)")
+    p.add_argument(
+        "--method",
+        default="draft_model",
+        choices=("draft_model", "ngram"),
+        help="vLLM speculative method (default draft_model)",
+    )
     p.add_argument("--out", required=True, help="where to write the snapshots (.json)")
     p.add_argument("--prom", default=None, help="also write them as Prometheus text (.prom)")
     p.add_argument("--batches", default="1,4,16,64", help="batch sizes, one generate call each (default 1,4,16,64)")
     p.add_argument("--ks", default="0,2,4", help="draft lengths, one engine each; 0 = plain decoding (default 0,2,4)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per sequence at most (default 32)")
-    p.add_argument("--ignore-eos", action="store_true",
-                   help="every sequence generates exactly --max-tokens (constant batch; past the answer the "
-                        "built-in pair writes text it was never trained on)")
+    p.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="every sequence generates exactly --max-tokens (constant batch; past the answer the "
+        "built-in pair writes text it was never trained on)",
+    )
     p.add_argument("--threads", type=int, default=2, help="torch / OpenMP threads (default 2)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and of vLLM")
     p.add_argument("--kv-gib", type=int, default=1, help="CPU KV-cache space, GiB (VLLM_CPU_KVCACHE_SPACE)")
     p.add_argument("--served-name", default="target", help="model_name label of the metrics (default target)")
-    p.add_argument("--only-imported", action="store_true",
-                   help="keep only the metrics `rlsched import-vllm` reads (small files, e.g. test fixtures)")
+    p.add_argument(
+        "--only-imported",
+        action="store_true",
+        help="keep only the metrics `rlsched import-vllm` reads (small files, e.g. test fixtures)",
+    )
     args = p.parse_args(argv)
     try:
         args.batches = [int(x) for x in args.batches.split(",") if x.strip()]
@@ -169,21 +190,38 @@ def main(argv: list[str] | None = None) -> int:
     limit = json.loads((Path(args.target) / "config.json").read_text()).get("max_position_embeddings", 256)
     max_model_len = min(limit, max(map(len, prompts)) + args.max_tokens + max(args.ks) + 1)
     budget = max(2048, sum(map(len, prompts)))
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
-                            min_tokens=args.max_tokens if args.ignore_eos else 0, ignore_eos=args.ignore_eos,
-                            detokenize=False, seed=None)
-    config = {"target": args.target, "served_name": args.served_name, "drafter": args.drafter, "method": args.method,
-              "batches": args.batches,
-              "ks": args.ks, "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos,
-              "temperature": args.temperature, "threads": args.threads, "seed": args.seed,
-              "max_model_len": max_model_len, "max_num_batched_tokens": budget, "max_num_seqs": max(args.batches),
-              "enforce_eager": True, "dtype": "float32", "prompts": "rlsched.tasks.synthetic.make_examples",
-              "omp_wait_policy": os.environ["OMP_WAIT_POLICY"]}
+    params = SamplingParams(
+        temperature=args.temperature,
+        max_tokens=args.max_tokens,
+        min_tokens=args.max_tokens if args.ignore_eos else 0,
+        ignore_eos=args.ignore_eos,
+        detokenize=False,
+        seed=None,
+    )
+    config = {
+        "target": args.target,
+        "served_name": args.served_name,
+        "drafter": args.drafter,
+        "method": args.method,
+        "batches": args.batches,
+        "ks": args.ks,
+        "max_tokens": args.max_tokens,
+        "ignore_eos": args.ignore_eos,
+        "temperature": args.temperature,
+        "threads": args.threads,
+        "seed": args.seed,
+        "max_model_len": max_model_len,
+        "max_num_batched_tokens": budget,
+        "max_num_seqs": max(args.batches),
+        "enforce_eager": True,
+        "dtype": "float32",
+        "prompts": "rlsched.tasks.synthetic.make_examples",
+        "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
+    }
     snapshots, proms = [], []
 
     def snap(llm, run, label, record, **extra):
-        s = {"run": run, "label": label, "time_s": round(time.perf_counter() - t_start, 6), "record": record,
-             **extra}
+        s = {"run": run, "label": label, "time_s": round(time.perf_counter() - t_start, 6), "record": record, **extra}
         text = generate_latest(REGISTRY).decode()
         metrics = [metric_json(m) for m in llm.get_metrics()]
         if args.only_imported:
@@ -204,10 +242,21 @@ def main(argv: list[str] | None = None) -> int:
                 spec.update(prompt_lookup_min=1, prompt_lookup_max=4)
         drafter = "off" if k == 0 else ("model" if args.method == "draft_model" else "ngram")
         t0 = time.perf_counter()
-        llm = LLM(model=args.target, dtype="float32", enforce_eager=True, max_num_seqs=max(args.batches),
-                  max_model_len=max_model_len, max_num_batched_tokens=budget, distributed_executor_backend="uni",
-                  skip_tokenizer_init=True, seed=args.seed, enable_prefix_caching=False,
-                  disable_log_stats=False, speculative_config=spec, served_model_name=args.served_name)
+        llm = LLM(
+            model=args.target,
+            dtype="float32",
+            enforce_eager=True,
+            max_num_seqs=max(args.batches),
+            max_model_len=max_model_len,
+            max_num_batched_tokens=budget,
+            distributed_executor_backend="uni",
+            skip_tokenizer_init=True,
+            seed=args.seed,
+            enable_prefix_caching=False,
+            disable_log_stats=False,
+            speculative_config=spec,
+            served_model_name=args.served_name,
+        )
         print(f"[vllm_spec_metrics] k={k}: engine up in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
         snap(llm, run, f"k{k}-start", False, k=k, drafter=drafter)
         llm.generate([TokensPrompt(prompt_token_ids=prompts[0])], params, use_tqdm=False)
@@ -217,15 +266,31 @@ def main(argv: list[str] | None = None) -> int:
             outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[:b]], params, use_tqdm=False)
             dt = time.perf_counter() - t
             tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-            snap(llm, run, f"k{k}-b{b}", True, k=k, drafter=drafter, batch=b, generate_s=round(dt, 6),
-                 tokens=tokens, prompt_tokens=sum(map(len, prompts[:b])))
+            snap(
+                llm,
+                run,
+                f"k{k}-b{b}",
+                True,
+                k=k,
+                drafter=drafter,
+                batch=b,
+                generate_s=round(dt, 6),
+                tokens=tokens,
+                prompt_tokens=sum(map(len, prompts[:b])),
+            )
             print(f"[vllm_spec_metrics] k={k} B={b}: {tokens} tokens in {dt:.3f} s", file=sys.stderr)
         del llm
         gc.collect()
 
-    doc = {"format": FORMAT, "version": VERSION, "vllm": vllm.__version__, "torch": torch.__version__,
-           "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "config": config,
-           "snapshots": snapshots}
+    doc = {
+        "format": FORMAT,
+        "version": VERSION,
+        "vllm": vllm.__version__,
+        "torch": torch.__version__,
+        "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "config": config,
+        "snapshots": snapshots,
+    }
     Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
     if args.prom:
         Path(args.prom).write_text("".join(proms))
@@ -236,9 +301,18 @@ def main(argv: list[str] | None = None) -> int:
                 if m["name"] == "vllm:spec_decode_num_accepted_tokens_per_pos":
                     drafts = sum(x["value"] for x in s["metrics"] if x["name"] == "vllm:spec_decode_num_drafts")
                     accept[f"k{s['k']}"] = [round(v / drafts, 4) for v in m["values"]] if drafts else None
-    result_out.write(json.dumps({"out": args.out, "prom": args.prom, "snapshots": len(snapshots),
-                                 "seconds": round(time.perf_counter() - t_start, 2),
-                                 "acceptance_per_position_cumulative": accept}) + "\n")
+    result_out.write(
+        json.dumps(
+            {
+                "out": args.out,
+                "prom": args.prom,
+                "snapshots": len(snapshots),
+                "seconds": round(time.perf_counter() - t_start, 2),
+                "acceptance_per_position_cumulative": accept,
+            }
+        )
+        + "\n"
+    )
     result_out.flush()
     return 0
 

@@ -28,8 +28,18 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from rlsched.analysis.plots import (Figure, acceptance_figure, batch_k_figure, compare_figure, fit_figure,
-                                    plan_figure, run_figure, save_figure, speedup_figure, stage_figure)
+from rlsched.analysis.plots import (
+    Figure,
+    acceptance_figure,
+    batch_k_figure,
+    compare_figure,
+    fit_figure,
+    plan_figure,
+    run_figure,
+    save_figure,
+    speedup_figure,
+    stage_figure,
+)
 from rlsched.errors import UserError
 from rlsched.traces.reader import read_trace
 from rlsched.traces.schema import STEP_SCHEMA
@@ -86,8 +96,9 @@ def _profile_records(path: Path) -> pd.DataFrame:
     try:
         df = pq.read_table(path).to_pandas()
     except (pa.ArrowInvalid, OSError) as e:
-        raise UserError(f"profile file '{path}' is corrupt or truncated ({str(e).splitlines()[0]}); delete it "
-                        "or re-run") from None
+        raise UserError(
+            f"profile file '{path}' is corrupt or truncated ({str(e).splitlines()[0]}); delete it or re-run"
+        ) from None
     missing = [n for n in STEP_SCHEMA.names if n not in df.columns]
     if missing:
         raise UserError(f"profile file '{path}' lacks columns {', '.join(missing)}")
@@ -116,8 +127,10 @@ def load_folder(path) -> FolderData:
     if (path / "compare.json").is_file():
         d.kind, d.compare = "compare", _json(path / "compare.json")
         if not {"aggregate", "policies", "realloc", "seeds", "name"} <= set(d.compare):
-            raise UserError(f"'{path / 'compare.json'}' is not a `rlsched compare` report (it lacks aggregate, "
-                            "policies, realloc, seeds or name)")
+            raise UserError(
+                f"'{path / 'compare.json'}' is not a `rlsched compare` report (it lacks aggregate, "
+                "policies, realloc, seeds or name)"
+            )
         return d
     if (path / "timeline.parquet").is_file() or (path / "rl_steps.parquet").is_file():
         d.kind = "simulate"
@@ -144,13 +157,16 @@ def load_folder(path) -> FolderData:
                     d.profile, d.profile_path = _nonempty(read_trace(prof / "traces", "steps")), prof
     if d.steps is None and d.rl_steps is None and d.profile is None:
         what = "its traces hold no records" if traces.is_dir() or d.kind == "simulate" else "no traces"
-        raise UserError(f"'{path}' has nothing to plot ({what}: no traces/steps, traces/rl_steps, timeline.parquet, "
-                        "rl_steps.parquet, compare.json or profile); give a run, generate, profile or simulate output "
-                        "folder")
+        raise UserError(
+            f"'{path}' has nothing to plot ({what}: no traces/steps, traces/rl_steps, timeline.parquet, "
+            "rl_steps.parquet, compare.json or profile); give a run, generate, profile or simulate output "
+            "folder"
+        )
     return d
 
 
 # ----------------------------------------------------------------------------- numbers
+
 
 def _sd_uniform(steps: pd.DataFrame) -> pd.DataFrame:
     """Decode steps that drafted k for every row (a row capped near its budget, or per-row
@@ -171,7 +187,7 @@ def chain_acceptance(steps: pd.DataFrame | None) -> float | None:
     accepted = float(sd["accepted"].sum())
     rows = sd.groupby("k")["batch"].sum()
     ks, n = rows.index.to_numpy(float), rows.to_numpy(float)
-    expected = lambda a: float((n * a * (1 - a ** ks) / (1 - a)).sum())  # noqa: E731
+    expected = lambda a: float((n * a * (1 - a**ks) / (1 - a)).sum())  # noqa: E731
     lo, hi = 0.0, 1.0 - 1e-9
     if accepted >= expected(hi):
         return hi
@@ -201,8 +217,13 @@ def per_step_acceptance(d: FolderData) -> pd.DataFrame | None:
     if sd.empty:
         return None
     g = sd.groupby("rl_step")[["emitted", "batch", "accepted", "drafted"]].sum()
-    out = pd.DataFrame({"rl_step": g.index.to_numpy(), "mean_accept_len": (g["emitted"] / g["batch"]).to_numpy(),
-                        "accept_rate": (g["accepted"] / g["drafted"].where(g["drafted"] > 0)).to_numpy()})
+    out = pd.DataFrame(
+        {
+            "rl_step": g.index.to_numpy(),
+            "mean_accept_len": (g["emitted"] / g["batch"]).to_numpy(),
+            "accept_rate": (g["accepted"] / g["drafted"].where(g["drafted"] > 0)).to_numpy(),
+        }
+    )
     if rl is not None:
         extra = [c for c in rl.columns if c.startswith("accept_mean_")]
         out = out.merge(rl[["rl_step", *extra]], on="rl_step", how="left")
@@ -211,12 +232,13 @@ def per_step_acceptance(d: FolderData) -> pd.DataFrame | None:
 
 # ----------------------------------------------------------------------------- figures
 
+
 def fit_result_for(d: FolderData, cost: dict | None = None, cost_path: Path | None = None):
     """A FitResult for plots.fit_figure: the fit of the folder's profile, or (with a
     cost-model file's data) that file's forms over the folder's measured step times, their
     R^2 and MAPE on those points (no held-out check: the file was fitted elsewhere)."""
     from rlsched.costs.costfile import PER_DRAFTER
-    from rlsched.costs.fit import OpFit, FitResult, fit_records, mape, op_tables, r_squared
+    from rlsched.costs.fit import FitResult, OpFit, fit_records, mape, op_tables, r_squared
 
     records = d.profile if d.profile is not None else d.steps
     if records is None:
@@ -224,8 +246,11 @@ def fit_result_for(d: FolderData, cost: dict | None = None, cost_path: Path | No
     if cost is None:
         return fit_records(records, {"path": str(d.profile_path), "kind": "profile"})
     tables, notes = op_tables(records)
-    entries = {"verify": cost["ops"]["verify"], "prefill": cost["ops"]["prefill"],
-               **{f"{op}:{k}": v for op in PER_DRAFTER for k, v in cost["ops"].get(op, {}).items()}}
+    entries = {
+        "verify": cost["ops"]["verify"],
+        "prefill": cost["ops"]["prefill"],
+        **{f"{op}:{k}": v for op in PER_DRAFTER for k, v in cost["ops"].get(op, {}).items()},
+    }
     ops = {}
     for key, entry in entries.items():
         t = tables.get(key)
@@ -245,8 +270,9 @@ def fit_figure_for(d: FolderData, cost: dict | None = None, cost_path: Path | No
     return fit_figure(fit_result_for(d, cost, cost_path))
 
 
-def predicted_speedup(profile: pd.DataFrame, a: float, per_row: float | None = None,
-                      drafter: str | None = None) -> tuple[pd.DataFrame, float, str]:
+def predicted_speedup(
+    profile: pd.DataFrame, a: float, per_row: float | None = None, drafter: str | None = None
+) -> tuple[pd.DataFrame, float, str]:
     """Per (batch, k >= 1): verify(B, 0) / (verify(B, k) + draft(B, k)) x expected tokens per
     row at acceptance `a`, from measured step costs (profile records) at the profiled context
     per row nearest `per_row` (default: the median one). Returns (batch, k, speedup), that
@@ -272,8 +298,9 @@ def predicted_speedup(profile: pd.DataFrame, a: float, per_row: float | None = N
     return pd.DataFrame(rows, columns=["batch", "k", "speedup"]), ctx, drafter
 
 
-def cost_model_speedup(cost: dict, cost_path: Path, a: float, batches, per_row: float,
-                       drafter: str | None = None) -> tuple[pd.DataFrame, str]:
+def cost_model_speedup(
+    cost: dict, cost_path: Path, a: float, batches, per_row: float, drafter: str | None = None
+) -> tuple[pd.DataFrame, str]:
     """As `predicted_speedup`, priced by a fitted cost-model file at k = 1..6."""
     from rlsched.costs.costfile import FittedCostModel
 
@@ -308,11 +335,17 @@ def measured_speedup(steps: pd.DataFrame | None, min_steps: int = 3) -> pd.DataF
     sd = rate[(rate["k"] > 0) & rate["bucket"].isin(plain.index)]
     if sd.empty:
         return None
-    return pd.DataFrame({"batch": sd["bucket"].to_numpy(), "k": sd["k"].to_numpy(),
-                         "speedup": (sd["rate"] / plain.loc[sd["bucket"]].to_numpy()).to_numpy()})
+    return pd.DataFrame(
+        {
+            "batch": sd["bucket"].to_numpy(),
+            "k": sd["k"].to_numpy(),
+            "speedup": (sd["rate"] / plain.loc[sd["bucket"]].to_numpy()).to_numpy(),
+        }
+    )
 
 
 # ----------------------------------------------------------------------------- the folder's figures
+
 
 def _drafter(d: FolderData) -> str | None:
     """The drafter of most of the folder's speculative steps (else the summary's)."""
@@ -333,16 +366,23 @@ def _per_row(steps: pd.DataFrame | None) -> float | None:
 def _speedup(d: FolderData, cost: dict | None, cost_path: Path | None, acceptance: float | None):
     measured_a = chain_acceptance(d.steps)
     a = acceptance if acceptance is not None else measured_a
-    how = ("given" if acceptance is not None else "measured in this folder's SD steps" if measured_a is not None
-           else "assumed; --acceptance sets it")
+    how = (
+        "given"
+        if acceptance is not None
+        else "measured in this folder's SD steps"
+        if measured_a is not None
+        else "assumed; --acceptance sets it"
+    )
     a = ASSUMED_ACCEPTANCE if a is None else a
     drafter, per_row = _drafter(d), _per_row(d.steps)
     predicted, title, why = None, "", ""
     if d.profile is not None:
         try:
             predicted, ctx, drafter = predicted_speedup(d.profile, a, per_row, drafter)
-            title = (f"predicted from measured step costs ({d.profile_path.name}), context {ctx:g} per row, "
-                     f"drafter {drafter}\nper-token acceptance {a:.2f} ({how})")
+            title = (
+                f"predicted from measured step costs ({d.profile_path.name}), context {ctx:g} per row, "
+                f"drafter {drafter}\nper-token acceptance {a:.2f} ({how})"
+            )
         except UserError as e:
             why = f"{d.profile_path}: {e}; "
     if predicted is None and cost is not None:
@@ -350,21 +390,31 @@ def _speedup(d: FolderData, cost: dict | None, cost_path: Path | None, acceptanc
         top = int(d.steps["batch"].max()) if d.steps is not None else 256
         batches = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b <= max(top, 1)] or [1]
         predicted, drafter = cost_model_speedup(cost, cost_path, a, batches, ctx, drafter)
-        title = (f"predicted by {cost_path.name}, context {ctx:g} per row, drafter {drafter}\n"
-                 f"per-token acceptance {a:.2f} ({how})")
+        title = (
+            f"predicted by {cost_path.name}, context {ctx:g} per row, drafter {drafter}\n"
+            f"per-token acceptance {a:.2f} ({how})"
+        )
     measured = measured_speedup(d.steps)
     if predicted is not None and predicted.empty:
         predicted = None
     if predicted is None and measured is None:
         return None, (why or "no step costs to predict from (no profile; --cost gives a cost-model file); ") + (
-            "no batch-size bucket with both plain and speculative decode steps")
-    mtitle = ("measured: tokens per row per second of decode steps with k over k = 0\n"
-              "in the same batch-size bucket (at least 3 steps each)")
+            "no batch-size bucket with both plain and speculative decode steps"
+        )
+    mtitle = (
+        "measured: tokens per row per second of decode steps with k over k = 0\n"
+        "in the same batch-size bucket (at least 3 steps each)"
+    )
     return speedup_figure(predicted, measured, title, mtitle), None
 
 
-def figures_for(d: FolderData, cost: dict | None = None, cost_path: Path | None = None,
-                rl_step: int | None = None, acceptance: float | None = None) -> tuple[dict, dict]:
+def figures_for(
+    d: FolderData,
+    cost: dict | None = None,
+    cost_path: Path | None = None,
+    rl_step: int | None = None,
+    acceptance: float | None = None,
+) -> tuple[dict, dict]:
     """({name: Figure} of every figure the folder's data supports, {name: why not} of the rest)."""
     figs, skipped = {}, {}
     if d.kind == "compare":
@@ -399,8 +449,9 @@ def figures_for(d: FolderData, cost: dict | None = None, cost_path: Path | None 
         figs["stages"] = stage_figure(d.rl_steps)
     else:
         skipped["stages"] = "no RL step records"
-    if d.rl_steps is not None and {"reward_mean", "reward_std", "samples", "mean_accept_len",
-                                   "accept_rate"} <= set(d.rl_steps.columns):
+    if d.rl_steps is not None and {"reward_mean", "reward_std", "samples", "mean_accept_len", "accept_rate"} <= set(
+        d.rl_steps.columns
+    ):
         figs["learning_curve"] = run_figure(d.rl_steps)
     return {k: figs[k] for k in ORDER if k in figs}, skipped
 

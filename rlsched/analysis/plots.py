@@ -48,8 +48,10 @@ def compare_figure(report: dict, traces: list[dict]) -> Figure:
     reallocs = report["realloc"]
     policies = report["policies"]
     panels = 3 if traces else 1
-    fig = Figure(figsize=(max(6.5, 1.1 * len(policies) * max(1, len(reallocs)) + 2), 3.6 + 2.6 * (panels - 1)),
-                 layout="constrained")
+    fig = Figure(
+        figsize=(max(6.5, 1.1 * len(policies) * max(1, len(reallocs)) + 2), 3.6 + 2.6 * (panels - 1)),
+        layout="constrained",
+    )
     heights = [1.4] + [1] * (panels - 1)
     axes = fig.subplots(panels, 1, gridspec_kw={"height_ratios": heights}, squeeze=False)[:, 0]
 
@@ -66,15 +68,18 @@ def compare_figure(report: dict, traces: list[dict]) -> Figure:
             means.append(st["mean"])
             lo.append(st["mean"] - st["min"])
             hi.append(st["max"] - st["mean"])
-        bars = ax.bar(xs, means, width * 0.9, yerr=[lo, hi], capsize=3,
-                      label=f"realloc={realloc}" if len(reallocs) > 1 else None)
+        bars = ax.bar(
+            xs, means, width * 0.9, yerr=[lo, hi], capsize=3, label=f"realloc={realloc}" if len(reallocs) > 1 else None
+        )
         ax.bar_label(bars, labels=[f"{m:.2f}x" for m in means], padding=2, fontsize=8)
     ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
     ax.set_xticks(range(len(policies)), policies)
     ax.set_ylabel("speedup over off")
     seeds = report["seeds"]
-    ax.set_title(f"{report['name']}: generation-stage speedup over off "
-                 f"(mean of {len(seeds)} seed(s); whiskers min-max)", fontsize=10)
+    ax.set_title(
+        f"{report['name']}: generation-stage speedup over off (mean of {len(seeds)} seed(s); whiskers min-max)",
+        fontsize=10,
+    )
     if len(reallocs) > 1:
         ax.legend(fontsize=8)
     ax.margins(y=0.15)
@@ -87,8 +92,11 @@ def compare_figure(report: dict, traces: list[dict]) -> Figure:
             ax_k.step(t, list(tr["k"]) + [tr["k"][-1]], where="post", label=tr["label"], linewidth=1.2)
         first = traces[0]
         ax_b.set_ylabel("batch size")
-        ax_b.set_title(f"instance {first['instance']}, RL step {first['rl_step']}, seed {first['seed']}: "
-                       "batch size and chosen k per engine step", fontsize=10)
+        ax_b.set_title(
+            f"instance {first['instance']}, RL step {first['rl_step']}, seed {first['seed']}: "
+            "batch size and chosen k per engine step",
+            fontsize=10,
+        )
         ax_b.legend(fontsize=8)
         ax_k.set_ylabel("draft length k (0 = off)")
         ax_k.set_xlabel("time since the rollout began (s)")
@@ -124,20 +132,31 @@ def plan_figure(plan: dict) -> Figure:
         ax.plot(*zip(*front), color="C0", linewidth=1.0, drawstyle="steps-post")
     off = rows[rows["policy"] == "off"].assign(t=lambda d: d["step_s"].fillna(d["screen_step_s"]))
     off = off.loc[off.groupby("gpus")["t"].idxmin()]
-    ax.plot(off["gpus"].map(slot), off["t"], "s--", color="C3", markersize=5, linewidth=0.8,
-            label="no speculation (best)")
+    ax.plot(
+        off["gpus"].map(slot), off["t"], "s--", color="C3", markersize=5, linewidth=0.8, label="no speculation (best)"
+    )
     if s.get("own_setup"):
-        ax.scatter([slot[s["own_gpus"]]], [s["own_step_s"]], marker="D", s=50, facecolor="none", edgecolor="C2",
-                   linewidth=1.5, label="the workload's own setup")
-    ax.scatter([slot[s["winner_gpus"]]], [s["winner_step_s"]], marker="*", s=160, color="C1", zorder=5,
-               label="winner")
+        ax.scatter(
+            [slot[s["own_gpus"]]],
+            [s["own_step_s"]],
+            marker="D",
+            s=50,
+            facecolor="none",
+            edgecolor="C2",
+            linewidth=1.5,
+            label="the workload's own setup",
+        )
+    ax.scatter([slot[s["winner_gpus"]]], [s["winner_step_s"]], marker="*", s=160, color="C1", zorder=5, label="winner")
     ax.set_xlabel("GPUs held")
     ax.set_ylabel("RL step time (s)")
     ax.set_xticks(range(len(counts)), [str(g) for g in counts])
     ax.set_xlim(-0.6, len(counts) - 0.4)
     ax.set_ylim(bottom=0)
-    ax.set_title(f"{s['model']} on {s['gpus']} x {s['hardware']}, {s['workload']}: {s['candidates']} setups, "
-                 f"{s['simulations']} simulations\nwinner: {s['winner']}", fontsize=9)
+    ax.set_title(
+        f"{s['model']} on {s['gpus']} x {s['hardware']}, {s['workload']}: {s['candidates']} setups, "
+        f"{s['simulations']} simulations\nwinner: {s['winner']}",
+        fontsize=9,
+    )
     ax.legend(fontsize=7, **{**BELOW, "ncol": 3})
     return fig
 
@@ -173,8 +192,14 @@ def speculation_panel(ax, df, estimates: bool = False, legend: dict | None = Non
         twin = ax.twinx()
         lines += twin.plot(x, df["accept_rate"], color="C1", marker=".", label="acceptance rate")
         for i, col in enumerate(extra):
-            lines += twin.plot(x, df[col], color=f"C{2 + i}", ls="--", marker=".",
-                               label=f"per-token acceptance, {col.removeprefix('accept_mean_')} (estimate)")
+            lines += twin.plot(
+                x,
+                df[col],
+                color=f"C{2 + i}",
+                ls="--",
+                marker=".",
+                label=f"per-token acceptance, {col.removeprefix('accept_mean_')} (estimate)",
+            )
         twin.set_ylabel("acceptance rate (accepted / drafted)")
         twin.set_ylim(0, 1)
     ax.legend(lines, [ln.get_label() for ln in lines], fontsize="small", **(legend or {"loc": "upper left"}))
@@ -215,8 +240,10 @@ def plot_run(rl_steps, out: Path) -> list[Path]:
 
 # ----------------------------------------------------------------------------- a folder's figures
 
-def speedup_figure(predicted: pd.DataFrame | None, measured: pd.DataFrame | None, title: str = "",
-                   measured_title: str = "") -> Figure:
+
+def speedup_figure(
+    predicted: pd.DataFrame | None, measured: pd.DataFrame | None, title: str = "", measured_title: str = ""
+) -> Figure:
     """Speedup of each draft length k over plain decoding against batch size, one line per k.
 
     Left panel, `predicted`: per-step speedup from measured step costs (a profile's verify and
@@ -233,11 +260,22 @@ def speedup_figure(predicted: pd.DataFrame | None, measured: pd.DataFrame | None
         raise ValueError("speedup_figure needs predicted or measured speedups")
     fig = Figure(figsize=(6.2 * len(panels), 4.2), layout="constrained")
     axes = fig.subplots(1, len(panels), squeeze=False)[0]
-    for ax, df, t, style in zip(axes, panels, [title if predicted is not None else measured_title, measured_title],
-                                ["-", ":"] if predicted is not None else [":"]):
+    for ax, df, t, style in zip(
+        axes,
+        panels,
+        [title if predicted is not None else measured_title, measured_title],
+        ["-", ":"] if predicted is not None else [":"],
+    ):
         for k, g in df.sort_values(["k", "batch"]).groupby("k"):
-            ax.plot(g["batch"], g["speedup"], marker="o", ms=3.5, ls=style, color=f"C{(int(k) - 1) % 10}",
-                    label=f"k={int(k)}")
+            ax.plot(
+                g["batch"],
+                g["speedup"],
+                marker="o",
+                ms=3.5,
+                ls=style,
+                color=f"C{(int(k) - 1) % 10}",
+                label=f"k={int(k)}",
+            )
         ax.axhline(1.0, color="grey", lw=0.8, ls="--")
         ax.set_xscale("log", base=2)
         ax.set(xlabel="batch size (rows)", ylabel="speedup over plain decoding (x)")
@@ -343,14 +381,24 @@ def fit_figure(result):
                 m = (ti == t) & (ci == c)
                 if m.any():
                     top.scatter(B[m], y[m], s=14, color=color, marker=MARKERS[c % len(MARKERS)], zorder=3)
-                    bottom.scatter(B[m], 100 * (pred[m] - y[m]) / y[m], s=12, color=color,
-                                   marker=MARKERS[c % len(MARKERS)])
-                top.plot(xs, f.predict_ms(xs, np.full_like(xs, tv), np.full_like(xs, ctx)), color=color, lw=1,
-                         ls=("-", "--", ":", "-.")[c % 4])
+                    bottom.scatter(
+                        B[m], 100 * (pred[m] - y[m]) / y[m], s=12, color=color, marker=MARKERS[c % len(MARKERS)]
+                    )
+                top.plot(
+                    xs,
+                    f.predict_ms(xs, np.full_like(xs, tv), np.full_like(xs, ctx)),
+                    color=color,
+                    lw=1,
+                    ls=("-", "--", ":", "-.")[c % 4],
+                )
         q = f.quality
         held = "n/a" if q["mape_heldout"] is None else f"{q['mape_heldout']:.1%}"
-        top.set(xscale="log", yscale="log", ylabel="ms", title=f"{f.key} ({f.used})\nR² {q['r2']:.3f}, "
-                f"MAPE {q['mape']:.1%}, held-out {held}")
+        top.set(
+            xscale="log",
+            yscale="log",
+            ylabel="ms",
+            title=f"{f.key} ({f.used})\nR² {q['r2']:.3f}, MAPE {q['mape']:.1%}, held-out {held}",
+        )
         top.set_xscale("log", base=2)
         top.yaxis.set_major_locator(LogLocator(base=10, subs=(1, 2, 5)))
         for axis in (top.xaxis, top.yaxis):
@@ -358,11 +406,22 @@ def fit_figure(result):
         top.yaxis.set_minor_formatter(NullFormatter())
         handles = []
         if colors:
-            handles += [Line2D([], [], color=colors[t], marker="o", ls="-", ms=4,
-                               label=f"{TOKEN_LABEL[f.op]}={tv:g}") for t, tv in enumerate(toks)]
-        handles += [Line2D([], [], color="0.3" if colors else f"C{c % 10}", marker=MARKERS[c % len(MARKERS)],
-                           ls=("-", "--", ":", "-.")[c % 4], ms=4, label=f"context {ctx:g}")
-                    for c, ctx in enumerate(ctxs)]
+            handles += [
+                Line2D([], [], color=colors[t], marker="o", ls="-", ms=4, label=f"{TOKEN_LABEL[f.op]}={tv:g}")
+                for t, tv in enumerate(toks)
+            ]
+        handles += [
+            Line2D(
+                [],
+                [],
+                color="0.3" if colors else f"C{c % 10}",
+                marker=MARKERS[c % len(MARKERS)],
+                ls=("-", "--", ":", "-.")[c % 4],
+                ms=4,
+                label=f"context {ctx:g}",
+            )
+            for c, ctx in enumerate(ctxs)
+        ]
         top.legend(handles=handles, fontsize="x-small", ncol=2, loc="upper left")
         bottom.axhline(0, color="0.5", lw=0.8)
         bottom.set(xlabel="batch size (rows)", ylabel="fit - measured (%)")

@@ -59,13 +59,21 @@ class ReplayResult:
 
     def summary(self) -> dict:
         step, err = self.worst
-        return dict(policy=self.policy, drafter=self.drafter, rl_steps=len(self.steps), mape_pct=self.mape,
-                    worst_step=step, worst_error_pct=err,
-                    measured_generation_s=float(self.steps["measured_s"].sum()),
-                    predicted_generation_s=float(self.steps["predicted_s"].sum()),
-                    predicted_off_s=float(self.steps["predicted_off_s"].sum()),
-                    predicted_sd_speedup=self.predicted_speedup, overhead_ms_per_step=self.overhead_ms,
-                    cost=self.cost, notes=self.notes)
+        return dict(
+            policy=self.policy,
+            drafter=self.drafter,
+            rl_steps=len(self.steps),
+            mape_pct=self.mape,
+            worst_step=step,
+            worst_error_pct=err,
+            measured_generation_s=float(self.steps["measured_s"].sum()),
+            predicted_generation_s=float(self.steps["predicted_s"].sum()),
+            predicted_off_s=float(self.steps["predicted_off_s"].sum()),
+            predicted_sd_speedup=self.predicted_speedup,
+            overhead_ms_per_step=self.overhead_ms,
+            cost=self.cost,
+            notes=self.notes,
+        )
 
 
 class _AsRun:
@@ -183,22 +191,31 @@ def _simulate(rollouts, policy_spec: str, drafter, sim_cost, policy_cost, run_cf
     reallocation policy and threshold."""
     from rlsched.config import load_config
     from rlsched.policies.draft import PolicyContext
-    from rlsched.policies.registry import make_draft_policy
     from rlsched.policies.realloc import make_realloc_policy
+    from rlsched.policies.registry import make_draft_policy
     from rlsched.sim.cluster import GenerationStage
     from rlsched.sim.timeline import Timeline
 
     r = run_cfg["rollout"]
     n_inst, realloc_name = int(r.get("instances", 1)), str(r.get("realloc", "none"))
-    cfg = load_config("default", overrides=[
-        f"cluster.instances={n_inst}", f"cluster.max_batch={r['max_batch']}", f"speculation.k_max={r['k_max']}",
-        f"cluster.realloc={realloc_name}", f"cluster.realloc_threshold={int(r.get('realloc_threshold', 8))}",
-        "cluster.assignment=by_prompt", f"cluster.share_prompts={shares_prompts(run_cfg)}",
-        f"speculation.probe_every={probes_every(run_cfg) or 'null'}"])
+    cfg = load_config(
+        "default",
+        overrides=[
+            f"cluster.instances={n_inst}",
+            f"cluster.max_batch={r['max_batch']}",
+            f"speculation.k_max={r['k_max']}",
+            f"cluster.realloc={realloc_name}",
+            f"cluster.realloc_threshold={int(r.get('realloc_threshold', 8))}",
+            "cluster.assignment=by_prompt",
+            f"cluster.share_prompts={shares_prompts(run_cfg)}",
+            f"speculation.probe_every={probes_every(run_cfg) or 'null'}",
+        ],
+    )
     names = () if drafter is None else (drafter,)
     typical = int(np.mean([ro.prompt_len.mean() for ro in rollouts]) + r["max_tokens"] / 2)
-    ctx = PolicyContext(cost=policy_cost, drafters=names, k_max=r["k_max"], max_batch=r["max_batch"],
-                        typical_ctx=typical)
+    ctx = PolicyContext(
+        cost=policy_cost, drafters=names, k_max=r["k_max"], max_batch=r["max_batch"], typical_ctx=typical
+    )
     policies = [make_draft_policy(policy_spec, ctx) for _ in range(n_inst)]  # one per instance, as in the pool
     estimator = AcceptanceEstimator(names)
     capacity = r["max_batch"] * (max(int(ro.prompt_len.max()) for ro in rollouts) + r["max_tokens"] + r["k_max"]) * 2
@@ -210,8 +227,9 @@ def _simulate(rollouts, policy_spec: str, drafter, sim_cost, policy_cost, run_cf
 
     def run():
         for i, ro in enumerate(rollouts):
-            stage = GenerationStage(env, cfg, sim_cost, ro, policies, realloc, estimator, timeline, i,
-                                    root.spawn(1)[0], capacity)
+            stage = GenerationStage(
+                env, cfg, sim_cost, ro, policies, realloc, estimator, timeline, i, root.spawn(1)[0], capacity
+            )
             t0 = env.now
             yield env.process(stage.run())
             times.append(env.now - t0)
@@ -296,11 +314,15 @@ def replay_run(rundir, cost_file=None, policy: str | None = None) -> ReplayResul
     if spec.startswith("bandit"):
         notes.append("bandit learns from measured step times: its simulated choices differ from the run's")
     if what.get("borrowed_plain_steps"):
-        notes.append(f"the run decoded without drafts only at small batches (or never): plain steps are priced "
-                     f"with its start-of-run profile's {what['borrowed_plain_steps']} plain steps at 2+ rows")
+        notes.append(
+            f"the run decoded without drafts only at small batches (or never): plain steps are priced "
+            f"with its start-of-run profile's {what['borrowed_plain_steps']} plain steps at 2+ rows"
+        )
     elif cost_file is None and drafter is not None and _plain_steps_uncovered(steps):
-        notes.append("the run decoded without drafts only at small batches (or never): its own fit prices SD off "
-                     "by extrapolation, so the predicted speedup over off is a guess; pass --cost with a profile's fit")
+        notes.append(
+            "the run decoded without drafts only at small batches (or never): its own fit prices SD off "
+            "by extrapolation, so the predicted speedup over off is a guess; pass --cost with a profile's fit"
+        )
     return ReplayResult(df, spec, drafter, overhead * 1e3, what, notes)
 
 
@@ -344,23 +366,42 @@ def sim_config_from_run(rundir, cost_file=None, steps: int = 3) -> dict:
     if drafter is not None:
         mean = float(per_sample_acceptance(samples, drafter).mean())
         host = drafter in HOST_DRAFTERS  # drafts on the host from earlier text: priced as the simulator's ngram
-        drafters.append({"name": drafter, "kind": "ngram" if host else ("eagle" if drafter == "eagle" else "model"),
-                         **({} if host else {"model": "qwen2.5-0.5b"}),
-                         "acceptance": {"mean": round(min(max(mean, 0.01), 0.99), 4), "prompt_concentration": 20,
-                                        "sample_concentration": 50}})
+        drafters.append(
+            {
+                "name": drafter,
+                "kind": "ngram" if host else ("eagle" if drafter == "eagle" else "model"),
+                **({} if host else {"model": "qwen2.5-0.5b"}),
+                "acceptance": {
+                    "mean": round(min(max(mean, 0.01), 0.99), 4),
+                    "prompt_concentration": 20,
+                    "sample_concentration": 50,
+                },
+            }
+        )
     prompt = [int(x) for x in samples["prompt_len"]]
     response = [max(1, int(x)) for x in samples["response_len"]]
     out = {
-        "name": f"replay-of-{Path(rundir).name}", "hardware": "h100-sxm", "model": "qwen2.5-0.5b",
+        "name": f"replay-of-{Path(rundir).name}",
+        "hardware": "h100-sxm",
+        "model": "qwen2.5-0.5b",
         "drafters": drafters,
-        "workload": {"prompts": int(r["prompts_per_step"]), "samples_per_prompt": int(r["group_size"]),
-                     "prompt_len": {"dist": "empirical", "values": prompt},
-                     "response_len": {"dist": "empirical", "values": response, "max": int(r["max_tokens"])}},
-        "cluster": {"instances": 1, "max_batch": int(r["max_batch"]),
-                    "kv_capacity_tokens": int(r["max_batch"]) * (max(prompt) + int(r["max_tokens"]) + 16) * 2,
-                    "share_prompts": shares_prompts(cfg)},
-        "speculation": {"policy": "goodput" if drafters else "off", "k_max": int(r["k_max"]),
-                        "probe_every": probes_every(cfg)},
+        "workload": {
+            "prompts": int(r["prompts_per_step"]),
+            "samples_per_prompt": int(r["group_size"]),
+            "prompt_len": {"dist": "empirical", "values": prompt},
+            "response_len": {"dist": "empirical", "values": response, "max": int(r["max_tokens"])},
+        },
+        "cluster": {
+            "instances": 1,
+            "max_batch": int(r["max_batch"]),
+            "kv_capacity_tokens": int(r["max_batch"]) * (max(prompt) + int(r["max_tokens"]) + 16) * 2,
+            "share_prompts": shares_prompts(cfg),
+        },
+        "speculation": {
+            "policy": "goodput" if drafters else "off",
+            "k_max": int(r["k_max"]),
+            "probe_every": probes_every(cfg),
+        },
         "rl": {"steps": steps, "recompute_old_logprobs": False},
         "seed": int(cfg.get("seed", 0)),
     }

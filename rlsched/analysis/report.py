@@ -17,18 +17,18 @@ from rlsched.analysis.plots import STAGES, figure_png
 
 CAPTIONS = {
     "fit": "Cost-model fit: measured step times (points) against the fitted forms (lines) per batch size and "
-           "draft length, residuals below.",
+    "draft length, residuals below.",
     "speedup": "Speedup of each draft length k over plain decoding against batch size: predicted from measured "
-               "step costs at the acceptance named in the title; measured from the run's own steps where they allow.",
+    "step costs at the acceptance named in the title; measured from the run's own steps where they allow.",
     "acceptance": "Acceptance over RL steps: tokens per speculative step and acceptance rate (accepted / drafted); "
-                  "dashed: the drafter's per-token acceptance estimate.",
+    "dashed: the drafter's per-token acceptance estimate.",
     "batch_k": "Batch size and chosen draft length k of every decode step over one RL step's rollout, per instance.",
     "stages": "Seconds per stage of each RL step.",
     "learning_curve": "Learning curve: reward (band: +-1 standard error), speculation and time per stage.",
     "compare": "Generation-stage speedup over off per policy (mean over seeds, whiskers min-max).",
     "pareto": "Each setup's RL step time against the GPUs it holds: the screen's estimate (grey), the simulated "
-              "mean over seeds (blue; the line: the Pareto front), the best plain decoding per GPU count (red), the "
-              "workload's own setup and the winner.",
+    "mean over seeds (blue; the line: the Pareto front), the best plain decoding per GPU count (red), the "
+    "workload's own setup and the winner.",
 }
 
 CSS = """
@@ -65,13 +65,19 @@ def run_numbers(d: FolderData) -> dict:
     head, tail = _windows(rl)
     stage = {k: float(rl[f"{k}_s"].sum()) for k in STAGES}
     algo = s.get("algorithm") or (c.get("algorithm") or {}).get("name")
-    out = {"algorithm": algo, "policy": s.get("policy", c.get("policy")), "drafter": s.get("drafter", c.get("drafter")),
-           "steps": int(len(rl)), "seed": s.get("seed", c.get("seed")),
-           "reward_start": float(head["reward_mean"].mean()), "reward_end": float(tail["reward_mean"].mean()),
-           "tokens_per_s": float(rl["response_tokens"].sum() / rl["generation_s"].sum()),
-           "accept_len_start": float(head["mean_accept_len"].mean()),
-           "accept_len_end": float(tail["mean_accept_len"].mean()),
-           "accept_len_mean": float(rl["mean_accept_len"].mean())}
+    out = {
+        "algorithm": algo,
+        "policy": s.get("policy", c.get("policy")),
+        "drafter": s.get("drafter", c.get("drafter")),
+        "steps": int(len(rl)),
+        "seed": s.get("seed", c.get("seed")),
+        "reward_start": float(head["reward_mean"].mean()),
+        "reward_end": float(tail["reward_mean"].mean()),
+        "tokens_per_s": float(rl["response_tokens"].sum() / rl["generation_s"].sum()),
+        "accept_len_start": float(head["mean_accept_len"].mean()),
+        "accept_len_end": float(tail["mean_accept_len"].mean()),
+        "accept_len_mean": float(rl["mean_accept_len"].mean()),
+    }
     if {"accepted", "drafted"} <= set(rl.columns):
         out.update(accept_rate=_rate(rl), accept_rate_start=_rate(head), accept_rate_end=_rate(tail))
     out.update(seconds=float(rl["total_s"].sum()), stage_s=stage)
@@ -98,27 +104,48 @@ def number_rows(d: FolderData) -> tuple[list[tuple[str, str]], dict]:
     if d.kind == "run" and d.rl_steps is not None and "reward_mean" in d.rl_steps.columns:
         n = run_numbers(d)
         st, total = n["stage_s"], sum(n["stage_s"].values())
-        rows = [("algorithm / policy / drafter", f"{n['algorithm']} / {n['policy']} / {n['drafter']}"),
-                ("RL steps (seed)", f"{n['steps']} ({n['seed']})"),
-                ("reward: first 20% -> last 20% of steps", f"{n['reward_start']:.3f} -> {n['reward_end']:.3f}"),
-                ("generation tokens/s", f"{n['tokens_per_s']:,.0f}"),
-                ("mean accepted length (tokens per SD step): first -> last (mean)",
-                 f"{n['accept_len_start']:.2f} -> {n['accept_len_end']:.2f} ({n['accept_len_mean']:.2f})")]
+        rows = [
+            ("algorithm / policy / drafter", f"{n['algorithm']} / {n['policy']} / {n['drafter']}"),
+            ("RL steps (seed)", f"{n['steps']} ({n['seed']})"),
+            ("reward: first 20% -> last 20% of steps", f"{n['reward_start']:.3f} -> {n['reward_end']:.3f}"),
+            ("generation tokens/s", f"{n['tokens_per_s']:,.0f}"),
+            (
+                "mean accepted length (tokens per SD step): first -> last (mean)",
+                f"{n['accept_len_start']:.2f} -> {n['accept_len_end']:.2f} ({n['accept_len_mean']:.2f})",
+            ),
+        ]
         if "accept_rate" in n:
-            r = {k: "n/a" if math.isnan(n[k]) else f"{n[k]:.3f}" for k in ("accept_rate_start", "accept_rate_end",
-                                                                             "accept_rate")}
-            rows.append(("acceptance rate (accepted / drafted): first -> last (all)",
-                         f"{r['accept_rate_start']} -> {r['accept_rate_end']} ({r['accept_rate']})"))
-        rows.append(("seconds: total (generation / inference / training / drafter update)",
-                     f"{n['seconds']:.1f} (" + " / ".join(f"{st[k]:.1f}" for k in STAGES) + ")"))
-        rows.append(("stage split", " / ".join(f"{k.replace('_', ' ')} {st[k] / total:.0%}" for k in STAGES)
-                     if total > 0 else "n/a"))
+            r = {
+                k: "n/a" if math.isnan(n[k]) else f"{n[k]:.3f}"
+                for k in ("accept_rate_start", "accept_rate_end", "accept_rate")
+            }
+            rows.append(
+                (
+                    "acceptance rate (accepted / drafted): first -> last (all)",
+                    f"{r['accept_rate_start']} -> {r['accept_rate_end']} ({r['accept_rate']})",
+                )
+            )
+        rows.append(
+            (
+                "seconds: total (generation / inference / training / drafter update)",
+                f"{n['seconds']:.1f} (" + " / ".join(f"{st[k]:.1f}" for k in STAGES) + ")",
+            )
+        )
+        rows.append(
+            (
+                "stage split",
+                " / ".join(f"{k.replace('_', ' ')} {st[k] / total:.0%}" for k in STAGES) if total > 0 else "n/a",
+            )
+        )
         for k in ("machine", "threads", "created_utc"):
             if k in n:
                 rows.append((k.replace("_", " "), str(n[k])))
         return rows, n
-    flat = {k: v for k, v in (d.summary or {}).items()
-            if isinstance(v, (int, float, str, bool)) and k not in ("out", "traces")}
+    flat = {
+        k: v
+        for k, v in (d.summary or {}).items()
+        if isinstance(v, (int, float, str, bool)) and k not in ("out", "traces")
+    }
     return [(k.replace("_", " "), _num(v)) for k, v in flat.items()], flat
 
 
@@ -126,26 +153,34 @@ def render_html(d: FolderData, images: dict[str, bytes], skipped: dict[str, str]
     rows, numbers = number_rows(d)
     e = html.escape
     title = f"rlsched report: {d.path.resolve().name} ({d.kind})"
-    parts = ["<!doctype html>", '<html lang="en"><head><meta charset="utf-8">',
-             '<meta name="viewport" content="width=device-width, initial-scale=1">',
-             f"<title>{e(title)}</title><style>{CSS}</style></head><body>",
-             f"<h1>{e(title)}</h1>",
-             f'<p class="meta">{e(str(d.path.resolve()))} &middot; '
-             f'written {time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())} '
-             f"by rlsched {e(__version__)}</p>", "<h2>Key numbers</h2>"]
+    parts = [
+        "<!doctype html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        f"<title>{e(title)}</title><style>{CSS}</style></head><body>",
+        f"<h1>{e(title)}</h1>",
+        f'<p class="meta">{e(str(d.path.resolve()))} &middot; '
+        f"written {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} "
+        f"by rlsched {e(__version__)}</p>",
+        "<h2>Key numbers</h2>",
+    ]
     if rows:
-        parts.append("<table>" + "".join(f'<tr><th>{e(k)}</th><td class="v">{e(v)}</td></tr>' for k, v in rows)
-                     + "</table>")
+        parts.append(
+            "<table>" + "".join(f'<tr><th>{e(k)}</th><td class="v">{e(v)}</td></tr>' for k, v in rows) + "</table>"
+        )
     else:
         parts.append('<p class="skipped">no summary.json in the folder</p>')
     parts.append("<h2>Figures</h2>")
     for name, png in images.items():
         data = base64.b64encode(png).decode("ascii")
-        parts.append(f'<figure id="{e(name)}"><img src="data:image/png;base64,{data}" alt="{e(name)}">'
-                     f"<figcaption><b>{e(name)}</b>: {e(CAPTIONS.get(name, ''))}</figcaption></figure>")
+        parts.append(
+            f'<figure id="{e(name)}"><img src="data:image/png;base64,{data}" alt="{e(name)}">'
+            f"<figcaption><b>{e(name)}</b>: {e(CAPTIONS.get(name, ''))}</figcaption></figure>"
+        )
     if skipped:
-        parts.append('<p class="skipped">Not drawn: ' + "; ".join(f"{e(k)} ({e(v)})" for k, v in skipped.items())
-                     + "</p>")
+        parts.append(
+            '<p class="skipped">Not drawn: ' + "; ".join(f"{e(k)} ({e(v)})" for k, v in skipped.items()) + "</p>"
+        )
     parts.append("</body></html>")
     return "\n".join(parts) + "\n", numbers
 
@@ -156,5 +191,10 @@ def build_report(folder, cost: dict | None = None, cost_path: Path | None = None
     figs, skipped = figures_for(d, cost, cost_path)
     images = {name: figure_png(fig) for name, fig in figs.items()}
     page, numbers = render_html(d, images, skipped)
-    return page, {"folder": str(folder), "kind": d.kind, "figures": list(images), "skipped": skipped,
-                  "numbers": numbers}
+    return page, {
+        "folder": str(folder),
+        "kind": d.kind,
+        "figures": list(images),
+        "skipped": skipped,
+        "numbers": numbers,
+    }

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.table import Table
 
+from rlsched.cli.common import JsonOpt, _print_unwrapped, app, err_console, out_console
 from rlsched.errors import UserError
-from rlsched.cli.common import app, out_console, err_console, JsonOpt, _print_unwrapped
-
 
 FIT_HELP = (
     "Fit the cost model to measured step times and write a cost-model file for --cost.\n\n"
@@ -31,17 +29,28 @@ FIT_HELP = (
 
 @app.command(help=FIT_HELP)
 def fit(
-    profile_or_rundir: Path = typer.Argument(..., metavar="PROFILE_OR_RUNDIR", help="A `rlsched profile` folder or "
-                                             "a run folder (holding traces/steps/).", show_default=False),
+    profile_or_rundir: Path = typer.Argument(
+        ...,
+        metavar="PROFILE_OR_RUNDIR",
+        help="A `rlsched profile` folder or a run folder (holding traces/steps/).",
+        show_default=False,
+    ),
     out: Path = typer.Option(..., "--out", "-o", help="Where to write the cost-model file (.json)."),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Also draw measured points against the fit per batch "
-                                        "size and k, with residuals (.png or .pdf)."),
-    max_mape: float = typer.Option(5.0, "--max-mape", help="Held-out MAPE (%) above which an op falls back to "
-                                   "interpolation over the measured grid (where that does better)."),
+    plot: Path | None = typer.Option(
+        None,
+        "--plot",
+        help="Also draw measured points against the fit per batch size and k, with residuals (.png or .pdf).",
+    ),
+    max_mape: float = typer.Option(
+        5.0,
+        "--max-mape",
+        help="Held-out MAPE (%) above which an op falls back to "
+        "interpolation over the measured grid (where that does better).",
+    ),
     as_json: bool = JsonOpt,
 ):
-    from rlsched.costs.fit import fit_path
     from rlsched.atomic import write_text_atomic
+    from rlsched.costs.fit import fit_path
 
     if out.suffix != ".json":
         raise UserError(f"--out '{out}' must end in .json")
@@ -77,14 +86,31 @@ def fit(
 def _fit_table(result, out: Path) -> Table:
     pct = lambda v: "-" if v is None else f"{100 * v:.1f}%"  # noqa: E731
     t = Table(title=f"rlsched fit: {result.source.get('path')} -> {out}")
-    for col in ("op", "priced by", "R^2", "MAPE", "MAPE train", "MAPE held-out", "interp. held-out", "points",
-                "held out"):
+    for col in (
+        "op",
+        "priced by",
+        "R^2",
+        "MAPE",
+        "MAPE train",
+        "MAPE held-out",
+        "interp. held-out",
+        "points",
+        "held out",
+    ):
         t.add_column(col, justify="left" if col in ("op", "priced by", "held out") else "right")
     for key, f in result.ops.items():
         q = f.quality
-        t.add_row(key, "fitted form" if f.used == "parametric" else "interpolation", f"{q['r2']:.4f}", pct(q["mape"]),
-                  pct(q["mape_train"]), pct(q["mape_heldout"]), pct(q["interp_mape_heldout"]),
-                  str(q["points"]), f"{q['heldout_points']}: {q['heldout']}" if q["heldout_points"] else q["heldout"])
+        t.add_row(
+            key,
+            "fitted form" if f.used == "parametric" else "interpolation",
+            f"{q['r2']:.4f}",
+            pct(q["mape"]),
+            pct(q["mape_train"]),
+            pct(q["mape_heldout"]),
+            pct(q["interp_mape_heldout"]),
+            str(q["points"]),
+            f"{q['heldout_points']}: {q['heldout']}" if q["heldout_points"] else q["heldout"],
+        )
     return t
 
 
@@ -102,17 +128,27 @@ PLOT_HELP = (
 
 @app.command(help=PLOT_HELP)
 def plot(
-    folder: Path = typer.Argument(..., metavar="FOLDER", help="A run, generate, profile, simulate or compare output "
-                                  "folder.", show_default=False),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Folder for the figures (default FOLDER/plots)."),
-    cost: Optional[Path] = typer.Option(None, "--cost", help="A cost-model file (`rlsched fit`): draw its fit over "
-                                        "the folder's step times, and price the speedup figure with it where the "
-                                        "folder holds no profile."),
-    rl_step: Optional[int] = typer.Option(None, "--rl-step", help="The RL step of the batch-size and k figure "
-                                          "(default: the first)."),
-    acceptance: Optional[float] = typer.Option(None, "--acceptance", help="Per-token acceptance for the predicted "
-                                               "speedups (default: measured from the folder's speculative steps; "
-                                               "0.7 where it has none, e.g. a profile)."),
+    folder: Path = typer.Argument(
+        ..., metavar="FOLDER", help="A run, generate, profile, simulate or compare output folder.", show_default=False
+    ),
+    out: Path | None = typer.Option(None, "--out", "-o", help="Folder for the figures (default FOLDER/plots)."),
+    cost: Path | None = typer.Option(
+        None,
+        "--cost",
+        help="A cost-model file (`rlsched fit`): draw its fit over "
+        "the folder's step times, and price the speedup figure with it where the "
+        "folder holds no profile.",
+    ),
+    rl_step: int | None = typer.Option(
+        None, "--rl-step", help="The RL step of the batch-size and k figure (default: the first)."
+    ),
+    acceptance: float | None = typer.Option(
+        None,
+        "--acceptance",
+        help="Per-token acceptance for the predicted "
+        "speedups (default: measured from the folder's speculative steps; "
+        "0.7 where it has none, e.g. a profile).",
+    ),
     as_json: bool = JsonOpt,
 ):
     if out is not None and out.exists() and not out.is_dir():
@@ -132,14 +168,25 @@ def plot(
     for name, why in skipped.items():
         err_console.print(f"not drawn: {name} ({why})", highlight=False, soft_wrap=True)
     if as_json:
-        print(json.dumps({"folder": str(folder), "kind": data.kind, "out": str(out), "files": [str(p) for p in paths],
-                          "figures": list(figs), "skipped": skipped}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "folder": str(folder),
+                    "kind": data.kind,
+                    "out": str(out),
+                    "files": [str(p) for p in paths],
+                    "figures": list(figs),
+                    "skipped": skipped,
+                },
+                indent=2,
+            )
+        )
     else:
         for p in paths:
             print(p)
 
 
-def _read_cost(cost: Optional[Path]):
+def _read_cost(cost: Path | None):
     from rlsched.costs.costfile import read_cost_file
 
     return read_cost_file(cost) if cost is not None else None
@@ -158,10 +205,8 @@ REPORT_HELP = (
 @app.command(help=REPORT_HELP)
 def report(
     rundir: Path = typer.Argument(..., metavar="RUNDIR", help="A `rlsched run` output folder.", show_default=False),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="The page to write (.html; default "
-                                       "RUNDIR/report.html)."),
-    cost: Optional[Path] = typer.Option(None, "--cost",
-                                        help="A cost-model file (`rlsched fit`), as for `rlsched plot`."),
+    out: Path | None = typer.Option(None, "--out", "-o", help="The page to write (.html; default RUNDIR/report.html)."),
+    cost: Path | None = typer.Option(None, "--cost", help="A cost-model file (`rlsched fit`), as for `rlsched plot`."),
     as_json: bool = JsonOpt,
 ):
     if out is not None and (out.suffix.lower() not in (".html", ".htm") or out.is_dir()):
@@ -196,12 +241,14 @@ REPLAY_HELP = (
 @app.command(help=REPLAY_HELP)
 def replay(
     rundir: Path = typer.Argument(..., metavar="RUNDIR", help="A `rlsched run` output folder."),
-    cost: Optional[Path] = typer.Option(None, "--cost", help="Cost-model file from `rlsched fit` (default: fit "
-                                        "the run's own step records)."),
-    policy: Optional[str] = typer.Option(None, "--policy", help="Replay with another drafting policy (what-if)."),
-    baseline: Optional[Path] = typer.Option(None, "--baseline", help="The same run with SD off: measured speedup."),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Figure of measured and predicted time per step "
-                                        "(.png or .pdf)."),
+    cost: Path | None = typer.Option(
+        None, "--cost", help="Cost-model file from `rlsched fit` (default: fit the run's own step records)."
+    ),
+    policy: str | None = typer.Option(None, "--policy", help="Replay with another drafting policy (what-if)."),
+    baseline: Path | None = typer.Option(None, "--baseline", help="The same run with SD off: measured speedup."),
+    plot: Path | None = typer.Option(
+        None, "--plot", help="Figure of measured and predicted time per step (.png or .pdf)."
+    ),
     as_json: bool = JsonOpt,
 ):
     from rlsched.analysis.replay import read_run, replay_figure, replay_run
@@ -213,8 +260,11 @@ def replay(
     if baseline is not None:
         _, base_rl, _, _ = read_run(baseline)
         measured = float(base_rl["generation_s"].sum() / result.steps["measured_s"].sum())
-        summary.update(measured_sd_speedup=measured, baseline=str(baseline),
-                       speedup_error_pct=(summary["predicted_sd_speedup"] / measured - 1) * 100)
+        summary.update(
+            measured_sd_speedup=measured,
+            baseline=str(baseline),
+            speedup_error_pct=(summary["predicted_sd_speedup"] / measured - 1) * 100,
+        )
     if plot is not None:
         from rlsched.analysis.plots import save_figure
 
@@ -227,14 +277,18 @@ def replay(
     t.add_column("metric", style="bold")
     t.add_column("value", justify="right")
     t.add_row("RL steps", str(summary["rl_steps"]))
-    t.add_row("generation s: measured / predicted", f"{summary['measured_generation_s']:.2f} / "
-              f"{summary['predicted_generation_s']:.2f}")
+    t.add_row(
+        "generation s: measured / predicted",
+        f"{summary['measured_generation_s']:.2f} / {summary['predicted_generation_s']:.2f}",
+    )
     t.add_row("per-step MAPE", f"{summary['mape_pct']:.1f}%")
     t.add_row("worst step", f"{summary['worst_step']} ({summary['worst_error_pct']:+.1f}%)")
     t.add_row("predicted SD speedup over off", f"{summary['predicted_sd_speedup']:.3f}x")
     if baseline is not None:
-        t.add_row("measured SD speedup (baseline run)", f"{summary['measured_sd_speedup']:.3f}x "
-                  f"({summary['speedup_error_pct']:+.1f}% off)")
+        t.add_row(
+            "measured SD speedup (baseline run)",
+            f"{summary['measured_sd_speedup']:.3f}x ({summary['speedup_error_pct']:+.1f}% off)",
+        )
     t.add_row("executor time between steps", f"{summary['overhead_ms_per_step']:.2f} ms per step")
     if plot is not None:
         t.add_row("plot", str(plot))
@@ -256,16 +310,20 @@ IMPORT_VLLM_HELP = (
 
 @app.command("import-vllm", help=IMPORT_VLLM_HELP)
 def import_vllm(
-    metrics: Path = typer.Argument(..., metavar="METRICS", help="METRICS.json or Prometheus text (.prom).",
-                                   show_default=False),
+    metrics: Path = typer.Argument(
+        ..., metavar="METRICS", help="METRICS.json or Prometheus text (.prom).", show_default=False
+    ),
     out: Path = typer.Option(..., "--out", "-o", help="Output folder (traces/steps/ and vllm.json)."),
-    k: Optional[int] = typer.Option(None, "--k", help="Draft length (num_speculative_tokens) where the file does "
-                                    "not say it."),
-    drafter: Optional[str] = typer.Option(None, "--drafter", help="Drafter name of the speculative records "
-                                          "(default: the file's, else 'vllm')."),
+    k: int | None = typer.Option(
+        None, "--k", help="Draft length (num_speculative_tokens) where the file does not say it."
+    ),
+    drafter: str | None = typer.Option(
+        None, "--drafter", help="Drafter name of the speculative records (default: the file's, else 'vllm')."
+    ),
     as_json: bool = JsonOpt,
 ):
-    from rlsched.traces.vllm_metrics import import_vllm as run_import, report
+    from rlsched.traces.vllm_metrics import import_vllm as run_import
+    from rlsched.traces.vllm_metrics import report
 
     summary = run_import(metrics, out, k, drafter)
     if as_json:

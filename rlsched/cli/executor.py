@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.table import Table
 
+from rlsched.cli.common import JsonOpt, _int_list, _need_executor, _print_unwrapped, app, err_console, out_console
 from rlsched.errors import UserError
 from rlsched.policies.registry import usage as policy_usage
-from rlsched.cli.common import app, out_console, err_console, JsonOpt, _need_executor, _int_list, _print_unwrapped
-
 
 GENERATE_HELP = (
     "Batched speculative rollouts of a prompts file with the rollout engine.\n\n"
@@ -32,40 +30,64 @@ GENERATE_HELP = (
 @app.command(help=GENERATE_HELP)
 def generate(
     model: str = typer.Option("builtin", "--model", "-m", help="Target model folder, or builtin."),
-    drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help="Drafter: a model folder, builtin, eagle (the "
-                                          "built-in model's EAGLE-3 head) or an EAGLE-3 head's folder, ngram, suffix "
-                                          "or off (default: builtin with the built-in model, else ngram)."),
+    drafter: str | None = typer.Option(
+        None,
+        "--drafter",
+        "-d",
+        help="Drafter: a model folder, builtin, eagle (the "
+        "built-in model's EAGLE-3 head) or an EAGLE-3 head's folder, ngram, suffix "
+        "or off (default: builtin with the built-in model, else ngram).",
+    ),
     policy: str = typer.Option("goodput", "--policy", help=f"Drafting policy: {policy_usage('local')}."),
-    prompts: Optional[Path] = typer.Option(None, "--prompts",
-                                           help="JSONL prompts file (default: built-in task prompts)."),
+    prompts: Path | None = typer.Option(None, "--prompts", help="JSONL prompts file (default: built-in task prompts)."),
     n: int = typer.Option(4, "--n", help="Samples per prompt."),
     max_tokens: int = typer.Option(128, "--max-tokens", help="Token budget per sample."),
     temperature: float = typer.Option(1.0, "--temperature", help="Sampling temperature (0 = greedy)."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling (1 = off)."),
     top_k: int = typer.Option(0, "--top-k", help="Top-k sampling (0 = off)."),
     k_max: int = typer.Option(6, "--k-max", help="Longest draft a policy may choose."),
-    width_max: int = typer.Option(1, "--width-max", help="Widest draft tree a priced policy (goodput, seqgoodput, "
-                                  "twostate) may choose, of at most --k-max nodes (1: chains only; trees need "
-                                  "builtin, a model folder, eagle or suffix)."),
+    width_max: int = typer.Option(
+        1,
+        "--width-max",
+        help="Widest draft tree a priced policy (goodput, seqgoodput, "
+        "twostate) may choose, of at most --k-max nodes (1: chains only; trees need "
+        "builtin, a model folder, eagle or suffix).",
+    ),
     max_batch: int = typer.Option(64, "--max-batch", help="Rows decoded at once (continuous batching)."),
-    kv_budget: Optional[int] = typer.Option(None, "--kv-budget", help="KV cache budget in tokens shared by the "
-                                            "running rows (default: max-batch rows at their longest). Requests "
-                                            "wait for room; one that could never fit is refused."),
+    kv_budget: int | None = typer.Option(
+        None,
+        "--kv-budget",
+        help="KV cache budget in tokens shared by the "
+        "running rows (default: max-batch rows at their longest). Requests "
+        "wait for room; one that could never fit is refused.",
+    ),
     cost_model: str = typer.Option("auto", "--cost-model", help="auto, or a `rlsched profile` output folder."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Generate every sample to --max-tokens."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda[:N]."),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
     seed: int = typer.Option(0, "--seed", help="Sampling seed."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's; "
-                                          "with --instances, per instance: cores / instances)."),
-    instances: int = typer.Option(1, "--instances", help="Rollout instances; more than 1 runs them as Ray actors "
-                                  "(the distributed extra), each with --max-batch rows."),
-    realloc: str = typer.Option("none", "--realloc", help="Sample reallocation across instances: none, rebalance, "
-                                "consolidate."),
-    compile_: bool = typer.Option(False, "--compile", help="Run decode and verify steps and the drafter's drafts "
-                                  "through torch.compile'd graphs, at every batch size (fewer, fused kernels: what "
-                                  "it gains is in docs/benchmarks.md); compiling takes minutes the first time "
-                                  "(much less after, from inductor's disk cache)."),
+    threads: int | None = typer.Option(
+        None,
+        "--threads",
+        help="CPU threads for torch (default: torch's; with --instances, per instance: cores / instances).",
+    ),
+    instances: int = typer.Option(
+        1,
+        "--instances",
+        help="Rollout instances; more than 1 runs them as Ray actors "
+        "(the distributed extra), each with --max-batch rows.",
+    ),
+    realloc: str = typer.Option(
+        "none", "--realloc", help="Sample reallocation across instances: none, rebalance, consolidate."
+    ),
+    compile_: bool = typer.Option(
+        False,
+        "--compile",
+        help="Run decode and verify steps and the drafter's drafts "
+        "through torch.compile'd graphs, at every batch size (fewer, fused kernels: what "
+        "it gains is in docs/benchmarks.md); compiling takes minutes the first time "
+        "(much less after, from inductor's disk cache).",
+    ),
     out: Path = typer.Option(Path("runs/generate/latest"), "--out", "-o", help="Output folder."),
     as_json: bool = JsonOpt,
 ):
@@ -74,12 +96,30 @@ def generate(
 
     if drafter is None:
         drafter = "builtin" if model == "builtin" else "ngram"
-    args = GenerateArgs(model=model, drafter=drafter, policy=policy, prompts=prompts, n=n, max_tokens=max_tokens,
-                        temperature=temperature, top_p=top_p, top_k=top_k, k_max=k_max, width_max=width_max,
-                        max_batch=max_batch,
-                        kv_budget=kv_budget, cost_model=cost_model, ignore_eos=ignore_eos, device=device,
-                        dtype=dtype, seed=seed, threads=threads, instances=instances, realloc=realloc,
-                        compile=compile_)
+    args = GenerateArgs(
+        model=model,
+        drafter=drafter,
+        policy=policy,
+        prompts=prompts,
+        n=n,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        k_max=k_max,
+        width_max=width_max,
+        max_batch=max_batch,
+        kv_budget=kv_budget,
+        cost_model=cost_model,
+        ignore_eos=ignore_eos,
+        device=device,
+        dtype=dtype,
+        seed=seed,
+        threads=threads,
+        instances=instances,
+        realloc=realloc,
+        compile=compile_,
+    )
     log = lambda msg: err_console.print(msg, highlight=False)  # noqa: E731
     setup = prepare(args, out, log)
     with err_console.status(f"generating {len(setup.prompts)} prompts x {n} samples ({policy})"):
@@ -104,26 +144,48 @@ def generate(
 @app.command()
 def profile(
     model: str = typer.Option("builtin", "--model", "-m", help="Target model folder, or builtin."),
-    drafter: list[str] = typer.Option(["builtin"], "--drafter", "-d", help="Drafter(s) to time: a model "
-                                      "folder, builtin, eagle or an EAGLE-3 head's folder, ngram or suffix "
-                                      "(repeatable; 'off' for none)."),
+    drafter: list[str] = typer.Option(
+        ["builtin"],
+        "--drafter",
+        "-d",
+        help="Drafter(s) to time: a model "
+        "folder, builtin, eagle or an EAGLE-3 head's folder, ngram or suffix "
+        "(repeatable; 'off' for none).",
+    ),
     batch_sizes: str = typer.Option("1,2,4,8,16,32,64", "--batch-sizes", help="Comma-separated batch sizes."),
     k_max: int = typer.Option(6, "--k-max", help="Draft lengths 0..k_max."),
-    width_max: int = typer.Option(1, "--width-max", help="Also time tree drafting (the drafters that draft "
-                                  "trees), widths 2..width-max, depths 1..k-max (1: chains only)."),
-    contexts: str = typer.Option("64,192", "--contexts", help="Comma-separated context lengths per row: their mean "
-                                 "(from two rows on the rows' contexts spread over 1/2-3/2 of it, as the engine's rows "
-                                 "differ); prefill is timed on equal prompts, also midway between them."),
+    width_max: int = typer.Option(
+        1,
+        "--width-max",
+        help="Also time tree drafting (the drafters that draft "
+        "trees), widths 2..width-max, depths 1..k-max (1: chains only).",
+    ),
+    contexts: str = typer.Option(
+        "64,192",
+        "--contexts",
+        help="Comma-separated context lengths per row: their mean "
+        "(from two rows on the rows' contexts spread over 1/2-3/2 of it, as the engine's rows "
+        "differ); prefill is timed on equal prompts, also midway between them.",
+    ),
     repeats: int = typer.Option(12, "--repeats", help="Timed runs per point."),
-    statistic: str = typer.Option("median", "--statistic", help="A point's price from its runs: median (what a "
-                                  "run typically pays on a shared machine) or min (the least disturbed run)."),
-    passes: int = typer.Option(6, "--passes", help="Sweep the grid this many times, --repeats spread over "
-                               "them (runs minutes apart sample the machine's spells; at most --repeats)."),
+    statistic: str = typer.Option(
+        "median",
+        "--statistic",
+        help="A point's price from its runs: median (what a "
+        "run typically pays on a shared machine) or min (the least disturbed run).",
+    ),
+    passes: int = typer.Option(
+        6,
+        "--passes",
+        help="Sweep the grid this many times, --repeats spread over "
+        "them (runs minutes apart sample the machine's spells; at most --repeats).",
+    ),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda[:N]."),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's)."),
-    compile_: bool = typer.Option(False, "--compile", help="Time the points with compiled forwards, as "
-                                  "`generate --compile` runs them."),
+    threads: int | None = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's)."),
+    compile_: bool = typer.Option(
+        False, "--compile", help="Time the points with compiled forwards, as `generate --compile` runs them."
+    ),
     out: Path = typer.Option(Path("runs/profile/latest"), "--out", "-o", help="Output folder."),
 ):
     """Measure verify, draft and prefill step times over batch size x draft length x context.
@@ -136,10 +198,24 @@ def profile(
     _need_executor("profile")
     from rlsched.executor.profiler import run_profile
 
-    run_profile(model=model, drafters=drafter, batch_sizes=_int_list(batch_sizes, "--batch-sizes"), k_max=k_max,
-                contexts=_int_list(contexts, "--contexts"), repeats=repeats, passes=passes, device=device, dtype=dtype,
-                threads=threads, out=out, console=err_console, table_console=out_console, compile=compile_,
-                statistic=statistic, width_max=width_max)
+    run_profile(
+        model=model,
+        drafters=drafter,
+        batch_sizes=_int_list(batch_sizes, "--batch-sizes"),
+        k_max=k_max,
+        contexts=_int_list(contexts, "--contexts"),
+        repeats=repeats,
+        passes=passes,
+        device=device,
+        dtype=dtype,
+        threads=threads,
+        out=out,
+        console=err_console,
+        table_console=out_console,
+        compile=compile_,
+        statistic=statistic,
+        width_max=width_max,
+    )
 
 
 RUN_HELP = (
@@ -160,18 +236,27 @@ RUN_HELP = (
 
 @app.command(help=RUN_HELP)
 def run(
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="Run config file (YAML or TOML)."),
-    policy: Optional[str] = typer.Option(None, "--policy", help=f"Drafting policy (overrides the config), on "
-                                         f"either backend: {policy_usage('local')}."),
+    config: Path | None = typer.Option(None, "--config", "-c", help="Run config file (YAML or TOML)."),
+    policy: str | None = typer.Option(
+        None, "--policy", help=f"Drafting policy (overrides the config), on either backend: {policy_usage('local')}."
+    ),
     sets: list[str] = typer.Option([], "--set", help="Override a config field: path.to.field=value."),
     out: Path = typer.Option(Path("runs/run/latest"), "--out", "-o", help="Run folder."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --out from its last checkpoint."),
-    backend: Optional[str] = typer.Option(None, "--backend", help="Rollout engine (rollout.backend): local "
-                                          "(rlsched's own) or vllm (vLLM's offline engine; see make test-vllm)."),
-    instances: Optional[int] = typer.Option(None, "--instances", help="Rollout instances (rollout.instances); "
-                                            "more than 1 runs them as Ray actors (the distributed extra)."),
-    realloc: Optional[str] = typer.Option(None, "--realloc", help="Sample reallocation across instances "
-                                          "(rollout.realloc): none, rebalance, consolidate."),
+    backend: str | None = typer.Option(
+        None,
+        "--backend",
+        help="Rollout engine (rollout.backend): local "
+        "(rlsched's own) or vllm (vLLM's offline engine; see make test-vllm).",
+    ),
+    instances: int | None = typer.Option(
+        None,
+        "--instances",
+        help="Rollout instances (rollout.instances); more than 1 runs them as Ray actors (the distributed extra).",
+    ),
+    realloc: str | None = typer.Option(
+        None, "--realloc", help="Sample reallocation across instances (rollout.realloc): none, rebalance, consolidate."
+    ),
     as_json: bool = JsonOpt,
 ):
     _need_executor("run")
@@ -180,15 +265,24 @@ def run(
 
     if resume:
         if config is not None or policy is not None or sets or backend or instances or realloc:
-            raise UserError("--resume continues a run with its own config.yaml; drop --config, --policy, --set, "
-                            "--backend, --instances and --realloc")
+            raise UserError(
+                "--resume continues a run with its own config.yaml; drop --config, --policy, --set, "
+                "--backend, --instances and --realloc"
+            )
         cfg = load_run_config(out / "config.yaml") if (out / "config.yaml").is_file() else None
         if cfg is None:
             raise UserError(f"--resume: {out} holds no run (no config.yaml); give the --out of an earlier run")
     else:
-        flags = [f"{k}={v}" for k, v in (("policy", policy), ("rollout.backend", backend),
-                                          ("rollout.instances", instances), ("rollout.realloc", realloc))
-                 if v is not None]
+        flags = [
+            f"{k}={v}"
+            for k, v in (
+                ("policy", policy),
+                ("rollout.backend", backend),
+                ("rollout.instances", instances),
+                ("rollout.realloc", realloc),
+            )
+            if v is not None
+        ]
         cfg = load_run_config(config, list(sets) + flags)
     log = lambda msg: err_console.print(msg, highlight=False)  # noqa: E731
     trainer = Trainer(cfg, out, resume=resume, log=log)
@@ -204,8 +298,11 @@ def run(
     t.add_row("accepted length: first -> last", f"{summary['accept_len_start']:.2f} -> {summary['accept_len_end']:.2f}")
     t.add_row("generation tokens/s", f"{summary['tokens_per_s']:,.0f}")
     stages = summary["stage_s"]
-    t.add_row("seconds (gen / inf / train / drafter)", f"{summary['seconds']:.1f} ({stages['generation']:.1f} / "
-              f"{stages['inference']:.1f} / {stages['training']:.1f} / {stages['drafter_update']:.1f})")
+    t.add_row(
+        "seconds (gen / inf / train / drafter)",
+        f"{summary['seconds']:.1f} ({stages['generation']:.1f} / "
+        f"{stages['inference']:.1f} / {stages['training']:.1f} / {stages['drafter_update']:.1f})",
+    )
     t.add_row("traces", summary["traces"])
     t.add_row("plot", summary["plots"][0] if summary["plots"] else "-")
     _print_unwrapped(out_console, t)
@@ -224,7 +321,9 @@ def _run_with_progress(trainer, cfg) -> dict:
                 f"step {r['rl_step']:>3} reward {r['reward_mean']:.3f} {r['tokens_per_s']:5,.0f} tok/s "
                 f"acc {r['mean_accept_len']:.2f} | s: gen {r['generation_s']:.2f} inf {r['inference_s']:.2f} "
                 f"train {r['training_s']:.2f} dr {r['drafter_update_s']:.2f}"
-                + (f" ({r['reward_failures']} rewards failed)" if r["reward_failures"] else ""), highlight=False)
+                + (f" ({r['reward_failures']} rewards failed)" if r["reward_failures"] else ""),
+                highlight=False,
+            )
             bar.advance(task)
 
         return trainer.run(on_step)

@@ -5,32 +5,33 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.table import Table
 
+from rlsched.cli.common import (
+    ConfigOpt,
+    CostOpt,
+    JsonOpt,
+    PresetOpt,
+    SetOpt,
+    _int_list,
+    _print_unwrapped,
+    _with_cost,
+    app,
+    err_console,
+    out_console,
+)
 from rlsched.distributed import import_ray
 from rlsched.errors import UserError
 from rlsched.policies.registry import usage as policy_usage
-from rlsched.cli.common import (
-    app,
-    out_console,
-    err_console,
-    PresetOpt,
-    ConfigOpt,
-    SetOpt,
-    JsonOpt,
-    CostOpt,
-    _with_cost,
-    _int_list,
-    _print_unwrapped,
-)
 
 
 @app.command()
-def presets(show: Optional[str] = typer.Option(None, "--show", help="Print the full, resolved config of a job preset."),
-            kind: str = typer.Option("jobs", "--kind", help="jobs, hardware or models.")):
+def presets(
+    show: str | None = typer.Option(None, "--show", help="Print the full, resolved config of a job preset."),
+    kind: str = typer.Option("jobs", "--kind", help="jobs, hardware or models."),
+):
     """List the shipped presets (one line each), or print one in full."""
     from rlsched.config import load_config, load_preset_data, preset_names
 
@@ -62,19 +63,27 @@ def _default_out(name: str, policy: str, seed: int) -> Path:
 
 @app.command()
 def simulate(
-    preset: Optional[str] = PresetOpt,
-    config: Optional[Path] = ConfigOpt,
-    policy: Optional[str] = typer.Option(None, "--policy", help=f"Drafting policy: {policy_usage('simulator')} "
-                                         "(default: the config's speculation.policy)."),
-    realloc: Optional[str] = typer.Option(None, "--realloc", help="Reallocation policy: none, rebalance, consolidate "
-                                          "(default: the config's cluster.realloc)."),
-    out: Optional[Path] = typer.Option(None, "--out", "-o",
-                                       help="Output folder (default runs/simulate/NAME-POLICY-seedN)."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed (overrides the config's seed)."),
-    baseline: bool = typer.Option(True, "--baseline/--no-baseline", help="Also simulate `off` on the same seed "
-                                  "to report the speedup."),
+    preset: str | None = PresetOpt,
+    config: Path | None = ConfigOpt,
+    policy: str | None = typer.Option(
+        None,
+        "--policy",
+        help=f"Drafting policy: {policy_usage('simulator')} (default: the config's speculation.policy).",
+    ),
+    realloc: str | None = typer.Option(
+        None,
+        "--realloc",
+        help="Reallocation policy: none, rebalance, consolidate (default: the config's cluster.realloc).",
+    ),
+    out: Path | None = typer.Option(
+        None, "--out", "-o", help="Output folder (default runs/simulate/NAME-POLICY-seedN)."
+    ),
+    seed: int | None = typer.Option(None, "--seed", help="Random seed (overrides the config's seed)."),
+    baseline: bool = typer.Option(
+        True, "--baseline/--no-baseline", help="Also simulate `off` on the same seed to report the speedup."
+    ),
     set_: list[str] = SetOpt,
-    cost: Optional[Path] = CostOpt,
+    cost: Path | None = CostOpt,
     as_json: bool = JsonOpt,
 ):
     """Simulate the generation stage (and the RL steps around it) of a config or preset.
@@ -83,8 +92,8 @@ def simulate(
     summary.json and the resolved config.yaml to the output folder.
     """
     from rlsched.config import load_config
-    from rlsched.policies.registry import make_draft_policy
     from rlsched.policies.realloc import make_realloc_policy
+    from rlsched.policies.registry import make_draft_policy
     from rlsched.sim.output import run_and_write
     from rlsched.sim.simulate import policy_context
 
@@ -119,8 +128,10 @@ def _print_summary(s: dict) -> None:
     add("idle fraction (mean / max instance)", f"{sum(idle) / len(idle):.3f} / {max(idle):.3f}")
     split = s["time_split"]
     add("RL step time (s)", f"{s['rl_step_s']:.2f}")
-    add("time split gen/infer/train/draft-upd",
-        " / ".join(f"{split[k]:.0%}" for k in ("generation", "inference", "training", "drafter_update")))
+    add(
+        "time split gen/infer/train/draft-upd",
+        " / ".join(f"{split[k]:.0%}" for k in ("generation", "inference", "training", "drafter_update")),
+    )
     add("engine steps", f"{s['engine_steps']:,}")
     add("preemptions / migrated sequences", f"{s['preemptions']} / {s['migrations']}")
     add("output", s.get("out", ""))
@@ -142,28 +153,50 @@ COMPARE_HELP = (
 
 @app.command(help=COMPARE_HELP)
 def compare(
-    preset: Optional[str] = PresetOpt,
-    config: Optional[Path] = ConfigOpt,
+    preset: str | None = PresetOpt,
+    config: Path | None = ConfigOpt,
     set_: list[str] = SetOpt,
-    policies: str = typer.Option("off,static:2,static:4,goodput", "--policies", "-P",
-                                 help="Comma-separated drafting policies, e.g. off,static:2,static:4,goodput "
-                                 "(any name `simulate --policy` takes; only commas separate names)."),
-    realloc: Optional[str] = typer.Option(None, "--realloc", help="Comma-separated reallocation policies, e.g. "
-                                          "none,rebalance (default: the config's cluster.realloc)."),
+    policies: str = typer.Option(
+        "off,static:2,static:4,goodput",
+        "--policies",
+        "-P",
+        help="Comma-separated drafting policies, e.g. off,static:2,static:4,goodput "
+        "(any name `simulate --policy` takes; only commas separate names).",
+    ),
+    realloc: str | None = typer.Option(
+        None,
+        "--realloc",
+        help="Comma-separated reallocation policies, e.g. none,rebalance (default: the config's cluster.realloc).",
+    ),
     seeds: int = typer.Option(3, "--seeds", help="Number of seeds; every policy runs on each."),
-    first_seed: Optional[int] = typer.Option(None, "--first-seed", help="First seed (default: the config's seed); "
-                                             "seeds are FIRST..FIRST+N-1."),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Write a figure (.png or .pdf): speedup over off per "
-                                        "policy, and batch size and k over time for the adaptive policies."),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write compare.json (every run's summary and the "
-                                       "aggregate) and compare.parquet (one row per run) to this folder."),
-    workers: Optional[int] = typer.Option(None, "--workers", "-j", help="Worker processes (default: the number of "
-                                          "CPUs); 1 runs serially in this process."),
-    ray: Optional[str] = typer.Option(None, "--ray", help="Run on a Ray cluster at this address ('auto': the running "
-                                      "local cluster; 'local': start a private one); needs pip install "
-                                      "'rlsched\\[distributed]' on this machine and the same rlsched on "
-                                      "every node; --workers is then ignored."),
-    cost: Optional[Path] = CostOpt,
+    first_seed: int | None = typer.Option(
+        None, "--first-seed", help="First seed (default: the config's seed); seeds are FIRST..FIRST+N-1."
+    ),
+    plot: Path | None = typer.Option(
+        None,
+        "--plot",
+        help="Write a figure (.png or .pdf): speedup over off per "
+        "policy, and batch size and k over time for the adaptive policies.",
+    ),
+    out: Path | None = typer.Option(
+        None,
+        "--out",
+        "-o",
+        help="Write compare.json (every run's summary and the "
+        "aggregate) and compare.parquet (one row per run) to this folder.",
+    ),
+    workers: int | None = typer.Option(
+        None, "--workers", "-j", help="Worker processes (default: the number of CPUs); 1 runs serially in this process."
+    ),
+    ray: str | None = typer.Option(
+        None,
+        "--ray",
+        help="Run on a Ray cluster at this address ('auto': the running "
+        "local cluster; 'local': start a private one); needs pip install "
+        "'rlsched\\[distributed]' on this machine and the same rlsched on "
+        "every node; --workers is then ignored.",
+    ),
+    cost: Path | None = CostOpt,
     as_json: bool = JsonOpt,
 ):
     from rlsched.config import load_config
@@ -185,13 +218,27 @@ def compare(
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    where = f"Ray at {ray}" if ray is not None else ("1 process" if n_workers == 1 or len(jobs) == 1
-                                                    else f"{min(n_workers, len(jobs))} processes")
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("runs"), TimeElapsedColumn(), console=err_console, transient=True,
-                  disable=not err_console.is_terminal) as bar:  # a pipe would get a stray blank line
-        task = bar.add_task(f"comparing {len(plan.policies)} policies x {len(plan.reallocs)} realloc x "
-                            f"{len(plan.seeds)} seeds on {where}", total=len(jobs))
+    where = (
+        f"Ray at {ray}"
+        if ray is not None
+        else ("1 process" if n_workers == 1 or len(jobs) == 1 else f"{min(n_workers, len(jobs))} processes")
+    )
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("runs"),
+        TimeElapsedColumn(),
+        console=err_console,
+        transient=True,
+        disable=not err_console.is_terminal,
+    ) as bar:  # a pipe would get a stray blank line
+        task = bar.add_task(
+            f"comparing {len(plan.policies)} policies x {len(plan.reallocs)} realloc x "
+            f"{len(plan.seeds)} seeds on {where}",
+            total=len(jobs),
+        )
         results = cmp.run_jobs(cfg, jobs, n_workers, ray, on_done=lambda r: bar.advance(task))
     report = cmp.aggregate(cfg, plan, results)
     if out is not None:
@@ -231,38 +278,62 @@ PLAN_HELP = (
 
 @app.command(help=PLAN_HELP)
 def plan(
-    workload: Optional[str] = typer.Option(None, "--workload", "-w", help="A job preset whose workload, drafters "
-                                           "and RL step are planned for (default: 'default'); its own setup is "
-                                           "the comparison."),
-    config: Optional[Path] = ConfigOpt,
-    from_run: Optional[Path] = typer.Option(None, "--from", help="Plan from a `rlsched run` folder: its step costs "
-                                            "(fitted from its traces), its lengths and acceptance."),
-    model: Optional[str] = typer.Option(None, "--model", help="A model preset (see `rlsched presets`; default: "
-                                        "the workload's)."),
-    hardware: Optional[str] = typer.Option(None, "--hardware", help="A hardware preset (default: the workload's)."),
-    gpus: Optional[int] = typer.Option(None, "--gpus", help="The GPU budget (default: the workload's)."),
-    drafters: Optional[str] = typer.Option(None, "--drafters", help="Comma-separated drafters of the workload to "
-                                           "consider, or none (default: all)."),
-    objective: str = typer.Option("step-time", "--objective", help="step-time (the fastest RL step) or "
-                                  "tokens-per-gpu-s (the most response tokens a GPU-second)."),
-    tps: Optional[str] = typer.Option(None, "--tp", help="Comma-separated tensor-parallel sizes (default 1,2,4,8)."),
-    max_batches: Optional[str] = typer.Option(None, "--max-batch", help="Comma-separated batch limits "
-                                              "(default 64,256,1024)."),
+    workload: str | None = typer.Option(
+        None,
+        "--workload",
+        "-w",
+        help="A job preset whose workload, drafters "
+        "and RL step are planned for (default: 'default'); its own setup is "
+        "the comparison.",
+    ),
+    config: Path | None = ConfigOpt,
+    from_run: Path | None = typer.Option(
+        None,
+        "--from",
+        help="Plan from a `rlsched run` folder: its step costs (fitted from its traces), its lengths and acceptance.",
+    ),
+    model: str | None = typer.Option(
+        None, "--model", help="A model preset (see `rlsched presets`; default: the workload's)."
+    ),
+    hardware: str | None = typer.Option(None, "--hardware", help="A hardware preset (default: the workload's)."),
+    gpus: int | None = typer.Option(None, "--gpus", help="The GPU budget (default: the workload's)."),
+    drafters: str | None = typer.Option(
+        None, "--drafters", help="Comma-separated drafters of the workload to consider, or none (default: all)."
+    ),
+    objective: str = typer.Option(
+        "step-time",
+        "--objective",
+        help="step-time (the fastest RL step) or tokens-per-gpu-s (the most response tokens a GPU-second).",
+    ),
+    tps: str | None = typer.Option(None, "--tp", help="Comma-separated tensor-parallel sizes (default 1,2,4,8)."),
+    max_batches: str | None = typer.Option(
+        None, "--max-batch", help="Comma-separated batch limits (default 64,256,1024)."
+    ),
     seeds: int = typer.Option(3, "--seeds", help="Seeds of the successive halving (rounds)."),
     survivors: int = typer.Option(24, "--survivors", help="Setups the screen hands to the simulator."),
-    explain: bool = typer.Option(True, "--explain/--no-explain", help="Simulate each knob where the workload's own "
-                                 "setup and the winner differ, moved alone, and name the one that moved most."),
-    learn: bool = typer.Option(True, "--learn/--no-learn", help="Learn a table policy in the simulator for the "
-                               "best chain setup (on a held-out seed) and rank it with the others."),
-    workers: Optional[int] = typer.Option(None, "--workers", "-j", help="Worker processes (default: the number of "
-                                          "CPUs)."),
-    ray: Optional[str] = typer.Option(None, "--ray", help="Simulate on a Ray cluster at this address, as compare "
-                                      "does."),
-    model_path: Optional[str] = typer.Option(None, "--model-path", help="The actor's folder (or HF id) written into "
-                                             "run.yaml and vllm_engine.json (default: the model's name)."),
-    drafter_path: Optional[str] = typer.Option(None, "--drafter-path", help="The drafter's folder written there "
-                                               "(default: the drafter's name)."),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output folder (default runs/plan/NAME-NgNAME)."),
+    explain: bool = typer.Option(
+        True,
+        "--explain/--no-explain",
+        help="Simulate each knob where the workload's own "
+        "setup and the winner differ, moved alone, and name the one that moved most.",
+    ),
+    learn: bool = typer.Option(
+        True,
+        "--learn/--no-learn",
+        help="Learn a table policy in the simulator for the "
+        "best chain setup (on a held-out seed) and rank it with the others.",
+    ),
+    workers: int | None = typer.Option(None, "--workers", "-j", help="Worker processes (default: the number of CPUs)."),
+    ray: str | None = typer.Option(None, "--ray", help="Simulate on a Ray cluster at this address, as compare does."),
+    model_path: str | None = typer.Option(
+        None,
+        "--model-path",
+        help="The actor's folder (or HF id) written into run.yaml and vllm_engine.json (default: the model's name).",
+    ),
+    drafter_path: str | None = typer.Option(
+        None, "--drafter-path", help="The drafter's folder written there (default: the drafter's name)."
+    ),
+    out: Path | None = typer.Option(None, "--out", "-o", help="Output folder (default runs/plan/NAME-NgNAME)."),
     set_: list[str] = SetOpt,
     as_json: bool = JsonOpt,
 ):
@@ -307,36 +378,66 @@ def plan(
         done = [0]
 
         with err_console.status(f"planning {base.model.name} on {budget} x {base.hardware.name}") as status:
+
             def tick(_):
                 done[0] += 1
                 status.update(f"planning {base.model.name} on {budget} x {base.hardware.name}: {done[0]} simulations")
-            result = make_plan(base, space, objective=objective, survivors=survivors, seeds=seeds,
-                               workers=n_workers, ray_address=ray, explain=explain,
-                               learn_in=Path(work) if learn else None, on_done=tick)
-            summary = write_plan(result, out, model_path or base.model.name,
-                                 drafter_path or (result.winner.candidate.drafter or "off"))
+
+            result = make_plan(
+                base,
+                space,
+                objective=objective,
+                survivors=survivors,
+                seeds=seeds,
+                workers=n_workers,
+                ray_address=ray,
+                explain=explain,
+                learn_in=Path(work) if learn else None,
+                on_done=tick,
+            )
+            summary = write_plan(
+                result, out, model_path or base.model.name, drafter_path or (result.winner.candidate.drafter or "off")
+            )
     summary["out"] = str(out)
     if as_json:
         print(json.dumps(summary, indent=2))
         return
-    t = Table(title=f"rlsched plan: {base.model.name} on {budget} x {base.hardware.name}, {base.name} "
-                    f"({summary['candidates']} setups, {summary['dropped']} cannot run, {summary['simulations']} "
-                    f"simulations; {objective})")
-    for col, just in (("#", "right"), ("setup", "left"), ("GPUs", "right"), ("step s (sim)", "right"),
-                      ("screen s", "right"), ("seeds", "right"), ("generation", "right")):
+    t = Table(
+        title=f"rlsched plan: {base.model.name} on {budget} x {base.hardware.name}, {base.name} "
+        f"({summary['candidates']} setups, {summary['dropped']} cannot run, {summary['simulations']} "
+        f"simulations; {objective})"
+    )
+    for col, just in (
+        ("#", "right"),
+        ("setup", "left"),
+        ("GPUs", "right"),
+        ("step s (sim)", "right"),
+        ("screen s", "right"),
+        ("seeds", "right"),
+        ("generation", "right"),
+    ):
         t.add_column(col, justify=just)
     for r in [r for r in plan_rows(result) if r["step_s"] is not None][:10]:
-        t.add_row(str(r["rank"]), r["setup"], str(r["gpus"]), f"{r['step_s']:.2f}", f"{r['screen_step_s']:.2f}",
-                  str(r["seeds"]), f"{r['split']['generation']:.0%}")
+        t.add_row(
+            str(r["rank"]),
+            r["setup"],
+            str(r["gpus"]),
+            f"{r['step_s']:.2f}",
+            f"{r['screen_step_s']:.2f}",
+            str(r["seeds"]),
+            f"{r['split']['generation']:.0%}",
+        )
     _print_unwrapped(out_console, t)
     split = " / ".join(f"{k.replace('_', ' ')} {v:.0%}" for k, v in summary["winner_split"].items())
     lines = [f"winner: {summary['winner']}, {summary['winner_step_s']:.2f} s a step ({split})"]
     if "baseline" in summary:
         lines.append(f"over the best plain decoding ({summary['baseline']}): {summary['speedup_over_baseline']:.2f}x")
     if "own_setup" in summary:
-        lines.append(f"over the workload's own setup ({summary['own_setup']}, {summary['own_step_s']:.2f} s): "
-                     f"{summary['gain_over_own']:+.1%}" + (f"; the knob that moved most: {summary['knob']}"
-                                                           if "knob" in summary else ""))
+        lines.append(
+            f"over the workload's own setup ({summary['own_setup']}, {summary['own_step_s']:.2f} s): "
+            f"{summary['gain_over_own']:+.1%}"
+            + (f"; the knob that moved most: {summary['knob']}" if "knob" in summary else "")
+        )
     if "engine_note" in summary:
         lines.append(f"note: {summary['engine_note']}")
     lines.append(f"output: {out} (rlsched report {out} for its page)")
@@ -346,20 +447,33 @@ def plan(
 
 @app.command()
 def learn(
-    preset: Optional[str] = PresetOpt,
-    config: Optional[Path] = ConfigOpt,
+    preset: str | None = PresetOpt,
+    config: Path | None = ConfigOpt,
     set_: list[str] = SetOpt,
     out: Path = typer.Option(..., "--out", "-o", help="Where to write the policy file (JSON)."),
-    kind: str = typer.Option("table", "--kind", help="table (batch x context x acceptance buckets -> k) or twostate "
-                             "(ReSpec: off above a batch threshold, one k below)."),
+    kind: str = typer.Option(
+        "table",
+        "--kind",
+        help="table (batch x context x acceptance buckets -> k) or twostate "
+        "(ReSpec: off above a batch threshold, one k below).",
+    ),
     seeds: int = typer.Option(1, "--seeds", help="Learning seeds (every candidate is scored on each)."),
-    vllm_table: Optional[Path] = typer.Option(None, "--vllm-table", help="Also write the learned draft length by "
-                                              "batch size as vLLM's num_speculative_tokens_per_batch_size (JSON)."),
-    workers: Optional[int] = typer.Option(None, "--workers", "-j", help="Worker processes (default: the number of "
-                                          "CPUs); 1 runs serially in this process."),
-    ray: Optional[str] = typer.Option(None, "--ray", help="Score candidates on a Ray cluster at this address "
-                                      "('auto': the running local cluster; 'local': start a private one)."),
-    cost: Optional[Path] = CostOpt,
+    vllm_table: Path | None = typer.Option(
+        None,
+        "--vllm-table",
+        help="Also write the learned draft length by "
+        "batch size as vLLM's num_speculative_tokens_per_batch_size (JSON).",
+    ),
+    workers: int | None = typer.Option(
+        None, "--workers", "-j", help="Worker processes (default: the number of CPUs); 1 runs serially in this process."
+    ),
+    ray: str | None = typer.Option(
+        None,
+        "--ray",
+        help="Score candidates on a Ray cluster at this address "
+        "('auto': the running local cluster; 'local': start a private one).",
+    ),
+    cost: Path | None = CostOpt,
     as_json: bool = JsonOpt,
 ):
     """Learn a drafting policy (and reallocation threshold) in the simulator; write a policy file.
@@ -374,7 +488,8 @@ def learn(
     from rlsched.config import load_config
     from rlsched.policies.policyfile import save_policy_file
     from rlsched.sim import compare as cmp
-    from rlsched.sim.learn import Learner, parallel_evaluator, vllm_table as to_vllm
+    from rlsched.sim.learn import Learner, parallel_evaluator
+    from rlsched.sim.learn import vllm_table as to_vllm
 
     if kind not in ("table", "twostate"):
         raise UserError(f"--kind '{kind}' is not one of table, twostate")
@@ -391,17 +506,30 @@ def learn(
     if not cfg.drafters:
         raise UserError("learn needs at least one drafter in the config (drafters: [...])")
     if vllm_table is not None and cfg.speculation.width_max > 1:
-        raise UserError("--vllm-table: vLLM's table holds chain lengths, and this config lets the policy draft trees "
-                        "(speculation.width_max > 1); add --set speculation.width_max=1")
+        raise UserError(
+            "--vllm-table: vLLM's table holds chain lengths, and this config lets the policy draft trees "
+            "(speculation.width_max > 1); add --set speculation.width_max=1"
+        )
     n_workers = workers or cmp.default_workers()
 
     first = cfg.seed
-    learner = Learner(cfg, list(range(first, first + seeds)), parallel_evaluator(n_workers, ray),
-                      log=lambda m: err_console.print(m, highlight=False))
+    learner = Learner(
+        cfg,
+        list(range(first, first + seeds)),
+        parallel_evaluator(n_workers, ray),
+        log=lambda m: err_console.print(m, highlight=False),
+    )
     pf, score = learner.learn(kind)
     save_policy_file(out, pf)
-    summary = {"policy_file": str(out), "kind": kind, "params": pf.params, "realloc": pf.realloc.model_dump(),
-               "generation_s": score, "evaluations": learner.evaluations, "seeds": learner.seeds}
+    summary = {
+        "policy_file": str(out),
+        "kind": kind,
+        "params": pf.params,
+        "realloc": pf.realloc.model_dump(),
+        "generation_s": score,
+        "evaluations": learner.evaluations,
+        "seeds": learner.seeds,
+    }
     if vllm_table is not None:
         table = to_vllm(pf, cfg.cluster.max_batch, cfg.drafters[0].acceptance.mean, learner.ctx.typical_ctx)
         vllm_table.parent.mkdir(parents=True, exist_ok=True)
@@ -412,7 +540,11 @@ def learn(
         print(json.dumps(summary, indent=2))
     else:
         out_console.print(f"learned {kind} policy: {json.dumps(pf.params)}", highlight=False)
-        out_console.print(f"realloc: {pf.realloc.policy} threshold {pf.realloc.threshold}; "
-                          f"{learner.evaluations} simulations; mean generation stage {score:.2f} s", highlight=False)
-        out_console.print(f"policy file: {out}" + (f"\nvLLM table: {vllm_table}" if vllm_table else ""),
-                          highlight=False)
+        out_console.print(
+            f"realloc: {pf.realloc.policy} threshold {pf.realloc.threshold}; "
+            f"{learner.evaluations} simulations; mean generation stage {score:.2f} s",
+            highlight=False,
+        )
+        out_console.print(
+            f"policy file: {out}" + (f"\nvLLM table: {vllm_table}" if vllm_table else ""), highlight=False
+        )

@@ -48,8 +48,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from rlsched.errors import UserError
 from rlsched.costs.measured import MeasuredCostModel, grid_time, measured_grid
+from rlsched.errors import UserError
 
 KIND = "rlsched-costmodel"
 VERSION = 1
@@ -60,8 +60,12 @@ PARAMS = {
     "prefill": ("t0", "a", "c", "g", "s_c", "h"),
     "feed": ("t0", "a", "c", "g", "s_c", "h"),  # prefill's form, of a drafter
 }
-FORMS = {"verify": "roofline-verify-v3", "draft": "roofline-draft-v2", "prefill": "roofline-prefill-v2",
-         "feed": "roofline-prefill-v2"}
+FORMS = {
+    "verify": "roofline-verify-v3",
+    "draft": "roofline-draft-v2",
+    "prefill": "roofline-prefill-v2",
+    "feed": "roofline-prefill-v2",
+}
 TOKENS = {"verify": "q", "draft": "k", "prefill": "one", "feed": "one"}  # the grid's second axis
 PER_DRAFTER = ("draft", "feed")  # ops fitted once per drafter: ops.<op>.<drafter> in the file
 
@@ -79,14 +83,25 @@ def softplus(x):
 
 def verify_ms(p: dict, B, q, L):
     B, q, L = (np.asarray(v, dtype=float) for v in (B, q, L))
-    return (p["t0"] + p["s"] * (q > 1) + p["u"] * ((q == 1) & (B > 1)) + smax(p["a"] * B * q, p["m"], p["p"])
-            + p["r"] * B + p["c"] * B * q * (L + (q - 1) / 2) + p["kv"] * B * L)
+    return (
+        p["t0"]
+        + p["s"] * (q > 1)
+        + p["u"] * ((q == 1) & (B > 1))
+        + smax(p["a"] * B * q, p["m"], p["p"])
+        + p["r"] * B
+        + p["c"] * B * q * (L + (q - 1) / 2)
+        + p["kv"] * B * L
+    )
 
 
 def draft_ms(p: dict, B, k, L):
     B, k, L = (np.asarray(v, dtype=float) for v in (B, k, L))
-    return (p["e"] + p["d"] * B * L + k * (p["t0"] + smax(p["a"] * B, p["m"], p["p"]) + p["c"] * B * L)
-            + p["s"] * np.maximum(k - 1, 0) * (B > 1))
+    return (
+        p["e"]
+        + p["d"] * B * L
+        + k * (p["t0"] + smax(p["a"] * B, p["m"], p["p"]) + p["c"] * B * L)
+        + p["s"] * np.maximum(k - 1, 0) * (B > 1)
+    )
 
 
 def prefill_ms(p: dict, n, S):
@@ -146,8 +161,9 @@ class FittedCostModel(MeasuredCostModel):
         """Seconds at (rows, tokens per row, the rows' total context); arrays broadcast."""
         how, obj = self._ops[key]
         if how == "grid":  # grid_time shapes everything as `tokens`: broadcast the context in first
-            tokens, ctx_tokens = np.broadcast_arrays(np.asarray(tokens, dtype=float),
-                                                     np.asarray(ctx_tokens, dtype=float))
+            tokens, ctx_tokens = np.broadcast_arrays(
+                np.asarray(tokens, dtype=float), np.asarray(ctx_tokens, dtype=float)
+            )
             return grid_time(obj, batch, tokens, ctx_tokens)
         b = max(float(batch), 1.0)
         out = np.maximum(op_ms(key.partition(":")[0], obj, b, tokens, np.asarray(ctx_tokens, dtype=float) / b), 0.0)
@@ -159,8 +175,10 @@ class FittedCostModel(MeasuredCostModel):
 
     def draft_time(self, drafter: str, batch: int, k, ctx_tokens: int, width: int = 1):
         if drafter not in self.drafters:
-            raise UserError(f"cost model file '{self.path}' has no draft fit for drafter '{drafter}' (it has: "
-                            f"{', '.join(self.drafters) or 'none'}); profile that drafter and fit again")
+            raise UserError(
+                f"cost model file '{self.path}' has no draft fit for drafter '{drafter}' (it has: "
+                f"{', '.join(self.drafters) or 'none'}); profile that drafter and fit again"
+            )
         k = np.asarray(k, dtype=float)
         t = self._eval(f"draft:{drafter}", batch * width, np.maximum(k, 1), ctx_tokens * width)
         return np.where(k > 0, t, 0.0) if np.ndim(t) else (t if k > 0 else 0.0)
@@ -195,15 +213,23 @@ class FittedCostModel(MeasuredCostModel):
 
     def describe(self) -> dict:
         src = self.data.get("source", {})
-        return {"kind": self.kind, "file": str(self.path) if self.path else None, "sha256": self.data.get("_sha256"),
-                "source": src.get("path"), "model": src.get("model"), "model_shape": src.get("model_shape"),
-                "machine": src.get("machine"),
-                "ops": {key: entry["used"] for key, entry in self._entries()},
-                "kv_and_memory_from": self.base.describe() if self.base is not None and hasattr(self.base, "describe")
-                else None}
+        return {
+            "kind": self.kind,
+            "file": str(self.path) if self.path else None,
+            "sha256": self.data.get("_sha256"),
+            "source": src.get("path"),
+            "model": src.get("model"),
+            "model_shape": src.get("model_shape"),
+            "machine": src.get("machine"),
+            "ops": {key: entry["used"] for key, entry in self._entries()},
+            "kv_and_memory_from": self.base.describe()
+            if self.base is not None and hasattr(self.base, "describe")
+            else None,
+        }
 
 
 # ----------------------------------------------------------------------------- the file
+
 
 def _bad(path, what: str) -> UserError:
     return UserError(f"cost model file '{path}' {what}; re-create it with `rlsched fit PROFILE_OR_RUNDIR --out {path}`")
@@ -229,9 +255,16 @@ def _check_entry(path, key: str, op: str, entry) -> None:
             raise _bad(path, f"has no valid '{where}.params.{name}' (a finite number >= 0 expected, got {v!r})")
     if entry["used"] == "interpolation":
         grid = entry.get("grid")
-        if (not isinstance(grid, list) or not grid or not all(
-                isinstance(r, list) and len(r) == 4 and all(isinstance(x, (int, float)) and not isinstance(x, bool)
-                                                           and math.isfinite(x) for x in r) for r in grid)):
+        if (
+            not isinstance(grid, list)
+            or not grid
+            or not all(
+                isinstance(r, list)
+                and len(r) == 4
+                and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in r)
+                for r in grid
+            )
+        ):
             raise _bad(path, f"has no valid '{where}.grid' (rows of [batch, tokens, ctx_tokens, ms] expected)")
 
 
@@ -239,16 +272,19 @@ def read_cost_file(path) -> dict:
     """Read and check a fitted-cost-model file; one UserError line naming the file and the fault."""
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"cost model file '{path}' does not exist; write one with "
-                        f"`rlsched fit PROFILE_OR_RUNDIR --out {path}`")
+        raise UserError(
+            f"cost model file '{path}' does not exist; write one with `rlsched fit PROFILE_OR_RUNDIR --out {path}`"
+        )
     raw = path.read_bytes()
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise _bad(path, f"is not valid JSON ({e})") from None
     if not isinstance(data, dict) or data.get("kind") != KIND:
-        raise UserError(f"cost model file '{path}' is not an rlsched cost model (no \"kind\": \"{KIND}\"); "
-                        "write one with `rlsched fit`")
+        raise UserError(
+            f'cost model file \'{path}\' is not an rlsched cost model (no "kind": "{KIND}"); '
+            "write one with `rlsched fit`"
+        )
     if data.get("version") != VERSION:
         raise _bad(path, f"has version {data.get('version')!r}, this rlsched reads version {VERSION}")
     ops = data.get("ops")
@@ -276,8 +312,10 @@ def load_cost_model(path, base=None, drafters=()) -> FittedCostModel:
     missing = [d for d in drafters if d not in data["ops"]["draft"]]
     if missing:
         have = ", ".join(data["ops"]["draft"]) or "none"
-        raise UserError(f"cost model file '{path}' has no draft fit for drafter(s) {', '.join(missing)} (it has: "
-                        f"{have}); name the config's drafters after the profiled ones or profile them")
+        raise UserError(
+            f"cost model file '{path}' has no draft fit for drafter(s) {', '.join(missing)} (it has: "
+            f"{have}); name the config's drafters after the profiled ones or profile them"
+        )
     try:
         return FittedCostModel(data, base, Path(path))
     except UserError as e:

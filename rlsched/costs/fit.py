@@ -19,6 +19,7 @@ same held-out points, the op keeps the grid and is priced by interpolation; the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -79,17 +80,27 @@ class FitResult:
         per = {op: {k.partition(":")[2]: f.entry() for k, f in self.ops.items() if f.op == op} for op in PER_DRAFTER}
         if not per["feed"]:
             del per["feed"]  # (optional in the file)
-        return {"kind": KIND, "version": VERSION,
-                "ops": {"verify": self.ops["verify"].entry(), "prefill": self.ops["prefill"].entry(), **per},
-                "max_mape": self.max_mape, "source": self.source, "notes": self.notes,
-                "created": {"rlsched": __version__, "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}}
+        return {
+            "kind": KIND,
+            "version": VERSION,
+            "ops": {"verify": self.ops["verify"].entry(), "prefill": self.ops["prefill"].entry(), **per},
+            "max_mape": self.max_mape,
+            "source": self.source,
+            "notes": self.notes,
+            "created": {"rlsched": __version__, "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+        }
 
     def summary(self) -> dict:
-        return {"ops": {k: {"used": f.used, **f.quality} for k, f in self.ops.items()}, "source": self.source,
-                "notes": self.notes, "max_mape": self.max_mape}
+        return {
+            "ops": {k: {"used": f.used, **f.quality} for k, f in self.ops.items()},
+            "source": self.source,
+            "notes": self.notes,
+            "max_mape": self.max_mape,
+        }
 
 
 # ----------------------------------------------------------------------------- records
+
 
 def read_records(path) -> tuple[pd.DataFrame, dict]:
     """Step records of a profile or run folder (or of its traces/ folder), and where they came from."""
@@ -100,8 +111,9 @@ def read_records(path) -> tuple[pd.DataFrame, dict]:
         if steps.is_dir():
             break
     else:
-        raise UserError(f"fit: '{path}' holds no step traces (no traces/steps/); give a `rlsched profile` "
-                        "folder or a run folder")
+        raise UserError(
+            f"fit: '{path}' holds no step traces (no traces/steps/); give a `rlsched profile` folder or a run folder"
+        )
     df = read_trace(steps, "steps")
     if df.empty:
         raise UserError(f"fit: '{steps}' holds no step records; re-run the profile or the run")
@@ -114,8 +126,23 @@ def read_records(path) -> tuple[pd.DataFrame, dict]:
             except (json.JSONDecodeError, UnicodeDecodeError):
                 meta = {}
             if isinstance(meta, dict):
-                source.update({k: meta[k] for k in ("model", "model_shape", "drafter", "drafters", "device", "dtype",
-                                                    "threads", "machine", "created_utc") if k in meta})
+                source.update(
+                    {
+                        k: meta[k]
+                        for k in (
+                            "model",
+                            "model_shape",
+                            "drafter",
+                            "drafters",
+                            "device",
+                            "dtype",
+                            "threads",
+                            "machine",
+                            "created_utc",
+                        )
+                        if k in meta
+                    }
+                )
             source["kind"] = "profile" if name == "profile.json" else "run"
             break
     else:
@@ -132,8 +159,14 @@ def op_tables(df: pd.DataFrame) -> tuple[dict[str, pd.DataFrame], list[str]]:
     parts: dict[str, list] = {}
 
     def add(key, d, tokens, ms):
-        d = pd.DataFrame({"batch": d["batch"].to_numpy(float), "tokens": np.asarray(tokens, dtype=float),
-                          "ctx_tokens": d["ctx_tokens"].to_numpy(float), "ms": np.asarray(ms, dtype=float)})
+        d = pd.DataFrame(
+            {
+                "batch": d["batch"].to_numpy(float),
+                "tokens": np.asarray(tokens, dtype=float),
+                "ctx_tokens": d["ctx_tokens"].to_numpy(float),
+                "ms": np.asarray(ms, dtype=float),
+            }
+        )
         parts.setdefault(key, []).append(d)
 
     v = df[df["kind"] == "verify"]
@@ -148,8 +181,10 @@ def op_tables(df: pd.DataFrame) -> tuple[dict[str, pd.DataFrame], list[str]]:
         covered = dec["steps"].fillna(1) if "steps" in dec else 1  # an imported record spans several steps
         uniform = dec["drafted"] == dec["batch"] * dec["k"] * dec["width"].clip(lower=1) * covered
         if (~uniform).any():
-            notes.append(f"{int((~uniform).sum())} of {len(dec)} decode steps drafted ragged lengths (rows capped "
-                         "near their budget, or per-sequence k) and were left out")
+            notes.append(
+                f"{int((~uniform).sum())} of {len(dec)} decode steps drafted ragged lengths (rows capped "
+                "near their budget, or per-sequence k) and were left out"
+            )
         dec = dec[uniform & (dec["width"] <= 1)]
         add("verify", dec, dec["k"] + 1, dec["verify_ms"])
         sd = dec[dec["k"] > 0]
@@ -168,9 +203,11 @@ def op_tables(df: pd.DataFrame) -> tuple[dict[str, pd.DataFrame], list[str]]:
     if "verify" not in tables:
         whole = df[(df["kind"] == "decode") & (df["k"] > 0)]
         if len(whole) and whole["verify_ms"].isna().all() and whole["step_ms"].notna().any():
-            raise UserError("fit: these speculative steps are timed as a whole (vLLM does not time drafting and "
-                            "verification apart); fit a run with policy off, or an `rlsched import-vllm` of a sweep "
-                            "over k (bench/peers/vllm_spec_metrics.py)")
+            raise UserError(
+                "fit: these speculative steps are timed as a whole (vLLM does not time drafting and "
+                "verification apart); fit a run with policy off, or an `rlsched import-vllm` of a sweep "
+                "over k (bench/peers/vllm_spec_metrics.py)"
+            )
         raise UserError("fit: the records hold no verify (or decode) step times; profile with `rlsched profile`")
     if "prefill" not in tables:
         raise UserError("fit: the records hold no prefill step times; profile with `rlsched profile`")
@@ -178,6 +215,7 @@ def op_tables(df: pd.DataFrame) -> tuple[dict[str, pd.DataFrame], list[str]]:
 
 
 # ----------------------------------------------------------------------------- fitting
+
 
 def mape(pred, y) -> float:
     y = np.asarray(y, dtype=float)
@@ -195,8 +233,7 @@ def _linear_start(op: str, t: pd.DataFrame) -> dict:
     """Non-negative least squares on the forms with the bend removed (p -> 0, no spill)."""
     B, q, L, y = (t[c].to_numpy(float) for c in ("batch", "tokens", "per_row", "ms"))
     if op == "verify":
-        X = np.column_stack([np.ones_like(B), q > 1, (q == 1) & (B > 1), B * q, B, B * q * (L + (q - 1) / 2),
-                             B * L])
+        X = np.column_stack([np.ones_like(B), q > 1, (q == 1) & (B > 1), B * q, B, B * q * (L + (q - 1) / 2), B * L])
         names = ("t0", "s", "u", "a", "r", "c", "kv")
     elif op == "draft":
         X = np.column_stack([np.ones_like(B), B * L, q, q * B, q * B * L, np.maximum(q - 1, 0) * (B > 1)])
@@ -258,29 +295,39 @@ def _holdout(t: pd.DataFrame, seed: int) -> tuple[np.ndarray, str, bool]:
         return t["batch"].isin(held).to_numpy(), "batch sizes " + ", ".join(str(int(b)) for b in held), True
     if len(t) >= 8:
         mask = np.zeros(len(t), dtype=bool)
-        mask[np.random.default_rng(seed).permutation(len(t))[:max(1, len(t) // 4)]] = True
+        mask[np.random.default_rng(seed).permutation(len(t))[: max(1, len(t) // 4)]] = True
         return mask, "a random 25% of the records", False
     return np.zeros(len(t), dtype=bool), "none: too few points", False
 
 
 def _grid_points(t: pd.DataFrame) -> list:
     g = t.groupby(["batch", "tokens", "per_row"], as_index=False)["ms"].median()
-    return [[float(b), float(k), float(b * L), float(ms)] for b, k, L, ms in g[["batch", "tokens", "per_row", "ms"]]
-            .itertuples(index=False)]
+    return [
+        [float(b), float(k), float(b * L), float(ms)]
+        for b, k, L, ms in g[["batch", "tokens", "per_row", "ms"]].itertuples(index=False)
+    ]
 
 
 def _interp_ms(op: str, points: list, t: pd.DataFrame):
     interp = grid_interpolator(op, points, op)
-    return np.array([grid_time(interp, b, k, b * L) * 1e3
-                     for b, k, L in t[["batch", "tokens", "per_row"]].itertuples(index=False)])
+    return np.array(
+        [grid_time(interp, b, k, b * L) * 1e3 for b, k, L in t[["batch", "tokens", "per_row"]].itertuples(index=False)]
+    )
 
 
 def fit_op(key: str, t: pd.DataFrame, max_mape: float = DEFAULT_MAX_MAPE, seed: int = 0) -> OpFit:
     op = key.partition(":")[0]
     frozen = FROZEN.get(op, {}) if len(t) < 2 * len(PARAMS[op]) else {}
     held, how, grid = _holdout(t, seed)
-    q = {"points": int(len(t)), "heldout": how, "heldout_points": int(held.sum()), "mape_train": None,
-         "mape_heldout": None, "max_ape_heldout": None, "interp_mape_heldout": None}
+    q = {
+        "points": int(len(t)),
+        "heldout": how,
+        "heldout_points": int(held.sum()),
+        "mape_train": None,
+        "mape_heldout": None,
+        "max_ape_heldout": None,
+        "interp_mape_heldout": None,
+    }
     if held.any():
         train, test = t[~held], t[held]
         p = fit_form(op, train, seed, frozen)
@@ -289,10 +336,8 @@ def fit_op(key: str, t: pd.DataFrame, max_mape: float = DEFAULT_MAX_MAPE, seed: 
         q["mape_heldout"] = mape(pred, test["ms"])
         q["max_ape_heldout"] = float(np.max(np.abs(pred - test["ms"]) / test["ms"]))
         if grid:
-            try:
+            with contextlib.suppress(UserError):
                 q["interp_mape_heldout"] = mape(_interp_ms(op, _grid_points(train), test), test["ms"])
-            except UserError:
-                pass
     p = fit_form(op, t, seed, frozen)
     pred = op_ms(op, p, t["batch"], t["tokens"], t["per_row"])
     q["r2"], q["mape"] = r_squared(pred, t["ms"]), mape(pred, t["ms"])
@@ -305,19 +350,25 @@ def fit_op(key: str, t: pd.DataFrame, max_mape: float = DEFAULT_MAX_MAPE, seed: 
                 points = _grid_points(t)
                 grid_interpolator(op, points, key)
                 used = "interpolation"
-                note = (f"{key}: the form's held-out MAPE {mh:.1%} is above {bar}; interpolating over "
-                        f"the measured grid instead (held-out MAPE {mi:.1%})")
+                note = (
+                    f"{key}: the form's held-out MAPE {mh:.1%} is above {bar}; interpolating over "
+                    f"the measured grid instead (held-out MAPE {mi:.1%})"
+                )
             except UserError:
                 points = None
         if used == "parametric":
-            why = (f"interpolation does no better ({mi:.1%})" if mi is not None
-                   else "there is no full grid to interpolate over")
+            why = (
+                f"interpolation does no better ({mi:.1%})"
+                if mi is not None
+                else "there is no full grid to interpolate over"
+            )
             note = f"{key}: the form's held-out MAPE {mh:.1%} is above {bar} and {why}; kept the form"
     return OpFit(key, p, used, q, t, points, note)
 
 
-def fit_records(df: pd.DataFrame, source: dict | None = None, max_mape: float = DEFAULT_MAX_MAPE,
-                seed: int = 0) -> FitResult:
+def fit_records(
+    df: pd.DataFrame, source: dict | None = None, max_mape: float = DEFAULT_MAX_MAPE, seed: int = 0
+) -> FitResult:
     tables, notes = op_tables(df)
     ops = {}
     for key in ["verify", "prefill"] + sorted(k for k in tables if k.partition(":")[0] in PER_DRAFTER):

@@ -50,12 +50,14 @@ class Grid:
             # over the tokens axis first (the same numbers, a tenth of the numpy calls)
             (i, u), (j, w) = self._cell(0, log_batch), self._cell(2, per_row)
             v = self.values
-            line = ((1 - u) * ((1 - w) * v[i, :, j] + w * v[i, :, j + 1])
-                    + u * ((1 - w) * v[i + 1, :, j] + w * v[i + 1, :, j + 1]))
+            line = (1 - u) * ((1 - w) * v[i, :, j] + w * v[i, :, j + 1]) + u * (
+                (1 - w) * v[i + 1, :, j] + w * v[i + 1, :, j + 1]
+            )
             t, r = self._cell(1, np.asarray(tokens, dtype=float))
             return (1 - r) * line[t] + r * line[t + 1]
-        (i, u), (t, r), (j, w) = (self._cell(dim, np.asarray(x, dtype=float))
-                                  for dim, x in enumerate((log_batch, tokens, per_row)))
+        (i, u), (t, r), (j, w) = (
+            self._cell(dim, np.asarray(x, dtype=float)) for dim, x in enumerate((log_batch, tokens, per_row))
+        )
         v, out = self.values, 0.0
         for di, wi in ((0, 1 - u), (1, u)):
             for dt, wt in ((0, 1 - r), (1, r)):
@@ -77,8 +79,10 @@ def measured_grid(df: pd.DataFrame, tokens_col: str, value_col: str, what: str, 
     axes = [np.array(sorted(set(table.index.get_level_values(i))), dtype=float) for i in range(3)]
     full = pd.MultiIndex.from_product(axes)
     if len(table) != len(full):
-        raise UserError(f"profile: the {what} measurements do not fill a grid of batch x tokens x "
-                        f"context ({len(table)} of {len(full)} points); re-run `rlsched profile`")
+        raise UserError(
+            f"profile: the {what} measurements do not fill a grid of batch x tokens x "
+            f"context ({len(table)} of {len(full)} points); re-run `rlsched profile`"
+        )
     values = table.reindex(full).to_numpy().reshape([len(a) for a in axes]) / 1e3
     if monotone:
         for i in range(values.shape[0]):
@@ -130,8 +134,9 @@ class MeasuredCostModel:
         for name, d in drafts[~wide].groupby("drafter"):
             self._draft[str(name)] = measured_grid(d, "k", "draft_ms", f"draft ({name})", monotone=True)
         for (name, w), d in drafts[wide].groupby(["drafter", "width"]) if wide.any() else ():  # trees, as timed
-            self._tree_draft[str(name), int(w)] = measured_grid(d, "k", "draft_ms", f"draft ({name}, width {w})",
-                                                                monotone=True)
+            self._tree_draft[str(name), int(w)] = measured_grid(
+                d, "k", "draft_ms", f"draft ({name}, width {w})", monotone=True
+            )
         self._prefill = _line(records[records["kind"] == "prefill"])
         self._feed = {str(name): _line(d) for name, d in records[records["kind"] == "feed"].groupby("drafter")}
         self.drafters = tuple(self._draft)
@@ -141,8 +146,10 @@ class MeasuredCostModel:
 
     def draft_time(self, drafter: str, batch: int, k, ctx_tokens: int, width: int = 1):
         if drafter not in self._draft:
-            raise UserError(f"profile has no draft measurements for drafter '{drafter}' "
-                            f"(has: {', '.join(self._draft) or 'none'}); profile with it")
+            raise UserError(
+                f"profile has no draft measurements for drafter '{drafter}' "
+                f"(has: {', '.join(self._draft) or 'none'}); profile with it"
+            )
         k = np.asarray(k, dtype=float)
         tree = self._tree_draft.get((drafter, int(width))) if width > 1 else None
         if tree is not None:  # the tree's drafting as timed
@@ -158,8 +165,12 @@ class MeasuredCostModel:
         k = ks.max(axis=-1, initial=0)
         if ks.ndim == 1:
             return self.draft_time(drafter, int(rows), int(k), ctx_tokens) if k > 0 else 0.0
-        return np.array([self.draft_time(drafter, int(r), int(kk), c) if kk > 0 else 0.0
-                         for r, kk, c in zip(rows, k, np.broadcast_to(ctx_tokens, rows.shape))])
+        return np.array(
+            [
+                self.draft_time(drafter, int(r), int(kk), c) if kk > 0 else 0.0
+                for r, kk, c in zip(rows, k, np.broadcast_to(ctx_tokens, rows.shape))
+            ]
+        )
 
     def prefill_time(self, n_tokens: int, sum_sq_tokens: int | None = None) -> float:
         icept, slope = self._prefill

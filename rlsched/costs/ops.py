@@ -112,8 +112,9 @@ def elementwise_time(c: OpCosts, s: Shape, tokens, tp: int = 1, kernels: int | N
     t = np.asarray(tokens, dtype=float)
     n = c.elementwise_kernels if kernels is None else kernels
     row = s.elementwise_elements(tp) * s.dtype_bytes
-    return n * c.elementwise_floor_us * 1e-6 + np.maximum(row / (c.elementwise_row_gbs * 1e9),
-                                                          t * row / (c.mem_bw_gbs * 1e9 * c.elementwise_eff))
+    return n * c.elementwise_floor_us * 1e-6 + np.maximum(
+        row / (c.elementwise_row_gbs * 1e9), t * row / (c.mem_bw_gbs * 1e9 * c.elementwise_eff)
+    )
 
 
 def attention_time(c: OpCosts, s: Shape, q, ctx_tokens, tp: int = 1) -> np.ndarray:
@@ -123,8 +124,10 @@ def attention_time(c: OpCosts, s: Shape, q, ctx_tokens, tp: int = 1) -> np.ndarr
     q, ctx = np.asarray(q, dtype=float), np.asarray(ctx_tokens, dtype=float)
     kv_bytes = ctx * 2 * s.kv_heads * s.head_dim / tp * s.dtype_bytes
     flops = 4.0 * q * ctx * s.heads * s.head_dim / tp
-    return np.maximum(kv_bytes / (c.mem_bw_gbs * 1e9 * c.attention_eff),
-                      flops / (c.peak_tflops * 1e12 * c.compute_eff)) + c.attention_floor_us * 1e-6
+    return (
+        np.maximum(kv_bytes / (c.mem_bw_gbs * 1e9 * c.attention_eff), flops / (c.peak_tflops * 1e12 * c.compute_eff))
+        + c.attention_floor_us * 1e-6
+    )
 
 
 def allreduce_time(c: OpCosts, nbytes, tp: int) -> np.ndarray:
@@ -148,14 +151,21 @@ def layer_time(c: OpCosts, s: Shape, tokens, tp: int = 1, q=1, ctx_tokens=0) -> 
 # ----------------------------------------------------------------------------- calibration
 
 # the fields fit_op_costs fits, and their ranges (`linear_tile` is the kernels' own and stays fixed)
-BOUNDS = {"compute_eff": (0.05, 1.0), "memory_eff": (0.05, 1.0), "linear_floor_us": (0.05, 200.0),
-          "linear_knee": (1.0, 50.0), "elementwise_eff": (0.01, 1.0), "elementwise_floor_us": (0.05, 200.0),
-          "elementwise_row_gbs": (0.5, 1000.0)}
+BOUNDS = {
+    "compute_eff": (0.05, 1.0),
+    "memory_eff": (0.05, 1.0),
+    "linear_floor_us": (0.05, 200.0),
+    "linear_knee": (1.0, 50.0),
+    "elementwise_eff": (0.01, 1.0),
+    "elementwise_floor_us": (0.05, 200.0),
+    "elementwise_row_gbs": (0.5, 1000.0),
+}
 FITTED = tuple(BOUNDS)
 
 
-def fit_op_costs(base: OpCosts, rows: list[tuple[Shape, int, np.ndarray, dict[str, np.ndarray], np.ndarray,
-                                                 int]]) -> OpCosts:
+def fit_op_costs(
+    base: OpCosts, rows: list[tuple[Shape, int, np.ndarray, dict[str, np.ndarray], np.ndarray, int]]
+) -> OpCosts:
     """The linear and element-wise efficiencies, floors and shapes (the fields of BOUNDS) that
     minimise the relative error (in log space, each token count weighted by its share of the
     log-token axis) of the linear groups' and element-wise times of `rows`: per measured model
@@ -201,14 +211,19 @@ def fit_attention(base: OpCosts, s: Shape, tp: int, batch, ctx_per_seq, measured
     batch, ctx, measured = (np.asarray(v, dtype=float) for v in (batch, ctx_per_seq, measured))
 
     def residuals(x):
-        c = OpCosts(**{**base.to_dict(), "attention_eff": float(np.exp(x[0])),
-                       "attention_floor_us": float(np.exp(x[1]))})
+        c = OpCosts(
+            **{**base.to_dict(), "attention_eff": float(np.exp(x[0])), "attention_floor_us": float(np.exp(x[1]))}
+        )
         return np.log(attention_time(c, s, 1, batch * ctx, tp) / measured)
 
-    fit = least_squares(residuals, np.log([base.attention_eff, base.attention_floor_us]),
-                        bounds=(np.log([0.05, 0.5]), np.log([1.0, 500.0])))
-    return OpCosts(**{**base.to_dict(), "attention_eff": float(np.exp(fit.x[0])),
-                      "attention_floor_us": float(np.exp(fit.x[1]))})
+    fit = least_squares(
+        residuals,
+        np.log([base.attention_eff, base.attention_floor_us]),
+        bounds=(np.log([0.05, 0.5]), np.log([1.0, 500.0])),
+    )
+    return OpCosts(
+        **{**base.to_dict(), "attention_eff": float(np.exp(fit.x[0])), "attention_floor_us": float(np.exp(fit.x[1]))}
+    )
 
 
 def fit_allreduce(base: OpCosts, tp, nbytes, measured) -> OpCosts:
@@ -222,7 +237,15 @@ def fit_allreduce(base: OpCosts, tp, nbytes, measured) -> OpCosts:
         pred = np.exp(x[0]) * 1e-6 + nbytes * 2 * (tp - 1) / tp / (np.exp(x[1]) * 1e9)
         return np.log(pred / measured)
 
-    fit = least_squares(residuals, np.log([base.allreduce_latency_us, base.allreduce_bus_gbs]),
-                        bounds=(np.log([0.5, 1.0]), np.log([500.0, 5000.0])))
-    return OpCosts(**{**base.to_dict(), "allreduce_latency_us": float(np.exp(fit.x[0])),
-                      "allreduce_bus_gbs": float(np.exp(fit.x[1]))})
+    fit = least_squares(
+        residuals,
+        np.log([base.allreduce_latency_us, base.allreduce_bus_gbs]),
+        bounds=(np.log([0.5, 1.0]), np.log([500.0, 5000.0])),
+    )
+    return OpCosts(
+        **{
+            **base.to_dict(),
+            "allreduce_latency_us": float(np.exp(fit.x[0])),
+            "allreduce_bus_gbs": float(np.exp(fit.x[1])),
+        }
+    )

@@ -17,18 +17,34 @@ from __future__ import annotations
 import numpy as np
 
 from rlsched.config import DrafterSpec, HardwareSpec, ModelSpec, SimConfig, eagle_head
-from rlsched.costs.ops import OpCosts, Shape, allreduce_time, attention_time, elementwise_time, linear_time, \
-    linear_times
+from rlsched.costs.ops import (
+    OpCosts,
+    Shape,
+    allreduce_time,
+    attention_time,
+    elementwise_time,
+    linear_time,
+    linear_times,
+)
 
 
 def op_costs(hw: HardwareSpec) -> OpCosts:
     """The per-op efficiencies and floors of a hardware preset."""
-    return OpCosts(hw.peak_tflops, hw.mem_bw_gbs, compute_eff=hw.compute_efficiency, memory_eff=hw.memory_efficiency,
-                   linear_floor_us=hw.linear_floor_us, linear_knee=hw.linear_knee,
-                   elementwise_eff=hw.elementwise_efficiency, elementwise_floor_us=hw.elementwise_floor_us,
-                   elementwise_row_gbs=hw.elementwise_row_gbs, attention_eff=hw.attention_efficiency,
-                   attention_floor_us=hw.attention_floor_us, allreduce_latency_us=hw.allreduce_latency_us,
-                   allreduce_bus_gbs=hw.nvlink_gbs)
+    return OpCosts(
+        hw.peak_tflops,
+        hw.mem_bw_gbs,
+        compute_eff=hw.compute_efficiency,
+        memory_eff=hw.memory_efficiency,
+        linear_floor_us=hw.linear_floor_us,
+        linear_knee=hw.linear_knee,
+        elementwise_eff=hw.elementwise_efficiency,
+        elementwise_floor_us=hw.elementwise_floor_us,
+        elementwise_row_gbs=hw.elementwise_row_gbs,
+        attention_eff=hw.attention_efficiency,
+        attention_floor_us=hw.attention_floor_us,
+        allreduce_latency_us=hw.allreduce_latency_us,
+        allreduce_bus_gbs=hw.nvlink_gbs,
+    )
 
 
 class _Forward:
@@ -44,8 +60,11 @@ class _Forward:
         """Everything that depends on the new tokens alone: the layers' matmuls, element-wise
         kernels and all-reduces, and the LM head."""
         s, c, tp = self.shape, self.c, self.tp
-        layer = sum(linear_times(c, s, tokens, tp).values()) + elementwise_time(c, s, tokens, tp) \
+        layer = (
+            sum(linear_times(c, s, tokens, tp).values())
+            + elementwise_time(c, s, tokens, tp)
             + 2 * allreduce_time(c, np.asarray(tokens, dtype=float) * s.hidden * s.dtype_bytes, tp)
+        )
         head = linear_time(c, self.head_params, self.hidden + self.vocab / tp, tokens, s.dtype_bytes)
         if self.fusion_params:  # (an EAGLE-3 head's projection of the target's hidden states)
             head = head + linear_time(c, self.fusion_params, 4 * self.hidden, tokens, s.dtype_bytes)
@@ -90,10 +109,11 @@ class RooflineCostModel:
         self._mig_bw = tp * hardware.migrate_link_gbs * 1e9
         self._mig_lat = hardware.migrate_latency_ms * 1e-3
         self._kv_bytes = model.kv_bytes_per_token + sum(
-            d.model.kv_bytes_per_token for d in drafters if d.kind == "model")
+            d.model.kv_bytes_per_token for d in drafters if d.kind == "model"
+        )
 
     @classmethod
-    def from_config(cls, cfg: SimConfig) -> "RooflineCostModel":
+    def from_config(cls, cfg: SimConfig) -> RooflineCostModel:
         return cls(cfg.hardware, cfg.model, cfg.drafters, cfg.cluster.tp)
 
     @property
@@ -168,6 +188,10 @@ class RooflineCostModel:
         return self.model.weight_bytes + self._drafter_weight_bytes
 
     def describe(self) -> dict:
-        return {"kind": self.kind, "hardware": self.hardware.name, "model": self.model.name, "tp": self.tp,
-                "drafters": {n: k for n, (k, _) in self._drafters.items()}}
-
+        return {
+            "kind": self.kind,
+            "hardware": self.hardware.name,
+            "model": self.model.name,
+            "tp": self.tp,
+            "drafters": {n: k for n, (k, _) in self._drafters.items()},
+        }

@@ -41,12 +41,19 @@ def check_drafter_vocab(target, drafter, target_dir: Path, drafter_dir: Path) ->
     """A model drafter must share the target's vocabulary (size and tokenizer)."""
     tv, dv = target.config.vocab_size, drafter.config.vocab_size
     if tv != dv:
-        raise UserError(f"drafter {drafter_dir} has a vocabulary of {dv} tokens, the target {target_dir} "
-                        f"{tv}; a model drafter must share the target's tokenizer")
-    if target.tokenizer is not None and drafter.tokenizer is not None:
-        if target.tokenizer.get_vocab() != drafter.tokenizer.get_vocab():
-            raise UserError(f"drafter {drafter_dir} has a different tokenizer vocabulary from the target "
-                            f"{target_dir}; a model drafter must share the target's tokenizer")
+        raise UserError(
+            f"drafter {drafter_dir} has a vocabulary of {dv} tokens, the target {target_dir} "
+            f"{tv}; a model drafter must share the target's tokenizer"
+        )
+    if (
+        target.tokenizer is not None
+        and drafter.tokenizer is not None
+        and target.tokenizer.get_vocab() != drafter.tokenizer.get_vocab()
+    ):
+        raise UserError(
+            f"drafter {drafter_dir} has a different tokenizer vocabulary from the target "
+            f"{target_dir}; a model drafter must share the target's tokenizer"
+        )
 
 
 def prepare_out(out: Path, marker: str = "summary.json", command: str = "generate") -> None:
@@ -57,5 +64,6 @@ def prepare_out(out: Path, marker: str = "summary.json", command: str = "generat
         if not out.is_dir():
             raise UserError(f"--out {out} is a file; give a folder")
         if any(out.iterdir()) and not (out / marker).is_file() and not (out / "traces").is_dir():
-            raise UserError(f"--out {out} is a non-empty folder that is not an earlier {command} output; "
-                            "give a new or empty folder")
+            raise UserError(
+                f"--out {out} is a non-empty folder that is not an earlier {command} output; give a new or empty folder"
+            )

@@ -29,8 +29,19 @@ from rlsched.errors import UserError
 from rlsched.executor.folders import prepare_out
 from rlsched.executor.gcfreeze import freeze_long_lived
 from rlsched.executor.prompts import Prompt, load_prompts
-from rlsched.executor.setup import Models, check_cost_folder, check_policy_model, check_width_max, cost_model, \
-    drafter_kind, drafter_names, load_models, make_drafter, needs_cost, start_engine
+from rlsched.executor.setup import (
+    Models,
+    check_cost_folder,
+    check_policy_model,
+    check_width_max,
+    cost_model,
+    drafter_kind,
+    drafter_names,
+    load_models,
+    make_drafter,
+    needs_cost,
+    start_engine,
+)
 from rlsched.policies.registry import GENERATE, parse_policy
 
 MARKER = "summary.json"
@@ -64,6 +75,7 @@ class GenerateArgs:
 
 # --- checking inputs -------------------------------------------------------------------------
 
+
 def _sampling(a: GenerateArgs):
     from rlsched.executor.decode.sampling import SamplingParams
 
@@ -74,8 +86,12 @@ def _sampling(a: GenerateArgs):
 
 
 def _check_numbers(a: GenerateArgs) -> None:
-    for name, v, lo in (("n", a.n, 1), ("max_tokens", a.max_tokens, 1), ("max_batch", a.max_batch, 1),
-                        ("k_max", a.k_max, 1)):
+    for name, v, lo in (
+        ("n", a.n, 1),
+        ("max_tokens", a.max_tokens, 1),
+        ("max_batch", a.max_batch, 1),
+        ("k_max", a.k_max, 1),
+    ):
         if v < lo:
             raise UserError(f"--{name.replace('_', '-')} must be >= {lo} (got {v})")
     if a.kv_budget is not None and a.kv_budget < 1:
@@ -96,6 +112,7 @@ def _check_numbers(a: GenerateArgs) -> None:
 
 
 # --- the run ---------------------------------------------------------------------------------
+
 
 @dataclass
 class Setup:
@@ -136,15 +153,14 @@ def prepare(a: GenerateArgs, out: Path | None, log=None) -> Setup:
 
 def run(s: Setup, out: Path, log=None) -> dict:
     """Generate every prompt `n` times with the engine; write the folder; return the summary."""
+    from rlsched.atomic import write_text_atomic
     from rlsched.executor.decode.drafters import drafter_cache_len
     from rlsched.executor.engine.rollout import Request, build_policy, check_requests
     from rlsched.tasks.synthetic import exact_match
-    from rlsched.atomic import write_text_atomic
     from rlsched.traces.writer import write_table
 
     a, m = s.args, s.models
-    requests = [Request(p.ids, p.index, p.index * a.n + j, a.max_tokens, s.eos)
-                for p in s.prompts for j in range(a.n)]
+    requests = [Request(p.ids, p.index, p.index * a.n + j, a.max_tokens, s.eos) for p in s.prompts for j in range(a.n)]
     longest = max(len(r.prompt) for r in requests)
     budget = a.kv_budget or a.max_batch * (longest + a.max_tokens)
     check_requests(requests, budget)
@@ -153,20 +169,57 @@ def run(s: Setup, out: Path, log=None) -> dict:
     drafter_len = drafter_cache_len(longest, a.max_tokens, a.k_max)
     drafter = make_drafter(m, s.sampling, a.max_batch, drafter_len, gen)
     typical = int(sum(len(r.prompt) for r in requests) / len(requests) + a.max_tokens / 2)
-    cost, _ = cost_model(a.policy, a.cost_model, m.target, drafter, s.sampling, instances=a.instances,
-                         realloc=a.realloc, max_batch=a.max_batch, k_max=a.k_max, typical_ctx=typical, seed=a.seed,
-                         log=log, width_max=a.width_max)
-    policy = build_policy(a.policy, m.drafter_names, cost, GENERATE, k_max=a.k_max, max_batch=a.max_batch,
-                          typical_ctx=typical, width_max=a.width_max, nodes_max=a.k_max)
+    cost, _ = cost_model(
+        a.policy,
+        a.cost_model,
+        m.target,
+        drafter,
+        s.sampling,
+        instances=a.instances,
+        realloc=a.realloc,
+        max_batch=a.max_batch,
+        k_max=a.k_max,
+        typical_ctx=typical,
+        seed=a.seed,
+        log=log,
+        width_max=a.width_max,
+    )
+    policy = build_policy(
+        a.policy,
+        m.drafter_names,
+        cost,
+        GENERATE,
+        k_max=a.k_max,
+        max_batch=a.max_batch,
+        typical_ctx=typical,
+        width_max=a.width_max,
+        nodes_max=a.k_max,
+    )
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
     # --threads is per instance; a pool shares the cores by default
     threads = a.threads or max(1, (os.cpu_count() or 1) // a.instances)
-    engine = start_engine(m, drafter, s.sampling, policy, instances=a.instances, capacity=budget,
-                          max_batch=a.max_batch, k_max=a.k_max, drafter_len=drafter_len, trace_dir=out / "traces",
-                          generator=gen, device=a.device, dtype=a.dtype, threads=threads, realloc=a.realloc,
-                          cost=cost, seed=a.seed, log=log)
+    engine = start_engine(
+        m,
+        drafter,
+        s.sampling,
+        policy,
+        instances=a.instances,
+        capacity=budget,
+        max_batch=a.max_batch,
+        k_max=a.k_max,
+        drafter_len=drafter_len,
+        trace_dir=out / "traces",
+        generator=gen,
+        device=a.device,
+        dtype=a.dtype,
+        threads=threads,
+        realloc=a.realloc,
+        cost=cost,
+        seed=a.seed,
+        log=log,
+    )
     freeze_long_lived()
     try:
         result = engine.run(requests)
@@ -177,20 +230,40 @@ def run(s: Setup, out: Path, log=None) -> dict:
     for r, sample in zip(requests, result.samples):
         p = s.prompts[r.prompt_id]
         text = tok.decode(sample.tokens, skip_special_tokens=True)
-        rows.append(dict(prompt_id=p.index, prompt_key=p.key, sample_id=r.sample_id, prompt=p.text,
-                         token_ids=sample.tokens, text=text, logprobs=sample.logprobs,
-                         response_len=len(sample.tokens), finish_s=sample.finish_s,
-                         mean_accept_len=sample.mean_accept_len,
-                         correct=None if p.answer is None else exact_match(text, p.answer)))
+        rows.append(
+            dict(
+                prompt_id=p.index,
+                prompt_key=p.key,
+                sample_id=r.sample_id,
+                prompt=p.text,
+                token_ids=sample.tokens,
+                text=text,
+                logprobs=sample.logprobs,
+                response_len=len(sample.tokens),
+                finish_s=sample.finish_s,
+                mean_accept_len=sample.mean_accept_len,
+                correct=None if p.answer is None else exact_match(text, p.answer),
+            )
+        )
     df = pd.DataFrame(rows)
     write_table(out / "samples.parquet", pa.Table.from_pandas(df, preserve_index=False))
     stats = result.stats
-    summary = dict(stats, model=str(m.target_dir), drafter=m.drafter_name, instances=a.instances, realloc=a.realloc,
-                   drafter_dir=None if m.drafter_dir is None else str(m.drafter_dir), policy=a.policy,
-                   prompts=len(s.prompts), kv_budget_tokens=budget,
-                   accuracy=None if df["correct"].isna().all() else float(df["correct"].mean()),
-                   args={k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(a).items()},
-                   machine=platform.node(), threads=torch.get_num_threads(),
-                   created_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), out=str(out))
+    summary = dict(
+        stats,
+        model=str(m.target_dir),
+        drafter=m.drafter_name,
+        instances=a.instances,
+        realloc=a.realloc,
+        drafter_dir=None if m.drafter_dir is None else str(m.drafter_dir),
+        policy=a.policy,
+        prompts=len(s.prompts),
+        kv_budget_tokens=budget,
+        accuracy=None if df["correct"].isna().all() else float(df["correct"].mean()),
+        args={k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(a).items()},
+        machine=platform.node(),
+        threads=torch.get_num_threads(),
+        created_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        out=str(out),
+    )
     write_text_atomic(out / MARKER, json.dumps(summary, indent=2) + "\n")
     return summary

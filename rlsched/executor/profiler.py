@@ -95,13 +95,37 @@ def ragged_lengths(b: int, ctx: int) -> list[int]:
     return lens
 
 
-def _record(kind: str, batch: int, k: int, ctx: int, runs_ms: list[float], drafter: str = "", width: int = 1,
-            drafted: int | None = None) -> dict:
+def _record(
+    kind: str,
+    batch: int,
+    k: int,
+    ctx: int,
+    runs_ms: list[float],
+    drafter: str = "",
+    width: int = 1,
+    drafted: int | None = None,
+) -> dict:
     """A STEP-schema record of one point; its times are set from `runs_ms` (the timed runs,
     merged over passes) by `profile`."""
-    return dict(rl_step=0, instance=0, step=0, time_s=0.0, kind=kind, batch=batch, drafter=drafter, k=k,
-                width=width, drafted=batch * k if drafted is None else drafted, accepted=0, emitted=0, draft_ms=0.0,
-                verify_ms=0.0, step_ms=0.0, ctx_tokens=ctx, runs_ms=list(runs_ms))
+    return dict(
+        rl_step=0,
+        instance=0,
+        step=0,
+        time_s=0.0,
+        kind=kind,
+        batch=batch,
+        drafter=drafter,
+        k=k,
+        width=width,
+        drafted=batch * k if drafted is None else drafted,
+        accepted=0,
+        emitted=0,
+        draft_ms=0.0,
+        verify_ms=0.0,
+        step_ms=0.0,
+        ctx_tokens=ctx,
+        runs_ms=list(runs_ms),
+    )
 
 
 def profile_trees(drafters: dict, k_max: int, width_max: int) -> dict:
@@ -123,9 +147,21 @@ def profile_trees(drafters: dict, k_max: int, width_max: int) -> dict:
     return out
 
 
-def profile(model, drafters: dict, *, batch_sizes=(1, 2, 4, 8, 16, 32, 64), k_max: int = 6,
-            contexts=(64, 192), repeats: int = 5, passes: int = 1, sampling: SamplingParams | None = None,
-            seed: int = 0, progress=None, statistic=typical_ms, width_max: int = 1) -> list[dict]:
+def profile(
+    model,
+    drafters: dict,
+    *,
+    batch_sizes=(1, 2, 4, 8, 16, 32, 64),
+    k_max: int = 6,
+    contexts=(64, 192),
+    repeats: int = 5,
+    passes: int = 1,
+    sampling: SamplingParams | None = None,
+    seed: int = 0,
+    progress=None,
+    statistic=typical_ms,
+    width_max: int = 1,
+) -> list[dict]:
     """`_profile_pass` `passes` times over the whole grid with repeats / passes timed runs per
     point; a point's price is `statistic` of all its runs (`typical_ms`: their median). A
     disturbance on a shared machine lasts seconds, so runs taken minutes apart sample the
@@ -137,11 +173,22 @@ def profile(model, drafters: dict, *, batch_sizes=(1, 2, 4, 8, 16, 32, 64), k_ma
     prefill_only = prefill_midpoints(contexts)
     points: dict[tuple, dict] = {}
     for i in range(passes):
-        pass_progress = None if progress is None else (
-            lambda n, total, b, c, i=i: progress(i * total + n, passes * total, b, c))
-        for r in _profile_pass(model, drafters, batch_sizes=batch_sizes, k_max=k_max, contexts=contexts,
-                               prefill_only=prefill_only, repeats=per_pass, sampling=sampling, seed=seed,
-                               progress=pass_progress, width_max=width_max):
+        pass_progress = (
+            None if progress is None else (lambda n, total, b, c, i=i: progress(i * total + n, passes * total, b, c))
+        )
+        for r in _profile_pass(
+            model,
+            drafters,
+            batch_sizes=batch_sizes,
+            k_max=k_max,
+            contexts=contexts,
+            prefill_only=prefill_only,
+            repeats=per_pass,
+            sampling=sampling,
+            seed=seed,
+            progress=pass_progress,
+            width_max=width_max,
+        ):
             key = (r["kind"], r["batch"], r["k"], r["ctx_tokens"], r["drafter"], r["width"])
             if key in points:
                 points[key]["runs_ms"] += r["runs_ms"]
@@ -167,9 +214,20 @@ def prefill_midpoints(contexts) -> tuple[int, ...]:
 
 
 @torch.inference_mode()
-def _profile_pass(model, drafters: dict, *, batch_sizes, k_max: int, contexts, repeats: int,
-                  sampling: SamplingParams | None, seed: int, progress, prefill_only=(),
-                  width_max: int = 1) -> list[dict]:
+def _profile_pass(
+    model,
+    drafters: dict,
+    *,
+    batch_sizes,
+    k_max: int,
+    contexts,
+    repeats: int,
+    sampling: SamplingParams | None,
+    seed: int,
+    progress,
+    prefill_only=(),
+    width_max: int = 1,
+) -> list[dict]:
     """Step-time records for every (batch, context) point: one prefill (and each model
     drafter's feed of the same prompts: its catch-up on rows that join), verify for
     k = 0..k_max, and each drafter's propose for k = 1..k_max; at `prefill_only` contexts the
@@ -206,8 +264,9 @@ def _profile_pass(model, drafters: dict, *, batch_sizes, k_max: int, contexts, r
                     drafter.reset()
                     drafter.propose(fresh, 1)
 
-                records.append(_record("feed", b, 0, b * ctx, _timed(do_feed, max(1, repeats // 2), sync),
-                                       drafter=name))
+                records.append(
+                    _record("feed", b, 0, b * ctx, _timed(do_feed, max(1, repeats // 2), sync), drafter=name)
+                )
         if ctx not in contexts:
             if progress is not None:
                 progress(n + 1, len(points), b, ctx)
@@ -261,8 +320,10 @@ def _profile_pass(model, drafters: dict, *, batch_sizes, k_max: int, contexts, r
             ms = _timed_in_turn({**fns, "": do_verify}, repeats, sync, before)
             records.append(_record("verify", b, k, b * ctx, ms[""]))
             records += [_record("draft", b, k, b * ctx, ms[name], drafter=name) for name in fns if name in drafters]
-            records += [_record("draft", b, k, b * ctx, ms[key], drafter=name, width=w, drafted=b * tree.n)
-                        for key, (name, w, tree) in tree_of.items()]
+            records += [
+                _record("draft", b, k, b * ctx, ms[key], drafter=name, width=w, drafted=b * tree.n)
+                for key, (name, w, tree) in tree_of.items()
+            ]
         for drafter in drafters.values():
             if hasattr(drafter, "reset"):
                 drafter.reset()
@@ -271,8 +332,19 @@ def _profile_pass(model, drafters: dict, *, batch_sizes, k_max: int, contexts, r
     return records
 
 
-def policy_profile(model, drafter, *, policy: str, max_batch: int, k_max: int, typical_ctx: int,
-                   sampling: SamplingParams, seed: int = 0, log=None, width_max: int = 1) -> pd.DataFrame:
+def policy_profile(
+    model,
+    drafter,
+    *,
+    policy: str,
+    max_batch: int,
+    k_max: int,
+    typical_ctx: int,
+    sampling: SamplingParams,
+    seed: int = 0,
+    log=None,
+    width_max: int = 1,
+) -> pd.DataFrame:
     """A short profile (a few seconds) for a policy that prices steps: batch sizes up to
     max_batch, k 0..k_max (and trees up to `width_max` wide), one context (the workload's
     typical one), 3 repeats."""
@@ -280,28 +352,55 @@ def policy_profile(model, drafter, *, policy: str, max_batch: int, k_max: int, t
     if log:
         log(f"profiling step costs for the {policy} policy (batch 1..{max_batch}, k 0..{k_max})")
     drafters = {} if drafter is None else {drafter.name: drafter}
-    return pd.DataFrame(profile(model, drafters, batch_sizes=sizes, k_max=k_max, contexts=(max(8, typical_ctx),),
-                                repeats=3, sampling=sampling, seed=seed, width_max=width_max))
+    return pd.DataFrame(
+        profile(
+            model,
+            drafters,
+            batch_sizes=sizes,
+            k_max=k_max,
+            contexts=(max(8, typical_ctx),),
+            repeats=3,
+            sampling=sampling,
+            seed=seed,
+            width_max=width_max,
+        )
+    )
 
 
-def run_profile(*, model: str, drafters: list[str], batch_sizes: list[int], k_max: int, contexts: list[int],
-                repeats: int, device: str, dtype: str, threads: int | None, out: Path, console,
-                table_console, passes: int = 1, compile: bool = False, statistic: str = "median",
-                width_max: int = 1) -> Path:
+def run_profile(
+    *,
+    model: str,
+    drafters: list[str],
+    batch_sizes: list[int],
+    k_max: int,
+    contexts: list[int],
+    repeats: int,
+    device: str,
+    dtype: str,
+    threads: int | None,
+    out: Path,
+    console,
+    table_console,
+    passes: int = 1,
+    compile: bool = False,
+    statistic: str = "median",
+    width_max: int = 1,
+) -> Path:
     """`rlsched profile`: load, check, measure, write `out/traces/steps/` and `out/profile.json`."""
     import pandas as pd
     from rich.table import Table
 
+    from rlsched.atomic import atomic_folder, write_text_atomic
     from rlsched.executor.decode.drafters import ModelDrafter, make_drafter
-    from rlsched.executor.setup import HOST_DRAFTERS, drafter_kind, eagle_head
     from rlsched.executor.folders import check_drafter_vocab, prepare_out, resolve_model_dir
     from rlsched.executor.model.loading import load_model
-    from rlsched.atomic import atomic_folder, write_text_atomic
+    from rlsched.executor.setup import HOST_DRAFTERS, drafter_kind, eagle_head
     from rlsched.traces.writer import TraceWriter
 
     if k_max < 1 or repeats < 1 or passes < 1 or width_max < 1:
-        raise UserError(f"--k-max, --repeats, --passes and --width-max must be >= 1 (got {k_max}, {repeats}, "
-                        f"{passes}, {width_max})")
+        raise UserError(
+            f"--k-max, --repeats, --passes and --width-max must be >= 1 (got {k_max}, {repeats}, {passes}, {width_max})"
+        )
     if statistic not in STATISTICS:
         raise UserError(f"--statistic must be one of {', '.join(STATISTICS)} (got {statistic!r})")
     if threads is not None:
@@ -333,29 +432,56 @@ def run_profile(*, model: str, drafters: list[str], batch_sizes: list[int], k_ma
     if compile:  # after every check: compiling takes a while
         from rlsched.executor.model.compiled import compile_for_engine
 
-        compile_for_engine(target.model, [d.model for d in timed.values() if isinstance(d, ModelDrafter)], k_max,
-                           max(batch_sizes), log)
+        compile_for_engine(
+            target.model, [d.model for d in timed.values() if isinstance(d, ModelDrafter)], k_max, max(batch_sizes), log
+        )
     prepare_out(out, "profile.json", "profile")
     with console.status("profiling") as status:
-        records = profile(target.model, timed, batch_sizes=batch_sizes, k_max=k_max, contexts=contexts,
-                          repeats=repeats, passes=passes, sampling=sampling, statistic=STATISTICS[statistic],
-                          width_max=width_max,
-                          progress=lambda i, n, b, c: status.update(
-                              f"profiling: point {i}/{n} (batch {b}, context {c})"))
+        records = profile(
+            target.model,
+            timed,
+            batch_sizes=batch_sizes,
+            k_max=k_max,
+            contexts=contexts,
+            repeats=repeats,
+            passes=passes,
+            sampling=sampling,
+            statistic=STATISTICS[statistic],
+            width_max=width_max,
+            progress=lambda i, n, b, c: status.update(f"profiling: point {i}/{n} (batch {b}, context {c})"),
+        )
     df = pd.DataFrame(records)
     with atomic_folder(out) as tmp:
         w = TraceWriter(tmp / "traces", "steps", flush_every=len(records))
         for r in records:
             w.append(r)
         w.close()
-        write_text_atomic(tmp / "profile.json", json.dumps({
-            "model": str(target_dir), "model_shape": target.model.config.shape, "drafters": list(timed),
-            "batch_sizes": batch_sizes, "k_max": k_max, "width_max": width_max,
-            "contexts": contexts, "prefill_contexts": sorted({*contexts, *prefill_midpoints(contexts)}),
-            "repeats": repeats, "passes": passes, "statistic": statistic, "device": device, "dtype": dtype,
-            "compiled": compile,
-            "threads": torch.get_num_threads(), "machine": platform.node(),
-            "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=2) + "\n")
+        write_text_atomic(
+            tmp / "profile.json",
+            json.dumps(
+                {
+                    "model": str(target_dir),
+                    "model_shape": target.model.config.shape,
+                    "drafters": list(timed),
+                    "batch_sizes": batch_sizes,
+                    "k_max": k_max,
+                    "width_max": width_max,
+                    "contexts": contexts,
+                    "prefill_contexts": sorted({*contexts, *prefill_midpoints(contexts)}),
+                    "repeats": repeats,
+                    "passes": passes,
+                    "statistic": statistic,
+                    "device": device,
+                    "dtype": dtype,
+                    "compiled": compile,
+                    "threads": torch.get_num_threads(),
+                    "machine": platform.node(),
+                    "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                },
+                indent=2,
+            )
+            + "\n",
+        )
     verify = df[df.kind == "verify"].pivot_table(index="batch", columns="k", values="verify_ms", aggfunc="mean")
     t = Table(title=f"verify ms (mean over contexts {contexts}) by batch x k; written to {out}")
     t.add_column("batch", justify="right")

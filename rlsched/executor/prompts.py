@@ -32,11 +32,13 @@ def load_prompts(path: Path | None, tokenizer) -> list[Prompt]:
     if path is None:
         from rlsched.tasks.synthetic import make_examples
 
-        return [Prompt(i, str(i), e.prompt, encode(tokenizer, e.prompt), e.answer)
-                for i, e in enumerate(make_examples(DEFAULT_PROMPTS, seed=12345))]
+        return [
+            Prompt(i, str(i), e.prompt, encode(tokenizer, e.prompt), e.answer)
+            for i, e in enumerate(make_examples(DEFAULT_PROMPTS, seed=12345))
+        ]
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"prompts file {path} does not exist (give a JSONL file, one {{\"prompt\": ...}} per line)")
+        raise UserError(f'prompts file {path} does not exist (give a JSONL file, one {{"prompt": ...}} per line)')
     try:
         lines = path.read_text().splitlines()
     except (OSError, UnicodeDecodeError) as e:
@@ -48,8 +50,10 @@ def load_prompts(path: Path | None, tokenizer) -> list[Prompt]:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            raise UserError(f"prompts file {path} line {no}: not valid JSON ({e.msg}); each line must be "
-                            "an object like {\"prompt\": \"...\"}") from None
+            raise UserError(
+                f"prompts file {path} line {no}: not valid JSON ({e.msg}); each line must be "
+                'an object like {"prompt": "..."}'
+            ) from None
         if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
             raise UserError(f"prompts file {path} line {no}: needs a non-empty string field 'prompt'")
         answer = obj.get("answer")

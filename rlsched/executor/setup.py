@@ -23,6 +23,7 @@ PROFILE = "profile.parquet"  # the step costs a run profiled at its start
 
 # --- the policy ---------------------------------------------------------------------------------
 
+
 def check_policy_model(policy: str, model_dir: Path, config) -> None:
     """A policy file (`table:FILE`, `twostate:FILE`) learned for a model of another
     architecture than the one in `model_dir` (its ModelConfig `config`) is refused, one line."""
@@ -67,8 +68,10 @@ def check_width_max(width_max: int, kind: str, backend: str, field: str) -> None
     if backend != "local":
         raise UserError(f"{field} {width_max}: draft trees run on the local engine only; set it to 1 with {backend}")
     if kind in ("off", "ngram"):
-        raise UserError(f"{field} {width_max}: the {kind} drafter drafts no trees; use builtin, a model folder, "
-                        "eagle or suffix, or set it to 1")
+        raise UserError(
+            f"{field} {width_max}: the {kind} drafter drafts no trees; use builtin, a model folder, "
+            "eagle or suffix, or set it to 1"
+        )
 
 
 def drafter_names(kind: str) -> tuple[str, ...]:
@@ -77,6 +80,7 @@ def drafter_names(kind: str) -> tuple[str, ...]:
 
 
 # --- models --------------------------------------------------------------------------------------
+
 
 @dataclass
 class Models:
@@ -114,8 +118,9 @@ def load_models(model: str, drafter: str, *, device: str, dtype: str, log=None) 
         d = load_model(d_dir, device=device, dtype=dtype)
         check_drafter_vocab(target, d, target_dir, d_dir)
         d_model = d.model
-    return Models(target_dir, target.model, target.tokenizer, eos_id(target_dir), pad_id(target_dir), kind, d_dir,
-                  d_model)
+    return Models(
+        target_dir, target.model, target.tokenizer, eos_id(target_dir), pad_id(target_dir), kind, d_dir, d_model
+    )
 
 
 def eagle_head(model: str, drafter, target, log=None):
@@ -127,14 +132,17 @@ def eagle_head(model: str, drafter, target, log=None):
     if drafter != "eagle":
         return Path(drafter), load_head(drafter, target)
     if model != "builtin":
-        raise UserError(f"drafter eagle is the built-in target's EAGLE-3 head; with model {model} give an EAGLE-3 "
-                        "head's folder, a model folder, ngram or suffix")
+        raise UserError(
+            f"drafter eagle is the built-in target's EAGLE-3 head; with model {model} give an EAGLE-3 "
+            "head's folder, a model folder, ngram or suffix"
+        )
     folder = builtin_head(log=log).folder
     return folder, load_head(folder, target)
 
 
-def make_drafter(m: Models, sampling, max_batch: int, max_len: int, generator, *, ngram_history: int | None = None,
-                 history=None):
+def make_drafter(
+    m: Models, sampling, max_batch: int, max_len: int, generator, *, ngram_history: int | None = None, history=None
+):
     """The in-process drafter (None for off): a model drafter with caches of `max_len`, or an
     n-gram or suffix drafter remembering `ngram_history` samples a prompt (given back its
     `history`)."""
@@ -162,6 +170,7 @@ def history_size(samples: int | None) -> dict:
 
 # --- the cost model ------------------------------------------------------------------------------
 
+
 def needs_cost(policy: str, instances: int, realloc: str) -> bool:
     """Whether the run prices steps: a priced policy, or a pool that migrates samples."""
     return parse_policy(policy).priced or (instances > 1 and realloc != "none")
@@ -180,12 +189,29 @@ def priced_from(folder: Path) -> str | None:
 def check_cost_folder(given: str, what: str) -> None:
     """Refuse a cost model folder (option or field `what`) that holds no step costs."""
     if given != "auto" and not priced_from(Path(given)):
-        raise UserError(f"{what}: {given} is neither a `rlsched profile` folder (traces/) nor an earlier run's "
-                        "folder (profile.parquet); give one or 'auto'")
+        raise UserError(
+            f"{what}: {given} is neither a `rlsched profile` folder (traces/) nor an earlier run's "
+            "folder (profile.parquet); give one or 'auto'"
+        )
 
 
-def cost_model(policy: str, given: str, target, drafter, sampling, *, instances: int, realloc: str, max_batch: int,
-               k_max: int, typical_ctx: int, seed: int, saved: Path | None = None, log=None, width_max: int = 1):
+def cost_model(
+    policy: str,
+    given: str,
+    target,
+    drafter,
+    sampling,
+    *,
+    instances: int,
+    realloc: str,
+    max_batch: int,
+    k_max: int,
+    typical_ctx: int,
+    seed: int,
+    saved: Path | None = None,
+    log=None,
+    width_max: int = 1,
+):
     """(MeasuredCostModel, profile records to save) when the run prices steps (`needs_cost`),
     else (None, None): the `given` folder's (an earlier run's start-up profile, so a rerun
     decides alike, or a `rlsched profile` folder's traces), the `saved` profile of a resumed
@@ -207,19 +233,52 @@ def cost_model(policy: str, given: str, target, drafter, sampling, *, instances:
         return MeasuredCostModel(pd.read_parquet(saved)), None
     from rlsched.executor.profiler import policy_profile
 
-    records = policy_profile(target, drafter, policy=policy, max_batch=max_batch, k_max=k_max,
-                             typical_ctx=typical_ctx, sampling=sampling, seed=seed, log=log, width_max=width_max)
+    records = policy_profile(
+        target,
+        drafter,
+        policy=policy,
+        max_batch=max_batch,
+        k_max=k_max,
+        typical_ctx=typical_ctx,
+        sampling=sampling,
+        seed=seed,
+        log=log,
+        width_max=width_max,
+    )
     return MeasuredCostModel(records), records
 
 
 # --- the engine ----------------------------------------------------------------------------------
 
-def start_engine(m: Models, drafter, sampling, policy, *, instances: int, capacity: int, max_batch: int, k_max: int,
-                 drafter_len: int, trace_dir: Path, generator, device: str, dtype: str, threads: int,
-                 realloc: str = "none", threshold: int = 8, cost=None, seed: int = 0,
-                 ngram_history: int | None = None, share_prompts: bool = True,
-                 probe_every: int | None = PROBE_EVERY, estimator=None, send_weights: bool = False, states=None,
-                 log=None):
+
+def start_engine(
+    m: Models,
+    drafter,
+    sampling,
+    policy,
+    *,
+    instances: int,
+    capacity: int,
+    max_batch: int,
+    k_max: int,
+    drafter_len: int,
+    trace_dir: Path,
+    generator,
+    device: str,
+    dtype: str,
+    threads: int,
+    realloc: str = "none",
+    threshold: int = 8,
+    cost=None,
+    seed: int = 0,
+    ngram_history: int | None = None,
+    share_prompts: bool = True,
+    probe_every: int | None = PROBE_EVERY,
+    estimator=None,
+    send_weights: bool = False,
+    states=None,
+    log=None,
+):
     """rlsched's own engine with a KV budget of `capacity` tokens and `max_batch` rows: one in
     this process (over `drafter`, with `estimator` restored), or `instances` Ray actors (each
     loading the models from their folders, then the current weights when `send_weights`, on
@@ -227,15 +286,56 @@ def start_engine(m: Models, drafter, sampling, policy, *, instances: int, capaci
     if instances > 1:
         from rlsched.executor.pool.instances import InstancePool, InstanceSpec
 
-        spec = InstanceSpec(str(m.target_dir), m.drafter_name, None if m.drafter_dir is None else str(m.drafter_dir),
-                            sampling, policy, capacity, max_batch, k_max, drafter_len, str(trace_dir), device, dtype,
-                            threads, ngram_history, share_prompts, probe_every)
-        weights = dict(target_state=m.target.state_dict(),
-                       drafter_state=None if m.drafter_model is None else m.drafter_model.state_dict()) \
-            if send_weights else {}
-        return InstancePool(instances, spec, realloc=realloc, threshold=threshold, cost=cost, seed=seed,
-                            states=states, log=log, **weights)
+        spec = InstanceSpec(
+            str(m.target_dir),
+            m.drafter_name,
+            None if m.drafter_dir is None else str(m.drafter_dir),
+            sampling,
+            policy,
+            capacity,
+            max_batch,
+            k_max,
+            drafter_len,
+            str(trace_dir),
+            device,
+            dtype,
+            threads,
+            ngram_history,
+            share_prompts,
+            probe_every,
+        )
+        weights = (
+            dict(
+                target_state=m.target.state_dict(),
+                drafter_state=None if m.drafter_model is None else m.drafter_model.state_dict(),
+            )
+            if send_weights
+            else {}
+        )
+        return InstancePool(
+            instances,
+            spec,
+            realloc=realloc,
+            threshold=threshold,
+            cost=cost,
+            seed=seed,
+            states=states,
+            log=log,
+            **weights,
+        )
     from rlsched.executor.engine.rollout import RolloutEngine
 
-    return RolloutEngine(m.target, drafter, capacity, max_batch, sampling, policy, estimator, trace_dir=trace_dir,
-                         k_max=k_max, generator=generator, share_prompts=share_prompts, probe_every=probe_every)
+    return RolloutEngine(
+        m.target,
+        drafter,
+        capacity,
+        max_batch,
+        sampling,
+        policy,
+        estimator,
+        trace_dir=trace_dir,
+        k_max=k_max,
+        generator=generator,
+        share_prompts=share_prompts,
+        probe_every=probe_every,
+    )

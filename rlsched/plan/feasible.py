@@ -77,14 +77,18 @@ def infeasible(cfg: SimConfig, cost=None) -> str | None:
     roofline = RooflineCostModel.from_config(cfg)
     capacity = kv_capacity(cfg, roofline if cost is None else cost)
     if capacity == 0:
-        return (f"the weights ({roofline.weight_bytes / 2**30:.1f} GiB with the drafters) leave no room for KV on "
-                f"tp {c.tp} x {cfg.hardware.name} at gpu_memory_utilization {c.gpu_memory_utilization:g}")
+        return (
+            f"the weights ({roofline.weight_bytes / 2**30:.1f} GiB with the drafters) leave no room for KV on "
+            f"tp {c.tp} x {cfg.hardware.name} at gpu_memory_utilization {c.gpu_memory_utilization:g}"
+        )
     longest = longest_sequence(cfg)
     if longest > capacity - capacity // 100:
         return f"an instance holds {capacity} KV tokens, fewer than the longest sequence needs ({longest})"
     hw, train_gpus = cfg.hardware, cfg.rl.train_gpus or c.instances * c.tp
     resident = training_gib(cfg, train_gpus) + c.activation_reserve_gib
     if resident > hw.memory_gib:
-        return (f"training's states need {resident:.1f} GiB a GPU on {train_gpus} x {hw.name} "
-                f"({hw.memory_gib:g} GiB): give training more GPUs")
+        return (
+            f"training's states need {resident:.1f} GiB a GPU on {train_gpus} x {hw.name} "
+            f"({hw.memory_gib:g} GiB): give training more GPUs"
+        )
     return None

@@ -117,8 +117,16 @@ def _rule(policy: str, cfg: SimConfig, cost):
     return None
 
 
-def instance_time(cost, strategies: Strategies, rule, prompt_len: np.ndarray, response_len: np.ndarray,
-                  acceptance: np.ndarray, *, max_batch: int) -> float:
+def instance_time(
+    cost,
+    strategies: Strategies,
+    rule,
+    prompt_len: np.ndarray,
+    response_len: np.ndarray,
+    acceptance: np.ndarray,
+    *,
+    max_batch: int,
+) -> float:
     """One instance's busy time for these rows (in their admission order) under a policy's
     `rule` (`_rule`): prefills priced by `cost`, steps by `strategies`."""
     n = len(response_len)
@@ -177,16 +185,21 @@ def batch_limit(cfg: SimConfig, capacity: int, prompt_len: np.ndarray, response_
     return max(1, min(cfg.cluster.max_batch, int(0.99 * capacity / footprint)))
 
 
-def stage_time(cfg: SimConfig, policy: str, cost, seed: int | None = None, strategies: Strategies | None = None
-               ) -> FluidStage:
+def stage_time(
+    cfg: SimConfig, policy: str, cost, seed: int | None = None, strategies: Strategies | None = None
+) -> FluidStage:
     """The fluid estimate of the first RL step's generation stage of `cfg` under `policy`
     (off, static:K[:DRAFTER], or any adaptive policy), priced by `cost` (or `strategies`, the
     step prices of this drafter over `cost` shared with other setups); the rows and their
     acceptance as the simulator draws them for `seed` (default: the config's)."""
     root = np.random.SeedSequence(cfg.seed if seed is None else seed)
     workload_seq, _ = root.spawn(2)  # the simulator's first RL step draws its rollout from the first
-    rollout = sample_rollout(cfg.workload, cfg.drafters, {d.name: d.acceptance.mean for d in cfg.drafters},
-                             np.random.default_rng(workload_seq))
+    rollout = sample_rollout(
+        cfg.workload,
+        cfg.drafters,
+        {d.name: d.acceptance.mean for d in cfg.drafters},
+        np.random.default_rng(workload_seq),
+    )
     parts = policy.split(":")
     drafter = None
     if policy != "off":
@@ -211,8 +224,9 @@ def stage_time(cfg: SimConfig, policy: str, cost, seed: int | None = None, strat
     for i in critical:
         mine = np.flatnonzero(owner == i)
         acc = rollout.acceptance[mine, j] if drafter is not None else np.zeros(len(mine))
-        times[i] = instance_time(cost, strategies, rule, rollout.prompt_len[mine], rollout.response_len[mine],
-                                 acc, max_batch=limit)
+        times[i] = instance_time(
+            cost, strategies, rule, rollout.prompt_len[mine], rollout.response_len[mine], acc, max_batch=limit
+        )
     slowest = max(times, key=times.get)
     seconds = times[slowest]
     balanced = seconds * float(work.mean() / work[slowest]) if work[slowest] > 0 else seconds

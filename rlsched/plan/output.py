@@ -48,8 +48,9 @@ def engine_policy(cfg: SimConfig, c: Candidate, cost) -> str:
 def goodput_table(cfg: SimConfig, c: Candidate, cost) -> list[list[int]]:
     """[[start_bs, end_bs, K], ...] for 1..max_batch: the chain of the most tokens a second at
     each batch size, at the drafter's mean acceptance and the workload's typical context."""
-    chains = Strategies(cfg.model_copy(update={"speculation": cfg.speculation.model_copy(update={"width_max": 1})}),
-                        cost, c.drafter)
+    chains = Strategies(
+        cfg.model_copy(update={"speculation": cfg.speculation.model_copy(update={"width_max": 1})}), cost, c.drafter
+    )
     a = np.array([cfg.drafter(c.drafter).acceptance.mean])
     tokens = chains.tokens(a)[0]
     ctx = policy_context(cfg).typical_ctx
@@ -68,9 +69,13 @@ def goodput_table(cfg: SimConfig, c: Candidate, cost) -> list[list[int]]:
 
 def vllm_engine_args(cfg: SimConfig, c: Candidate, cost, model: str, drafter: str) -> dict:
     """vLLM engine arguments of one rollout instance of the candidate."""
-    args = {"model": model, "tensor_parallel_size": c.tp, "max_num_seqs": c.max_batch,
-            "gpu_memory_utilization": c.memory,
-            "max_model_len": length_max(cfg.workload.prompt_len) + length_max(cfg.workload.response_len)}
+    args = {
+        "model": model,
+        "tensor_parallel_size": c.tp,
+        "max_num_seqs": c.max_batch,
+        "gpu_memory_utilization": c.memory,
+        "max_model_len": length_max(cfg.workload.prompt_len) + length_max(cfg.workload.response_len),
+    }
     if c.drafter is None:
         return args
     kind = cfg.drafter(c.drafter).kind
@@ -82,15 +87,19 @@ def vllm_engine_args(cfg: SimConfig, c: Candidate, cost, model: str, drafter: st
         from rlsched.sim.learn import vllm_table
 
         pf = load_policy_file(c.policy.split(":", 1)[1])
-        table = vllm_table(pf, c.max_batch, cfg.drafter(c.drafter).acceptance.mean,
-                           policy_context(cfg).typical_ctx)[TABLE_FIELD]
+        table = vllm_table(pf, c.max_batch, cfg.drafter(c.drafter).acceptance.mean, policy_context(cfg).typical_ctx)[
+            TABLE_FIELD
+        ]
     elif not plan["native"]:  # goodput: its choice by batch size, as vLLM's own table
         table = goodput_table(cfg, c, cost)
     k = max(e[2] for e in table) if table is not None else plan["k"]
     if k == 0:
         return args
-    spec = dict(NGRAM) if kind == "ngram" else {"method": METHODS[kind], "model": drafter,
-                                                 "draft_sample_method": "probabilistic"}
+    spec = (
+        dict(NGRAM)
+        if kind == "ngram"
+        else {"method": METHODS[kind], "model": drafter, "draft_sample_method": "probabilistic"}
+    )
     spec["num_speculative_tokens"] = k
     if table is not None and any(e[2] != k for e in table):
         spec[TABLE_FIELD] = table
@@ -101,27 +110,49 @@ def vllm_engine_args(cfg: SimConfig, c: Candidate, cost, model: str, drafter: st
 def verl_rollout(cfg: SimConfig, c: Candidate, engine: dict) -> dict:
     """verl's rollout section for the candidate (trainer GPUs: the candidate's)."""
     w = cfg.workload
-    rollout = {"name": "vllm", "tensor_model_parallel_size": c.tp, "gpu_memory_utilization": c.memory,
-               "max_num_seqs": c.max_batch, "max_model_len": engine["max_model_len"], "n": w.samples_per_prompt,
-               "temperature": 1.0, "prompt_length": length_max(w.prompt_len),
-               "response_length": length_max(w.response_len)}
+    rollout = {
+        "name": "vllm",
+        "tensor_model_parallel_size": c.tp,
+        "gpu_memory_utilization": c.memory,
+        "max_num_seqs": c.max_batch,
+        "max_model_len": engine["max_model_len"],
+        "n": w.samples_per_prompt,
+        "temperature": 1.0,
+        "prompt_length": length_max(w.prompt_len),
+        "response_length": length_max(w.response_len),
+    }
     if "speculative_config" in engine:
         rollout["engine_kwargs"] = {"vllm": {"speculative_config": engine["speculative_config"]}}
     section = {"rollout": rollout}
     if c.offload:  # training's states leave the GPUs for the rollout
         section["actor"] = {"fsdp_config": {"param_offload": True, "optimizer_offload": True}}
-    return {"actor_rollout_ref": section,
-            "data": {"train_batch_size": w.prompts, "max_prompt_length": length_max(w.prompt_len),
-                     "max_response_length": length_max(w.response_len)},
-            "trainer": {"n_gpus_per_node": min(8, c.gpus), "nnodes": max(1, -(-c.gpus // 8))}}
+    return {
+        "actor_rollout_ref": section,
+        "data": {
+            "train_batch_size": w.prompts,
+            "max_prompt_length": length_max(w.prompt_len),
+            "max_response_length": length_max(w.response_len),
+        },
+        "trainer": {"n_gpus_per_node": min(8, c.gpus), "nnodes": max(1, -(-c.gpus // 8))},
+    }
 
 
 def run_config(cfg: SimConfig, c: Candidate, cost, model: str, drafter: str) -> dict:
     """An `rlsched run` config: vLLM rollouts set as the candidate."""
     w = cfg.workload
     kind = cfg.drafter(c.drafter).kind if c.drafter is not None else "off"
-    return {"model": model, "drafter": drafter if kind in ("model", "eagle") else kind,
-            "policy": engine_policy(cfg, c, cost),
-            "rollout": {"backend": "vllm", "instances": c.instances, "max_batch": c.max_batch,
-                        "k_max": cfg.speculation.k_max, "realloc": c.realloc, "group_size": w.samples_per_prompt,
-                        "prompts_per_step": w.prompts, "max_tokens": length_max(w.response_len)}}
+    return {
+        "model": model,
+        "drafter": drafter if kind in ("model", "eagle") else kind,
+        "policy": engine_policy(cfg, c, cost),
+        "rollout": {
+            "backend": "vllm",
+            "instances": c.instances,
+            "max_batch": c.max_batch,
+            "k_max": cfg.speculation.k_max,
+            "realloc": c.realloc,
+            "group_size": w.samples_per_prompt,
+            "prompts_per_step": w.prompts,
+            "max_tokens": length_max(w.response_len),
+        },
+    }

@@ -34,8 +34,9 @@ from rlsched.policies.vllm_plan import TABLE_FIELD
 KNOBS = ("placement", "tp", "max_batch", "memory", "policy", "realloc", "update_schedule")
 
 
-def base_for_plan(cfg: SimConfig | None, from_run: Path | None, workdir: Path | None, overrides: list[str],
-                  drafters: str | None) -> SimConfig:
+def base_for_plan(
+    cfg: SimConfig | None, from_run: Path | None, workdir: Path | None, overrides: list[str], drafters: str | None
+) -> SimConfig:
     """The config a plan starts from: `cfg`, or a run's (its step costs fitted from its traces
     into `workdir`/cost.json, its lengths and acceptance); with only the `drafters` named
     (comma-separated, or none)."""
@@ -55,8 +56,10 @@ def base_for_plan(cfg: SimConfig | None, from_run: Path | None, workdir: Path | 
             names = []
         unknown = [n for n in names if n not in have]
         if unknown:
-            raise UserError(f"--drafters: {', '.join(unknown)} is not a drafter of {cfg.name} (it has "
-                            f"{', '.join(have) or 'none'}); give some of those, or none")
+            raise UserError(
+                f"--drafters: {', '.join(unknown)} is not a drafter of {cfg.name} (it has "
+                f"{', '.join(have) or 'none'}); give some of those, or none"
+            )
         cfg = cfg.model_copy(update={"drafters": [d for d in cfg.drafters if d.name in names]})
     return cfg
 
@@ -93,9 +96,15 @@ def with_knob(own: Candidate, winner: Candidate, knob: str) -> Candidate | None:
 
 
 def knob_value(c: Candidate, knob: str) -> str:
-    return {"placement": c.placement, "tp": f"tp{c.tp}x{c.instances}", "max_batch": str(c.max_batch),
-            "memory": f"{c.memory:g}" + (" offloaded" if c.offload else ""), "policy": c.policy_label,
-            "realloc": c.realloc, "update_schedule": str(c.update_schedule)}[knob]
+    return {
+        "placement": c.placement,
+        "tp": f"tp{c.tp}x{c.instances}",
+        "max_batch": str(c.max_batch),
+        "memory": f"{c.memory:g}" + (" offloaded" if c.offload else ""),
+        "policy": c.policy_label,
+        "realloc": c.realloc,
+        "update_schedule": str(c.update_schedule),
+    }[knob]
 
 
 @dataclass
@@ -120,9 +129,19 @@ class Plan:
         return self.ranked[0]
 
 
-def make_plan(base: SimConfig, space: Space, *, objective: str = "step-time", survivors: int = 24, seeds: int = 3,
-              workers: int = 1, ray_address: str | None = None, explain: bool = True, learn_in: Path | None = None,
-              on_done=None) -> Plan:
+def make_plan(
+    base: SimConfig,
+    space: Space,
+    *,
+    objective: str = "step-time",
+    survivors: int = 24,
+    seeds: int = 3,
+    workers: int = 1,
+    ray_address: str | None = None,
+    explain: bool = True,
+    learn_in: Path | None = None,
+    on_done=None,
+) -> Plan:
     """Screen every candidate of `space` for `base`, search the best `survivors` over `seeds`
     seeds (from base's), with `learn_in` a folder: learn a table for the best chain setup there
     (`learn_table`), and explain the winner against base's own setup."""
@@ -135,8 +154,10 @@ def make_plan(base: SimConfig, space: Space, *, objective: str = "step-time", su
     scored, dropped = screen(base, cands, objective)
     if not scored:
         reasons = sorted({d.reason for d in dropped})
-        raise UserError(f"no setup of {base.model.name} fits on {space.gpus} x {base.hardware.name}: {reasons[0]}"
-                        + (f" (and {len(reasons) - 1} other reasons)" if len(reasons) > 1 else ""))
+        raise UserError(
+            f"no setup of {base.model.name} fits on {space.gpus} x {base.hardware.name}: {reasons[0]}"
+            + (f" (and {len(reasons) - 1} other reasons)" if len(reasons) > 1 else "")
+        )
     pinned = []
     offs = [s for s in scored if s.candidate.policy == "off"]
     if offs:
@@ -151,13 +172,32 @@ def make_plan(base: SimConfig, space: Space, *, objective: str = "step-time", su
     screen_s = time.perf_counter() - t
     t = time.perf_counter()
     seed_list = list(range(base.seed, base.seed + seeds))
-    result = search(scored, objective=objective, survivors=survivors, seeds=seed_list, pinned=pinned,
-                    workers=workers, ray_address=ray_address, on_done=on_done)
+    result = search(
+        scored,
+        objective=objective,
+        survivors=survivors,
+        seeds=seed_list,
+        pinned=pinned,
+        workers=workers,
+        ray_address=ray_address,
+        on_done=on_done,
+    )
     # the baseline: the best plain decoding setup simulated on every seed (the pinned one at least)
     baseline = next((x for x in result.ranked if x.candidate.policy == "off" and len(x.runs) == seeds), None)
-    plan = Plan(base, objective, space.gpus, len(cands), scored, dropped, result.ranked,
-                baseline, result.pinned[pinned.index(own_scored)] if own_scored else None,
-                seeds=seed_list, simulations=result.simulations, screen_s=screen_s)
+    plan = Plan(
+        base,
+        objective,
+        space.gpus,
+        len(cands),
+        scored,
+        dropped,
+        result.ranked,
+        baseline,
+        result.pinned[pinned.index(own_scored)] if own_scored else None,
+        seeds=seed_list,
+        simulations=result.simulations,
+        screen_s=screen_s,
+    )
     if learn_in is not None:
         learned = learn_table(base, plan, learn_in, workers=workers, ray_address=ray_address)
         if learned is not None:
@@ -170,22 +210,30 @@ def make_plan(base: SimConfig, space: Space, *, objective: str = "step-time", su
     return plan
 
 
-def learn_table(base: SimConfig, plan: Plan, folder: Path, *, workers: int = 1,
-                ray_address: str | None = None) -> Ranked | None:
+def learn_table(
+    base: SimConfig, plan: Plan, folder: Path, *, workers: int = 1, ray_address: str | None = None
+) -> Ranked | None:
     """The search's best chain setup with a table policy learned for it (`sim/learn.py`, on the
     seed after the plan's: held out), written to `folder`/policy.json and simulated on the
     plan's seeds; None where no chain setup drafted on every seed."""
     from rlsched.policies.policyfile import save_policy_file
     from rlsched.sim.learn import Learner, parallel_evaluator
 
-    full = [x for x in plan.ranked if len(x.runs) == len(plan.seeds) and x.candidate.drafter is not None
-            and x.candidate.width_max == 1]
+    full = [
+        x
+        for x in plan.ranked
+        if len(x.runs) == len(plan.seeds) and x.candidate.drafter is not None and x.candidate.width_max == 1
+    ]
     if not full:
         return None
     top = min(full, key=lambda x: x.score(plan.objective))
     held_out = plan.seeds[-1] + 1
-    learner = Learner(top.scored.config.model_copy(update={"seed": held_out}), [held_out],
-                      parallel_evaluator(workers, ray_address), log=lambda m: None)
+    learner = Learner(
+        top.scored.config.model_copy(update={"seed": held_out}),
+        [held_out],
+        parallel_evaluator(workers, ray_address),
+        log=lambda m: None,
+    )
     pf, _ = learner.learn("table")
     path = Path(folder) / "policy.json"
     save_policy_file(path, pf)
@@ -214,29 +262,60 @@ def explain_knobs(base: SimConfig, plan: Plan, *, workers: int = 1, ray_address:
         run_seed(setups, seed, workers=workers, ray_address=ray_address)
     runs = {x.candidate: x for x in setups}
     own_score = plan.own.score(plan.objective)
-    out = [{"knob": k, "from": knob_value(own, k), "to": knob_value(win, k), "score": runs[c].score(plan.objective),
-            "gain": own_score / runs[c].score(plan.objective) - 1} for k, c in moved]
+    out = [
+        {
+            "knob": k,
+            "from": knob_value(own, k),
+            "to": knob_value(win, k),
+            "score": runs[c].score(plan.objective),
+            "gain": own_score / runs[c].score(plan.objective) - 1,
+        }
+        for k, c in moved
+    ]
     return sorted(out, key=lambda r: -r["gain"])
 
 
 # ----------------------------------------------------------------------------- the record
 
+
 def _row(x: Scored | Ranked, objective: str, rank: int | None) -> dict:
     s = x.scored if isinstance(x, Ranked) else x
     c = s.candidate
-    row = {"rank": rank, "setup": c.label, "placement": c.placement, "gpus": c.gpus, "rollout_gpus": c.rollout_gpus,
-           "train_gpus": c.train_gpus, "tp": c.tp, "instances": c.instances, "max_batch": c.max_batch,
-           "memory": c.memory, "offload": c.offload,
-           "policy": "table" if c.policy.startswith("table:") else c.policy, "drafter": c.drafter,
-           "width_max": c.width_max,
-           "realloc": c.realloc, "update_schedule": c.update_schedule, "screen_step_s": s.step_s,
-           "screen_generation_s": s.generation_s,
-           "step_s": None, "generation_s": None, "seeds": 0, "score": s.score, "tokens": s.tokens}
+    row = {
+        "rank": rank,
+        "setup": c.label,
+        "placement": c.placement,
+        "gpus": c.gpus,
+        "rollout_gpus": c.rollout_gpus,
+        "train_gpus": c.train_gpus,
+        "tp": c.tp,
+        "instances": c.instances,
+        "max_batch": c.max_batch,
+        "memory": c.memory,
+        "offload": c.offload,
+        "policy": "table" if c.policy.startswith("table:") else c.policy,
+        "drafter": c.drafter,
+        "width_max": c.width_max,
+        "realloc": c.realloc,
+        "update_schedule": c.update_schedule,
+        "screen_step_s": s.step_s,
+        "screen_generation_s": s.generation_s,
+        "step_s": None,
+        "generation_s": None,
+        "seeds": 0,
+        "score": s.score,
+        "tokens": s.tokens,
+    }
     if isinstance(x, Ranked) and x.runs:
-        row.update(step_s=x.mean("step_s"), generation_s=x.mean("generation_s"), seeds=len(x.runs),
-                   step_s_by_seed={r["seed"]: r["step_s"] for r in x.runs},
-                   score=x.score(objective), tokens=x.mean("tokens"),
-                   split={k: float(np.mean([r["split"][k] for r in x.runs])) for k in x.runs[0]["split"]})
+        row.update(
+            step_s=x.mean("step_s"),
+            generation_s=x.mean("generation_s"),
+            seeds=len(x.runs),
+            step_s_by_seed={r["seed"]: r["step_s"] for r in x.runs},
+            score=x.score(objective),
+            tokens=x.mean("tokens"),
+            split={k: float(np.mean([r["split"][k] for r in x.runs])) for k in x.runs[0]["split"]},
+        )
     return row
 
 
@@ -263,23 +342,44 @@ def plan_rows(plan: Plan) -> list[dict]:
 def summary(plan: Plan) -> dict:
     """The key numbers: the winner, its step and its split, and the comparisons."""
     w = _row(plan.winner, plan.objective, 1)
-    out = {"model": plan.base.model.name, "hardware": plan.base.hardware.name, "gpus": plan.gpus,
-           "workload": plan.base.name, "objective": plan.objective, "candidates": plan.candidates,
-           "feasible": len(plan.scored), "dropped": len(plan.dropped), "simulations": plan.simulations,
-           "seeds": len(plan.seeds), "screen_s": plan.screen_s, "search_s": plan.search_s,
-           "winner": w["setup"], "winner_step_s": w["step_s"], "winner_gpus": w["gpus"],
-           "winner_split": w.get("split"), "winner_tokens_per_gpu_s": w["tokens"] / (w["step_s"] * w["gpus"])}
+    out = {
+        "model": plan.base.model.name,
+        "hardware": plan.base.hardware.name,
+        "gpus": plan.gpus,
+        "workload": plan.base.name,
+        "objective": plan.objective,
+        "candidates": plan.candidates,
+        "feasible": len(plan.scored),
+        "dropped": len(plan.dropped),
+        "simulations": plan.simulations,
+        "seeds": len(plan.seeds),
+        "screen_s": plan.screen_s,
+        "search_s": plan.search_s,
+        "winner": w["setup"],
+        "winner_step_s": w["step_s"],
+        "winner_gpus": w["gpus"],
+        "winner_split": w.get("split"),
+        "winner_tokens_per_gpu_s": w["tokens"] / (w["step_s"] * w["gpus"]),
+    }
     if plan.baseline is not None:
-        out.update(baseline=plan.baseline.candidate.label, baseline_step_s=plan.baseline.mean("step_s"),
-                   speedup_over_baseline=plan.baseline.mean("step_s") / plan.winner.mean("step_s"))
+        out.update(
+            baseline=plan.baseline.candidate.label,
+            baseline_step_s=plan.baseline.mean("step_s"),
+            speedup_over_baseline=plan.baseline.mean("step_s") / plan.winner.mean("step_s"),
+        )
     if plan.own is not None:
-        out.update(own_setup=plan.own.candidate.label, own_step_s=plan.own.mean("step_s"),
-                   own_gpus=plan.own.candidate.gpus,
-                   gain_over_own=plan.own.score(plan.objective) / plan.winner.score(plan.objective) - 1)
+        out.update(
+            own_setup=plan.own.candidate.label,
+            own_step_s=plan.own.mean("step_s"),
+            own_gpus=plan.own.candidate.gpus,
+            gain_over_own=plan.own.score(plan.objective) / plan.winner.score(plan.objective) - 1,
+        )
     if plan.winner.candidate.width_max > 1:
-        out["engine_note"] = ("the winner drafts trees; vLLM drafts chains, so vllm_engine.json, run.yaml and "
-                              "verl_rollout.yaml set its chains (trees need an engine that drafts them: SGLang's "
-                              "EAGLE, or rlsched's own engine)")
+        out["engine_note"] = (
+            "the winner drafts trees; vLLM drafts chains, so vllm_engine.json, run.yaml and "
+            "verl_rollout.yaml set its chains (trees need an engine that drafts them: SGLang's "
+            "EAGLE, or rlsched's own engine)"
+        )
     if plan.knobs:
         top = plan.knobs[0]
         out["knob"] = f"{top['knob']}: {top['from']} -> {top['to']} ({top['gain']:+.1%} alone)"
@@ -313,26 +413,35 @@ def write_plan(plan: Plan, out: Path, model_path: str, drafter_path: str) -> dic
             run_policy = f"static:{spec['num_speculative_tokens']}" if spec else "off"
         run_winner = replace(winner, policy=run_policy)
     rows = plan_rows(plan)
-    record = {"format": "rlsched-plan", "summary": summary(plan), "rows": rows, "knobs": plan.knobs,
-              "dropped": [{"setup": d.candidate.label, "reason": d.reason} for d in plan.dropped],
-              "seeds": plan.seeds, "baseline": plan.baseline.candidate.label if plan.baseline else None,
-              "own": plan.own.candidate.label if plan.own else None}
+    record = {
+        "format": "rlsched-plan",
+        "summary": summary(plan),
+        "rows": rows,
+        "knobs": plan.knobs,
+        "dropped": [{"setup": d.candidate.label, "reason": d.reason} for d in plan.dropped],
+        "seeds": plan.seeds,
+        "baseline": plan.baseline.candidate.label if plan.baseline else None,
+        "own": plan.own.candidate.label if plan.own else None,
+    }
     with atomic_folder(out) as tmp:
         (tmp / "plan.json").write_text(json.dumps(record, indent=2))
         (tmp / "summary.json").write_text(json.dumps(record["summary"], indent=2))
         flat = [{k: v for k, v in r.items() if k not in ("split", "step_s_by_seed")} for r in rows]
         pd.DataFrame(flat + [{"setup": d["setup"], "dropped": d["reason"]} for d in record["dropped"]]).to_csv(
-            tmp / "candidates.csv", index=False)
+            tmp / "candidates.csv", index=False
+        )
         (tmp / "sim.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
         (tmp / "run.yaml").write_text(
             f"# rlsched run config of the plan's winner ({win.candidate.label}) for {base.model.name}; "
             "model and drafter: your folders\n"
-            + yaml.safe_dump(run_config(cfg, run_winner, cost, model_path, drafter_path), sort_keys=False))
+            + yaml.safe_dump(run_config(cfg, run_winner, cost, model_path, drafter_path), sort_keys=False)
+        )
         (tmp / "vllm_engine.json").write_text(json.dumps(engine, indent=2))
         (tmp / "verl_rollout.yaml").write_text(
             "# verl rollout settings of the plan's winner (one rollout instance's vLLM engine; the speculative "
             "config passes through engine_kwargs)\n"
-            + yaml.safe_dump(verl_rollout(cfg, winner, engine), sort_keys=False))
+            + yaml.safe_dump(verl_rollout(cfg, winner, engine), sort_keys=False)
+        )
         save_figure(plan_figure(record), tmp / "pareto.png")
         if cost_file is not None:
             shutil.copyfile(cost_file, tmp / "cost.json")

@@ -56,8 +56,7 @@ def step_estimate(cfg: SimConfig, c: Candidate, stage: FluidStage) -> tuple[floa
     return gen, gen + costs.inference(tokens) + costs.training(tokens)
 
 
-def screen(base: SimConfig, cands: list[Candidate], objective: str = "step-time"
-           ) -> tuple[list[Scored], list[Dropped]]:
+def screen(base: SimConfig, cands: list[Candidate], objective: str = "step-time") -> tuple[list[Scored], list[Dropped]]:
     """(the feasible candidates best first by the screen; the others with why). Each tp's and
     drafter's cost model is the roofline of `base`'s hardware and models (or its cost file)."""
     score(objective, 1.0, 1, 1)  # the objective's name, before any work

@@ -42,8 +42,13 @@ class Ranked:
 def step_record(summary: dict) -> dict:
     """What the planner keeps of a simulation's summary, per RL step."""
     n = summary["rl_steps"]
-    return dict(seed=summary["seed"], step_s=summary["rl_step_s"] / n, generation_s=summary["generation_s"] / n,
-                tokens=summary["response_tokens"] / n, split=summary["time_split"])
+    return dict(
+        seed=summary["seed"],
+        step_s=summary["rl_step_s"] / n,
+        generation_s=summary["generation_s"] / n,
+        tokens=summary["response_tokens"] / n,
+        split=summary["time_split"],
+    )
 
 
 def rows_per_instance(cfg: SimConfig) -> int:
@@ -66,12 +71,14 @@ def signature(s: Scored) -> Candidate:
     return replace(c, max_batch=min(c.max_batch, most))
 
 
-def run_seed(setups: list[Ranked], seed: int, *, workers: int = 1, ray_address: str | None = None,
-             on_done=None) -> None:
+def run_seed(
+    setups: list[Ranked], seed: int, *, workers: int = 1, ray_address: str | None = None, on_done=None
+) -> None:
     """Simulate every setup on `seed`; each keeps its record."""
     jobs = [(x.candidate.policy, x.candidate.realloc, seed, None) for x in setups]
-    results = run_jobs([x.scored.config for x in setups], jobs, workers=workers, ray_address=ray_address,
-                       on_done=on_done)
+    results = run_jobs(
+        [x.scored.config for x in setups], jobs, workers=workers, ray_address=ray_address, on_done=on_done
+    )
     for x, res in zip(setups, results):
         x.runs.append(step_record(res["summary"]))
 
@@ -83,8 +90,17 @@ class SearchResult:
     simulations: int
 
 
-def search(scored: list[Scored], *, objective: str = "step-time", survivors: int = 24, seeds: list[int] = (0, 1, 2),
-           pinned: list[Scored] = (), workers: int = 1, ray_address: str | None = None, on_done=None) -> SearchResult:
+def search(
+    scored: list[Scored],
+    *,
+    objective: str = "step-time",
+    survivors: int = 24,
+    seeds: list[int] = (0, 1, 2),
+    pinned: list[Scored] = (),
+    workers: int = 1,
+    ray_address: str | None = None,
+    on_done=None,
+) -> SearchResult:
     """Successive halving over `seeds` of the first `survivors` distinct setups of `scored`
     (the screen's order), with `pinned` run on every seed."""
     race: list[Ranked] = []

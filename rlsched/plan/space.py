@@ -27,7 +27,6 @@ from rlsched.config import SimConfig
 from rlsched.plan.feasible import MEMORY_MAX, rollout_memory
 from rlsched.policies.drafter_schedule import SCHEDULES
 
-
 OFFLOAD_GAIN = 0.1  # offloading training's states is tried where it frees at least this share of a GPU
 
 
@@ -71,8 +70,10 @@ class Candidate:
         realloc = "" if self.realloc == "none" else f" {self.realloc}"
         memory = f"m{self.memory:g}" + ("+offload" if self.offload else "")
         update = "" if self.update_schedule is None else f" update:{self.update_schedule}"
-        return (f"{self.placement} tp{self.tp}x{self.instances} b{self.max_batch} {memory} {self.policy_label}"
-                f"{realloc}{update}")
+        return (
+            f"{self.placement} tp{self.tp}x{self.instances} b{self.max_batch} {memory} {self.policy_label}"
+            f"{realloc}{update}"
+        )
 
 
 @dataclass(frozen=True)
@@ -133,16 +134,21 @@ def candidates(base: SimConfig, space: Space) -> list[Candidate]:
                         fixed = policy.startswith("static:")
                         for r in space.reallocs if instances > 1 and not fixed else ("none",):
                             for u in schedules(base, drafter):
-                                out.append(Candidate(tp, instances, b, memory, policy, drafter, width, r, train,
-                                                     offload, u))
+                                out.append(
+                                    Candidate(tp, instances, b, memory, policy, drafter, width, r, train, offload, u)
+                                )
     return out
 
 
 def schedules(base: SimConfig, drafter: str | None) -> tuple[str | None, ...]:
     """The drafter update schedules to try: both where the workload updates this learned
     drafter over several RL steps, else the workload's (None)."""
-    if drafter is None or base.rl.drafter_update_interval == 0 or base.rl.steps < 2 or \
-            base.drafter(drafter).kind == "ngram":
+    if (
+        drafter is None
+        or base.rl.drafter_update_interval == 0
+        or base.rl.steps < 2
+        or base.drafter(drafter).kind == "ngram"
+    ):
         return (None,)
     return SCHEDULES
 
@@ -150,12 +156,20 @@ def schedules(base: SimConfig, drafter: str | None) -> tuple[str | None, ...]:
 def to_config(base: SimConfig, c: Candidate) -> SimConfig:
     """`base` with the candidate's placement, cluster, drafter alone (an adaptive policy then
     chooses for it), trees or chains, and reallocation."""
-    cluster = base.cluster.model_copy(update=dict(tp=c.tp, instances=c.instances, max_batch=c.max_batch,
-                                                  gpu_memory_utilization=c.memory, realloc=c.realloc))
+    cluster = base.cluster.model_copy(
+        update=dict(
+            tp=c.tp, instances=c.instances, max_batch=c.max_batch, gpu_memory_utilization=c.memory, realloc=c.realloc
+        )
+    )
     drafters = [d for d in base.drafters if d.name == c.drafter]
     speculation = base.speculation.model_copy(update=dict(width_max=c.width_max, policy=c.policy))
-    rl = base.rl.model_copy(update=dict(train_gpus=c.train_gpus, offload_states=c.offload,
-                                        drafter_update_schedule=c.update_schedule or base.rl.drafter_update_schedule))
+    rl = base.rl.model_copy(
+        update=dict(
+            train_gpus=c.train_gpus,
+            offload_states=c.offload,
+            drafter_update_schedule=c.update_schedule or base.rl.drafter_update_schedule,
+        )
+    )
     return base.model_copy(update=dict(cluster=cluster, drafters=drafters, speculation=speculation, rl=rl))
 
 
@@ -164,9 +178,20 @@ def from_config(cfg: SimConfig) -> Candidate:
     a memory fraction above what training's states leave needs them offloaded: it is read so."""
     c, s, rl = cfg.cluster, cfg.speculation, cfg.rl
     drafter = cfg.drafters[0].name if cfg.drafters and s.policy != "off" else None
-    offload = rl.offload_states or (rl.train_gpus is None and c.gpu_memory_utilization > rollout_memory(
-        cfg, c.instances * c.tp, None))
+    offload = rl.offload_states or (
+        rl.train_gpus is None and c.gpu_memory_utilization > rollout_memory(cfg, c.instances * c.tp, None)
+    )
     update = rl.drafter_update_schedule if len(schedules(cfg, drafter)) > 1 else None
-    return Candidate(c.tp, c.instances, c.max_batch, c.gpu_memory_utilization, s.policy, drafter,
-                     s.width_max if drafter is not None else 1, c.realloc, rl.train_gpus,
-                     offload and not rl.train_gpus, update)
+    return Candidate(
+        c.tp,
+        c.instances,
+        c.max_batch,
+        c.gpu_memory_utilization,
+        s.policy,
+        drafter,
+        s.width_max if drafter is not None else 1,
+        c.realloc,
+        rl.train_gpus,
+        offload and not rl.train_gpus,
+        update,
+    )

@@ -30,9 +30,16 @@ class _DrafterStats:
 class AcceptanceEstimator:
     """Per-sample, per-prompt and per-drafter estimates of per-token acceptance."""
 
-    def __init__(self, drafters, prior_mean: float = 0.6, prior_strength: float = 20.0,
-                 prompt_strength: float = 4.0, sample_strength: float = 4.0, decay: float = 0.999,
-                 sample_decay: float = 1.0):
+    def __init__(
+        self,
+        drafters,
+        prior_mean: float = 0.6,
+        prior_strength: float = 20.0,
+        prompt_strength: float = 4.0,
+        sample_strength: float = 4.0,
+        decay: float = 0.999,
+        sample_decay: float = 1.0,
+    ):
         """sample_decay: the weight a sample's own trials keep from one of its steps to the
         next, for its estimate (its prompt gets every trial at full weight when it finishes).
         Below 1 the estimate follows acceptance that changes along a response (a drafter that
@@ -156,13 +163,13 @@ class AcceptanceEstimator:
     def _apply(self, ids, drafter, succ, fail, steps, r_succ=None, r_fail=None) -> None:
         s = self._stats[drafter]
         if r_succ is not None:  # (the pending steps' own decayed sums: the older counts forget them all)
-            keep = self.sample_decay ** steps
+            keep = self.sample_decay**steps
             s.r_succ[ids] = keep * s.r_succ[ids] + r_succ
             s.r_fail[ids] = keep * s.r_fail[ids] + r_fail
         s.succ[ids] += succ
         s.fail[ids] += fail
         n_acc, n_fail = float(np.add.reduce(succ)), float(np.add.reduce(fail))
-        decay = self.decay ** steps
+        decay = self.decay**steps
         s.g_succ = decay * s.g_succ + n_acc
         s.g_n = decay * s.g_n + n_acc + n_fail
         s.stale += steps

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
@@ -44,10 +44,15 @@ class PolicyContext:
         """The rate a tree's rank-1 child is taken at, for a chain's `acceptance` (policies/tree.py)."""
         return acceptance * self.tree_top1.get(drafter, 1.0)
 
-    def tree(self, drafter: str, strategy: "Strategy") -> TreeShape:
+    def tree(self, drafter: str, strategy: Strategy) -> TreeShape:
         """The shape of a tree strategy of this drafter (built for its expected acceptance)."""
-        return tree_shape(strategy.k, strategy.width, strategy.nodes, self._tree_reference(drafter),
-                          self.tree_gain.get(drafter, TREE_GAIN))
+        return tree_shape(
+            strategy.k,
+            strategy.width,
+            strategy.nodes,
+            self._tree_reference(drafter),
+            self.tree_gain.get(drafter, TREE_GAIN),
+        )
 
     def _tree_reference(self, drafter: str) -> float:
         return reference_acceptance(self.prior(drafter), self.tree_top1.get(drafter, 1.0))
@@ -65,8 +70,9 @@ class PolicyContext:
         return self.shared[key]
 
 
-def tree_parts(cost: CostModel, drafter: str, options: list[Strategy], batch: int,
-               ctx_tokens) -> tuple[np.ndarray, np.ndarray]:
+def tree_parts(
+    cost: CostModel, drafter: str, options: list[Strategy], batch: int, ctx_tokens
+) -> tuple[np.ndarray, np.ndarray]:
     """Draft and verify seconds of each tree strategy in `options` over `batch` rows: k drafter
     forwards of the tree's width, and a verify of 1 + nodes tokens a row."""
     k = np.array([s.k for s in options])
@@ -223,8 +229,12 @@ class GoodputPolicy:
 
     def choose(self, state: EngineState) -> Strategy:
         last = self._last
-        if (last is not None and self._same_batch(last, state) and 0 <= state.step - last[2] < self.refresh
-                and state.ctx_tokens <= last[1] * (1 + self.ctx_tolerance)):  # step < last: a new rollout
+        if (
+            last is not None
+            and self._same_batch(last, state)
+            and 0 <= state.step - last[2] < self.refresh
+            and state.ctx_tokens <= last[1] * (1 + self.ctx_tolerance)
+        ):  # step < last: a new rollout
             return last[3]
         best = self._decide(state)
         self._last = (state.batch, state.ctx_tokens, state.step, best, state.sample_ids)
@@ -281,8 +291,16 @@ class GoodputPolicy:
     def _tree_prices(self, drafter: str, b: int, ctx_tokens: int) -> tuple[np.ndarray, np.ndarray]:
         """Draft and verify seconds of each tree option of `drafter` for b rows (`tree_parts`),
         cached as `_prices`."""
-        key = None if self.ctx_tolerance <= 0 else (
-            "trees", drafter, b, round(math.log(max(ctx_tokens / max(b, 1), 1.0)) / math.log1p(self.ctx_tolerance)))
+        key = (
+            None
+            if self.ctx_tolerance <= 0
+            else (
+                "trees",
+                drafter,
+                b,
+                round(math.log(max(ctx_tokens / max(b, 1), 1.0)) / math.log1p(self.ctx_tolerance)),
+            )
+        )
         if key is not None and (hit := self._price_cache.get(key)) is not None:
             return hit
         out = tree_parts(self.cost, drafter, self._trees[drafter][0], b, ctx_tokens)
@@ -333,8 +351,9 @@ class GoodputPolicy:
         if entry is None:
             entry = self._rel[octave] = [[0.0] * (self.k_max + 1), [0] * (self.k_max + 1), None]
         rel, seen = entry[0], entry[1]
-        self._scale[octave] = math.exp(self._DECAY * math.log(self._scale_at(key, b))
-                                       + (1 - self._DECAY) * (ratio - rel[k]))
+        self._scale[octave] = math.exp(
+            self._DECAY * math.log(self._scale_at(key, b)) + (1 - self._DECAY) * (ratio - rel[k])
+        )
         self._scale[key] = log_mean(self._scale.get(key, 1.0), measured / priced, self._DECAY)
         w = max(1.0 / (seen[k] + 1), 1 - self._REL_DECAY)  # a mean over the first steps, then forgetting
         rel[k] += w * (ratio - math.log(self._scale[octave]) - rel[k])
@@ -350,8 +369,11 @@ class GoodputPolicy:
         entry = self._rel.get(("verify", b.bit_length()))
         seen = None if entry is None else entry[1]
         for n in (j - 1, j + 1):
-            if (0 <= n < len(rates) and rates[n] >= (1 - self._EXPLORE_MARGIN) * rates[j]
-                    and (seen is None or seen[n + 1] < self._EXPLORE_STEPS)):
+            if (
+                0 <= n < len(rates)
+                and rates[n] >= (1 - self._EXPLORE_MARGIN) * rates[j]
+                and (seen is None or seen[n + 1] < self._EXPLORE_STEPS)
+            ):
                 return n
         return j
 
@@ -442,8 +464,9 @@ class _Truth:
 
     def __init__(self, ctx: PolicyContext):
         if ctx.true_acceptance is None:
-            raise UserError(f"policy '{self.name}' needs the true acceptance of every sequence: "
-                            "only the simulator has it")
+            raise UserError(
+                f"policy '{self.name}' needs the true acceptance of every sequence: only the simulator has it"
+            )
         super().__init__(ctx, refresh=1, ctx_tolerance=0.0)
         self._truth = ctx.true_acceptance
 

@@ -41,8 +41,7 @@ class DrafterSchedule:
         self.ref: float | None = None  # acceptance of the first rollout after the last update
         self._rebase = False  # the next rollout becomes the reference (an update came before it)
 
-    def observe(self, generation_s: float, drafted: int, accepted: int, rejected: int | None,
-                sd_rows: int) -> None:
+    def observe(self, generation_s: float, drafted: int, accepted: int, rejected: int | None, sd_rows: int) -> None:
         """One rollout's totals: chain trials (`rejected`: chains that stopped before their
         last draft; None where the backend does not count them: accepted / drafted then
         stands in, biased low but alike from step to step) and the row-steps that drafted."""

@@ -14,7 +14,6 @@ from rlsched.errors import UserError
 from rlsched.policies.draft import PolicyContext, expected_tokens, tree_times
 from rlsched.policies.types import NEVER_CHANGES, OFF, EngineState, StepOutcome, Strategy
 
-
 SMALL_BATCH = 8  # twostate's solve picks the strategy that gains most up to this batch size
 
 
@@ -33,14 +32,18 @@ def rates(ctx: PolicyContext, drafter: str, batch: int, acceptance: float, per_r
     ks = np.arange(1, ctx.k_max + 1)
     ctx_tokens = batch * (ctx.typical_ctx if per_row is None else per_row)
     tokens = expected_tokens(np.full(batch, acceptance), ctx.k_max)
-    times = np.concatenate(([ctx.cost.verify_time(batch, 1, ctx_tokens)],
-                            ctx.cost.draft_time(drafter, batch, ks, ctx_tokens) +
-                            ctx.cost.verify_time(batch, ks + 1, ctx_tokens)))
+    times = np.concatenate(
+        (
+            [ctx.cost.verify_time(batch, 1, ctx_tokens)],
+            ctx.cost.draft_time(drafter, batch, ks, ctx_tokens) + ctx.cost.verify_time(batch, ks + 1, ctx_tokens),
+        )
+    )
     return tokens / times
 
 
-def tree_rates(ctx: PolicyContext, drafter: str, batch: int, acceptance: float,
-               per_row: int | None = None) -> tuple[list[Strategy], np.ndarray]:
+def tree_rates(
+    ctx: PolicyContext, drafter: str, batch: int, acceptance: float, per_row: int | None = None
+) -> tuple[list[Strategy], np.ndarray]:
     """The tree strategies `ctx` allows for `drafter` and their expected tokens/s, as `rates`
     (none when it allows chains only)."""
     trees = ctx.trees(drafter)
@@ -68,20 +71,19 @@ class TwoStatePolicy:
         return self.on.k
 
     @classmethod
-    def solve(cls, ctx: PolicyContext, drafter: str | None = None) -> "TwoStatePolicy":
+    def solve(cls, ctx: PolicyContext, drafter: str | None = None) -> TwoStatePolicy:
         """ReSpec's offline solve over the cost model: the strategy (a chain's k, or a tree where
         the context allows them) that gains most at small batch (the mean log gain over batch
         sizes up to SMALL_BATCH), then the largest batch where it still beats off."""
         if ctx.cost is None:
             return cls(ctx, drafter or ctx.drafters[0], 0, 1)  # a placeholder for name checks only
         best = None
-        for d in ([drafter] if drafter else ctx.drafters):
+        for d in [drafter] if drafter else ctx.drafters:
             grid = batch_grid(ctx.max_batch)
             r = np.array([rates(ctx, d, b, ctx.prior(d)) for b in grid])  # (batches, k_max + 1)
             trees = [tree_rates(ctx, d, b, ctx.prior(d)) for b in grid]
             options = [Strategy(d, k) for k in range(1, ctx.k_max + 1)] + trees[0][0]
-            gain = np.concatenate((r[:, 1:], np.array([t[1] for t in trees]).reshape(len(grid), -1)), axis=1) \
-                / r[:, :1]
+            gain = np.concatenate((r[:, 1:], np.array([t[1] for t in trees]).reshape(len(grid), -1)), axis=1) / r[:, :1]
             small = np.log(np.maximum(gain[np.asarray(grid) <= SMALL_BATCH], 1)).mean(axis=0)
             j = int(np.argmax(small))
             pays = [b for b, g in zip(grid, gain[:, j]) if g > 1]
@@ -93,15 +95,17 @@ class TwoStatePolicy:
         return cls(ctx, best[1], best[2], s.k, s.width, s.nodes)
 
     @classmethod
-    def from_file(cls, pf, ctx: PolicyContext, k_max_name: str = "speculation.k_max") -> "TwoStatePolicy":
+    def from_file(cls, pf, ctx: PolicyContext, k_max_name: str = "speculation.k_max") -> TwoStatePolicy:
         if pf.drafter not in ctx.drafters:
             raise UserError(f"two-state policy drafts with '{pf.drafter}', which this config lacks")
         if pf.params["k"] > ctx.k_max:
             raise UserError(f"two-state policy uses k = {pf.params['k']}, above {k_max_name} = {ctx.k_max}")
         width = pf.params.get("width", 1)
         if width > ctx.width_max:
-            raise UserError(f"two-state policy drafts a tree {width} wide; this engine drafts chains "
-                            "(the simulator trees up to speculation.width_max)")
+            raise UserError(
+                f"two-state policy drafts a tree {width} wide; this engine drafts chains "
+                "(the simulator trees up to speculation.width_max)"
+            )
         return cls(ctx, pf.drafter, pf.params["max_batch_on"], pf.params["k"], width, pf.params.get("nodes", 0))
 
     def choose(self, state: EngineState) -> Strategy:
@@ -144,11 +148,20 @@ class TablePolicy:
     name = "table"
     observes = False
 
-    def __init__(self, ctx: PolicyContext, drafter: str, batch_edges: list[int], accept_edges: list[float],
-                 k: list, refresh: int = 32, ctx_edges: list[int] | None = None):
+    def __init__(
+        self,
+        ctx: PolicyContext,
+        drafter: str,
+        batch_edges: list[int],
+        accept_edges: list[float],
+        k: list,
+        refresh: int = 32,
+        ctx_edges: list[int] | None = None,
+    ):
         if drafter not in ctx.drafters:
-            raise UserError(f"table policy drafts with '{drafter}', which this config lacks "
-                            f"({', '.join(ctx.drafters)})")
+            raise UserError(
+                f"table policy drafts with '{drafter}', which this config lacks ({', '.join(ctx.drafters)})"
+            )
         self.ctx_edges = [0] if ctx_edges is None else list(ctx_edges)
         self.k = [[row] for row in k] if ctx_edges is None else k  # [acceptance][context][batch]
         cells = [cell_strategy(drafter, x) for plane in self.k for row in plane for x in row]
@@ -157,8 +170,10 @@ class TablePolicy:
             raise UserError(f"table policy uses k up to {top}, above this config's speculation.k_max = {ctx.k_max}")
         wide = max(s.width for s in cells)
         if wide > ctx.width_max:
-            raise UserError(f"table policy drafts trees {wide} wide; this engine drafts chains (the simulator trees "
-                            "up to speculation.width_max)")
+            raise UserError(
+                f"table policy drafts trees {wide} wide; this engine drafts chains (the simulator trees "
+                "up to speculation.width_max)"
+            )
         self.drafter, self.batch_edges, self.accept_edges = drafter, list(batch_edges), list(accept_edges)
         self.refresh = refresh
         self.needs_acceptance = len(accept_edges) > 2
@@ -167,15 +182,21 @@ class TablePolicy:
         self._last = None  # (batch, step) of the last acceptance read
 
     @classmethod
-    def analytic(cls, ctx: PolicyContext, drafter: str, accept_edges=(0.0, 1.0),
-                 ctx_edges: list[int] | None = None) -> "TablePolicy":
+    def analytic(
+        cls, ctx: PolicyContext, drafter: str, accept_edges=(0.0, 1.0), ctx_edges: list[int] | None = None
+    ) -> TablePolicy:
         """Each bucket's best k (or tree, where the context allows trees) by the cost model at its
         middle batch, acceptance and context per sequence (without `ctx_edges`: the typical
         context)."""
         edges = batch_grid(ctx.max_batch)
-        mids = [ctx.typical_ctx] if ctx_edges is None else [
-            max(1, round((lo * hi) ** 0.5)) if lo else hi // 2
-            for lo, hi in zip(ctx_edges, [*ctx_edges[1:], 2 * ctx_edges[-1]])]
+        mids = (
+            [ctx.typical_ctx]
+            if ctx_edges is None
+            else [
+                max(1, round((lo * hi) ** 0.5)) if lo else hi // 2
+                for lo, hi in zip(ctx_edges, [*ctx_edges[1:], 2 * ctx_edges[-1]])
+            ]
+        )
         table = []
         for lo, hi in zip(accept_edges[:-1], accept_edges[1:]):
             a = ctx.prior(drafter) if len(accept_edges) == 2 else (lo + hi) / 2
@@ -191,24 +212,36 @@ class TablePolicy:
                     row.append(j if j < len(chain) else strategy_cell(trees[j - len(chain)]))
                 plane.append(row)
             table.append(plane)
-        return cls(ctx, drafter, edges, list(accept_edges), table if ctx_edges else [p[0] for p in table],
-                   ctx_edges=ctx_edges)
+        return cls(
+            ctx, drafter, edges, list(accept_edges), table if ctx_edges else [p[0] for p in table], ctx_edges=ctx_edges
+        )
 
     @classmethod
-    def from_file(cls, pf, ctx: PolicyContext, k_max_name: str = "speculation.k_max") -> "TablePolicy":
+    def from_file(cls, pf, ctx: PolicyContext, k_max_name: str = "speculation.k_max") -> TablePolicy:
         p = pf.params
-        top = max(cell_strategy(pf.drafter, x).k
-                  for plane in (p["k"] if p.get("ctx_edges") else [p["k"]]) for row in plane for x in row)
+        top = max(
+            cell_strategy(pf.drafter, x).k
+            for plane in (p["k"] if p.get("ctx_edges") else [p["k"]])
+            for row in plane
+            for x in row
+        )
         if top > ctx.k_max:
             raise UserError(f"table policy uses k up to {top}, above {k_max_name} = {ctx.k_max}")
         return cls(ctx, pf.drafter, p["batch_edges"], p["accept_edges"], p["k"], ctx_edges=p.get("ctx_edges"))
 
     def params(self) -> dict:
         if len(self.ctx_edges) == 1:
-            return {"batch_edges": self.batch_edges, "accept_edges": self.accept_edges,
-                    "k": [plane[0] for plane in self.k]}
-        return {"batch_edges": self.batch_edges, "accept_edges": self.accept_edges, "ctx_edges": self.ctx_edges,
-                "k": self.k}
+            return {
+                "batch_edges": self.batch_edges,
+                "accept_edges": self.accept_edges,
+                "k": [plane[0] for plane in self.k],
+            }
+        return {
+            "batch_edges": self.batch_edges,
+            "accept_edges": self.accept_edges,
+            "ctx_edges": self.ctx_edges,
+            "k": self.k,
+        }
 
     def _row(self, acceptance: float) -> int:
         return min(max(bisect_right(self.accept_edges, acceptance) - 1, 0), len(self.accept_edges) - 2)

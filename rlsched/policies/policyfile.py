@@ -51,30 +51,56 @@ class PolicyFile(BaseModel):
                 raise ValueError("a twostate tree needs whole numbers width in 2..16 and nodes in k..256")
         else:
             be, ae, k = p.get("batch_edges"), p.get("accept_edges"), p.get("k")
-            if not (isinstance(be, list) and be and all(_whole(b, 1) for b in be) and be[0] == 1
-                    and all(b < c for b, c in zip(be, be[1:]))):
+            if not (
+                isinstance(be, list)
+                and be
+                and all(_whole(b, 1) for b in be)
+                and be[0] == 1
+                and all(b < c for b, c in zip(be, be[1:]))
+            ):
                 raise ValueError("table params.batch_edges must be whole numbers rising strictly from 1")
-            if not (isinstance(ae, list) and len(ae) >= 2 and all(_number(a) for a in ae) and ae[0] == 0
-                    and ae[-1] == 1 and all(a < b for a, b in zip(ae, ae[1:]))):
+            if not (
+                isinstance(ae, list)
+                and len(ae) >= 2
+                and all(_number(a) for a in ae)
+                and ae[0] == 0
+                and ae[-1] == 1
+                and all(a < b for a, b in zip(ae, ae[1:]))
+            ):
                 raise ValueError("table params.accept_edges must be numbers rising strictly from 0 to 1")
             ce = p.get("ctx_edges")
             if ce is None:  # one context bucket: k is acceptance x batch
-                if not (isinstance(k, list) and len(k) == len(ae) - 1
-                        and all(isinstance(r, list) and len(r) == len(be) for r in k)
-                        and all(_cell(x) for r in k for x in r)):
-                    raise ValueError(f"table params.k must be {len(ae) - 1} rows of {len(be)} cells: whole numbers "
-                                     "in 0..32 (a chain's k) or [k, width, nodes] (a tree)")
+                if not (
+                    isinstance(k, list)
+                    and len(k) == len(ae) - 1
+                    and all(isinstance(r, list) and len(r) == len(be) for r in k)
+                    and all(_cell(x) for r in k for x in r)
+                ):
+                    raise ValueError(
+                        f"table params.k must be {len(ae) - 1} rows of {len(be)} cells: whole numbers "
+                        "in 0..32 (a chain's k) or [k, width, nodes] (a tree)"
+                    )
             else:
-                if not (isinstance(ce, list) and ce and all(_whole(c, 0) for c in ce) and ce[0] == 0
-                        and all(a < b for a, b in zip(ce, ce[1:]))):
+                if not (
+                    isinstance(ce, list)
+                    and ce
+                    and all(_whole(c, 0) for c in ce)
+                    and ce[0] == 0
+                    and all(a < b for a, b in zip(ce, ce[1:]))
+                ):
                     raise ValueError("table params.ctx_edges must be whole numbers rising strictly from 0")
-                if not (isinstance(k, list) and len(k) == len(ae) - 1
-                        and all(isinstance(pl, list) and len(pl) == len(ce) for pl in k)
-                        and all(isinstance(r, list) and len(r) == len(be) for pl in k for r in pl)
-                        and all(_cell(x) for pl in k for r in pl for x in r)):
-                    raise ValueError(f"table params.k must be {len(ae) - 1} x {len(ce)} rows of {len(be)} "
-                                     "cells (acceptance x context x batch): whole numbers in 0..32 (a chain's k) "
-                                     "or [k, width, nodes] (a tree)")
+                if not (
+                    isinstance(k, list)
+                    and len(k) == len(ae) - 1
+                    and all(isinstance(pl, list) and len(pl) == len(ce) for pl in k)
+                    and all(isinstance(r, list) and len(r) == len(be) for pl in k for r in pl)
+                    and all(_cell(x) for pl in k for r in pl for x in r)
+                ):
+                    raise ValueError(
+                        f"table params.k must be {len(ae) - 1} x {len(ce)} rows of {len(be)} "
+                        "cells (acceptance x context x batch): whole numbers in 0..32 (a chain's k) "
+                        "or [k, width, nodes] (a tree)"
+                    )
         return self
 
 
@@ -109,10 +135,12 @@ def load_policy_file(path, identity: dict | None = None, kinds=("table", "twosta
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"policy file '{path}' is not valid JSON ({e}); re-create it with `rlsched learn`") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise UserError(f"policy file '{path}' is not an rlsched policy file (no \"format\": \"{FORMAT}\")")
+        raise UserError(f'policy file \'{path}\' is not an rlsched policy file (no "format": "{FORMAT}")')
     if data.get("version") != VERSION:
-        raise UserError(f"policy file '{path}' has format version {data.get('version')!r}, this rlsched reads "
-                        f"version {VERSION}; re-learn it with `rlsched learn`")
+        raise UserError(
+            f"policy file '{path}' has format version {data.get('version')!r}, this rlsched reads "
+            f"version {VERSION}; re-learn it with `rlsched learn`"
+        )
     try:
         pf = PolicyFile.model_validate(data)
     except ValidationError as e:
@@ -123,12 +151,16 @@ def load_policy_file(path, identity: dict | None = None, kinds=("table", "twosta
         mine = {k: identity.get(k) for k in IDENTITY_KEYS if identity.get(k) is not None}
         theirs = {k: pf.learned_on.get(k) for k in mine}
         if mine != theirs:
-            raise UserError(f"policy file '{path}' was learned for {_describe(theirs)}, but this config runs "
-                            f"{_describe(mine)}; re-learn it with `rlsched learn` on this config")
+            raise UserError(
+                f"policy file '{path}' was learned for {_describe(theirs)}, but this config runs "
+                f"{_describe(mine)}; re-learn it with `rlsched learn` on this config"
+            )
         drafters = identity.get("drafters")
         if drafters is not None and pf.drafter not in drafters:
-            raise UserError(f"policy file '{path}' drafts with '{pf.drafter}', which this config lacks "
-                            f"(drafters: {', '.join(drafters) or 'none'})")
+            raise UserError(
+                f"policy file '{path}' drafts with '{pf.drafter}', which this config lacks "
+                f"(drafters: {', '.join(drafters) or 'none'})"
+            )
     return pf
 
 
@@ -148,9 +180,11 @@ def check_model_shape(pf: PolicyFile, path, shape: dict, model: str) -> None:
     mine = {k: shape.get(k) for k in SHAPE_KEYS}
     if theirs is not None and theirs != mine:
         name = pf.learned_on.get("model")
-        raise UserError(f"policy file '{path}' was learned for another model ({_shape(theirs)}"
-                        f"{f', {name}' if name else ''}) than {model} ({_shape(mine)}); re-learn it with "
-                        "`rlsched learn --cost` on costs fitted to this model (`rlsched fit`)")
+        raise UserError(
+            f"policy file '{path}' was learned for another model ({_shape(theirs)}"
+            f"{f', {name}' if name else ''}) than {model} ({_shape(mine)}); re-learn it with "
+            "`rlsched learn --cost` on costs fitted to this model (`rlsched fit`)"
+        )
 
 
 def _shape(shape: dict) -> str:

@@ -50,8 +50,9 @@ def steal_queued(dst: InstanceView, views: list[InstanceView]) -> list[Migration
     n_room = room(dst)
     if n_room == 0:
         return []
-    donors = sorted((v for v in views if v.instance != dst.instance and excess(v) > 0),
-                    key=lambda v: (-excess(v), v.instance))
+    donors = sorted(
+        (v for v in views if v.instance != dst.instance and excess(v) > 0), key=lambda v: (-excess(v), v.instance)
+    )
     out, kv_free = [], dst.kv_free_tokens
     for src in donors:
         est = max(1, _mean_ctx(src, 1))
@@ -164,8 +165,10 @@ class Consolidate:
         if event.kind not in ("drained", "idle") or me.load == 0:
             return []
         rank = (me.load, me.instance)
-        receivers = sorted((v for v in views if (v.load, v.instance) > rank and len(v.running_ids)),
-                           key=lambda v: (-v.load, -v.instance))
+        receivers = sorted(
+            (v for v in views if (v.load, v.instance) > rank and len(v.running_ids)),
+            key=lambda v: (-v.load, -v.instance),
+        )
         # its sequences, the running ones longest first (most KV: to the most room), then the queued
         order = np.argsort(-me.running_ctx, kind="stable")
         ids = [int(s) for s in me.running_ids[order]] + [int(s) for s in me.waiting_ids]
@@ -179,10 +182,10 @@ class Consolidate:
                 break
             b0, c0 = r.load, int(r.running_ctx.sum())
             n = min(room(r), len(ids) - pos, _fits(ctx[pos:], r.kv_free_tokens))
-            while n > 0 and cost.verify_time(b0 + n, 1, c0 + int(ctx[pos:pos + n].sum())) > limit:
+            while n > 0 and cost.verify_time(b0 + n, 1, c0 + int(ctx[pos : pos + n].sum())) > limit:
                 n -= 1
             if n > 0:
-                out.append(Migration(me.instance, r.instance, tuple(ids[pos:pos + n])))
+                out.append(Migration(me.instance, r.instance, tuple(ids[pos : pos + n])))
                 pos += n
         return out if pos == len(ids) else []
 

@@ -29,30 +29,60 @@ class Family:
     trees: bool = False  # drafts trees: the simulator and rlsched's engine (vLLM's drafts chains)
 
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (
-    Family("off", "off", "plain decoding", native=True),
-    Family("static", "static:K[:DRAFTER]", "K drafts every step (static:0 is off)", native=True),
-    Family("tree", "tree:K:W:N[:DRAFTER]", "the same draft tree every step: K levels, W candidates a branch, "
-           "the best N drafts verified (SGLang's steps, topk, num_draft_tokens - 1)", trees=True),
-    Family("goodput", "goodput[:REFRESH|:drain]", "the (drafter, k) with the most expected tokens per second "
-           "of draft + verify, from the cost model and each row's acceptance", priced=True),
-    Family("seqgoodput", "seqgoodput[:REFRESH]", "every row its own draft length, priced by the cost model",
-           priced=True),
-    Family("twostate", "twostate[:MAX_BATCH:K|:FILE]", "speculation off above a batch size, one k at or below it "
-           "(solved over the cost model without arguments)", priced=True, native=True),
-    Family("bandit", "bandit[:EPSILON]", "epsilon-greedy over (drafter, k) arms by measured tokens per second"),
-    Family("table", "table:FILE", "a learned lookup (`rlsched learn`) by batch size, acceptance and context",
-           native=True),
-    Family("oracle", "oracle[:seq]", "goodput with the true acceptance (a yardstick)", priced=True,
-           simulator_only=True),
-)}
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family("off", "off", "plain decoding", native=True),
+        Family("static", "static:K[:DRAFTER]", "K drafts every step (static:0 is off)", native=True),
+        Family(
+            "tree",
+            "tree:K:W:N[:DRAFTER]",
+            "the same draft tree every step: K levels, W candidates a branch, "
+            "the best N drafts verified (SGLang's steps, topk, num_draft_tokens - 1)",
+            trees=True,
+        ),
+        Family(
+            "goodput",
+            "goodput[:REFRESH|:drain]",
+            "the (drafter, k) with the most expected tokens per second "
+            "of draft + verify, from the cost model and each row's acceptance",
+            priced=True,
+        ),
+        Family(
+            "seqgoodput",
+            "seqgoodput[:REFRESH]",
+            "every row its own draft length, priced by the cost model",
+            priced=True,
+        ),
+        Family(
+            "twostate",
+            "twostate[:MAX_BATCH:K|:FILE]",
+            "speculation off above a batch size, one k at or below it (solved over the cost model without arguments)",
+            priced=True,
+            native=True,
+        ),
+        Family("bandit", "bandit[:EPSILON]", "epsilon-greedy over (drafter, k) arms by measured tokens per second"),
+        Family(
+            "table",
+            "table:FILE",
+            "a learned lookup (`rlsched learn`) by batch size, acceptance and context",
+            native=True,
+        ),
+        Family(
+            "oracle", "oracle[:seq]", "goodput with the true acceptance (a yardstick)", priced=True, simulator_only=True
+        ),
+    )
+}
 ENGINES = ("simulator", "local", "vllm")
 
 
 def usage(engine: str = "simulator") -> str:
     """The policy names one engine runs, comma-separated (the CLI's help and error messages)."""
-    names = [f.usage for f in FAMILIES.values()
-             if engine == "simulator" or not (f.simulator_only or f.trees and engine == "vllm")]
+    names = [
+        f.usage
+        for f in FAMILIES.values()
+        if engine == "simulator" or not (f.simulator_only or f.trees and engine == "vllm")
+    ]
     return ", ".join(names) + ", or a policy file (PATH.json)"
 
 
@@ -66,16 +96,28 @@ class Words:
     no_drafter: str  # what to do when the command has no drafter
 
 
-SIMULATOR = Words("simulator", "speculation.k_max", "the config has",
-                  "the config has no drafters; add one (drafters: [...]) or use policy off")
-GENERATE = Words("local", "--k-max", "--drafter gives",
-                 "--drafter is off; give --drafter builtin, a model folder or ngram, or --policy off")
+SIMULATOR = Words(
+    "simulator",
+    "speculation.k_max",
+    "the config has",
+    "the config has no drafters; add one (drafters: [...]) or use policy off",
+)
+GENERATE = Words(
+    "local",
+    "--k-max",
+    "--drafter gives",
+    "--drafter is off; give --drafter builtin, a model folder or ngram, or --policy off",
+)
 
 
 def run_words(engine: str) -> Words:
     """`rlsched run`'s words (its config fields), for the local or the vLLM engine."""
-    return Words(engine, "rollout.k_max", "the config has",
-                 "drafter is off; set drafter (a model folder, builtin or ngram) or policy off")
+    return Words(
+        engine,
+        "rollout.k_max",
+        "the config has",
+        "drafter is off; set drafter (a model folder, builtin or ngram) or policy off",
+    )
 
 
 @dataclass(frozen=True)
@@ -109,27 +151,34 @@ class PolicySpec:
             return self.file is None and self.max_batch is None
         return self.family is not None and FAMILIES[self.family].priced
 
-    def check(self, drafters: tuple[str, ...], k_max: int, words: Words = SIMULATOR) -> "PolicySpec":
+    def check(self, drafters: tuple[str, ...], k_max: int, words: Words = SIMULATOR) -> PolicySpec:
         """This spec against a command's drafters, longest draft and engine; UserError, one
         line in the command's words, for what it cannot run. Returns self."""
         fam = FAMILIES.get(self.family) if self.family else None
         if fam is not None and fam.simulator_only and words.engine != "simulator":
-            raise UserError(f"policy '{self.text}' reads the simulator's true acceptance; it runs in "
-                            "`rlsched simulate`, `compare` and `learn` only")
+            raise UserError(
+                f"policy '{self.text}' reads the simulator's true acceptance; it runs in "
+                "`rlsched simulate`, `compare` and `learn` only"
+            )
         if fam is not None and fam.trees and words.engine == "vllm":
-            raise UserError(f"policy '{self.text}' drafts a tree; the {words.engine} engine drafts chains: "
-                            "use static:K")
+            raise UserError(
+                f"policy '{self.text}' drafts a tree; the {words.engine} engine drafts chains: use static:K"
+            )
         if self.drafts and not drafters:
             raise UserError(f"policy '{self.text}' drafts, but {words.no_drafter}")
         if self.drafter is not None and self.drafter not in drafters:
-            raise UserError(f"policy '{self.text}': unknown drafter '{self.drafter}'; {words.drafters} "
-                            f"{', '.join(drafters)}")
+            raise UserError(
+                f"policy '{self.text}': unknown drafter '{self.drafter}'; {words.drafters} {', '.join(drafters)}"
+            )
         if self.family in ("static", "twostate", "tree") and self.k > k_max:
-            raise UserError(f"policy '{self.text}': K = {self.k} is above {words.k_max} = {k_max}; lower K or "
-                            f"raise {words.k_max}")
+            raise UserError(
+                f"policy '{self.text}': K = {self.k} is above {words.k_max} = {k_max}; lower K or raise {words.k_max}"
+            )
         if self.family == "tree" and words.engine != "simulator" and self.nodes > k_max:
-            raise UserError(f"policy '{self.text}': N = {self.nodes} drafts a row is above {words.k_max} = {k_max} "
-                            f"(the cache's room a step); lower N or raise {words.k_max}")
+            raise UserError(
+                f"policy '{self.text}': N = {self.nodes} drafts a row is above {words.k_max} = {k_max} "
+                f"(the cache's room a step); lower N or raise {words.k_max}"
+            )
         return self
 
 
@@ -155,11 +204,12 @@ def parse_policy(text, engine: str = "simulator") -> PolicySpec:
         parts = arg.split(":")
         example = "tree:6:4:24"
         if len(parts) not in (3, 4):
-            raise UserError(f"policy '{spec}': expected tree:K:W:N[:DRAFTER] (depth, width, drafts verified), "
-                            f"as in {example}")
+            raise UserError(
+                f"policy '{spec}': expected tree:K:W:N[:DRAFTER] (depth, width, drafts verified), as in {example}"
+            )
         k = _whole(parts[0], spec, "K (the depth)", example, 1)
         w = _whole(parts[1], spec, "W (candidates a branch)", example, 2)
-        most = w * (w ** k - 1) // (w - 1)  # the full tree
+        most = w * (w**k - 1) // (w - 1)  # the full tree
         n = _whole(parts[2], spec, "N (drafts verified)", example, k)
         if n > most:
             raise UserError(f"policy '{spec}': a tree {k} deep and {w} wide holds at most {most} drafts; lower N")
@@ -169,8 +219,7 @@ def parse_policy(text, engine: str = "simulator") -> PolicySpec:
             return PolicySpec(spec, name, drain=True)
         if arg and (not arg.isdigit() or int(arg) < 1):
             also = " or 'drain' (goodput:drain)" if name == "goodput" else ""
-            raise UserError(f"policy '{spec}': the refresh interval must be a whole number >= 1{also}, "
-                            f"as in {name}:1")
+            raise UserError(f"policy '{spec}': the refresh interval must be a whole number >= 1{also}, as in {name}:1")
         return PolicySpec(spec, name, refresh=int(arg) if arg else 32)
     if name == "twostate":
         if not arg:
@@ -203,16 +252,25 @@ def make_draft_policy(spec, ctx, words: Words = SIMULATOR):
     drafters and k_max in the command's `words`. (The policies are imported here: the grammar
     above needs neither numpy nor the policies, and the CLI's help reads it.)"""
     from rlsched.policies.bandit import BanditPolicy
-    from rlsched.policies.draft import GoodputPolicy, OffPolicy, OraclePolicy, SeqGoodputPolicy, SeqOraclePolicy, \
-        StaticPolicy
+    from rlsched.policies.draft import (
+        GoodputPolicy,
+        OffPolicy,
+        OraclePolicy,
+        SeqGoodputPolicy,
+        SeqOraclePolicy,
+        StaticPolicy,
+    )
     from rlsched.policies.lookup import TablePolicy, TwoStatePolicy
 
     p = (spec if isinstance(spec, PolicySpec) else parse_policy(spec)).check(ctx.drafters, ctx.k_max, words)
     if not p.drafts:
         return OffPolicy()
     if p.family in ("goodput", "seqgoodput"):
-        return SeqGoodputPolicy(ctx, refresh=p.refresh) if p.family == "seqgoodput" else \
-            GoodputPolicy(ctx, refresh=p.refresh, drain=p.drain)
+        return (
+            SeqGoodputPolicy(ctx, refresh=p.refresh)
+            if p.family == "seqgoodput"
+            else GoodputPolicy(ctx, refresh=p.refresh, drain=p.drain)
+        )
     if p.family in ("static", "tree"):
         return StaticPolicy(p.drafter or ctx.drafters[0], p.k, p.width, p.nodes)
     if p.family == "oracle":
@@ -220,8 +278,9 @@ def make_draft_policy(spec, ctx, words: Words = SIMULATOR):
     if p.family == "bandit":
         return BanditPolicy(ctx, epsilon=p.epsilon)
     if p.family == "twostate" and p.file is None:
-        return TwoStatePolicy.solve(ctx) if p.max_batch is None else \
-            TwoStatePolicy(ctx, ctx.drafters[0], p.max_batch, p.k)
+        return (
+            TwoStatePolicy.solve(ctx) if p.max_batch is None else TwoStatePolicy(ctx, ctx.drafters[0], p.max_batch, p.k)
+        )
     from rlsched.policies.policyfile import load_policy_file  # (pydantic: only for policy files)
 
     pf = load_policy_file(p.file, ctx.identity, kinds=(p.family,) if p.family else ("table", "twostate"))

@@ -83,7 +83,7 @@ def reference_acceptance(mean: float, top1: float) -> float:
 
 def max_nodes(k: int, width: int) -> int:
     """Nodes of the full tree k deep and width wide."""
-    return k if width == 1 else width * (width ** k - 1) // (width - 1)
+    return k if width == 1 else width * (width**k - 1) // (width - 1)
 
 
 def rank_probs(a: float, gain: float, width: int) -> np.ndarray:
@@ -97,8 +97,7 @@ def tree_shape(k: int, width: int, nodes: int, a_ref: float, gain: float) -> Tre
     """The `nodes` most likely paths under acceptance `a_ref`, at most k deep and width wide
     (ties go to the smaller ranks, then the shallower path)."""
     if not 1 <= k <= nodes <= max_nodes(k, width):
-        raise ValueError(f"a tree of depth {k} and width {width} has {k}..{max_nodes(k, width)} nodes, "
-                         f"not {nodes}")
+        raise ValueError(f"a tree of depth {k} and width {width} has {k}..{max_nodes(k, width)} nodes, not {nodes}")
     logp = np.log(np.maximum(rank_probs(a_ref, gain, width), 1e-300))
     frontier = [(-logp[r - 1], (r,)) for r in range(1, width + 1)]
     heapq.heapify(frontier)
@@ -123,13 +122,15 @@ def tree_shape(k: int, width: int, nodes: int, a_ref: float, gain: float) -> Tre
     in_tree = set(codes.tolist())
     ranks = [np.array(p) for p in chosen]
     return TreeShape(
-        k=k, width=width,
+        k=k,
+        width=width,
         depth=np.array([len(p) for p in chosen]),
         top=np.array([(r == 1).sum() for r in ranks]),
         other=np.array([(r > 1).sum() for r in ranks]),
         excess=np.array([np.maximum(r - 2, 0).sum() for r in ranks]),
         code=codes[order],
-        has_top_child=np.array([code(p) * base + 1 in in_tree for p in chosen]))
+        has_top_child=np.array([code(p) * base + 1 in in_tree for p in chosen]),
+    )
 
 
 def draw_tree(shape: TreeShape, a: np.ndarray, gain: float, uniforms: np.ndarray):

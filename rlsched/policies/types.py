@@ -7,8 +7,9 @@ in both.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -44,8 +45,10 @@ class Strategy:
         if self.nodes == 0:
             object.__setattr__(self, "nodes", self.k * self.width)
         elif not self.k <= self.nodes <= max_nodes(self.k, self.width):
-            raise ValueError(f"a tree of depth {self.k} and width {self.width} verifies {self.k} to "
-                             f"{max_nodes(self.k, self.width)} nodes, not {self.nodes}; a chain verifies k")
+            raise ValueError(
+                f"a tree of depth {self.k} and width {self.width} verifies {self.k} to "
+                f"{max_nodes(self.k, self.width)} nodes, not {self.nodes}; a chain verifies k"
+            )
         if self.k_per_row is not None and (self.width != 1 or int(self.k_per_row.max(initial=0)) != self.k):
             raise ValueError("per-sequence draft lengths are chains whose maximum is k")
 
@@ -91,7 +94,7 @@ class EngineState:
     ctx_tokens: int  # sum of ctx_lens
     waiting: int  # sequences queued on this instance, not yet running
     kv_free_tokens: int
-    acceptance: "AcceptanceEstimator"
+    acceptance: AcceptanceEstimator
 
     @property
     def batch(self) -> int:

@@ -17,18 +17,29 @@ NGRAM = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 4}
 
 
 def _check_table(table, where: str) -> list[list[int]]:
-    ok = isinstance(table, list) and table and all(
-        isinstance(e, (list, tuple)) and len(e) == 3 and all(isinstance(x, int) and not isinstance(x, bool) for x in e)
-        for e in table)
+    ok = (
+        isinstance(table, list)
+        and table
+        and all(
+            isinstance(e, (list, tuple))
+            and len(e) == 3
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in e)
+            for e in table
+        )
+    )
     if not ok:
-        raise UserError(f"policy {where}: {TABLE_FIELD} must be a non-empty list of [start_bs, end_bs, K] whole "
-                        "numbers (write it with `rlsched learn --vllm-table FILE`)")
+        raise UserError(
+            f"policy {where}: {TABLE_FIELD} must be a non-empty list of [start_bs, end_bs, K] whole "
+            "numbers (write it with `rlsched learn --vllm-table FILE`)"
+        )
     table = sorted([list(e) for e in table])
     prev = 0
     for lo, hi, k in table:
         if lo < 1 or hi < lo or k < 0 or lo <= prev:
-            raise UserError(f"policy {where}: {TABLE_FIELD} ranges must be 1 <= start_bs <= end_bs, K >= 0, "
-                            f"not overlapping (got [{lo}, {hi}, {k}])")
+            raise UserError(
+                f"policy {where}: {TABLE_FIELD} ranges must be 1 <= start_bs <= end_bs, K >= 0, "
+                f"not overlapping (got [{lo}, {hi}, {k}])"
+            )
         prev = hi
     if table[0][0] != 1:
         raise UserError(f"policy {where}: {TABLE_FIELD} must start at batch size 1 (vLLM needs a K for every batch)")
@@ -40,8 +51,9 @@ def _table_from_file(policy: str, path: str, max_batch: int) -> list[list[int]] 
     table policy file (it runs as rlsched's policy)."""
     p = Path(path)
     if not p.is_file():
-        raise UserError(f"policy '{policy}': file '{path}' does not exist; write one with "
-                        f"`rlsched learn --vllm-table {path}`")
+        raise UserError(
+            f"policy '{policy}': file '{path}' does not exist; write one with `rlsched learn --vllm-table {path}`"
+        )
     try:
         data = json.loads(p.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -53,8 +65,10 @@ def _table_from_file(policy: str, path: str, max_batch: int) -> list[list[int]] 
         if pf.kind != "twostate":
             return None  # a learned table (by acceptance, context): rlsched's policy, through the hook
         if "width" in pf.params:
-            raise UserError(f"policy '{policy}': '{path}' drafts a tree {pf.params['width']} wide; vLLM drafts "
-                            "chains here: learn a chain policy (speculation.width_max: 1)")
+            raise UserError(
+                f"policy '{policy}': '{path}' drafts a tree {pf.params['width']} wide; vLLM drafts "
+                "chains here: learn a chain policy (speculation.width_max: 1)"
+            )
         return _twostate_table(pf.params["max_batch_on"], pf.params["k"], max_batch)
     if isinstance(data, dict) and TABLE_FIELD in data:
         data = data[TABLE_FIELD]
@@ -77,8 +91,10 @@ def speculative_plan(policy: str, have: str, *, k_max: int, max_batch: int) -> d
     K, a batch-size table); else rlsched's policy chooses it every step (`vllm_hook`) up to
     k = k_max. UserError (naming `policy`) for what cannot run here."""
     if have == "suffix":
-        raise UserError("drafter suffix runs on the local backend only (vLLM's own suffix method needs the "
-                        "arctic-inference package); set rollout.backend local or drafter ngram")
+        raise UserError(
+            "drafter suffix runs on the local backend only (vLLM's own suffix method needs the "
+            "arctic-inference package); set rollout.backend local or drafter ngram"
+        )
     p = parse_policy(policy, "vllm").check(() if have == "off" else (have,), k_max, run_words("vllm"))
     if not p.drafts:
         return None

@@ -43,9 +43,20 @@ def kv_capacity(cfg: SimConfig, cost) -> int:
 class GenerationStage:
     """Every sample of one rollout, from prompt to last token, across the instances."""
 
-    def __init__(self, env: simpy.Environment, cfg: SimConfig, cost: CostModel, rollout: Rollout,
-                 policies: list, realloc, estimator: AcceptanceEstimator, timeline: Timeline, rl_step: int,
-                 seed_seq: np.random.SeedSequence, capacity: int):
+    def __init__(
+        self,
+        env: simpy.Environment,
+        cfg: SimConfig,
+        cost: CostModel,
+        rollout: Rollout,
+        policies: list,
+        realloc,
+        estimator: AcceptanceEstimator,
+        timeline: Timeline,
+        rl_step: int,
+        seed_seq: np.random.SeedSequence,
+        capacity: int,
+    ):
         self.env, self.cost, self.rollout, self.estimator, self.timeline = env, cost, rollout, estimator, timeline
         self.rl_step, self.t0 = rl_step, env.now
         n = rollout.n
@@ -76,8 +87,10 @@ class GenerationStage:
         self.tp = cfg.cluster.tp
         longest = int(self.tot_g.max()) if n else 0
         if longest > capacity - self.kv_watermark:
-            raise UserError(f"cluster.kv_capacity_tokens: an instance holds {capacity} KV tokens but a sequence "
-                            f"needs {longest}; lower workload.*_len.max or raise the capacity (more memory or tp)")
+            raise UserError(
+                f"cluster.kv_capacity_tokens: an instance holds {capacity} KV tokens but a sequence "
+                f"needs {longest}; lower workload.*_len.max or raise the capacity (more memory or tp)"
+            )
         self.realloc = realloc
         self.realloc_threshold = cfg.cluster.realloc_threshold
         self.share_prompts = cfg.cluster.share_prompts
@@ -161,8 +174,13 @@ class GenerationStage:
             event = ReallocEvent(kind, inst.idx, self.env.now - self.t0, self.views())
             for m in self.realloc.on_event(event, self.cost):
                 self._request(m)
-        if (kind == "idle" and self.releases_idle and not inst.waiting and not inst.outbox
-                and not self._incoming[inst.idx]):
+        if (
+            kind == "idle"
+            and self.releases_idle
+            and not inst.waiting
+            and not inst.outbox
+            and not self._incoming[inst.idx]
+        ):
             self.freed_at[inst.idx] = self.env.now - self.t0
 
     def _request(self, m: Migration) -> None:
@@ -211,16 +229,23 @@ class GenerationStage:
                     c = self.ctx_g[re]
                     self.prefill_g[re] = c
                     self.seen_g[re] = 0
-                    self._send(src.idx, m.dst, re, "reprefill",
-                               self.cost.prefill_time(int(c.sum()), int((c * c).sum())), travel=False)
+                    self._send(
+                        src.idx,
+                        m.dst,
+                        re,
+                        "reprefill",
+                        self.cost.prefill_time(int(c.sum()), int((c * c).sum())),
+                        travel=False,
+                    )
                 if len(kv):
                     self._send(src.idx, m.dst, kv, "kv", self.cost.kv_transfer_time(int(self.ctx_g[kv].sum()), len(kv)))
         src.outbox.clear()
 
     def _send(self, src: int, dst: int, ids: np.ndarray, mode: str, seconds: float, travel: bool = True) -> None:
         self.migrations[ids] += 1
-        self.migration_log.append((self.env.now - self.t0, src, dst, len(ids), int(self.ctx_g[ids].sum()), mode,
-                                   seconds))
+        self.migration_log.append(
+            (self.env.now - self.t0, src, dst, len(ids), int(self.ctx_g[ids].sum()), mode, seconds)
+        )
         if seconds <= 0 or not travel:
             self._arrive(dst, ids)
             return

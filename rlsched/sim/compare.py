@@ -16,9 +16,9 @@ from __future__ import annotations
 import math
 import os
 import statistics
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
 
 from rlsched import __version__
 from rlsched.config import SimConfig
@@ -28,6 +28,7 @@ from rlsched.policies.registry import parse_policy
 
 BASELINE = "off"
 # ----------------------------------------------------------------------------- plan
+
 
 def policy_kind(name: str) -> str:
     """'off', 'static' (a fixed setting: static:K, or a fixed tree tree:K:W:N) or 'adaptive'
@@ -77,11 +78,17 @@ def split_names(text: str, option: str) -> list[str]:
     return names
 
 
-def make_plan(cfg: SimConfig, policies: str, realloc: str | None, seeds: int, first_seed: int | None,
-              trace_instance: int | None = None) -> ComparePlan:
+def make_plan(
+    cfg: SimConfig,
+    policies: str,
+    realloc: str | None,
+    seeds: int,
+    first_seed: int | None,
+    trace_instance: int | None = None,
+) -> ComparePlan:
     """Check every name and number before anything runs; raises UserError naming the option."""
-    from rlsched.policies.registry import make_draft_policy
     from rlsched.policies.realloc import make_realloc_policy
+    from rlsched.policies.registry import make_draft_policy
     from rlsched.sim.rlstep import TrueAcceptance
     from rlsched.sim.simulate import policy_context
 
@@ -114,14 +121,21 @@ def make_plan(cfg: SimConfig, policies: str, realloc: str | None, seeds: int, fi
 
 # ----------------------------------------------------------------------------- one run (in a worker)
 
+
 def run_one(cfg: SimConfig, policy: str, realloc: str, seed: int, trace_instance: int | None = None) -> dict:
     """Simulate one (policy, realloc, seed); return only small, picklable data: the summary and,
     if asked, the batch/k step trace of one instance in the first RL step (change points only)."""
     from rlsched.sim.simulate import simulate
 
     result = simulate(cfg.model_copy(update={"seed": seed}), policy, realloc)
-    out = {"policy": policy, "realloc": realloc, "seed": seed, "version": __version__,
-           "summary": result.summary(), "trace": None}
+    out = {
+        "policy": policy,
+        "realloc": realloc,
+        "seed": seed,
+        "version": __version__,
+        "summary": result.summary(),
+        "trace": None,
+    }
     if trace_instance is not None and result.timeline.enabled and len(result.timeline):
         out["trace"] = _instance_trace(result.timeline.arrays(), trace_instance)
     return out
@@ -141,8 +155,14 @@ def _instance_trace(c: dict, instance: int) -> dict | None:
     end = float(t[-1] + c["draft_s"][m][order][-1] + c["verify_s"][m][order][-1])
     keep = np.ones(len(t), dtype=bool)
     keep[1:] = (b[1:] != b[:-1]) | (k[1:] != k[:-1])
-    return {"instance": instance, "rl_step": first_step, "time_s": t[keep].tolist(),
-            "batch": b[keep].astype(int).tolist(), "k": k[keep].astype(int).tolist(), "end_s": end}
+    return {
+        "instance": instance,
+        "rl_step": first_step,
+        "time_s": t[keep].tolist(),
+        "batch": b[keep].astype(int).tolist(),
+        "k": k[keep].astype(int).tolist(),
+        "end_s": end,
+    }
 
 
 # ----------------------------------------------------------------------------- runners
@@ -150,8 +170,13 @@ def _instance_trace(c: dict, instance: int) -> dict | None:
 Job = tuple[str, str, int, "int | None"]
 
 
-def run_jobs(cfg: SimConfig | list[SimConfig], jobs: list[Job], workers: int = 1, ray_address: str | None = None,
-             on_done: Callable[[dict], None] | None = None) -> list[dict]:
+def run_jobs(
+    cfg: SimConfig | list[SimConfig],
+    jobs: list[Job],
+    workers: int = 1,
+    ray_address: str | None = None,
+    on_done: Callable[[dict], None] | None = None,
+) -> list[dict]:
     """Run every job on `cfg` (or on its own config: a list, one a job); results come back in
     the order of `jobs` whatever the order of completion."""
     on_done = on_done or (lambda r: None)
@@ -167,8 +192,10 @@ def run_jobs(cfg: SimConfig | list[SimConfig], jobs: list[Job], workers: int = 1
         results = _run_processes(cfgs, jobs, min(workers, len(jobs)), on_done)
     for r in results:
         if r["version"] != __version__:
-            raise UserError(f"--ray: a worker runs rlsched {r['version']}, this machine {__version__}; "
-                            "install the same version on every node")
+            raise UserError(
+                f"--ray: a worker runs rlsched {r['version']}, this machine {__version__}; "
+                "install the same version on every node"
+            )
     return results
 
 
@@ -214,8 +241,12 @@ def _run_ray(cfgs: list[SimConfig], jobs: list[Job], address: str, on_done) -> l
         check_cluster_address(address, "--ray")  # a dead address: one line now, not minutes of retries
         try:
             # 'local' starts a private Ray on this machine; anything else joins an existing cluster
-            ray.init(address=None if address == "local" else address, ignore_reinit_error=True, log_to_driver=False,
-                     include_dashboard=False)
+            ray.init(
+                address=None if address == "local" else address,
+                ignore_reinit_error=True,
+                log_to_driver=False,
+                include_dashboard=False,
+            )
         except Exception as e:  # noqa: BLE001 - Ray raises several types for a bad address
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise UserError(f"--ray {address}: cannot connect to a Ray cluster: {first}") from None
@@ -242,6 +273,7 @@ def _run_ray(cfgs: list[SimConfig], jobs: list[Job], address: str, on_done) -> l
 
 
 # ----------------------------------------------------------------------------- aggregation
+
 
 def _stats(values: Iterable[float | None]) -> dict | None:
     vals = [float(v) for v in values if v is not None and not math.isnan(v)]
@@ -272,30 +304,39 @@ def aggregate(cfg: SimConfig, plan: ComparePlan, results: list[dict]) -> dict:
                 g = summ["generation_s"]
                 off = gen[(BASELINE, realloc, s)]
                 bs = best_static.get((realloc, s))
-                runs.append({
-                    "policy": p, "realloc": realloc, "seed": s,
-                    "speedup_vs_off": off / g if g > 0 else None,
-                    "best_static": bs,
-                    "ratio_vs_best_static": (gen[(bs, realloc, s)] / g if g > 0 else None) if bs else None,
-                    "summary": summ,
-                })
+                runs.append(
+                    {
+                        "policy": p,
+                        "realloc": realloc,
+                        "seed": s,
+                        "speedup_vs_off": off / g if g > 0 else None,
+                        "best_static": bs,
+                        "ratio_vs_best_static": (gen[(bs, realloc, s)] / g if g > 0 else None) if bs else None,
+                        "summary": summ,
+                    }
+                )
 
     agg = []
     for p in plan.policies:
         for realloc in plan.reallocs:
             rows = [r for r in runs if r["policy"] == p and r["realloc"] == realloc]
             su = [r["summary"] for r in rows]
-            agg.append({
-                "policy": p, "realloc": realloc, "kind": policy_kind(p), "seeds": len(rows),
-                "generation_s": _stats(x["generation_s"] for x in su),
-                "tokens_per_s": _stats(x["tokens_per_s"] for x in su),
-                "speedup_vs_off": _stats(r["speedup_vs_off"] for r in rows),
-                "ratio_vs_best_static": _stats(r["ratio_vs_best_static"] for r in rows),
-                "mean_accept_len": _stats(x.get("mean_accept_len") for x in su),
-                "sd_step_fraction": _stats(x.get("sd_step_fraction") for x in su),
-                "migrations": _stats(x["migrations"] for x in su),
-                "preemptions": _stats(x["preemptions"] for x in su),
-            })
+            agg.append(
+                {
+                    "policy": p,
+                    "realloc": realloc,
+                    "kind": policy_kind(p),
+                    "seeds": len(rows),
+                    "generation_s": _stats(x["generation_s"] for x in su),
+                    "tokens_per_s": _stats(x["tokens_per_s"] for x in su),
+                    "speedup_vs_off": _stats(r["speedup_vs_off"] for r in rows),
+                    "ratio_vs_best_static": _stats(r["ratio_vs_best_static"] for r in rows),
+                    "mean_accept_len": _stats(x.get("mean_accept_len") for x in su),
+                    "sd_step_fraction": _stats(x.get("sd_step_fraction") for x in su),
+                    "migrations": _stats(x["migrations"] for x in su),
+                    "preemptions": _stats(x["preemptions"] for x in su),
+                }
+            )
 
     notes = []
     if plan.baseline_added:
@@ -314,10 +355,11 @@ def aggregate(cfg: SimConfig, plan: ComparePlan, results: list[dict]) -> dict:
         "baseline_added": plan.baseline_added,
         "static_policies": plan.static,
         "adaptive_policies": plan.adaptive,
-        "best_static_per_seed": [{"realloc": r, "seed": s, "policy": p, "generation_s": gen[(p, r, s)]}
-                                 for (r, s), p in best_static.items()],
+        "best_static_per_seed": [
+            {"realloc": r, "seed": s, "policy": p, "generation_s": gen[(p, r, s)]} for (r, s), p in best_static.items()
+        ],
         "ratios": "per seed, then averaged over seeds: speedup_vs_off = off time / policy time (same realloc); "
-                  "ratio_vs_best_static = fastest static:K time on that seed / policy time; >1 is faster",
+        "ratio_vs_best_static = fastest static:K time on that seed / policy time; >1 is faster",
         "notes": notes,
         "aggregate": agg,
         "runs": runs,
@@ -337,6 +379,7 @@ def traces_for_plot(plan: ComparePlan, results: list[dict]) -> list[dict]:
 
 # ----------------------------------------------------------------------------- table
 
+
 def _fmt(st: dict | None, spec: str, spread: bool = True, suffix: str = "") -> str:
     if st is None:
         return "n/a"
@@ -348,32 +391,46 @@ def _fmt(st: dict | None, spec: str, spread: bool = True, suffix: str = "") -> s
 def table_rows(report: dict) -> tuple[list[str], list[list[str]]]:
     """Column headers and string cells of the side-by-side table (mean over seeds, min-max)."""
     multi = len(report["realloc"]) > 1
-    cols = ["policy"] + (["realloc"] if multi else []) + [
-        "gen. stage s", "tokens/s", "x off", "x best static", "accept len", "SD steps", "migrations"]
+    cols = (
+        ["policy"]
+        + (["realloc"] if multi else [])
+        + ["gen. stage s", "tokens/s", "x off", "x best static", "accept len", "SD steps", "migrations"]
+    )
     rows = []
     no_static = not report["static_policies"]
     for a in report["aggregate"]:
-        rows.append([a["policy"]] + ([a["realloc"]] if multi else []) + [
-            _fmt(a["generation_s"], ".2f"),
-            _fmt(a["tokens_per_s"], ",.0f", spread=False),
-            _fmt(a["speedup_vs_off"], ".3f", suffix="x"),
-            "no static" if no_static else _fmt(a["ratio_vs_best_static"], ".3f", suffix="x"),
-            _fmt(a["mean_accept_len"], ".2f", spread=False),
-            _fmt(a["sd_step_fraction"], ".2f", spread=False),
-            _fmt(a["migrations"], ".0f", spread=False),
-        ])
+        rows.append(
+            [a["policy"]]
+            + ([a["realloc"]] if multi else [])
+            + [
+                _fmt(a["generation_s"], ".2f"),
+                _fmt(a["tokens_per_s"], ",.0f", spread=False),
+                _fmt(a["speedup_vs_off"], ".3f", suffix="x"),
+                "no static" if no_static else _fmt(a["ratio_vs_best_static"], ".3f", suffix="x"),
+                _fmt(a["mean_accept_len"], ".2f", spread=False),
+                _fmt(a["sd_step_fraction"], ".2f", spread=False),
+                _fmt(a["migrations"], ".0f", spread=False),
+            ]
+        )
     return cols, rows
 
 
 def table_notes(report: dict) -> list[str]:
     seeds = report["seeds"]
     same = " and realloc" if len(report["realloc"]) > 1 else ""
-    lines = [f"{len(seeds)} seed(s) {seeds[0]}..{seeds[-1]}; mean over seeds (min-max); ratios per seed{same}, "
-             "then averaged; x > 1 is faster"]
+    lines = [
+        f"{len(seeds)} seed(s) {seeds[0]}..{seeds[-1]}; mean over seeds (min-max); ratios per seed{same}, "
+        "then averaged; x > 1 is faster"
+    ]
     if report["best_static_per_seed"]:
         multi = len(report["realloc"]) > 1
-        lines.append("best static per seed: " + ", ".join(
-            f"{b['seed']}{'/' + b['realloc'] if multi else ''}={b['policy']}" for b in report["best_static_per_seed"]))
+        lines.append(
+            "best static per seed: "
+            + ", ".join(
+                f"{b['seed']}{'/' + b['realloc'] if multi else ''}={b['policy']}"
+                for b in report["best_static_per_seed"]
+            )
+        )
     lines += report["notes"]
     return lines
 
@@ -382,8 +439,11 @@ def rich_table(report: dict):
     from rich.table import Table
 
     cols, rows = table_rows(report)
-    t = Table(title=f"rlsched compare: {report['name']}  ({len(report['runs'])} runs)",
-              caption="\n".join(table_notes(report)), caption_justify="left")
+    t = Table(
+        title=f"rlsched compare: {report['name']}  ({len(report['runs'])} runs)",
+        caption="\n".join(table_notes(report)),
+        caption_justify="left",
+    )
     for i, c in enumerate(cols):
         t.add_column(c, style="bold" if i == 0 else None, justify="left" if c in ("policy", "realloc") else "right")
     for r in rows:
@@ -393,6 +453,7 @@ def rich_table(report: dict):
 
 # ----------------------------------------------------------------------------- output
 
+
 def run_rows(report: dict):
     """One row per run, scalar columns only (for Parquet)."""
     import pandas as pd
@@ -401,16 +462,29 @@ def run_rows(report: dict):
     for r in report["runs"]:
         s = r["summary"]
         idle = s.get("idle_fraction") or [float("nan")]
-        rows.append({
-            "name": report["name"], "policy": r["policy"], "realloc": r["realloc"], "seed": r["seed"],
-            "generation_s": s["generation_s"], "tokens_per_s": s["tokens_per_s"],
-            "speedup_vs_off": r["speedup_vs_off"], "best_static": r["best_static"],
-            "ratio_vs_best_static": r["ratio_vs_best_static"],
-            "mean_accept_len": s.get("mean_accept_len"), "sd_step_fraction": s.get("sd_step_fraction"),
-            "migrations": s["migrations"], "preemptions": s["preemptions"], "response_tokens": s["response_tokens"],
-            "engine_steps": s["engine_steps"], "rl_steps": s["rl_steps"], "rl_step_s": s["rl_step_s"],
-            "idle_fraction_mean": sum(idle) / len(idle), "idle_fraction_max": max(idle),
-        })
+        rows.append(
+            {
+                "name": report["name"],
+                "policy": r["policy"],
+                "realloc": r["realloc"],
+                "seed": r["seed"],
+                "generation_s": s["generation_s"],
+                "tokens_per_s": s["tokens_per_s"],
+                "speedup_vs_off": r["speedup_vs_off"],
+                "best_static": r["best_static"],
+                "ratio_vs_best_static": r["ratio_vs_best_static"],
+                "mean_accept_len": s.get("mean_accept_len"),
+                "sd_step_fraction": s.get("sd_step_fraction"),
+                "migrations": s["migrations"],
+                "preemptions": s["preemptions"],
+                "response_tokens": s["response_tokens"],
+                "engine_steps": s["engine_steps"],
+                "rl_steps": s["rl_steps"],
+                "rl_step_s": s["rl_step_s"],
+                "idle_fraction_mean": sum(idle) / len(idle),
+                "idle_fraction_max": max(idle),
+            }
+        )
     df = pd.DataFrame(rows)
     for col in ("speedup_vs_off", "ratio_vs_best_static", "mean_accept_len", "sd_step_fraction"):
         df[col] = df[col].astype(float)
@@ -446,4 +520,3 @@ def write_report(report: dict, out: Path) -> None:
 
 def default_workers() -> int:
     return os.cpu_count() or 1
-

@@ -37,7 +37,7 @@ _EMPTY_I = np.zeros(0, dtype=np.int64)
 class Instance:
     """A data-parallel inference instance (one TP group) inside a generation stage."""
 
-    def __init__(self, idx: int, stage: "GenerationStage", policy, rng: np.random.Generator):
+    def __init__(self, idx: int, stage: GenerationStage, policy, rng: np.random.Generator):
         self.idx, self.stage, self.policy, self.rng = idx, stage, policy, rng
         self.prober = prober_for(policy, tuple(stage.drafter_idx), stage.probe_every)
         self.env = stage.env
@@ -72,9 +72,9 @@ class Instance:
         is the same however it is sliced (n single steps or one run of n steps)."""
         if self._exp_pos + n > len(self._exp):
             fresh = self.rng.standard_exponential(max(65536, n))
-            self._exp = np.concatenate((self._exp[self._exp_pos:], fresh))
+            self._exp = np.concatenate((self._exp[self._exp_pos :], fresh))
             self._exp_pos = 0
-        out = self._exp[self._exp_pos:self._exp_pos + n]
+        out = self._exp[self._exp_pos : self._exp_pos + n]
         self._exp_pos += n
         return out
 
@@ -281,9 +281,25 @@ class Instance:
         if record:
             starts = t0 - st.t0 + np.concatenate(([0.0], np.cumsum(dt[:-1])))
             st.timeline.append_run(
-                (st.rl_step, self.idx, np.arange(self.steps, self.steps + n), starts, KIND_DECODE, b, d, strat.k,
-                 strat.width, round(b * strat.drafted_per_row), emitted - b if d >= 0 else 0, emitted,
-                 t_draft, t_verify, ctx_at), n)
+                (
+                    st.rl_step,
+                    self.idx,
+                    np.arange(self.steps, self.steps + n),
+                    starts,
+                    KIND_DECODE,
+                    b,
+                    d,
+                    strat.k,
+                    strat.width,
+                    round(b * strat.drafted_per_row),
+                    emitted - b if d >= 0 else 0,
+                    emitted,
+                    t_draft,
+                    t_verify,
+                    ctx_at,
+                ),
+                n,
+            )
         self.steps += n
 
     # ------------------------------------------------------------------ the process
@@ -306,16 +322,35 @@ class Instance:
                     yield env.timeout(t_pre)
                     self.busy += t_pre
                     if record:
-                        record((rl_step, self.idx, self.steps, t0 - st.t0, KIND_PREFILL, self.batch, -1, 0, 1,
-                                0, 0, 0, 0.0, t_pre, n_pre))
+                        record(
+                            (
+                                rl_step,
+                                self.idx,
+                                self.steps,
+                                t0 - st.t0,
+                                KIND_PREFILL,
+                                self.batch,
+                                -1,
+                                0,
+                                1,
+                                0,
+                                0,
+                                0,
+                                0.0,
+                                t_pre,
+                                n_pre,
+                            )
+                        )
                     self.steps += 1
             b = self.batch
             # new work can arrive between steps (migrations) or be admitted: step one by one
             block_blocked = st.realloc_active or (self.waiting and b < st.max_batch)
             if b == 0:
                 if self.waiting:  # the queue head does not fit in KV: cannot happen (checked upfront)
-                    raise RuntimeError(f"instance {self.idx}: sequence of {st.ctx_g[self.waiting[0]]} tokens "
-                                       f"exceeds KV capacity {st.kv_capacity}")
+                    raise RuntimeError(
+                        f"instance {self.idx}: sequence of {st.ctx_g[self.waiting[0]]} tokens "
+                        f"exceeds KV capacity {st.kv_capacity}"
+                    )
                 if st.done.triggered:
                     return
                 st.report(self, "idle")
@@ -327,8 +362,17 @@ class Instance:
                 continue
 
             ctx_sum, sid = self.ctx_sum, self.sid
-            state = EngineState(self.idx, self.steps, env.now - st.t0, sid, self.ctx, ctx_sum,
-                                len(self.waiting), st.kv_capacity - ctx_sum, est)
+            state = EngineState(
+                self.idx,
+                self.steps,
+                env.now - st.t0,
+                sid,
+                self.ctx,
+                ctx_sum,
+                len(self.waiting),
+                st.kv_capacity - ctx_sum,
+                est,
+            )
             strat = self.prober(policy.choose(state))
             t0 = env.now
             if steady is not None and not block_blocked and not self.prober.probed:
@@ -393,12 +437,31 @@ class Instance:
                 self.min_rem = int((self.tot - self.ctx).min()) if self.batch else 0
             n_acc = emitted - b if acc is not None else 0
             if observes:
-                policy.observe(StepOutcome(self.idx, self.steps, strat, b, drafted, n_acc, emitted, dt, t_draft,
-                                           t_verify, sid, acc, caught))
+                policy.observe(
+                    StepOutcome(
+                        self.idx, self.steps, strat, b, drafted, n_acc, emitted, dt, t_draft, t_verify, sid, acc, caught
+                    )
+                )
             if record:
-                record((rl_step, self.idx, self.steps, t0 - st.t0, KIND_DECODE, b,
-                        -1 if acc is None else d, strat.k, strat.width, drafted, n_acc, emitted,
-                        t_draft, t_verify, ctx_sum))
+                record(
+                    (
+                        rl_step,
+                        self.idx,
+                        self.steps,
+                        t0 - st.t0,
+                        KIND_DECODE,
+                        b,
+                        -1 if acc is None else d,
+                        strat.k,
+                        strat.width,
+                        drafted,
+                        n_acc,
+                        emitted,
+                        t_draft,
+                        t_verify,
+                        ctx_sum,
+                    )
+                )
             self.steps += 1
             if self.ctx_sum > st.kv_capacity:
                 self._preempt_if_full()

@@ -9,19 +9,18 @@ written as policy files and simulated by name, so they run in worker processes t
 from __future__ import annotations
 
 import tempfile
-from datetime import datetime, timezone
+from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
 from rlsched import __version__
 from rlsched.config import SimConfig
-from rlsched.policies.lookup import TablePolicy, TwoStatePolicy, batch_grid
-from rlsched.policies.tree import max_nodes
-from rlsched.policies.policyfile import FORMAT, VERSION, PolicyFile, ReallocSettings, save_policy_file
 from rlsched.costs.choose import cost_model_for
-from rlsched.policies.policyfile import SHAPE_KEYS
+from rlsched.policies.lookup import TablePolicy, TwoStatePolicy, batch_grid
+from rlsched.policies.policyfile import FORMAT, SHAPE_KEYS, VERSION, PolicyFile, ReallocSettings, save_policy_file
+from rlsched.policies.tree import max_nodes
 from rlsched.sim.simulate import config_identity, policy_context
 
 ACCEPT_EDGES = [0.0, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
@@ -65,8 +64,9 @@ def parallel_evaluator(workers: int, ray_address: str | None = None) -> Evaluato
             base = cfg.model_copy(update={"seed": 0})
             groups.setdefault(base.model_dump_json(), (base, []))[1].append((i, pol, realloc, cfg.seed))
         for base, items in groups.values():
-            results = run_jobs(base, [(pol, realloc, seed, None) for _, pol, realloc, seed in items], workers,
-                               ray_address)
+            results = run_jobs(
+                base, [(pol, realloc, seed, None) for _, pol, realloc, seed in items], workers, ray_address
+            )
             for (i, *_), r in zip(items, results):
                 times[i] = r["summary"]["generation_s"]
         return times
@@ -89,15 +89,26 @@ class Learner:
 
     # ------------------------------------------------------------------ scoring
     def _policy_file(self, kind: str, params: dict, realloc: ReallocSettings | None = None) -> PolicyFile:
-        return PolicyFile(format=FORMAT, version=VERSION, kind=kind, drafter=self.drafter, params=params,
-                          realloc=realloc or ReallocSettings(policy=self.realloc,
-                                                             threshold=self.cfg.cluster.realloc_threshold),
-                          learned_on={**config_identity(self.cfg), "cost_model": self.cost.describe(),
-                                      "model_shape": {k: getattr(self.cfg.model, k) for k in SHAPE_KEYS},
-                                      "workload": self.cfg.workload.model_dump(mode="json"),
-                                      "config_name": self.cfg.name},
-                          created={"rlsched": __version__, "seeds": self.seeds,
-                                   "utc": datetime.now(timezone.utc).isoformat(timespec="seconds")})
+        return PolicyFile(
+            format=FORMAT,
+            version=VERSION,
+            kind=kind,
+            drafter=self.drafter,
+            params=params,
+            realloc=realloc or ReallocSettings(policy=self.realloc, threshold=self.cfg.cluster.realloc_threshold),
+            learned_on={
+                **config_identity(self.cfg),
+                "cost_model": self.cost.describe(),
+                "model_shape": {k: getattr(self.cfg.model, k) for k in SHAPE_KEYS},
+                "workload": self.cfg.workload.model_dump(mode="json"),
+                "config_name": self.cfg.name,
+            },
+            created={
+                "rlsched": __version__,
+                "seeds": self.seeds,
+                "utc": datetime.now(UTC).isoformat(timespec="seconds"),
+            },
+        )
 
     def _spec(self, kind: str, params: dict) -> str:
         self._n += 1
@@ -112,14 +123,18 @@ class Learner:
         jobs, thresholds = [], thresholds or [self.cfg.cluster.realloc_threshold] * len(specs)
         for spec, thr in zip(specs, thresholds):
             for s in self.seeds:
-                cfg = self.cfg.model_copy(update={"seed": s, "record_timeline": False,
-                                                  "cluster": self.cfg.cluster.model_copy(
-                                                      update={"realloc_threshold": thr})})
+                cfg = self.cfg.model_copy(
+                    update={
+                        "seed": s,
+                        "record_timeline": False,
+                        "cluster": self.cfg.cluster.model_copy(update={"realloc_threshold": thr}),
+                    }
+                )
                 jobs.append((cfg, spec, self.realloc))
         times = self.evaluate(jobs)
         self.evaluations += len(jobs)
         n = len(self.seeds)
-        return [float(np.mean(times[i * n:(i + 1) * n])) for i in range(len(specs))]
+        return [float(np.mean(times[i * n : (i + 1) * n])) for i in range(len(specs))]
 
     # ------------------------------------------------------------------ searches
     def learn_twostate(self) -> tuple[dict, float]:
@@ -159,8 +174,10 @@ class Learner:
                 j = int(np.argmin(times)) if times else -1
                 if j >= 0 and times[j] < best * (1 - MIN_GAIN):
                     params, best = cands[j], times[j]
-                    self.log(f"table: acceptance >= {ACCEPT_EDGES[row]}, batch >= {params['batch_edges'][col]}, "
-                             f"context >= {params['ctx_edges'][cc]}: k {k} -> {trial[j]} ({best:.2f} s)")
+                    self.log(
+                        f"table: acceptance >= {ACCEPT_EDGES[row]}, batch >= {params['batch_edges'][col]}, "
+                        f"context >= {params['ctx_edges'][cc]}: k {k} -> {trial[j]} ({best:.2f} s)"
+                    )
         return params, best
 
     def _neighbours(self, cell) -> list:
@@ -207,8 +224,9 @@ def vllm_table(pf: PolicyFile, max_batch: int, acceptance: float, context: int =
     tokens per sequence."""
     if pf.kind == "twostate":
         on, k = pf.params["max_batch_on"], pf.params["k"]
-        ranges = (([[1, min(on, max_batch), k]] if on >= 1 else [])
-                  + ([[on + 1, max_batch, 0]] if on < max_batch else []))
+        ranges = ([[1, min(on, max_batch), k]] if on >= 1 else []) + (
+            [[on + 1, max_batch, 0]] if on < max_batch else []
+        )
     else:
         edges, ae = pf.params["batch_edges"], pf.params["accept_edges"]
         row = min(max(int(np.searchsorted(ae, acceptance, side="right")) - 1, 0), len(ae) - 2)

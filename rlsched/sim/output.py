@@ -7,7 +7,7 @@ renamed into place at the end (a previous folder of the same name is replaced).
 from __future__ import annotations
 
 import json
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import yaml
@@ -15,16 +15,23 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from rlsched import __version__
+from rlsched.atomic import atomic_folder
 from rlsched.config import SimConfig
 from rlsched.sim.simulate import SimResult, simulate
-from rlsched.atomic import atomic_folder
 from rlsched.traces.writer import to_table, write_table
 
 
 def run_with_progress(cfg: SimConfig, policy: str, realloc: str | None, console: Console, label: str) -> SimResult:
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                  TextColumn("{task.completed}/{task.total} RL steps"), TimeElapsedColumn(),
-                  console=console, transient=True, disable=not console.is_terminal) as bar:
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} RL steps"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        disable=not console.is_terminal,
+    ) as bar:
         task = bar.add_task(label, total=cfg.rl.steps)
         return simulate(cfg, policy, realloc, progress=lambda n: bar.update(task, completed=n))
 
@@ -40,8 +47,9 @@ def write_result(result: SimResult, out: Path, summary: dict, meta: dict) -> Non
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))  # creation info: kept out of the summary
 
 
-def run_and_write(cfg: SimConfig, policy: str, realloc: str | None, out: Path, baseline: bool,
-                  console: Console) -> dict:
+def run_and_write(
+    cfg: SimConfig, policy: str, realloc: str | None, out: Path, baseline: bool, console: Console
+) -> dict:
     """Simulate, optionally simulate `off` on the same seed for the speedup, write the folder."""
     result = run_with_progress(cfg, policy, realloc, console, f"simulating {cfg.name} ({policy})")
     summary = result.summary()
@@ -54,7 +62,10 @@ def run_and_write(cfg: SimConfig, policy: str, realloc: str | None, out: Path, b
     elif policy == "off":
         summary["speedup_vs_off"] = 1.0
     summary["out"] = str(out)
-    meta = {"rlsched": __version__, "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "cost_model": result.cost.describe() if hasattr(result.cost, "describe") else None}
+    meta = {
+        "rlsched": __version__,
+        "created_utc": datetime.now(UTC).isoformat(timespec="seconds"),
+        "cost_model": result.cost.describe() if hasattr(result.cost, "describe") else None,
+    }
     write_result(result, out, summary, meta)
     return summary

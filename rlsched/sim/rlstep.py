@@ -46,18 +46,24 @@ class StageCosts:
         p = cfg.model.params
         # forwards over every rollout token: the actor's old log-probs (verl's compute_log_prob),
         # the reference's log-probs, the critic's values and the reward model's scores
-        self.infer_params = (p if rl.recompute_old_logprobs else 0) + (p if rl.reference else 0) + \
-            (p if rl.critic else 0) + (rl.reward_model.params if rl.reward_model is not None else 0)
+        self.infer_params = (
+            (p if rl.recompute_old_logprobs else 0)
+            + (p if rl.reference else 0)
+            + (p if rl.critic else 0)
+            + (rl.reward_model.params if rl.reward_model is not None else 0)
+        )
         self.train_params = p + (p if rl.critic else 0)
         learned = [d for d in cfg.drafters if d.kind in ("model", "eagle")]
-        self.drafter_params = sum((d.model.params if d.kind == "model" else eagle_head(cfg.model, d.draft_vocab).params)
-                                  for d in learned)
+        self.drafter_params = sum(
+            (d.model.params if d.kind == "model" else eagle_head(cfg.model, d.draft_vocab).params) for d in learned
+        )
         self.target_params = p
         self.distill_fraction = rl.distill_fraction
         # offloaded states out after training and back before the next (per GPU, each way)
         state_bytes = TRAIN_BYTES_PER_PARAM * self.train_params / gpus
-        self.offload_s = 2 * state_bytes / (hw.host_link_gbs * 1e9) if rl.offload_states and rl.train_gpus is None \
-            else 0.0
+        self.offload_s = (
+            2 * state_bytes / (hw.host_link_gbs * 1e9) if rl.offload_states and rl.train_gpus is None else 0.0
+        )
 
     def inference(self, tokens: int) -> float:
         return 2.0 * self.infer_params * tokens / self.infer_rate
@@ -84,17 +90,32 @@ class TrueAcceptance:
         return self.rollout.acceptance[ids, self.rollout.drafters.index(drafter)]
 
 
-def rl_run(env: simpy.Environment, cfg: SimConfig, cost, make_policies, realloc, timeline: Timeline,
-           records: list[StepRecord], capacity: int, progress=None, truth: TrueAcceptance | None = None):
+def rl_run(
+    env: simpy.Environment,
+    cfg: SimConfig,
+    cost,
+    make_policies,
+    realloc,
+    timeline: Timeline,
+    records: list[StepRecord],
+    capacity: int,
+    progress=None,
+    truth: TrueAcceptance | None = None,
+):
     """SimPy process of M RL steps; appends one StepRecord per step."""
     root = np.random.SeedSequence(cfg.seed)
     workload_seq, engine_seq = root.spawn(2)
     workload_rng = np.random.default_rng(workload_seq)
-    drift = AcceptanceDrift([d for d in cfg.drafters if d.kind != "ngram"], cfg.rl.acceptance_drift_per_step,
-                            cfg.rl.acceptance_floor, cfg.rl.drafter_recovery)
+    drift = AcceptanceDrift(
+        [d for d in cfg.drafters if d.kind != "ngram"],
+        cfg.rl.acceptance_drift_per_step,
+        cfg.rl.acceptance_floor,
+        cfg.rl.drafter_recovery,
+    )
     means = {d.name: d.acceptance.mean for d in cfg.drafters}
-    estimator = AcceptanceEstimator([d.name for d in cfg.drafters],
-                                    prior_mean=float(np.mean(list(means.values()))) if means else 0.5)
+    estimator = AcceptanceEstimator(
+        [d.name for d in cfg.drafters], prior_mean=float(np.mean(list(means.values()))) if means else 0.5
+    )
     policies = make_policies()
     costs = StageCosts(cfg)
     pending = None  # an overlapped drafter update still running
@@ -105,8 +126,9 @@ def rl_run(env: simpy.Environment, cfg: SimConfig, cost, make_policies, realloc,
         rollout = sample_rollout(cfg.workload, cfg.drafters, means, workload_rng)
         if truth is not None:
             truth.rollout = rollout
-        stage = GenerationStage(env, cfg, cost, rollout, policies, realloc, estimator, timeline, step,
-                                engine_seq.spawn(1)[0], capacity)
+        stage = GenerationStage(
+            env, cfg, cost, rollout, policies, realloc, estimator, timeline, step, engine_seq.spawn(1)[0], capacity
+        )
         t_start = env.now
         yield env.process(stage.run())
         t_gen = env.now - t_start
@@ -135,7 +157,19 @@ def rl_run(env: simpy.Environment, cfg: SimConfig, cost, make_policies, realloc,
                 exposed += t_upd
                 drift.drafter_updated()
                 schedule.updated(t_upd)
-        records.append(StepRecord(step, t_gen, t_inf, t_train, exposed, env.now - t_start,
-                                  int(rollout.prompt_len.sum()), int(rollout.response_len.sum()), dict(means), stage))
+        records.append(
+            StepRecord(
+                step,
+                t_gen,
+                t_inf,
+                t_train,
+                exposed,
+                env.now - t_start,
+                int(rollout.prompt_len.sum()),
+                int(rollout.response_len.sum()),
+                dict(means),
+                stage,
+            )
+        )
         if progress is not None:
             progress(step + 1)

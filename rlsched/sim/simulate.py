@@ -9,14 +9,14 @@ import pandas as pd
 import simpy
 
 from rlsched.config import SimConfig
-from rlsched.policies.draft import PolicyContext
-from rlsched.policies.registry import make_draft_policy
-from rlsched.policies.realloc import make_realloc_policy
-from rlsched.sim.cluster import kv_capacity
 from rlsched.costs.choose import cost_model_for
+from rlsched.policies.draft import PolicyContext
+from rlsched.policies.realloc import make_realloc_policy
+from rlsched.policies.registry import make_draft_policy
+from rlsched.sim.cluster import kv_capacity
 from rlsched.sim.rlstep import StepRecord, TrueAcceptance, rl_run
-from rlsched.sim.workload import sample_lengths
 from rlsched.sim.timeline import KINDS, Timeline
+from rlsched.sim.workload import sample_lengths
 
 
 @dataclass
@@ -33,14 +33,26 @@ class SimResult:
     def timeline_frame(self) -> pd.DataFrame:
         cols = self.timeline.arrays()
         names = np.array(["off", *self.records[0].stage.rollout.drafters] if self.records else ["off"], dtype=object)
-        df = pd.DataFrame({
-            "rl_step": cols["rl_step"], "instance": cols["instance"], "step": cols["step"],
-            "time_s": cols["t_start"], "kind": np.asarray(KINDS, dtype=object)[cols["kind"]],
-            "batch": cols["batch"], "drafter": names[cols["drafter"] + 1], "k": cols["k"], "width": cols["width"],
-            "drafted": cols["drafted"], "accepted": cols["accepted"], "emitted": cols["emitted"],
-            "draft_ms": cols["draft_s"] * 1e3, "verify_ms": cols["verify_s"] * 1e3,
-            "step_ms": (cols["draft_s"] + cols["verify_s"]) * 1e3, "ctx_tokens": cols["ctx_tokens"],
-        })
+        df = pd.DataFrame(
+            {
+                "rl_step": cols["rl_step"],
+                "instance": cols["instance"],
+                "step": cols["step"],
+                "time_s": cols["t_start"],
+                "kind": np.asarray(KINDS, dtype=object)[cols["kind"]],
+                "batch": cols["batch"],
+                "drafter": names[cols["drafter"] + 1],
+                "k": cols["k"],
+                "width": cols["width"],
+                "drafted": cols["drafted"],
+                "accepted": cols["accepted"],
+                "emitted": cols["emitted"],
+                "draft_ms": cols["draft_s"] * 1e3,
+                "verify_ms": cols["verify_s"] * 1e3,
+                "step_ms": (cols["draft_s"] + cols["verify_s"]) * 1e3,
+                "ctx_tokens": cols["ctx_tokens"],
+            }
+        )
         df.loc[df["kind"] == "prefill", "drafter"] = None
         return df
 
@@ -48,9 +60,17 @@ class SimResult:
         frames = []
         for r in self.records:
             st, ro = r.stage, r.stage.rollout
-            d = {"rl_step": r.rl_step, "sample_id": np.arange(ro.n), "prompt_id": ro.prompt_of,
-                 "instance": st.instance_of, "prompt_len": ro.prompt_len, "response_len": ro.response_len,
-                 "finish_s": st.t_finish, "preemptions": st.preemptions, "migrations": st.migrations}
+            d = {
+                "rl_step": r.rl_step,
+                "sample_id": np.arange(ro.n),
+                "prompt_id": ro.prompt_of,
+                "instance": st.instance_of,
+                "prompt_len": ro.prompt_len,
+                "response_len": ro.response_len,
+                "finish_s": st.t_finish,
+                "preemptions": st.preemptions,
+                "migrations": st.migrations,
+            }
             for j, name in enumerate(ro.drafters):
                 d[f"acceptance_{name}"] = ro.acceptance[:, j]
             frames.append(pd.DataFrame(d))
@@ -59,9 +79,16 @@ class SimResult:
     def steps_frame(self) -> pd.DataFrame:
         rows = []
         for r in self.records:
-            row = {"rl_step": r.rl_step, "generation_s": r.generation_s, "inference_s": r.inference_s,
-                   "training_s": r.training_s, "drafter_update_s": r.drafter_update_s, "total_s": r.total_s,
-                   "prompt_tokens": r.prompt_tokens, "response_tokens": r.response_tokens}
+            row = {
+                "rl_step": r.rl_step,
+                "generation_s": r.generation_s,
+                "inference_s": r.inference_s,
+                "training_s": r.training_s,
+                "drafter_update_s": r.drafter_update_s,
+                "total_s": r.total_s,
+                "prompt_tokens": r.prompt_tokens,
+                "response_tokens": r.response_tokens,
+            }
             row.update({f"accept_mean_{k}": v for k, v in r.accept_means.items()})
             rows.append(row)
         return pd.DataFrame(rows)
@@ -124,22 +151,34 @@ def policy_context(cfg: SimConfig, cost=None, true_acceptance=None) -> PolicyCon
     prompt = sample_lengths(cfg.workload.prompt_len, 4096, 1, rng).mean()
     response = sample_lengths(cfg.workload.response_len, 4096, 1, rng).mean()
     return PolicyContext(
-        cost=cost, drafters=tuple(d.name for d in cfg.drafters), k_max=cfg.speculation.k_max,
-        max_batch=cfg.cluster.max_batch, typical_ctx=int(prompt + response / 2),
-        acceptance_prior={d.name: d.acceptance.mean for d in cfg.drafters}, seed=cfg.seed,
+        cost=cost,
+        drafters=tuple(d.name for d in cfg.drafters),
+        k_max=cfg.speculation.k_max,
+        max_batch=cfg.cluster.max_batch,
+        typical_ctx=int(prompt + response / 2),
+        acceptance_prior={d.name: d.acceptance.mean for d in cfg.drafters},
+        seed=cfg.seed,
         tree_gain={d.name: d.acceptance.tree_gain for d in cfg.drafters},
         tree_top1={d.name: d.acceptance.tree_top1 for d in cfg.drafters},
-        width_max=cfg.speculation.width_max, nodes_max=cfg.speculation.nodes_max, identity=config_identity(cfg),
-        true_acceptance=true_acceptance)
+        width_max=cfg.speculation.width_max,
+        nodes_max=cfg.speculation.nodes_max,
+        identity=config_identity(cfg),
+        true_acceptance=true_acceptance,
+    )
 
 
 def config_identity(cfg: SimConfig) -> dict:
-    return {"model": cfg.model.name, "hardware": cfg.hardware.name, "tp": cfg.cluster.tp,
-            "drafters": [d.name for d in cfg.drafters]}
+    return {
+        "model": cfg.model.name,
+        "hardware": cfg.hardware.name,
+        "tp": cfg.cluster.tp,
+        "drafters": [d.name for d in cfg.drafters],
+    }
 
 
-def simulate(cfg: SimConfig, policy: str | None = None, realloc: str | None = None, progress=None,
-             cost=None) -> SimResult:
+def simulate(
+    cfg: SimConfig, policy: str | None = None, realloc: str | None = None, progress=None, cost=None
+) -> SimResult:
     """Simulate cfg.rl.steps RL steps with a drafting policy and a reallocation policy.
 
     `cost` defaults to the config's: its analytic roofline, or its fitted `cost_file`.

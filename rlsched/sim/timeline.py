@@ -11,9 +11,20 @@ KINDS = ("decode", "prefill")
 
 # name -> numpy dtype, in `append` order
 COLUMNS = {
-    "rl_step": np.int32, "instance": np.int32, "step": np.int64, "t_start": np.float64, "kind": np.int8,
-    "batch": np.int32, "drafter": np.int16, "k": np.int16, "width": np.int16, "drafted": np.int64,
-    "accepted": np.int64, "emitted": np.int64, "draft_s": np.float64, "verify_s": np.float64,
+    "rl_step": np.int32,
+    "instance": np.int32,
+    "step": np.int64,
+    "t_start": np.float64,
+    "kind": np.int8,
+    "batch": np.int32,
+    "drafter": np.int16,
+    "k": np.int16,
+    "width": np.int16,
+    "drafted": np.int64,
+    "accepted": np.int64,
+    "emitted": np.int64,
+    "draft_s": np.float64,
+    "verify_s": np.float64,
     "ctx_tokens": np.int64,
 }
 _CHUNK = 8192
@@ -44,8 +55,9 @@ class Timeline:
     def _pack(self) -> None:
         if not self._rows:
             return
-        self._chunks.append((len(self._rows), tuple(np.asarray(c, dtype=t)
-                                                    for c, t in zip(zip(*self._rows), COLUMNS.values()))))
+        self._chunks.append(
+            (len(self._rows), tuple(np.asarray(c, dtype=t) for c, t in zip(zip(*self._rows), COLUMNS.values())))
+        )
         self._n_packed += len(self._rows)
         self._rows = []
 
@@ -60,6 +72,6 @@ class Timeline:
         o = 0
         for n, cols in self._chunks:
             for dst, c in zip(cols_out, cols):
-                dst[o:o + n] = c
+                dst[o : o + n] = c
             o += n
         return out

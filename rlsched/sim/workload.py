@@ -10,8 +10,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rlsched.config import (AcceptanceSpec, DrafterSpec, EmpiricalLength, FixedLength, LengthDist, LognormalLength,
-                            WorkloadSpec)
+from rlsched.config import (
+    AcceptanceSpec,
+    DrafterSpec,
+    EmpiricalLength,
+    FixedLength,
+    LengthDist,
+    LognormalLength,
+    WorkloadSpec,
+)
 
 _EPS = 1e-9
 
@@ -56,16 +63,18 @@ def _beta_around(mean, concentration: float | None, size, rng: np.random.Generat
     return rng.beta(mean * concentration, (1 - mean) * concentration)
 
 
-def sample_acceptance(spec: AcceptanceSpec, mean: float, n_prompts: int, group_size: int,
-                      rng: np.random.Generator) -> np.ndarray:
+def sample_acceptance(
+    spec: AcceptanceSpec, mean: float, n_prompts: int, group_size: int, rng: np.random.Generator
+) -> np.ndarray:
     if mean <= 0.0 or mean >= 1.0:
         return np.full(n_prompts * group_size, float(np.clip(mean, 0.0, 1.0)))
     per_prompt = _beta_around(mean, spec.prompt_concentration, n_prompts, rng)
     return _beta_around(np.repeat(per_prompt, group_size), spec.sample_concentration, n_prompts * group_size, rng)
 
 
-def sample_rollout(spec: WorkloadSpec, drafters: list[DrafterSpec], accept_means: dict[str, float],
-                   rng: np.random.Generator) -> Rollout:
+def sample_rollout(
+    spec: WorkloadSpec, drafters: list[DrafterSpec], accept_means: dict[str, float], rng: np.random.Generator
+) -> Rollout:
     """Draw one rollout: prompts and their lengths, responses, per-drafter acceptance."""
     p, g = spec.prompts, spec.samples_per_prompt
     prompt_len = np.repeat(sample_lengths(spec.prompt_len, p, 1, rng), g)

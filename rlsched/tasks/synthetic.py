@@ -16,8 +16,8 @@ A prompt ends with '='; the answer follows and then the end-of-sequence token.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -67,7 +67,11 @@ def _repeat(rng):
 
 
 TASKS: dict[str, Callable[[np.random.Generator], tuple[str, str]]] = {
-    "count": _count, "add": _add, "sort": _sort, "rev": _rev, "repeat": _repeat,
+    "count": _count,
+    "add": _add,
+    "sort": _sort,
+    "rev": _rev,
+    "repeat": _repeat,
 }
 
 

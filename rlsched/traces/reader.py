@@ -17,8 +17,10 @@ def _read_one(path: Path, kind: str) -> pa.Table:
     try:
         table = pq.read_table(path)
     except (pa.ArrowInvalid, OSError) as e:
-        raise UserError(f"trace file '{path}' is corrupt or truncated ({str(e).splitlines()[0]}); "
-                        "delete it or re-run the job that wrote it") from None
+        raise UserError(
+            f"trace file '{path}' is corrupt or truncated ({str(e).splitlines()[0]}); "
+            "delete it or re-run the job that wrote it"
+        ) from None
     meta = (table.schema.metadata or {}).get(b"rlsched.trace")
     if meta is None:
         raise UserError(f"trace file '{path}' is not an rlsched trace (no rlsched.trace metadata)")
@@ -26,8 +28,10 @@ def _read_one(path: Path, kind: str) -> pa.Table:
     if info.get("kind") != kind:
         raise UserError(f"trace file '{path}' holds '{info.get('kind')}' records, expected '{kind}'")
     if info.get("version") != TRACE_SCHEMA_VERSION:
-        raise UserError(f"trace file '{path}' has schema version {info.get('version')}, this rlsched reads "
-                        f"version {TRACE_SCHEMA_VERSION}; re-create it with this version")
+        raise UserError(
+            f"trace file '{path}' has schema version {info.get('version')}, this rlsched reads "
+            f"version {TRACE_SCHEMA_VERSION}; re-create it with this version"
+        )
     missing = [n for n in SCHEMAS[kind].names if n not in table.column_names]
     if missing:
         raise UserError(f"trace file '{path}' lacks columns {', '.join(missing)}")
@@ -59,8 +63,11 @@ def read_trace(path: Path, kind: str) -> pd.DataFrame:
     if path.is_dir() and (path / kind).is_dir():
         path = path / kind
     if path.is_dir():
-        files = sorted(p for p in path.glob("part-*.*") if p.suffix in (".parquet", ".jsonl")
-                       and not (p.suffix == ".jsonl" and p.with_suffix(".parquet").exists()))
+        files = sorted(
+            p
+            for p in path.glob("part-*.*")
+            if p.suffix in (".parquet", ".jsonl") and not (p.suffix == ".jsonl" and p.with_suffix(".parquet").exists())
+        )
     elif path.is_file():
         files = [path]
     else:
@@ -68,6 +75,7 @@ def read_trace(path: Path, kind: str) -> pd.DataFrame:
     tables = [_read_one(f, kind) if f.suffix != ".jsonl" else _read_journal(f, kind) for f in files]
     tables = [t for t in tables if t is not None]
     if not tables:
-        return pd.DataFrame({n: pd.Series(dtype=t.to_pandas_dtype()) for n, t in zip(SCHEMAS[kind].names,
-                                                                                       SCHEMAS[kind].types)})
+        return pd.DataFrame(
+            {n: pd.Series(dtype=t.to_pandas_dtype()) for n, t in zip(SCHEMAS[kind].names, SCHEMAS[kind].types)}
+        )
     return pa.concat_tables(tables, promote_options="default").to_pandas()

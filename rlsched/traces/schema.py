@@ -11,24 +11,52 @@ import pyarrow as pa
 
 TRACE_SCHEMA_VERSION = 1
 
-STEP_SCHEMA = pa.schema([
-    ("rl_step", pa.int32()), ("instance", pa.int32()), ("step", pa.int64()), ("time_s", pa.float64()),
-    ("kind", pa.string()), ("batch", pa.int32()), ("drafter", pa.string()), ("k", pa.int16()),
-    ("width", pa.int16()), ("drafted", pa.int64()), ("accepted", pa.int64()), ("emitted", pa.int64()),
-    ("draft_ms", pa.float64()), ("verify_ms", pa.float64()), ("step_ms", pa.float64()),
-    ("ctx_tokens", pa.int64()),
-])
+STEP_SCHEMA = pa.schema(
+    [
+        ("rl_step", pa.int32()),
+        ("instance", pa.int32()),
+        ("step", pa.int64()),
+        ("time_s", pa.float64()),
+        ("kind", pa.string()),
+        ("batch", pa.int32()),
+        ("drafter", pa.string()),
+        ("k", pa.int16()),
+        ("width", pa.int16()),
+        ("drafted", pa.int64()),
+        ("accepted", pa.int64()),
+        ("emitted", pa.int64()),
+        ("draft_ms", pa.float64()),
+        ("verify_ms", pa.float64()),
+        ("step_ms", pa.float64()),
+        ("ctx_tokens", pa.int64()),
+    ]
+)
 
-SAMPLE_SCHEMA = pa.schema([
-    ("rl_step", pa.int32()), ("sample_id", pa.int64()), ("prompt_id", pa.int64()), ("instance", pa.int32()),
-    ("prompt_len", pa.int64()), ("response_len", pa.int64()), ("finish_s", pa.float64()),
-    ("preemptions", pa.int32()), ("migrations", pa.int32()),
-])  # plus optional acceptance_<drafter> float64 columns
+SAMPLE_SCHEMA = pa.schema(
+    [
+        ("rl_step", pa.int32()),
+        ("sample_id", pa.int64()),
+        ("prompt_id", pa.int64()),
+        ("instance", pa.int32()),
+        ("prompt_len", pa.int64()),
+        ("response_len", pa.int64()),
+        ("finish_s", pa.float64()),
+        ("preemptions", pa.int32()),
+        ("migrations", pa.int32()),
+    ]
+)  # plus optional acceptance_<drafter> float64 columns
 
-RL_STEP_SCHEMA = pa.schema([
-    ("rl_step", pa.int32()), ("generation_s", pa.float64()), ("inference_s", pa.float64()),
-    ("training_s", pa.float64()), ("drafter_update_s", pa.float64()), ("total_s", pa.float64()),
-    ("prompt_tokens", pa.int64()), ("response_tokens", pa.int64()),
-])  # plus optional accept_mean_<drafter> float64 columns
+RL_STEP_SCHEMA = pa.schema(
+    [
+        ("rl_step", pa.int32()),
+        ("generation_s", pa.float64()),
+        ("inference_s", pa.float64()),
+        ("training_s", pa.float64()),
+        ("drafter_update_s", pa.float64()),
+        ("total_s", pa.float64()),
+        ("prompt_tokens", pa.int64()),
+        ("response_tokens", pa.int64()),
+    ]
+)  # plus optional accept_mean_<drafter> float64 columns
 
 SCHEMAS = {"steps": STEP_SCHEMA, "samples": SAMPLE_SCHEMA, "rl_steps": RL_STEP_SCHEMA}

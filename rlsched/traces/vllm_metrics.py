@@ -76,12 +76,24 @@ SUMMARY_FILE = "vllm.json"
 MARKER = "# rlsched-snapshot"
 
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
-SPEC = {"drafts": "vllm:spec_decode_num_drafts", "draft_tokens": "vllm:spec_decode_num_draft_tokens",
-        "accepted": "vllm:spec_decode_num_accepted_tokens"}
-COUNTERS = {**SPEC, "generation_tokens": "vllm:generation_tokens", "prompt_tokens": "vllm:prompt_tokens",
-            "finished": "vllm:request_success", "preemptions": "vllm:num_preemptions"}
-HISTOGRAMS = {"steps": "vllm:iteration_tokens_total", "itl": "vllm:inter_token_latency_seconds",
-              "ttft": "vllm:time_to_first_token_seconds", "prefill": "vllm:request_prefill_time_seconds"}
+SPEC = {
+    "drafts": "vllm:spec_decode_num_drafts",
+    "draft_tokens": "vllm:spec_decode_num_draft_tokens",
+    "accepted": "vllm:spec_decode_num_accepted_tokens",
+}
+COUNTERS = {
+    **SPEC,
+    "generation_tokens": "vllm:generation_tokens",
+    "prompt_tokens": "vllm:prompt_tokens",
+    "finished": "vllm:request_success",
+    "preemptions": "vllm:num_preemptions",
+}
+HISTOGRAMS = {
+    "steps": "vllm:iteration_tokens_total",
+    "itl": "vllm:inter_token_latency_seconds",
+    "ttft": "vllm:time_to_first_token_seconds",
+    "prefill": "vllm:request_prefill_time_seconds",
+}
 GAUGES = {"running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting"}
 NEEDED = sorted({PER_POS, *COUNTERS.values(), *HISTOGRAMS.values(), *GAUGES.values()})
 
@@ -103,10 +115,12 @@ APPROXIMATE = [
     "time_s: the snapshot's time (the interval's end), else the interval's index",
     "SD speedup: tokens per second of whole generate calls (generate_s, prefill included) against k = 0",
 ]
-NOT_AVAILABLE = ("vLLM's metrics do not separate draft time from verify time: a speculative step's draft_ms and "
-                 "verify_ms are NaN (step_ms holds both); rlsched fit prices verify from the plain (k = 0) steps "
-                 "and prefill, and no drafter (its note counts the speculative intervals among the decode steps "
-                 "it leaves out)")
+NOT_AVAILABLE = (
+    "vLLM's metrics do not separate draft time from verify time: a speculative step's draft_ms and "
+    "verify_ms are NaN (step_ms holds both); rlsched fit prices verify from the plain (k = 0) steps "
+    "and prefill, and no drafter (its note counts the speculative intervals among the decode steps "
+    "it leaves out)"
+)
 
 
 def _bad(path, what: str, fix: str) -> UserError:
@@ -193,8 +207,9 @@ def parse_prometheus(text: str, where: str = "the text", first_line: int = 1) ->
         if kind == "histogram":
             le = labels.pop("le", None)
             key = (family, tuple(sorted(labels.items())))
-            h = hists.setdefault(key, {"name": family, "type": "histogram", "labels": labels, "count": None,
-                                       "sum": None, "buckets": {}})
+            h = hists.setdefault(
+                key, {"name": family, "type": "histogram", "labels": labels, "count": None, "sum": None, "buckets": {}}
+            )
             if part == "bucket":
                 if le is None:
                     raise ValueError(f"{where}, line {no}: a histogram bucket without an 'le' label")
@@ -211,8 +226,10 @@ def parse_prometheus(text: str, where: str = "the text", first_line: int = 1) ->
         else:
             key = (family, tuple(sorted(labels.items())))
             if key in scalars:
-                raise ValueError(f"{where}, line {no}: the series {family} {labels} appears twice; separate "
-                                 f"scrapes with '{MARKER} {{}}' lines")
+                raise ValueError(
+                    f"{where}, line {no}: the series {family} {labels} appears twice; separate "
+                    f"scrapes with '{MARKER} {{}}' lines"
+                )
             scalars[key] = {"name": family, "type": kind, "labels": labels, "value": value}
     out = list(scalars.values())
     for v in vectors.values():
@@ -229,6 +246,7 @@ def parse_prometheus(text: str, where: str = "the text", first_line: int = 1) ->
 
 
 # ----------------------------------------------------------------------------- reading snapshots
+
 
 @dataclass
 class Snapshot:
@@ -247,22 +265,36 @@ class Source:
 
 def _check_metric(m, path, where: str) -> dict:
     if not isinstance(m, dict) or not isinstance(m.get("name"), str):
-        raise _bad(path, f"{where}: a metric is not an object with a 'name'",
-                   "give LLM.get_metrics() objects as JSON (name, labels, value | values | count/sum/buckets)")
+        raise _bad(
+            path,
+            f"{where}: a metric is not an object with a 'name'",
+            "give LLM.get_metrics() objects as JSON (name, labels, value | values | count/sum/buckets)",
+        )
     labels = m.get("labels") or {}
     if not isinstance(labels, dict):
         raise _bad(path, f"{where}: metric {m['name']} has labels that are not an object", "labels: {name: value}")
     num = (int, float)
     kind = m.get("type")
     if kind not in ("counter", "gauge", "vector", "histogram"):
-        kind = ("vector" if "values" in m else "histogram" if "buckets" in m or "count" in m
-                else "counter" if m["name"] in COUNTERS.values() else "gauge")
-    ok = {"vector": lambda: isinstance(m.get("values"), list) and all(isinstance(v, num) for v in m["values"]),
-          "histogram": lambda: isinstance(m.get("count"), num) and isinstance(m.get("sum"), num),
-          }.get(kind, lambda: isinstance(m.get("value"), num) and not isinstance(m.get("value"), bool))
+        kind = (
+            "vector"
+            if "values" in m
+            else "histogram"
+            if "buckets" in m or "count" in m
+            else "counter"
+            if m["name"] in COUNTERS.values()
+            else "gauge"
+        )
+    ok = {
+        "vector": lambda: isinstance(m.get("values"), list) and all(isinstance(v, num) for v in m["values"]),
+        "histogram": lambda: isinstance(m.get("count"), num) and isinstance(m.get("sum"), num),
+    }.get(kind, lambda: isinstance(m.get("value"), num) and not isinstance(m.get("value"), bool))
     if not ok():
-        raise _bad(path, f"{where}: metric {m['name']} ({kind}) lacks its numbers",
-                   "a counter or gauge needs 'value', a vector 'values', a histogram 'count' and 'sum'")
+        raise _bad(
+            path,
+            f"{where}: metric {m['name']} ({kind}) lacks its numbers",
+            "a counter or gauge needs 'value', a vector 'values', a histogram 'count' and 'sum'",
+        )
     return {**m, "type": kind, "labels": {str(k): str(v) for k, v in labels.items()}}
 
 
@@ -273,8 +305,11 @@ def _snapshot(item, i: int, path) -> Snapshot:
         meta = {k: v for k, v in item.items() if k != "metrics"}
         metrics = item["metrics"]
     else:
-        raise _bad(path, f"snapshot {i} is neither a list of metrics nor an object with 'metrics'",
-                   "write {\"snapshots\": [{\"metrics\": LLM.get_metrics() as JSON, ...}, ...]}")
+        raise _bad(
+            path,
+            f"snapshot {i} is neither a list of metrics nor an object with 'metrics'",
+            'write {"snapshots": [{"metrics": LLM.get_metrics() as JSON, ...}, ...]}',
+        )
     where = f"snapshot {i}" + (f" ('{meta['label']}')" if meta.get("label") is not None else "")
     return Snapshot(meta, [_check_metric(m, path, where) for m in metrics], where)
 
@@ -283,19 +318,28 @@ def _read_json(doc, path) -> Source:
     info = {}
     if isinstance(doc, dict):
         if doc.get("format") not in (None, FORMAT):
-            raise _bad(path, f"has format '{doc.get('format')}', not '{FORMAT}'",
-                       "give the JSON written by bench/peers/vllm_spec_metrics.py")
+            raise _bad(
+                path,
+                f"has format '{doc.get('format')}', not '{FORMAT}'",
+                "give the JSON written by bench/peers/vllm_spec_metrics.py",
+            )
         if isinstance(doc.get("version"), int) and doc["version"] > VERSION:
-            raise _bad(path, f"has version {doc['version']}; this rlsched reads version {VERSION}",
-                       "upgrade rlsched or re-record the metrics")
+            raise _bad(
+                path,
+                f"has version {doc['version']}; this rlsched reads version {VERSION}",
+                "upgrade rlsched or re-record the metrics",
+            )
         info = {k: doc[k] for k in ("vllm", "torch", "config", "created_utc") if k in doc}
         if isinstance(doc.get("snapshots"), list):
             items = doc["snapshots"]
         elif isinstance(doc.get("metrics"), list):
             items = [doc]
         else:
-            raise _bad(path, "is a JSON object without 'snapshots'",
-                       "give {\"snapshots\": [...]} (bench/peers/vllm_spec_metrics.py) or LLM.get_metrics() as JSON")
+            raise _bad(
+                path,
+                "is a JSON object without 'snapshots'",
+                'give {"snapshots": [...]} (bench/peers/vllm_spec_metrics.py) or LLM.get_metrics() as JSON',
+            )
     elif isinstance(doc, list):
         one = bool(doc) and all(isinstance(m, dict) and "name" in m for m in doc)
         items = [doc] if one else doc
@@ -314,12 +358,15 @@ def _read_prom(text: str, path) -> Source:
             if meta is not None or any(s.strip() and not s.startswith("#") for s in lines):
                 blocks.append((meta or {}, "\n".join(lines), start))
             try:
-                meta = json.loads(line[len(MARKER):].strip() or "{}")
+                meta = json.loads(line[len(MARKER) :].strip() or "{}")
             except json.JSONDecodeError:
                 meta = None
             if not isinstance(meta, dict):
-                raise _bad(path, f"line {no}: '{MARKER}' is not followed by a JSON object",
-                           f"write '{MARKER} {{\"run\": 0, \"time_s\": ...}}'")
+                raise _bad(
+                    path,
+                    f"line {no}: '{MARKER}' is not followed by a JSON object",
+                    f'write \'{MARKER} {{"run": 0, "time_s": ...}}\'',
+                )
             start, lines = no + 1, []
         else:
             lines.append(line)
@@ -330,7 +377,7 @@ def _read_prom(text: str, path) -> Source:
         try:
             metrics = parse_prometheus(body, where, first)
         except ValueError as e:
-            raise _bad(path, f"is not valid Prometheus text ({e})", "give a /metrics scrape or METRICS.json")
+            raise _bad(path, f"is not valid Prometheus text ({e})", "give a /metrics scrape or METRICS.json") from None
         if not metrics and not meta:
             continue
         snaps.append(Snapshot(meta, metrics, where))
@@ -343,8 +390,11 @@ def read_source(path) -> Source:
     """The snapshots of a METRICS.json or METRICS.prom file (UserError naming the file if bad)."""
     path = Path(path)
     if not path.is_file():
-        raise _bad(path, "does not exist" if not path.exists() else "is not a file",
-                   "give METRICS.json (bench/peers/vllm_spec_metrics.py) or a Prometheus scrape (.prom)")
+        raise _bad(
+            path,
+            "does not exist" if not path.exists() else "is not a file",
+            "give METRICS.json (bench/peers/vllm_spec_metrics.py) or a Prometheus scrape (.prom)",
+        )
     try:
         text = path.read_text()
     except UnicodeDecodeError:
@@ -354,8 +404,11 @@ def read_source(path) -> Source:
         try:
             doc = json.loads(text)
         except json.JSONDecodeError as e:
-            raise _bad(path, f"is not valid JSON (line {e.lineno}: {e.msg})",
-                       "re-record it (a run cut short leaves a partial file)") from None
+            raise _bad(
+                path,
+                f"is not valid JSON (line {e.lineno}: {e.msg})",
+                "re-record it (a run cut short leaves a partial file)",
+            ) from None
         return _read_json(doc, path)
     if not head:
         raise _bad(path, "is empty", "give METRICS.json or a Prometheus scrape")
@@ -363,6 +416,7 @@ def read_source(path) -> Source:
 
 
 # ----------------------------------------------------------------------------- totals and deltas
+
 
 def _engine(labels: dict) -> str:
     return labels.get("engine", "0")
@@ -387,8 +441,7 @@ def engine_totals(snap: Snapshot) -> dict[str, dict]:
             prev = t.get("per_pos", [])
             vals = [float(v) for v in m["values"]]
             n = max(len(prev), len(vals))
-            t["per_pos"] = [(prev[i] if i < len(prev) else 0.0) + (vals[i] if i < len(vals) else 0.0)
-                            for i in range(n)]
+            t["per_pos"] = [(prev[i] if i < len(prev) else 0.0) + (vals[i] if i < len(vals) else 0.0) for i in range(n)]
     return {e: t for e, t in out.items() if t}
 
 
@@ -403,9 +456,11 @@ def _delta(cur: dict, prev: dict, path, where: str, engine: str) -> dict:
         if key == "per_pos":
             p = p or [0.0] * len(v)
             if len(p) != len(v):
-                raise _bad(path, f"{where}: engine {engine}'s {PER_POS} has {len(v)} positions, before {len(p)}",
-                           "an engine with another num_speculative_tokens is a new run: give its snapshots their "
-                           "own \"run\"")
+                raise _bad(
+                    path,
+                    f"{where}: engine {engine}'s {PER_POS} has {len(v)} positions, before {len(p)}",
+                    'an engine with another num_speculative_tokens is a new run: give its snapshots their own "run"',
+                )
             diff = [a - b for a, b in zip(v, p)]
             bad = min(diff) < -1e-9
         elif isinstance(v, tuple):
@@ -417,9 +472,12 @@ def _delta(cur: dict, prev: dict, path, where: str, engine: str) -> dict:
             bad = diff < -1e-9
         if bad:
             name = {**COUNTERS, **HISTOGRAMS, "per_pos": PER_POS}[key]
-            raise _bad(path, f"{where}: counter {name} of engine {engine} goes backwards ({p} -> {v})",
-                       "the engine restarted: give each engine's snapshots their own \"run\" (or split the file); "
-                       "in Prometheus text, start a new run with a '# rlsched-snapshot {\"run\": N}' line")
+            raise _bad(
+                path,
+                f"{where}: counter {name} of engine {engine} goes backwards ({p} -> {v})",
+                'the engine restarted: give each engine\'s snapshots their own "run" (or split the file); '
+                "in Prometheus text, start a new run with a '# rlsched-snapshot {\"run\": N}' line",
+            )
         d[key] = diff
     return d
 
@@ -434,16 +492,19 @@ class Imported:
     summary: dict
 
 
-def build(source: Source, k: int | None = None, drafter: str | None = None, *,
-          require_spec: bool = True) -> Imported:
+def build(source: Source, k: int | None = None, drafter: str | None = None, *, require_spec: bool = True) -> Imported:
     """Step records and summary of a source's snapshots (see the module docstring).
     `require_spec=False` also takes an engine that never drafted (the vLLM rollout backend
     with policy off: its plain decode and prefill records are what `rlsched fit` needs)."""
     path = source.path
-    if require_spec and not any(("drafts" in t or "per_pos" in t)
-                                for s in source.snapshots for t in engine_totals(s).values()):
-        raise _bad(path, "holds no speculative-decoding metrics (vllm:spec_decode_*)",
-                   "run vLLM with a speculative_config and stats logging on (LLM(..., disable_log_stats=False))")
+    if require_spec and not any(
+        ("drafts" in t or "per_pos" in t) for s in source.snapshots for t in engine_totals(s).values()
+    ):
+        raise _bad(
+            path,
+            "holds no speculative-decoding metrics (vllm:spec_decode_*)",
+            "run vLLM with a speculative_config and stats logging on (LLM(..., disable_log_stats=False))",
+        )
     prev: dict[tuple, tuple] = {}  # (run, engine) -> (totals, snapshot)
     rows, intervals, notes, varied = [], [], [], []
     for idx, snap in enumerate(source.snapshots):
@@ -462,11 +523,16 @@ def build(source: Source, k: int | None = None, drafter: str | None = None, *,
             rows.extend(rec["records"])
             intervals.append(rec["interval"])
     if not rows:
-        raise _bad(path, "holds no interval with engine steps to import",
-                   "take a snapshot after each generate call (the first snapshot of a run is diffed against zero)")
+        raise _bad(
+            path,
+            "holds no interval with engine steps to import",
+            "take a snapshot after each generate call (the first snapshot of a run is diffed against zero)",
+        )
     if varied:
-        notes.append(f"the batch shrank within {len(varied)} interval(s) ({', '.join(varied)}): requests finished at "
-                     "different steps, so their batch, step_ms and ctx_tokens are averages over the decode steps")
+        notes.append(
+            f"the batch shrank within {len(varied)} interval(s) ({', '.join(varied)}): requests finished at "
+            "different steps, so their batch, step_ms and ctx_tokens are averages over the decode steps"
+        )
     steps = pd.DataFrame(rows)
     steps["step"] = range(len(steps))
     summary = _summary(source, intervals, notes)
@@ -477,11 +543,15 @@ def _resolve_k(d: dict, tot: dict, meta: dict, path, where: str, k_cli: int | No
     n_pos = len(tot["per_pos"]) if "per_pos" in tot else None
     k_meta = meta.get("k")
     if k_meta is not None and (not isinstance(k_meta, int) or k_meta < 0):
-        raise _bad(path, f"{where}: k = {k_meta!r} is not a whole number >= 0", "fix the snapshot's \"k\"")
+        raise _bad(path, f"{where}: k = {k_meta!r} is not a whole number >= 0", 'fix the snapshot\'s "k"')
     for given, what in ((k_meta, "the snapshot's k"), (k_cli, "--k")):
         if given is not None and n_pos is not None and given != n_pos:
-            raise _bad(path, f"{where}: {what} = {given} but vLLM counted acceptance at {n_pos} draft positions "
-                       "(num_speculative_tokens)", "drop --k (the file says k) or fix the snapshot's \"k\"")
+            raise _bad(
+                path,
+                f"{where}: {what} = {given} but vLLM counted acceptance at {n_pos} draft positions "
+                "(num_speculative_tokens)",
+                'drop --k (the file says k) or fix the snapshot\'s "k"',
+            )
     if k_meta is not None:
         return k_meta
     if n_pos is not None:
@@ -489,8 +559,11 @@ def _resolve_k(d: dict, tot: dict, meta: dict, path, where: str, k_cli: int | No
     if k_cli is not None:
         return k_cli
     if d.get("drafts", 0) > 0:
-        raise _bad(path, f"{where}: drafts were made but the draft length is not known (no {PER_POS})",
-                   "give --k K (vLLM's num_speculative_tokens)")
+        raise _bad(
+            path,
+            f"{where}: drafts were made but the draft length is not known (no {PER_POS})",
+            "give --k K (vLLM's num_speculative_tokens)",
+        )
     return 0
 
 
@@ -505,8 +578,11 @@ def _interval(d, tot, meta, snap, idx, engine, path, k_cli, drafter_cli, notes, 
         return None
     lacking = [HISTOGRAMS[h] for h in ("steps", "itl", "ttft") if h not in d]
     if lacking:
-        raise _bad(path, f"{snap.where}: engine {engine} lacks {', '.join(lacking)}",
-                   "keep vLLM's histograms in the dump (they give the engine steps and the step time)")
+        raise _bad(
+            path,
+            f"{snap.where}: engine {engine} lacks {', '.join(lacking)}",
+            "keep vLLM's histograms in the dump (they give the engine steps and the step time)",
+        )
     k = _resolve_k(d, tot, meta, path, snap.where, k_cli)
     drafter = "off" if k == 0 else (drafter_cli or meta.get("drafter") or "vllm")
     prefill_steps = 1 if first > 0 else 0
@@ -518,11 +594,22 @@ def _interval(d, tot, meta, snap, idx, engine, path, k_cli, drafter_cli, notes, 
     drafts = int(round(d.get("drafts", 0.0)))
     drafted = int(round(d.get("draft_tokens", 0.0)))
     accepted = int(round(d.get("accepted", 0.0)))
-    base = dict(rl_step=0, instance=instance, time_s=t, width=1, source="vllm", run=str(meta.get("run", 0)),
-                label=str(label))
-    records, interval = [], {"label": str(label), "run": str(meta.get("run", 0)), "instance": instance, "k": k,
-                             "drafter": drafter, "engine_steps": steps_all, "new_requests": first,
-                             "finished_requests": int(round(d.get("finished", 0.0)))}
+    base = dict(
+        rl_step=0, instance=instance, time_s=t, width=1, source="vllm", run=str(meta.get("run", 0)), label=str(label)
+    )
+    records, interval = (
+        [],
+        {
+            "label": str(label),
+            "run": str(meta.get("run", 0)),
+            "instance": instance,
+            "k": k,
+            "drafter": drafter,
+            "engine_steps": steps_all,
+            "new_requests": first,
+            "finished_requests": int(round(d.get("finished", 0.0))),
+        },
+    )
     if meta.get("batch") is not None:
         interval["batch_requested"] = meta["batch"]
     gs = _num(meta.get("generate_s"))
@@ -537,27 +624,70 @@ def _interval(d, tot, meta, snap, idx, engine, path, k_cli, drafter_cli, notes, 
         prefill_ms = 1e3 * ps / pc if pc > 0 else math.nan
         interval.update(prefill_ms=prefill_ms, prompt_tokens=int(round(prompt)))
         if k == 0:  # an SD engine's prefill step also prefills its draft model: not the target's prefill
-            records.append(dict(base, kind="prefill", batch=first, drafter="off", k=0, drafted=0, accepted=0,
-                                emitted=first, draft_ms=0.0, verify_ms=prefill_ms, step_ms=prefill_ms,
-                                ctx_tokens=int(round(prompt)), steps=prefill_steps, num_drafts=0,
-                                batch_mean=float(first), k_mean=0.0))
+            records.append(
+                dict(
+                    base,
+                    kind="prefill",
+                    batch=first,
+                    drafter="off",
+                    k=0,
+                    drafted=0,
+                    accepted=0,
+                    emitted=first,
+                    draft_ms=0.0,
+                    verify_ms=prefill_ms,
+                    step_ms=prefill_ms,
+                    ctx_tokens=int(round(prompt)),
+                    steps=prefill_steps,
+                    num_drafts=0,
+                    batch_mean=float(first),
+                    k_mean=0.0,
+                )
+            )
     if decode_steps > 0 and row_steps > 0:
         batch_mean = row_steps / decode_steps
         batch = max(1, math.floor(batch_mean + 0.5))
         step_ms = 1e3 * itl_s / row_steps
         emitted = int(round(gen)) - first
         ctx = int(round(batch_mean * (mean_prompt + mean_gen / 2)))
-        records.append(dict(base, kind="decode", batch=batch, drafter=drafter, k=k, drafted=drafted,
-                            accepted=accepted, emitted=emitted, draft_ms=0.0 if k == 0 else math.nan,
-                            verify_ms=step_ms if k == 0 else math.nan, step_ms=step_ms, ctx_tokens=ctx,
-                            steps=decode_steps, num_drafts=drafts, batch_mean=batch_mean,
-                            k_mean=drafted / drafts if drafts else 0.0))
-        interval.update(decode_steps=decode_steps, batch=batch, batch_mean=batch_mean, step_ms=step_ms,
-                        drafts=drafts, drafted=drafted, accepted=accepted, emitted=emitted, ctx_tokens=ctx)
+        records.append(
+            dict(
+                base,
+                kind="decode",
+                batch=batch,
+                drafter=drafter,
+                k=k,
+                drafted=drafted,
+                accepted=accepted,
+                emitted=emitted,
+                draft_ms=0.0 if k == 0 else math.nan,
+                verify_ms=step_ms if k == 0 else math.nan,
+                step_ms=step_ms,
+                ctx_tokens=ctx,
+                steps=decode_steps,
+                num_drafts=drafts,
+                batch_mean=batch_mean,
+                k_mean=drafted / drafts if drafts else 0.0,
+            )
+        )
+        interval.update(
+            decode_steps=decode_steps,
+            batch=batch,
+            batch_mean=batch_mean,
+            step_ms=step_ms,
+            drafts=drafts,
+            drafted=drafted,
+            accepted=accepted,
+            emitted=emitted,
+            ctx_tokens=ctx,
+        )
         if k > 0:
             pos = [int(round(v)) for v in d.get("per_pos", [])]
-            interval.update(acceptance=accepted / drafted if drafted else None, accepted_per_position=pos or None,
-                            per_position=[v / drafts for v in pos] if drafts and pos else None)
+            interval.update(
+                acceptance=accepted / drafted if drafted else None,
+                accepted_per_position=pos or None,
+                per_position=[v / drafts for v in pos] if drafts and pos else None,
+            )
         constant = first > 0 and row_steps == first * decode_steps
         interval["batch_constant"] = constant
         if not constant:
@@ -576,8 +706,17 @@ def _acceptance(intervals: list[dict]) -> list[dict]:
     for iv in intervals:
         if iv["k"] == 0 or "drafts" not in iv:
             continue
-        a = acc.setdefault((iv["drafter"], iv["k"]), {"drafter": iv["drafter"], "k": iv["k"], "drafts": 0,
-                                                      "draft_tokens": 0, "accepted": 0, "accepted_per_position": None})
+        a = acc.setdefault(
+            (iv["drafter"], iv["k"]),
+            {
+                "drafter": iv["drafter"],
+                "k": iv["k"],
+                "drafts": 0,
+                "draft_tokens": 0,
+                "accepted": 0,
+                "accepted_per_position": None,
+            },
+        )
         a["drafts"] += iv["drafts"]
         a["draft_tokens"] += iv["drafted"]
         a["accepted"] += iv["accepted"]
@@ -591,8 +730,11 @@ def _acceptance(intervals: list[dict]) -> list[dict]:
         a["acceptance"] = a["accepted"] / a["draft_tokens"] if a["draft_tokens"] else None
         a["mean_accepted_length"] = 1 + a["accepted"] / n if n else None
         a["per_position"] = [c / n for c in pos] if pos and n else None
-        a["per_position_conditional"] = ([pos[0] / n] + [pos[i] / pos[i - 1] if pos[i - 1] else None
-                                                         for i in range(1, len(pos))]) if pos and n else None
+        a["per_position_conditional"] = (
+            ([pos[0] / n] + [pos[i] / pos[i - 1] if pos[i - 1] else None for i in range(1, len(pos))])
+            if pos and n
+            else None
+        )
         out.append(a)
     return out
 
@@ -600,20 +742,34 @@ def _acceptance(intervals: list[dict]) -> list[dict]:
 def _summary(source: Source, intervals: list[dict], notes: list[str]) -> dict:
     # SD against plain decoding at the same requested batch: generate-call throughput (wall clock,
     # prefill included), where the snapshots say how long their generate call took
-    plain = {iv["batch_requested"]: iv["tokens_per_s"] for iv in intervals
-             if iv["k"] == 0 and iv.get("tokens_per_s") and iv.get("batch_requested") is not None}
+    plain = {
+        iv["batch_requested"]: iv["tokens_per_s"]
+        for iv in intervals
+        if iv["k"] == 0 and iv.get("tokens_per_s") and iv.get("batch_requested") is not None
+    }
     for iv in intervals:
         base = plain.get(iv.get("batch_requested"))
         if iv["k"] > 0 and base and iv.get("tokens_per_s"):
             iv["speedup_vs_k0"] = iv["tokens_per_s"] / base
-    return {"kind": SUMMARY_KIND, "version": SUMMARY_VERSION, "source": str(source.path.resolve()),
-            "input_format": source.format, **{k: v for k, v in source.info.items()},
-            "snapshots": len(source.snapshots), "intervals": intervals, "acceptance": _acceptance(intervals),
-            "exact": EXACT, "exact_if_batch_constant": EXACT_IF_CONSTANT, "approximate": APPROXIMATE,
-            "not_available": NOT_AVAILABLE, "notes": notes}
+    return {
+        "kind": SUMMARY_KIND,
+        "version": SUMMARY_VERSION,
+        "source": str(source.path.resolve()),
+        "input_format": source.format,
+        **{k: v for k, v in source.info.items()},
+        "snapshots": len(source.snapshots),
+        "intervals": intervals,
+        "acceptance": _acceptance(intervals),
+        "exact": EXACT,
+        "exact_if_batch_constant": EXACT_IF_CONSTANT,
+        "approximate": APPROXIMATE,
+        "not_available": NOT_AVAILABLE,
+        "notes": notes,
+    }
 
 
 # ----------------------------------------------------------------------------- writing
+
 
 def check_out(out: Path) -> None:
     """Refuse an --out that is a file, or a non-empty folder that is not an earlier import."""
@@ -622,8 +778,10 @@ def check_out(out: Path) -> None:
         if not out.is_dir():
             raise UserError(f"import-vllm: --out '{out}' is a file; give a folder")
         if any(out.iterdir()) and not (out / SUMMARY_FILE).is_file():
-            raise UserError(f"import-vllm: --out '{out}' is a non-empty folder that is not an earlier "
-                            "import-vllm output; give a new or empty folder")
+            raise UserError(
+                f"import-vllm: --out '{out}' is a non-empty folder that is not an earlier "
+                "import-vllm output; give a new or empty folder"
+            )
 
 
 def import_vllm(path, out, k: int | None = None, drafter: str | None = None) -> dict:
@@ -648,25 +806,54 @@ def import_vllm(path, out, k: int | None = None, drafter: str | None = None) -> 
 def report(summary: dict) -> tuple[list[str], list[list[str]], list[str]]:
     """What `rlsched import-vllm` prints: table columns, rows (one per interval) and lines."""
     f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
-    cols = ["interval", "k", "drafter", "requests", "rows/step", "decode steps", "step ms", "prefill ms", "drafted",
-            "accepted", "acceptance", "SD speedup"]
-    rows = [[iv["label"], str(iv["k"]), iv["drafter"], str(iv["new_requests"]), f(iv.get("batch_mean"), ".2f"),
-             str(iv.get("decode_steps", "-")), f(iv.get("step_ms"), ".2f"), f(iv.get("prefill_ms"), ".1f"),
-             str(iv.get("drafted", "-")), str(iv.get("accepted", "-")), f(iv.get("acceptance"), ".3f"),
-             f(iv.get("speedup_vs_k0"), ".2f") + ("x" if iv.get("speedup_vs_k0") else "")]
-            for iv in summary["intervals"]]
+    cols = [
+        "interval",
+        "k",
+        "drafter",
+        "requests",
+        "rows/step",
+        "decode steps",
+        "step ms",
+        "prefill ms",
+        "drafted",
+        "accepted",
+        "acceptance",
+        "SD speedup",
+    ]
+    rows = [
+        [
+            iv["label"],
+            str(iv["k"]),
+            iv["drafter"],
+            str(iv["new_requests"]),
+            f(iv.get("batch_mean"), ".2f"),
+            str(iv.get("decode_steps", "-")),
+            f(iv.get("step_ms"), ".2f"),
+            f(iv.get("prefill_ms"), ".1f"),
+            str(iv.get("drafted", "-")),
+            str(iv.get("accepted", "-")),
+            f(iv.get("acceptance"), ".3f"),
+            f(iv.get("speedup_vs_k0"), ".2f") + ("x" if iv.get("speedup_vs_k0") else ""),
+        ]
+        for iv in summary["intervals"]
+    ]
     lines = []
     for a in summary["acceptance"]:
         pos = " ".join(f(v, ".3f") for v in a["per_position"] or [])
         cond = " ".join(f(v, ".3f") for v in a["per_position_conditional"] or [])
-        lines.append(f"acceptance per position ({a['drafter']}, k={a['k']}, {a['drafts']} drafts): {pos} "
-                     f"(given the previous: {cond}); mean accepted length {f(a['mean_accepted_length'], '.2f')}")
-    lines.append("SD speedup: tokens per second of the generate call against the k = 0 one at the same batch "
-                 "(wall clock, where the snapshots give generate_s)")
+        lines.append(
+            f"acceptance per position ({a['drafter']}, k={a['k']}, {a['drafts']} drafts): {pos} "
+            f"(given the previous: {cond}); mean accepted length {f(a['mean_accepted_length'], '.2f')}"
+        )
+    lines.append(
+        "SD speedup: tokens per second of the generate call against the k = 0 one at the same batch "
+        "(wall clock, where the snapshots give generate_s)"
+    )
     lines.append(f"note: {NOT_AVAILABLE}")
     lines += [f"note: {n}" for n in summary["notes"]]
-    lines.append(f"wrote {summary['records']} step records to {summary['out']}/traces/steps and "
-                 f"{summary['out']}/{SUMMARY_FILE}")
+    lines.append(
+        f"wrote {summary['records']} step records to {summary['out']}/traces/steps and {summary['out']}/{SUMMARY_FILE}"
+    )
     return cols, rows, lines
 
 

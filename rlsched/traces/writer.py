@@ -60,7 +60,7 @@ class TraceWriter:
         self._rows: list[dict] = []
         numbers = []
         for p in self.dir.glob("part-*.*"):
-            number, _, rest = p.name.split(".")[0][len("part-"):].partition("-")
+            number, _, rest = p.name.split(".")[0][len("part-") :].partition("-")
             if p.suffix in (".parquet", ".jsonl") and (f"-{rest}" if rest else "") == self.tag and number.isdigit():
                 numbers.append(int(number))
         self._next = max(numbers) + 1 if numbers else 0
@@ -73,7 +73,7 @@ class TraceWriter:
         self._rows.append(record)
         if self.journal:
             if self._journal is None:
-                self._journal = open(self._part(".jsonl"), "a")
+                self._journal = open(self._part(".jsonl"), "a")  # noqa: SIM115 - open until close()
             self._journal.write(json.dumps(record, default=_plain) + "\n")
             self._journal.flush()
         if len(self._rows) >= self.flush_every:

@@ -19,7 +19,8 @@ processed with the same `SamplingParams` as the target.
 
 from __future__ import annotations
 
-from typing import Hashable, Protocol
+from collections.abc import Hashable
+from typing import Protocol
 
 import torch
 
@@ -48,8 +49,8 @@ def _find(hay: list[int], pattern: list[int], k: int, end: int) -> list[int]:
     n = len(pattern)
     first = pattern[0]
     for i in range(min(end, len(hay) - 1) - n, -1, -1):
-        if hay[i] == first and hay[i:i + n] == pattern:
-            return hay[i + n:i + n + k]
+        if hay[i] == first and hay[i : i + n] == pattern:
+            return hay[i + n : i + n + k]
     return []
 
 
@@ -95,8 +96,9 @@ class ModelDrafter:
 
     name = "model"
 
-    def __init__(self, model, sampling: SamplingParams, max_batch: int, max_len: int,
-                 generator: torch.Generator | None = None):
+    def __init__(
+        self, model, sampling: SamplingParams, max_batch: int, max_len: int, generator: torch.Generator | None = None
+    ):
         self.model, self.sampling, self.generator = model, sampling, generator
         self.new_cache(max_batch, max_len)
         # slot -> (the Seq, the tokens in its cache row, how many of those are the Seq's own:
@@ -157,7 +159,7 @@ class ModelDrafter:
                 logits = self.model(x[:, None], self.cache, slots=slots)
         tokens = torch.stack(toks, 1)
         for r, s in enumerate(rows):
-            self.cached[s.slot] = (s, s.tokens + tokens[r, :k - 1].tolist(), len(s.tokens))
+            self.cached[s.slot] = (s, s.tokens + tokens[r, : k - 1].tolist(), len(s.tokens))
         return tokens.cpu(), torch.stack(dists, 1), torch.full((b,), k, dtype=torch.long)
 
     @torch.inference_mode()
@@ -190,7 +192,7 @@ class ModelDrafter:
                 logits = self.model(ids, self.cache, slots=slots, tree=tree.level_mask(d, dev))
             p = None if greedy else self.sampling.probs(logits)
             if p is not None:
-                dists[:, parents[0] + 1:parents[-1] + 2] = p
+                dists[:, parents[0] + 1 : parents[-1] + 2] = p
             for kids, x, ok in draw_level(tree, parents, logits, p, present, self.generator):
                 tokens[:, kids] = x
                 present[:, kids] = ok
@@ -259,8 +261,12 @@ class ModelDrafter:
                 n_new = None
             return self.model(ids, self.cache, slots=slots, n_new=n_new, last_only=True)
         # a ragged feed pads every row to the longest: row by row where that would overflow
-        return torch.cat([self.model(torch.tensor([t], device=dev), self.cache, slots=slots[i:i + 1],
-                                     last_only=True) for i, t in enumerate(new)])
+        return torch.cat(
+            [
+                self.model(torch.tensor([t], device=dev), self.cache, slots=slots[i : i + 1], last_only=True)
+                for i, t in enumerate(new)
+            ]
+        )
 
 
 def drafter_cache_len(longest_prompt: int, max_new_tokens: int, k_max: int) -> int:

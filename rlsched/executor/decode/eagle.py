@@ -36,9 +36,9 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 import torch
@@ -47,10 +47,10 @@ from torch import nn
 
 from rlsched.atomic import atomic_folder
 from rlsched.errors import UserError
-from rlsched.executor.model.builtin import cached_build, lr_schedule
-from rlsched.executor.model.transformer import MLP, ModelConfig, RMSNorm, Transformer
-from rlsched.executor.model.rope import apply_rope
 from rlsched.executor.decode.sampling import GREEDY, SamplingParams, sample
+from rlsched.executor.model.builtin import cached_build, lr_schedule
+from rlsched.executor.model.rope import apply_rope
+from rlsched.executor.model.transformer import MLP, ModelConfig, RMSNorm, Transformer
 
 # What vLLM's EAGLE-3 loader (vllm/model_executor/models/llama_eagle3.py, Eagle3LlamaForCausalLM)
 # reads: the architecture it is registered under, and the checkpoint names its load_weights maps
@@ -76,18 +76,33 @@ VLLM_WEIGHTS = (
 # config.json fields vLLM reads from the draft folder: the architecture, the draft vocabulary
 # size, the target layers whose states it hands over (vLLM's model runner reads the top-level
 # field), the target's width (fc's input), and a Llama layer's shape.
-VLLM_CONFIG_FIELDS = ("architectures", "model_type", "draft_vocab_size", "eagle_aux_hidden_state_layer_ids",
-                      "target_hidden_size", "num_hidden_layers", "hidden_size", "intermediate_size",
-                      "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
-                      "rms_norm_eps", "rope_theta", "max_position_embeddings")
+VLLM_CONFIG_FIELDS = (
+    "architectures",
+    "model_type",
+    "draft_vocab_size",
+    "eagle_aux_hidden_state_layer_ids",
+    "target_hidden_size",
+    "num_hidden_layers",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "rms_norm_eps",
+    "rope_theta",
+    "max_position_embeddings",
+)
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
     """vLLM's default EAGLE-3 aux layers for a target of `num_layers` layers: (2, L // 2, L - 3)."""
     ids = (2, num_layers // 2, num_layers - 3)
     if len(set(ids)) != 3 or ids != tuple(sorted(ids)):
-        raise ValueError(f"a target of {num_layers} layers has no three distinct default aux layers "
-                         f"{ids}; give aux_layers explicitly")
+        raise ValueError(
+            f"a target of {num_layers} layers has no three distinct default aux layers "
+            f"{ids}; give aux_layers explicitly"
+        )
     return ids
 
 
@@ -110,39 +125,69 @@ class HeadConfig:
     def __post_init__(self):
         ids = tuple(self.aux_layers)
         if not ids or ids != tuple(sorted(set(ids))) or ids[0] < 0:
-            raise ValueError(f"aux_layers must be distinct, ascending and >= 0 (got {ids}); "
-                             "vLLM concatenates the states in ascending layer order")
+            raise ValueError(
+                f"aux_layers must be distinct, ascending and >= 0 (got {ids}); "
+                "vLLM concatenates the states in ascending layer order"
+            )
         if not 1 <= self.draft_vocab <= self.vocab_size:
             raise ValueError(f"draft_vocab must lie in [1, {self.vocab_size}] (got {self.draft_vocab})")
 
     @classmethod
-    def for_target(cls, c: ModelConfig, *, draft_vocab: int, aux_layers=None,
-                   intermediate_size: int | None = None) -> HeadConfig:
+    def for_target(
+        cls, c: ModelConfig, *, draft_vocab: int, aux_layers=None, intermediate_size: int | None = None
+    ) -> HeadConfig:
         aux = tuple(aux_layers) if aux_layers is not None else default_aux_layers(c.num_layers)
         if max(aux) > c.num_layers:
             raise ValueError(f"aux layer {max(aux)} is past the target's {c.num_layers} layers")
-        return cls(hidden_size=c.hidden_size, intermediate_size=intermediate_size or c.intermediate_size,
-                   num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                   vocab_size=c.vocab_size, draft_vocab=draft_vocab, aux_layers=aux, rms_norm_eps=c.rms_norm_eps,
-                   rope_theta=c.rope_theta, max_position_embeddings=c.max_position_embeddings)
+        return cls(
+            hidden_size=c.hidden_size,
+            intermediate_size=intermediate_size or c.intermediate_size,
+            num_heads=c.num_heads,
+            num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            vocab_size=c.vocab_size,
+            draft_vocab=draft_vocab,
+            aux_layers=aux,
+            rms_norm_eps=c.rms_norm_eps,
+            rope_theta=c.rope_theta,
+            max_position_embeddings=c.max_position_embeddings,
+        )
 
     def layer_config(self) -> ModelConfig:
-        return ModelConfig(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-                           intermediate_size=self.intermediate_size, num_layers=1, num_heads=self.num_heads,
-                           num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps)
+        return ModelConfig(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_layers=1,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            rms_norm_eps=self.rms_norm_eps,
+        )
 
     def hf_config(self) -> dict:
         """config.json of a saved head (a one-layer Llama config plus the EAGLE-3 fields)."""
         aux = list(self.aux_layers)
         return {
-            "architectures": [VLLM_ARCHITECTURE], "model_type": "llama",
-            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": 1, "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim, "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
-            "max_position_embeddings": self.max_position_embeddings, "vocab_size": self.vocab_size,
-            "draft_vocab_size": self.draft_vocab, "target_hidden_size": self.hidden_size,
-            "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
+            "architectures": [VLLM_ARCHITECTURE],
+            "model_type": "llama",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": 1,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab,
+            "target_hidden_size": self.hidden_size,
+            "tie_word_embeddings": False,
+            "attention_bias": False,
+            "mlp_bias": False,
+            "torch_dtype": "float32",
             "eagle_aux_hidden_state_layer_ids": aux,
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux, "use_aux_hidden_state": True},
         }
@@ -150,17 +195,24 @@ class HeadConfig:
     @classmethod
     def from_hf(cls, raw: dict, where: str) -> HeadConfig:
         try:
-            return cls(hidden_size=int(raw["hidden_size"]), intermediate_size=int(raw["intermediate_size"]),
-                       num_heads=int(raw["num_attention_heads"]), num_kv_heads=int(raw["num_key_value_heads"]),
-                       head_dim=int(raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]),
-                       vocab_size=int(raw["vocab_size"]), draft_vocab=int(raw["draft_vocab_size"]),
-                       aux_layers=tuple(int(i) for i in raw["eagle_aux_hidden_state_layer_ids"]),
-                       rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                       rope_theta=float(raw.get("rope_theta", 10000.0)),
-                       max_position_embeddings=int(raw.get("max_position_embeddings", 2048)))
+            return cls(
+                hidden_size=int(raw["hidden_size"]),
+                intermediate_size=int(raw["intermediate_size"]),
+                num_heads=int(raw["num_attention_heads"]),
+                num_kv_heads=int(raw["num_key_value_heads"]),
+                head_dim=int(raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]),
+                vocab_size=int(raw["vocab_size"]),
+                draft_vocab=int(raw["draft_vocab_size"]),
+                aux_layers=tuple(int(i) for i in raw["eagle_aux_hidden_state_layer_ids"]),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(raw.get("rope_theta", 10000.0)),
+                max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            )
         except KeyError as e:
-            raise UserError(f"{where}: config.json has no field {e.args[0]!r}; it is not an EAGLE-3 head "
-                            "(write one with rlsched.executor.decode.eagle.save_head)") from None
+            raise UserError(
+                f"{where}: config.json has no field {e.args[0]!r}; it is not an EAGLE-3 head "
+                "(write one with rlsched.executor.decode.eagle.save_head)"
+            ) from None
         except (TypeError, ValueError) as e:
             raise UserError(f"{where}: config.json of an EAGLE-3 head is invalid ({e})") from None
 
@@ -186,16 +238,21 @@ class EagleHead(nn.Module):
         self.lm_head = nn.Linear(h, c.draft_vocab, bias=False)
         self.register_buffer("d2t", torch.zeros(c.draft_vocab, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
-        self.t2d[:c.draft_vocab] = True
+        self.t2d[: c.draft_vocab] = True
         self.attach(target)
 
     def attach(self, target: Transformer) -> None:
         """Read the embedding, rotary tables and aux states of `target` from now on."""
         c = target.config
-        if (c.hidden_size, c.vocab_size, c.head_dim) != (self.config.hidden_size, self.config.vocab_size,
-                                                         self.config.head_dim):
-            raise ValueError(f"the head (hidden {self.config.hidden_size}, vocab {self.config.vocab_size}) does "
-                             f"not fit a target of hidden {c.hidden_size}, vocab {c.vocab_size}")
+        if (c.hidden_size, c.vocab_size, c.head_dim) != (
+            self.config.hidden_size,
+            self.config.vocab_size,
+            self.config.head_dim,
+        ):
+            raise ValueError(
+                f"the head (hidden {self.config.hidden_size}, vocab {self.config.vocab_size}) does "
+                f"not fit a target of hidden {c.hidden_size}, vocab {c.vocab_size}"
+            )
         object.__setattr__(self, "target", target)  # a reference, not a submodule
 
     @property
@@ -206,10 +263,14 @@ class EagleHead(nn.Module):
     def set_vocab(self, token_ids) -> None:
         """Make `token_ids` (draft_vocab distinct target ids) the draft vocabulary, ascending."""
         ids = torch.as_tensor(sorted(int(i) for i in token_ids), dtype=torch.long)
-        if len(ids) != self.config.draft_vocab or len(set(ids.tolist())) != len(ids) or \
-                not 0 <= int(ids[0]) <= int(ids[-1]) < self.config.vocab_size:
-            raise ValueError(f"the draft vocabulary needs {self.config.draft_vocab} distinct ids in "
-                             f"[0, {self.config.vocab_size})")
+        if (
+            len(ids) != self.config.draft_vocab
+            or len(set(ids.tolist())) != len(ids)
+            or not 0 <= int(ids[0]) <= int(ids[-1]) < self.config.vocab_size
+        ):
+            raise ValueError(
+                f"the draft vocabulary needs {self.config.draft_vocab} distinct ids in [0, {self.config.vocab_size})"
+            )
         with torch.no_grad():
             self.d2t.copy_(ids - torch.arange(len(ids)))
             self.t2d.zero_()
@@ -224,8 +285,8 @@ class EagleHead(nn.Module):
         b, n, _ = x.shape
         qkv = self.qkv(x).view(b, n, c.num_heads + 2 * c.num_kv_heads, c.head_dim).transpose(1, 2)
         cos, sin = self.target.rope(positions, x.dtype)
-        qk = apply_rope(qkv[:, :c.num_heads + c.num_kv_heads], cos, sin)
-        return qk[:, :c.num_heads], qk[:, c.num_heads:], qkv[:, c.num_heads + c.num_kv_heads:]
+        qk = apply_rope(qkv[:, : c.num_heads + c.num_kv_heads], cos, sin)
+        return qk[:, : c.num_heads], qk[:, c.num_heads :], qkv[:, c.num_heads + c.num_kv_heads :]
 
     def _attend(self, q, ctx_k, ctx_v, own: list) -> torch.Tensor:
         """Attention of queries q (B, H, n, d) at the last n of the m context anchors: causal
@@ -233,7 +294,7 @@ class EagleHead(nn.Module):
         steps (`own`: (k, v) pairs of shape (B, KV, n, d), one per step, the query's own
         anchor only)."""
         c = self.config
-        g, scale = c.num_heads // c.num_kv_heads, c.head_dim ** -0.5
+        g, scale = c.num_heads // c.num_kv_heads, c.head_dim**-0.5
         b, _, n, _ = q.shape
         m = ctx_k.shape[2]
         scores = (q @ ctx_k.repeat_interleave(g, 1).transpose(-1, -2)) * scale  # (B, H, n, m)
@@ -243,7 +304,7 @@ class EagleHead(nn.Module):
         p = torch.softmax(torch.cat([scores, *extra], dim=-1), dim=-1)
         out = p[..., :m] @ ctx_v.repeat_interleave(g, 1)
         for i, (_, v) in enumerate(own):
-            out = out + p[..., m + i:m + i + 1] * v.repeat_interleave(g, 1)
+            out = out + p[..., m + i : m + i + 1] * v.repeat_interleave(g, 1)
         return self.o(out.transpose(1, 2).reshape(b, n, c.num_heads * c.head_dim))
 
     def layer(self, tokens, hidden, positions, ctx=None, own: list | None = None):
@@ -273,13 +334,14 @@ class EagleHead(nn.Module):
         positions = torch.arange(n, device=aux.device).expand(b, n)
         hidden, ctx, own, out = self.fc(aux), None, [], []
         for j in range(steps):
-            hidden, logits, kv = self.layer(tokens[:, j:j + n], hidden, positions + j, ctx, own)
+            hidden, logits, kv = self.layer(tokens[:, j : j + n], hidden, positions + j, ctx, own)
             ctx = kv if ctx is None else ctx
             out.append(logits)
         return out
 
 
 # --- the target's states --------------------------------------------------------------------
+
 
 def target_features(target: Transformer, ids: torch.Tensor, layers) -> tuple[torch.Tensor, torch.Tensor]:
     """The aux states (B, T, len(layers) * h) and logits (B, T, V, float32) of whole sequences
@@ -305,9 +367,19 @@ def target_features(target: Transformer, ids: torch.Tensor, layers) -> tuple[tor
 
 # --- training -------------------------------------------------------------------------------
 
-def ttt_loss(head: EagleHead, aux: torch.Tensor, target_logits: torch.Tensor, ids: torch.Tensor,
-             mask: torch.Tensor, *, ttt_steps: int = 3, weights: torch.Tensor | None = None,
-             temperature: float = 1.0, decay: float = 1.0) -> tuple[torch.Tensor, list[float]]:
+
+def ttt_loss(
+    head: EagleHead,
+    aux: torch.Tensor,
+    target_logits: torch.Tensor,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    ttt_steps: int = 3,
+    weights: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    decay: float = 1.0,
+) -> tuple[torch.Tensor, list[float]]:
     """The head's unrolled distillation loss on sequences `ids` (B, T) with the target's aux
     states and logits of them: the mean over chain steps of the mean KL(p || q) over the
     positions where `mask` (B, T-1, as the drafter's: position i's next token counts) is
@@ -325,18 +397,28 @@ def ttt_loss(head: EagleHead, aux: torch.Tensor, target_logits: torch.Tensor, id
         scored = n - 1 - j  # anchor t is scored against position t + 1 + j <= T - 2
         if scored <= 0:
             break
-        p = logp[:, 1 + j:n]
+        p = logp[:, 1 + j : n]
         kl = (p.exp() * (p - F.log_softmax(logits[:, :scored] / temperature, dim=-1))).sum(-1)
-        m = mask[:, 1 + j:].float()
+        m = mask[:, 1 + j :].float()
         denom = m.sum().clamp(min=1.0)
-        total = total + decay ** j * (kl * m * w[:, None]).sum() / denom
-        norm += decay ** j
+        total = total + decay**j * (kl * m * w[:, None]).sum() / denom
+        norm += decay**j
         kls.append(float((kl.detach() * m).sum() / denom))
     return total / max(norm, 1e-9), kls
 
 
-def train_head(target: Transformer, head: EagleHead, batches: Iterable, *, epochs: int = 1, lr: float = 3e-3,
-               ttt_steps: int = 3, decay: float = 1.0, seed: int = 0, log=None) -> dict:
+def train_head(
+    target: Transformer,
+    head: EagleHead,
+    batches: Iterable,
+    *,
+    epochs: int = 1,
+    lr: float = 3e-3,
+    ttt_steps: int = 3,
+    decay: float = 1.0,
+    seed: int = 0,
+    log=None,
+) -> dict:
     """`epochs` passes over `batches` ((ids, mask) pairs), in a fresh random order each pass,
     one AdamW step of `ttt_loss` per batch; the learning rate warms up and decays over all
     steps. The target's states and logits of every batch are computed once (kept for the
@@ -351,7 +433,7 @@ def train_head(target: Transformer, head: EagleHead, batches: Iterable, *, epoch
     features: dict[int, tuple] = {}
     losses, kls = [], []
     try:
-        for epoch in range(epochs):
+        for _ in range(epochs):
             for i in torch.randperm(len(batches), generator=order).tolist():
                 ids, mask = batches[i]
                 got = features.get(i)
@@ -375,9 +457,22 @@ def train_head(target: Transformer, head: EagleHead, batches: Iterable, *, epoch
     return dict(loss_first=float(np.mean(losses[:20])), loss_last=float(np.mean(losses[-20:])), kl_steps=kls)
 
 
-def distill_head(actor: Transformer, head: EagleHead, optimizer, buffer, *, steps: int, batch: int,
-                 weighting: str, weight_min: float, weight_max: float, temperature: float,
-                 generator: torch.Generator, pad_id: int, ttt_steps: int = 3) -> dict:
+def distill_head(
+    actor: Transformer,
+    head: EagleHead,
+    optimizer,
+    buffer,
+    *,
+    steps: int,
+    batch: int,
+    weighting: str,
+    weight_min: float,
+    weight_max: float,
+    temperature: float,
+    generator: torch.Generator,
+    pad_id: int,
+    ttt_steps: int = 3,
+) -> dict:
     """Keep the head fresh as the actor trains, with the model drafter's rule
     (`rl/distill.distill`): `steps` optimizer steps on minibatches of the replay buffer's
     samples, minimising w(r) x KL(p_actor || q_head) per response token (the unrolled
@@ -391,17 +486,40 @@ def distill_head(actor: Transformer, head: EagleHead, optimizer, buffer, *, step
     def loss_fn(ids, mask, weights):
         with torch.no_grad():
             aux, logits = target_features(actor, ids, head.config.aux_layers)
-        loss, step_kls = ttt_loss(head, aux, logits, ids, mask, ttt_steps=ttt_steps, weights=weights,
-                                  temperature=temperature)
+        loss, step_kls = ttt_loss(
+            head, aux, logits, ids, mask, ttt_steps=ttt_steps, weights=weights, temperature=temperature
+        )
         return loss, float(np.mean(step_kls)) if step_kls else float("nan")
 
-    return distill(actor, head, optimizer, buffer, steps=steps, batch=batch, weighting=weighting,
-                   weight_min=weight_min, weight_max=weight_max, temperature=temperature, generator=generator,
-                   pad_id=pad_id, loss_fn=loss_fn)
+    return distill(
+        actor,
+        head,
+        optimizer,
+        buffer,
+        steps=steps,
+        batch=batch,
+        weighting=weighting,
+        weight_min=weight_min,
+        weight_max=weight_max,
+        temperature=temperature,
+        generator=generator,
+        pad_id=pad_id,
+        loss_fn=loss_fn,
+    )
 
 
-def target_responses(target: Transformer, prompts: list[list[int]], *, max_new: int, sampling: SamplingParams,
-                     eos_id: int, pad_id: int, batch: int = 32, seed: int = 0, chunk: int = 512) -> list:
+def target_responses(
+    target: Transformer,
+    prompts: list[list[int]],
+    *,
+    max_new: int,
+    sampling: SamplingParams,
+    eos_id: int,
+    pad_id: int,
+    batch: int = 32,
+    seed: int = 0,
+    chunk: int = 512,
+) -> list:
     """Training batches of the target's own responses to `prompts`: what the head meets when it
     drafts is the target's text and the states the target reaches on it, which a corpus the
     target does not reproduce would not show (EAGLE's training data is regenerated by the
@@ -412,15 +530,15 @@ def target_responses(target: Transformer, prompts: list[list[int]], *, max_new: 
 
     texts = []
     for c in range(0, len(prompts), chunk):
-        part = prompts[c:c + chunk]
+        part = prompts[c : c + chunk]
         out, _, _ = generate(target, part, max_new, sampling, generator=torch.Generator().manual_seed(seed + c))
-        texts += [(p, o[:o.index(eos_id) + 1] if eos_id in o else o) for p, o in zip(part, out)]
+        texts += [(p, o[: o.index(eos_id) + 1] if eos_id in o else o) for p, o in zip(part, out)]
     texts.sort(key=lambda x: len(x[0]) + len(x[1]))
     from rlsched.executor.rl.algos import make_batch
 
     batches = []
     for i in range(0, len(texts), batch):
-        b = make_batch([p for p, _ in texts[i:i + batch]], [o for _, o in texts[i:i + batch]], None, pad_id)
+        b = make_batch([p for p, _ in texts[i : i + batch]], [o for _, o in texts[i : i + batch]], None, pad_id)
         batches.append((b.ids, b.mask))
     return batches
 
@@ -437,9 +555,16 @@ def frequent_tokens(batches: Iterable, size: int, vocab_size: int) -> list[int]:
 
 # --- drafting -------------------------------------------------------------------------------
 
+
 @torch.no_grad()
-def draft(head: EagleHead, aux: torch.Tensor, tokens: torch.Tensor, k: int,
-          sampling: SamplingParams = GREEDY, generator: torch.Generator | None = None):
+def draft(
+    head: EagleHead,
+    aux: torch.Tensor,
+    tokens: torch.Tensor,
+    k: int,
+    sampling: SamplingParams = GREEDY,
+    generator: torch.Generator | None = None,
+):
     """k chain drafts per row. aux (B, T, A*h): the target's aux states at a row's positions
     0..T-1 (`target_features`; T = 1 gives the head the last position only); tokens (B, T):
     the token after each of those positions, the last being the token the target chose
@@ -462,15 +587,20 @@ def draft(head: EagleHead, aux: torch.Tensor, tokens: torch.Tensor, k: int,
         out_tokens[:, j] = ids[d]
         out_probs[:, j, ids] = p
         if j + 1 < k:
-            hidden, logits, _ = head.layer(out_tokens[:, j:j + 1], hidden, positions[:, -1:] + j + 1, ctx, own)
+            hidden, logits, _ = head.layer(out_tokens[:, j : j + 1], hidden, positions[:, -1:] + j + 1, ctx, own)
             logits = logits[:, -1]
     return out_tokens, out_probs
 
 
-
 @torch.no_grad()
-def draft_tree(head: EagleHead, aux: torch.Tensor, tokens: torch.Tensor, tree,
-               sampling: SamplingParams = GREEDY, generator: torch.Generator | None = None):
+def draft_tree(
+    head: EagleHead,
+    aux: torch.Tensor,
+    tokens: torch.Tensor,
+    tree,
+    sampling: SamplingParams = GREEDY,
+    generator: torch.Generator | None = None,
+):
     """A draft tree (`tree_verify.DraftTree`, n nodes) per row, from the inputs `draft` takes.
     Each node's children are drawn without replacement from the head's distribution there
     (`tree_verify.draw_children`; greedy: its top tokens). The nodes of one depth go through
@@ -504,7 +634,7 @@ def draft_tree(head: EagleHead, aux: torch.Tensor, tokens: torch.Tensor, tree,
             own = []
             for e in range(1, d):  # each node's ancestor at depth e, as the chain's step e
                 elo, _ = tree.level(e)
-                at = [int(anc[i, elo:elo + level_kv[e][0].shape[1]].nonzero()[0]) for i in parents]
+                at = [int(anc[i, elo : elo + level_kv[e][0].shape[1]].nonzero()[0]) for i in parents]
                 own.append(tuple(kv[:, at].reshape(b * m, *kv.shape[2:]) for kv in level_kv[e]))
             pos = torch.full((b * m, 1), t - 1 + d, dtype=torch.long, device=dev)
             ctx = (ctx_k.repeat_interleave(m, 0), ctx_v.repeat_interleave(m, 0))
@@ -514,13 +644,15 @@ def draft_tree(head: EagleHead, aux: torch.Tensor, tokens: torch.Tensor, tree,
             logits = lg.view(b, m, -1)
         p = sampling.probs(logits)  # (B, P, D)
         if dists is not None:
-            dists[:, parents[0] + 1:parents[-1] + 2, ids] = p
+            dists[:, parents[0] + 1 : parents[-1] + 2, ids] = p
         for kids, x, ok in draw_level(tree, parents, logits, None if sampling.greedy else p, present, generator):
             out_tokens[:, kids] = ids[x]
             present[:, kids] = ok
     return out_tokens, dists, present
 
+
 # --- folders --------------------------------------------------------------------------------
+
 
 def vllm_weights(state: dict[str, torch.Tensor], config: HeadConfig) -> dict[str, torch.Tensor]:
     """A head's state_dict (an `EagleHead`'s names) under the names of EAGLE-3 checkpoints, the
@@ -530,14 +662,23 @@ def vllm_weights(state: dict[str, torch.Tensor], config: HeadConfig) -> dict[str
     wq, wk, wv = state["qkv.weight"].split([q, kv, kv], dim=0)
     gate, up = state["mlp.gate_up.weight"].chunk(2, dim=0)
     m = "midlayer."
-    out = {"fc.weight": state["fc.weight"], m + "input_layernorm.weight": state["embed_norm.weight"],
-           m + "hidden_norm.weight": state["hidden_norm.weight"], m + "self_attn.q_proj.weight": wq,
-           m + "self_attn.k_proj.weight": wk, m + "self_attn.v_proj.weight": wv,
-           m + "self_attn.o_proj.weight": state["o.weight"],
-           m + "post_attention_layernorm.weight": state["mlp_norm.weight"],
-           m + "mlp.gate_proj.weight": gate, m + "mlp.up_proj.weight": up,
-           m + "mlp.down_proj.weight": state["mlp.down.weight"], "norm.weight": state["norm.weight"],
-           "lm_head.weight": state["lm_head.weight"], "d2t": state["d2t"], "t2d": state["t2d"]}
+    out = {
+        "fc.weight": state["fc.weight"],
+        m + "input_layernorm.weight": state["embed_norm.weight"],
+        m + "hidden_norm.weight": state["hidden_norm.weight"],
+        m + "self_attn.q_proj.weight": wq,
+        m + "self_attn.k_proj.weight": wk,
+        m + "self_attn.v_proj.weight": wv,
+        m + "self_attn.o_proj.weight": state["o.weight"],
+        m + "post_attention_layernorm.weight": state["mlp_norm.weight"],
+        m + "mlp.gate_proj.weight": gate,
+        m + "mlp.up_proj.weight": up,
+        m + "mlp.down_proj.weight": state["mlp.down.weight"],
+        "norm.weight": state["norm.weight"],
+        "lm_head.weight": state["lm_head.weight"],
+        "d2t": state["d2t"],
+        "t2d": state["t2d"],
+    }
     return {name: t.detach().to("cpu").contiguous() for name, t in out.items()}
 
 
@@ -569,8 +710,9 @@ def save_head(head: EagleHead, folder, *, extra_files: dict[str, str] | None = N
 
     folder = Path(folder)
     with atomic_folder(folder) as tmp:
-        save_file(vllm_weights(head.state_dict(), head.config), str(tmp / "model.safetensors"),
-                  metadata={"format": "pt"})
+        save_file(
+            vllm_weights(head.state_dict(), head.config), str(tmp / "model.safetensors"), metadata={"format": "pt"}
+        )
         (tmp / "config.json").write_text(json.dumps(head.config.hf_config(), indent=2) + "\n")
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
@@ -598,25 +740,33 @@ def load_head(folder, target: Transformer) -> EagleHead:
     except ValueError as e:
         raise UserError(f"EAGLE-3 head folder {folder}: {e}") from None
     m = "midlayer."
-    mine = {"fc.weight": state["fc.weight"], "embed_norm.weight": state[m + "input_layernorm.weight"],
-            "hidden_norm.weight": state[m + "hidden_norm.weight"],
-            "qkv.weight": torch.cat([state[m + f"self_attn.{p}_proj.weight"] for p in "qkv"]),
-            "o.weight": state[m + "self_attn.o_proj.weight"],
-            "mlp_norm.weight": state[m + "post_attention_layernorm.weight"],
-            "mlp.gate_up.weight": torch.cat([state[m + "mlp.gate_proj.weight"], state[m + "mlp.up_proj.weight"]]),
-            "mlp.down.weight": state[m + "mlp.down_proj.weight"], "norm.weight": state["norm.weight"],
-            "lm_head.weight": state["lm_head.weight"], "d2t": state["d2t"].long(), "t2d": state["t2d"].bool()}
+    mine = {
+        "fc.weight": state["fc.weight"],
+        "embed_norm.weight": state[m + "input_layernorm.weight"],
+        "hidden_norm.weight": state[m + "hidden_norm.weight"],
+        "qkv.weight": torch.cat([state[m + f"self_attn.{p}_proj.weight"] for p in "qkv"]),
+        "o.weight": state[m + "self_attn.o_proj.weight"],
+        "mlp_norm.weight": state[m + "post_attention_layernorm.weight"],
+        "mlp.gate_up.weight": torch.cat([state[m + "mlp.gate_proj.weight"], state[m + "mlp.up_proj.weight"]]),
+        "mlp.down.weight": state[m + "mlp.down_proj.weight"],
+        "norm.weight": state["norm.weight"],
+        "lm_head.weight": state["lm_head.weight"],
+        "d2t": state["d2t"].long(),
+        "t2d": state["t2d"].bool(),
+    }
     dtype = target.embed.weight.dtype
     try:
         head.load_state_dict({n: t if n in ("d2t", "t2d") else t.to(dtype) for n, t in mine.items()}, strict=True)
     except RuntimeError as e:
-        raise UserError(f"EAGLE-3 head folder {folder}: weights do not match its config.json "
-                        f"({str(e).splitlines()[-1].strip()})") from None
+        raise UserError(
+            f"EAGLE-3 head folder {folder}: weights do not match its config.json ({str(e).splitlines()[-1].strip()})"
+        ) from None
     head.to(target.embed.weight.device, dtype).eval().requires_grad_(False)  # (floating tensors only)
     return head
 
 
 # --- the built-in pair's head ---------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class HeadRecipe:
@@ -655,8 +805,10 @@ def builtin_head(recipe: HeadRecipe = HeadRecipe(), *, log=None) -> BuiltinHead:
     pair = builtin_pair()
     target_id = f"{pair.info['key']}-{pair.info.get('weights_dtype', 'float32')}"
     key = recipe.key(target_id)
-    folder = cached_build(f"eagle-{key}", lambda folder: _build_head(recipe, pair.target, key, target_id, folder,
-                                                                     log or (lambda msg: None)))
+    folder = cached_build(
+        f"eagle-{key}",
+        lambda folder: _build_head(recipe, pair.target, key, target_id, folder, log or (lambda msg: None)),
+    )
     return BuiltinHead(folder, pair.target, json.loads((folder / "build.json").read_text()))
 
 
@@ -669,19 +821,43 @@ def _build_head(recipe: HeadRecipe, target_dir: Path, key: str, target_id: str, 
     log(f"training the built-in target's EAGLE-3 head {key} in {folder.parent} (once; a minute or two)")
     target = load_model(target_dir).model
     prompts = [encode(e.prompt) for e in make_examples(recipe.prompts, recipe.seed)]
-    batches = target_responses(target, prompts, max_new=recipe.max_new, eos_id=EOS, pad_id=PAD, seed=recipe.seed,
-                               sampling=SamplingParams(temperature=recipe.temperature))
+    batches = target_responses(
+        target,
+        prompts,
+        max_new=recipe.max_new,
+        eos_id=EOS,
+        pad_id=PAD,
+        seed=recipe.seed,
+        sampling=SamplingParams(temperature=recipe.temperature),
+    )
     data_s = time.perf_counter() - start
     torch.manual_seed(recipe.seed)
     head = EagleHead(HeadConfig.for_target(target.config, draft_vocab=recipe.draft_vocab), target)
     head.set_vocab(frequent_tokens(batches, recipe.draft_vocab, target.config.vocab_size))
     init_head(head)
-    stats = train_head(target, head, batches, epochs=recipe.epochs, lr=recipe.lr, ttt_steps=recipe.ttt_steps,
-                       decay=recipe.decay, seed=recipe.seed, log=log)
-    info = {"recipe": asdict(recipe), "key": key, "target": target_id, **stats,
-            "head_params": sum(p.numel() for p in head.parameters()), "data_seconds": data_s,
-            "seconds": time.perf_counter() - start, "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "built": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    stats = train_head(
+        target,
+        head,
+        batches,
+        epochs=recipe.epochs,
+        lr=recipe.lr,
+        ttt_steps=recipe.ttt_steps,
+        decay=recipe.decay,
+        seed=recipe.seed,
+        log=log,
+    )
+    info = {
+        "recipe": asdict(recipe),
+        "key": key,
+        "target": target_id,
+        **stats,
+        "head_params": sum(p.numel() for p in head.parameters()),
+        "data_seconds": data_s,
+        "seconds": time.perf_counter() - start,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "built": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
     save_head(head, folder, extra_files={"build.json": json.dumps(info, indent=2) + "\n"})
     log(f"built in {info['seconds']:.0f} s: loss {stats['loss_first']:.3f} -> {stats['loss_last']:.3f}")
 

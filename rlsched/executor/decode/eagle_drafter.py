@@ -22,8 +22,7 @@ from rlsched.executor.decode.speculative import Seq
 class EagleDrafter:
     name = "eagle"
 
-    def __init__(self, head: EagleHead, target, sampling, generator: torch.Generator | None = None,
-                 window: int = 8):
+    def __init__(self, head: EagleHead, target, sampling, generator: torch.Generator | None = None, window: int = 8):
         self.head, self.target, self.sampling, self.generator, self.window = head, target, sampling, generator, window
         target.capture = tuple(head.config.aux_layers)
         self._rows: dict[int, tuple[Seq, torch.Tensor, int]] = {}  # slot -> (seq, last states, positions covered)
@@ -52,7 +51,7 @@ class EagleDrafter:
             if entry is None or entry[0] is not seq or entry[2] != covered:
                 self._rows.pop(seq.slot, None)  # computed afresh when it drafts next
                 continue
-            new = torch.cat([entry[1], states[b, keep]])[-self.window:]
+            new = torch.cat([entry[1], states[b, keep]])[-self.window :]
             self._rows[seq.slot] = (seq, new, covered + len(keep))
 
     def remember(self, tokens: list[int], states: torch.Tensor) -> None:
@@ -60,7 +59,7 @@ class EagleDrafter:
         rows that start from it (a prompt's samples)."""
         if len(self._prompts) > 1024:
             self._prompts.clear()
-        self._prompts[tuple(tokens)] = states[-self.window:]
+        self._prompts[tuple(tokens)] = states[-self.window :]
 
     @torch.inference_mode()
     def prepare(self, rows: list[Seq]) -> None:
@@ -79,9 +78,11 @@ class EagleDrafter:
         key = tuple(seq.tokens[:n])
         states = self._prompts.get(key)
         if states is None:
-            states, _ = target_features(self.target, torch.tensor([seq.tokens[:n]],
-                                                                  device=self.target.embed.weight.device),
-                                        self.head.config.aux_layers)
+            states, _ = target_features(
+                self.target,
+                torch.tensor([seq.tokens[:n]], device=self.target.embed.weight.device),
+                self.head.config.aux_layers,
+            )
             self.remember(seq.tokens[:n], states[0])
             states = self._prompts[key]
         self._rows[seq.slot] = (seq, states, n)
@@ -97,7 +98,7 @@ class EagleDrafter:
             groups.setdefault(st.shape[0], []).append(i)
         for t, idx in groups.items():
             aux = torch.stack([states[i] for i in idx])
-            nxt = torch.tensor([rows[i].tokens[len(rows[i].tokens) - t:] for i in idx], device=dev)
+            nxt = torch.tensor([rows[i].tokens[len(rows[i].tokens) - t :] for i in idx], device=dev)
             yield idx, aux, nxt
 
     @torch.inference_mode()

@@ -39,8 +39,7 @@ class SamplingParams:
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0,
-          top_p: float = 1.0) -> torch.Tensor:
+def probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """The sampling distribution (float32, same shape) over the last dimension of `logits`.
 
     top-k keeps the k largest logits (ties at the k-th value are all kept); top-p keeps the

@@ -17,13 +17,13 @@ newly emitted last token is fed by the next step. A plain decode step is the sam
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Hashable
 
 import torch
 
-from rlsched.executor.model.kvcache import KVCache
 from rlsched.executor.decode.sampling import SamplingParams, sample
+from rlsched.executor.model.kvcache import KVCache
 
 PAD = -1  # emitted-token padding
 
@@ -62,9 +62,15 @@ def _k_per_row(k_per_row, b: int, k: int, device) -> torch.Tensor:
     return kr
 
 
-def verify(target_probs: torch.Tensor, draft_tokens: torch.Tensor,
-           draft_probs: torch.Tensor | None = None, k_per_row=None,
-           generator: torch.Generator | None = None, *, greedy: bool = False) -> VerifyResult:
+def verify(
+    target_probs: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+    k_per_row=None,
+    generator: torch.Generator | None = None,
+    *,
+    greedy: bool = False,
+) -> VerifyResult:
     """Accept or reject the drafts of every row at once.
 
     target_probs (B, K+1, V): p at each verified position (after `sampling.probs`);
@@ -77,8 +83,14 @@ def verify(target_probs: torch.Tensor, draft_tokens: torch.Tensor,
     return _verify(target_probs, draft_tokens, draft_probs, kr, generator, greedy)
 
 
-def _verify(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
-            kr: torch.Tensor, generator: torch.Generator | None, greedy: bool) -> VerifyResult:
+def _verify(
+    target_probs: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    kr: torch.Tensor,
+    generator: torch.Generator | None,
+    greedy: bool,
+) -> VerifyResult:
     """`verify` with k per row already checked (`_k_per_row`): `step` checks it once."""
     b, k1, v = target_probs.shape
     k = k1 - 1
@@ -97,8 +109,11 @@ def _verify(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs:
         ok = (drafts == best[:, :k]) & valid
     else:
         p_x = target_probs[:, :k].gather(-1, drafts[..., None])[..., 0]
-        q_x = (torch.ones_like(p_x) if draft_probs is None
-               else draft_probs.to(dev).float().gather(-1, drafts[..., None])[..., 0])
+        q_x = (
+            torch.ones_like(p_x)
+            if draft_probs is None
+            else draft_probs.to(dev).float().gather(-1, drafts[..., None])[..., 0]
+        )
         u = torch.rand((b, k), generator=generator, device=dev)
         ok = (u * q_x < p_x) & valid  # u < p/q without dividing; u < 1 so p >= q always accepts
     accepted = ok.cumprod(-1).sum(-1)  # drafts before the first rejection (int64)
@@ -135,8 +150,9 @@ def _verify(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs:
 
 
 @torch.no_grad()
-def prefill(model, cache: KVCache, slots, prompts: list[list[int]], max_tokens: int | None = -1,
-            states: dict | None = None) -> torch.Tensor:
+def prefill(
+    model, cache: KVCache, slots, prompts: list[list[int]], max_tokens: int | None = -1, states: dict | None = None
+) -> torch.Tensor:
     """Cache every prompt but its last token (ragged) in rows `slots`; returns the last
     tokens (B,), which the first step feeds. Prompts go in forwards of similar lengths
     (`length_groups`) of at most `max_tokens` padded tokens each (default
@@ -154,7 +170,7 @@ def prefill(model, cache: KVCache, slots, prompts: list[list[int]], max_tokens: 
         if q == 0:
             continue
         per = len(group) if max_tokens is None else max(1, max_tokens // q)
-        for chunk in (group[j:j + per] for j in range(0, len(group), per)):
+        for chunk in (group[j : j + per] for j in range(0, len(group), per)):
             n = [len(prompts[i]) - 1 for i in chunk]
             ids = torch.tensor([prompts[i][:-1] + [0] * (q - n_i) for i, n_i in zip(chunk, n)], device=dev)
             rows = slots if len(chunk) == len(prompts) else slots[torch.tensor(chunk, device=dev)]
@@ -205,9 +221,17 @@ def length_groups(lengths: list[int], waste: float = 0.25, overhead: int = 64) -
 
 
 @torch.no_grad()
-def step(model, cache: KVCache, slots, last: torch.Tensor, sampling: SamplingParams,
-         draft_tokens: torch.Tensor | None = None, draft_probs: torch.Tensor | None = None,
-         k_per_row=None, generator: torch.Generator | None = None) -> VerifyResult:
+def step(
+    model,
+    cache: KVCache,
+    slots,
+    last: torch.Tensor,
+    sampling: SamplingParams,
+    draft_tokens: torch.Tensor | None = None,
+    draft_probs: torch.Tensor | None = None,
+    k_per_row=None,
+    generator: torch.Generator | None = None,
+) -> VerifyResult:
     """One engine step: ONE target forward over [last, drafts] per row (n_new = k_b + 1),
     verification, and the cache trimmed to last + accepted drafts. Without drafts (or K = 0)
     it is a plain decode step. Every row needs K + 1 free cache positions (padding of rows
@@ -237,9 +261,18 @@ def step(model, cache: KVCache, slots, last: torch.Tensor, sampling: SamplingPar
 
 
 @torch.no_grad()
-def tree_step(model, cache: KVCache, slots, last: torch.Tensor, sampling: SamplingParams, tree,
-              tokens: torch.Tensor, draft_probs: torch.Tensor | None, present: torch.Tensor,
-              generator: torch.Generator | None = None):
+def tree_step(
+    model,
+    cache: KVCache,
+    slots,
+    last: torch.Tensor,
+    sampling: SamplingParams,
+    tree,
+    tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    present: torch.Tensor,
+    generator: torch.Generator | None = None,
+):
     """One engine step over a draft tree (`tree_verify.DraftTree`, n nodes): ONE target forward
     over [last, node tokens] per row with the tree's attention mask, `tree_verify`, and the
     cache left holding last + the accepted path (`KVCache.keep_path`), as `step` leaves it for
@@ -259,16 +292,26 @@ def tree_step(model, cache: KVCache, slots, last: torch.Tensor, sampling: Sampli
     return out
 
 
-def decode_step(model, cache: KVCache, slots, last: torch.Tensor, sampling: SamplingParams,
-                generator: torch.Generator | None = None) -> VerifyResult:
+def decode_step(
+    model, cache: KVCache, slots, last: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None = None
+) -> VerifyResult:
     """Plain decoding: one token per row, through the same path (k = 0)."""
     return step(model, cache, slots, last, sampling, generator=generator)
 
 
 @torch.inference_mode()
-def generate(model, prompts: list[list[int]], max_new: int, sampling: SamplingParams, *,
-             drafter=None, k: int = 0, k_per_row=None, prompt_ids=None,
-             generator: torch.Generator | None = None) -> tuple[list[list[int]], list[list[float]], dict]:
+def generate(
+    model,
+    prompts: list[list[int]],
+    max_new: int,
+    sampling: SamplingParams,
+    *,
+    drafter=None,
+    k: int = 0,
+    k_per_row=None,
+    prompt_ids=None,
+    generator: torch.Generator | None = None,
+) -> tuple[list[list[int]], list[list[float]], dict]:
     """Batched rollouts (all rows at once, rows stop at max_new tokens): plain decoding when
     `drafter` is None or k = 0, else speculative steps with `drafter.propose`. Returns the
     generated tokens and their target log-probs per row, and counts (steps, drafted,

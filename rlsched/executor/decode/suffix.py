@@ -17,7 +17,7 @@ drafting costs k x depth lookups however many rollouts a prompt has.
 from __future__ import annotations
 
 from collections import deque
-from typing import Hashable
+from collections.abc import Hashable
 
 import torch
 
@@ -37,7 +37,7 @@ class SuffixCounts:
         for i in range(max(start, 1), len(tokens)):
             nxt = tokens[i]
             for n in range(1, min(self.depth, i) + 1):
-                key = tuple(tokens[i - n:i])
+                key = tuple(tokens[i - n : i])
                 c = self.counts.get(key)
                 if c is None:
                     c = self.counts[key] = {}
@@ -76,7 +76,7 @@ class NgramIndex:
     def _grams(self, tokens: list[int]):
         for i in range(len(tokens) - 1):  # an occurrence needs a token after it
             for n in range(self.min_n, min(self.max_n, len(tokens) - 1 - i) + 1):
-                yield tuple(tokens[i:i + n]), i
+                yield tuple(tokens[i : i + n]), i
 
     def add(self, tokens: list[int]) -> None:
         serial = self.first + len(self.rollouts)
@@ -97,7 +97,7 @@ class NgramIndex:
         if not at:
             return []
         serial, i = at[-1]
-        return self.rollouts[serial - self.first][i + len(pattern):i + len(pattern) + k]
+        return self.rollouts[serial - self.first][i + len(pattern) : i + len(pattern) + k]
 
 
 class HostDrafter:
@@ -136,7 +136,7 @@ class HostDrafter:
         for r, seq in enumerate(rows):
             d = self.draft_one(seq, k) if k > 0 else []
             if d:
-                tokens[r, :len(d)] = torch.tensor(d)
+                tokens[r, : len(d)] = torch.tensor(d)
                 kr[r] = len(d)
         return tokens, None, kr
 

@@ -26,9 +26,9 @@ from functools import lru_cache
 
 import torch
 
-from rlsched.executor.model.transformer import TreeMask
 from rlsched.executor.decode.sampling import sample
 from rlsched.executor.decode.speculative import PAD, VerifyResult
+from rlsched.executor.model.transformer import TreeMask
 from rlsched.policies.tree import TreeShape, tree_shape
 
 
@@ -126,17 +126,20 @@ class DraftTree:
     def child_table(self, device) -> torch.Tensor:
         """(n + 1, width) long: row j + 1 lists node j's children (row 0 the root's) in rank
         order, -1 after."""
+
         def make():
             t = torch.full((self.n + 1, self.width), -1, dtype=torch.long)
             for j in range(-1, self.n):
                 kids = self.children(j)
-                t[j + 1, :len(kids)] = torch.tensor(kids, dtype=torch.long)
+                t[j + 1, : len(kids)] = torch.tensor(kids, dtype=torch.long)
             return t.to(device)
+
         return self._on("child_table", device, make)
 
     def target_mask(self, device) -> TreeMask:
         """The tree attention of a verify forward over [root, nodes...]: the root sees itself,
         node i the root and its ancestors; rope offsets are depths (the root's 0)."""
+
         def make():
             q = self.n + 1
             visible = torch.zeros((q, q), dtype=torch.bool)
@@ -144,16 +147,19 @@ class DraftTree:
             visible[1:, 1:] = self.ancestors()
             rel = torch.tensor((0,) + self.depth, dtype=torch.long)
             return TreeMask(visible.to(device), rel.to(device))
+
         return self._on("target_mask", device, make)
 
     def level_mask(self, d: int, device) -> TreeMask:
         """The tree attention of a drafter forward over the nodes of depth d, written after the
         nodes of depths < d, which follow the row's context (whose last token is the root)."""
+
         def make():
             lo, hi = self.level(d)
             visible = self.ancestors()[lo:hi, :hi]
             rel = torch.tensor(self.depth[lo:hi], dtype=torch.long) - 1
             return TreeMask(visible.to(device), rel.to(device))
+
         return self._on(f"level_mask{d}", device, make)
 
 
@@ -163,16 +169,20 @@ def tree_of(k: int, width: int, nodes: int, a_ref: float, gain: float) -> DraftT
     return DraftTree.from_shape(tree_shape(k, width, nodes, a_ref, gain))
 
 
-def draw_children(q: torch.Tensor, m: int, generator: torch.Generator | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def draw_children(
+    q: torch.Tensor, m: int, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """m draws without replacement, in order, from each row of q (B, V) (not necessarily
     normalised): tokens (B, m) long and present (B, m) bool, False where a row's q has fewer
     than m tokens of non-zero mass. The order of q_i / E_i (E_i ~ Exp(1) i.i.d.) is the
     order of successive draws that each renormalise q without the tokens already drawn (the
     exponential race of `sampling.sample`, continued)."""
     b, v = q.shape
-    e = torch.empty_like(q, dtype=torch.float32).exponential_(generator=generator).clamp_min_(
-        torch.finfo(torch.float32).tiny)
+    e = (
+        torch.empty_like(q, dtype=torch.float32)
+        .exponential_(generator=generator)
+        .clamp_min_(torch.finfo(torch.float32).tiny)
+    )
     keys, tokens = (q.float() / e).topk(min(m, v), dim=-1)
     present = keys > 0
     if m > v:
@@ -181,8 +191,14 @@ def draw_children(q: torch.Tensor, m: int, generator: torch.Generator | None = N
     return tokens, present
 
 
-def draw_level(tree: DraftTree, parents: list[int], logits: torch.Tensor, probs: torch.Tensor | None,
-               present: torch.Tensor, generator: torch.Generator | None = None):
+def draw_level(
+    tree: DraftTree,
+    parents: list[int],
+    logits: torch.Tensor,
+    probs: torch.Tensor | None,
+    present: torch.Tensor,
+    generator: torch.Generator | None = None,
+):
     """The children of one level's nodes `parents` (node ids; [-1]: the root) in every row,
     from the drafter's logits (B, P, V) there: drawn without replacement from `probs` (B, P, V)
     (`draw_children`), or its top tokens when `probs` is None (greedy); a child of an absent
@@ -224,9 +240,15 @@ def _reject(p: torch.Tensor, q: torch.Tensor | None, x: torch.Tensor) -> tuple[t
     return res, q.scatter(-1, x, 0.0)
 
 
-def tree_verify(tree: DraftTree, target_probs: torch.Tensor, tokens: torch.Tensor,
-                draft_probs: torch.Tensor | None, present: torch.Tensor,
-                generator: torch.Generator | None = None, greedy: bool = False) -> TreeVerifyResult:
+def tree_verify(
+    tree: DraftTree,
+    target_probs: torch.Tensor,
+    tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    present: torch.Tensor,
+    generator: torch.Generator | None = None,
+    greedy: bool = False,
+) -> TreeVerifyResult:
     """Walk every row down its draft tree at once (rule: module docstring).
 
     target_probs (B, n + 1, V): p after `sampling.probs` at the root (index 0) and at each

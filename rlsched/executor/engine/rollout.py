@@ -123,8 +123,10 @@ def check_requests(requests: list[Request], cache_capacity: int) -> None:
         if r.max_new_tokens < 1:
             raise UserError(f"sample {r.sample_id}: max_new_tokens must be >= 1 (got {r.max_new_tokens})")
         if reserve(r) > cache_capacity:
-            raise UserError(f"sample {r.sample_id}: prompt + max_new_tokens ({reserve(r)} tokens) exceed "
-                            f"the KV cache capacity ({cache_capacity}); raise cache_capacity or lower max_new_tokens")
+            raise UserError(
+                f"sample {r.sample_id}: prompt + max_new_tokens ({reserve(r)} tokens) exceed "
+                f"the KV cache capacity ({cache_capacity}); raise cache_capacity or lower max_new_tokens"
+            )
 
 
 def build_policy(spec, drafters: tuple[str, ...], cost=None, words: Words = GENERATE, **ctx_kwargs):
@@ -133,8 +135,10 @@ def build_policy(spec, drafters: tuple[str, ...], cost=None, words: Words = GENE
     so priced policies calibrate to them."""
     p = parse_policy(spec)
     if cost is None and p.priced:
-        raise UserError(f"policy '{p.text}' needs a cost model; pass one (a fitted or analytic CostModel) "
-                        "or choose a policy without one: off, static:K, bandit, table:FILE")
+        raise UserError(
+            f"policy '{p.text}' needs a cost model; pass one (a fitted or analytic CostModel) "
+            "or choose a policy without one: off, static:K, bandit, table:FILE"
+        )
     ctx_kwargs.setdefault("calibrate", True)
     return make_draft_policy(p, PolicyContext(cost=cost, drafters=drafters, **ctx_kwargs), words)
 
@@ -154,14 +158,31 @@ class RolloutEngine:
     after which a policy that prices acceptance gets one probing step (`policies/probe.py`;
     None: never)."""
 
-    def __init__(self, model, drafter, cache_capacity: int, max_batch: int, sampling: SamplingParams,
-                 policy, estimator: AcceptanceEstimator | None = None, trace_dir: Path | None = None, *,
-                 cost=None, k_max: int = 8, instance: int = 0, rl_step: int = 0,
-                 generator: torch.Generator | None = None, ngram_history: bool = True, trace_tag: str = "",
-                 share_prompts: bool = True, probe_every: int | None = PROBE_EVERY):
+    def __init__(
+        self,
+        model,
+        drafter,
+        cache_capacity: int,
+        max_batch: int,
+        sampling: SamplingParams,
+        policy,
+        estimator: AcceptanceEstimator | None = None,
+        trace_dir: Path | None = None,
+        *,
+        cost=None,
+        k_max: int = 8,
+        instance: int = 0,
+        rl_step: int = 0,
+        generator: torch.Generator | None = None,
+        ngram_history: bool = True,
+        trace_tag: str = "",
+        share_prompts: bool = True,
+        probe_every: int | None = PROBE_EVERY,
+    ):
         if max_batch < 1 or cache_capacity < 1:
-            raise UserError(f"the engine needs max_batch >= 1 and cache_capacity >= 1 "
-                            f"(got {max_batch}, {cache_capacity})")
+            raise UserError(
+                f"the engine needs max_batch >= 1 and cache_capacity >= 1 (got {max_batch}, {cache_capacity})"
+            )
         self.model, self.sampling, self.generator = model, sampling, generator
         self.drafters = {d.name: d for d in self._as_list(drafter) if d.name != "off"}
         names = tuple(self.drafters)
@@ -214,8 +235,9 @@ class RolloutEngine:
         no work is left, filling the returned list (request order), then `result`."""
         check_requests(requests, self.cache_capacity)
         prompt_index: dict = {}
-        prompt_of = np.array([prompt_index.setdefault(r.prompt_id, len(prompt_index)) for r in requests],
-                             dtype=np.int64)
+        prompt_of = np.array(
+            [prompt_index.setdefault(r.prompt_id, len(prompt_index)) for r in requests], dtype=np.int64
+        )
         self.begin(prompt_of, max((reserve(r) for r in requests), default=1))
         self.submit(list(enumerate(requests)))
         return [None] * len(requests)
@@ -240,8 +262,17 @@ class RolloutEngine:
         self._running: dict[int, _Row] = {}  # cache slot -> row
         self._ids = np.zeros(0, dtype=np.int64)
         self.step_index = 0  # steps count per rollout, as in the simulator
-        self._totals = dict(steps=0, drafted=0, accepted=0, rejected=0, sd_emitted=0, sd_rows=0, kv_peak_tokens=0,
-                            max_running=0, draft_s=0.0)
+        self._totals = dict(
+            steps=0,
+            drafted=0,
+            accepted=0,
+            rejected=0,
+            sd_emitted=0,
+            sd_rows=0,
+            kv_peak_tokens=0,
+            max_running=0,
+            draft_s=0.0,
+        )
         self._t0 = time.perf_counter()
 
     def submit(self, items: list[tuple[int, Request]]) -> None:
@@ -302,12 +333,15 @@ class RolloutEngine:
     def view(self) -> dict:
         """What a reallocation policy sees of this instance (InstanceView's fields)."""
         rows = list(self._running.values())
-        return dict(running_ids=np.array([r.index for r in rows], dtype=np.int64),
-                    running_ctx=np.array([len(r.seq.tokens) for r in rows], dtype=np.int64),
-                    waiting_ids=[r.index for r in self._queue],
-                    kv_free_tokens=self.cache_capacity - self._kv_reserved(self._running)
-                    - sum(reserve(r.req) for r in self._queue),
-                    max_batch=self.max_batch)
+        return dict(
+            running_ids=np.array([r.index for r in rows], dtype=np.int64),
+            running_ctx=np.array([len(r.seq.tokens) for r in rows], dtype=np.int64),
+            waiting_ids=[r.index for r in self._queue],
+            kv_free_tokens=self.cache_capacity
+            - self._kv_reserved(self._running)
+            - sum(reserve(r.req) for r in self._queue),
+            max_batch=self.max_batch,
+        )
 
     # --- migration: rows leave with their tokens (and KV), and join elsewhere -------------------
 
@@ -341,10 +375,21 @@ class RolloutEngine:
 
     def _moved(self, row: _Row, kv) -> dict:
         counts = {d: self.estimator.take_sample_counts(d, row.index) for d in self.estimator.drafters}
-        return dict(req=row.req, index=row.index, seq_tokens=list(row.seq.tokens), last=row.last,
-                    tokens=row.tokens, logprobs=row.logprobs, steps=row.steps, drafted=row.drafted,
-                    accepted=row.accepted, rejected=row.rejected, migrations=row.migrations + 1,
-                    counts=counts, kv=kv)
+        return dict(
+            req=row.req,
+            index=row.index,
+            seq_tokens=list(row.seq.tokens),
+            last=row.last,
+            tokens=row.tokens,
+            logprobs=row.logprobs,
+            steps=row.steps,
+            drafted=row.drafted,
+            accepted=row.accepted,
+            rejected=row.rejected,
+            migrations=row.migrations + 1,
+            counts=counts,
+            kv=kv,
+        )
 
     def import_rows(self, moved: list[dict]) -> None:
         """Rows from another instance: with KV they run at once in a free slot (their cache
@@ -354,9 +399,19 @@ class RolloutEngine:
 
     def _import_rows(self, moved: list[dict]) -> None:
         for m in moved:
-            row = _Row(m["req"], m["index"], Seq(list(m["seq_tokens"]), -1, m["req"].prompt_id), m["last"],
-                       list(m["tokens"]), list(m["logprobs"]), m["steps"], m["drafted"], m["accepted"],
-                       m["rejected"], migrations=m["migrations"])
+            row = _Row(
+                m["req"],
+                m["index"],
+                Seq(list(m["seq_tokens"]), -1, m["req"].prompt_id),
+                m["last"],
+                list(m["tokens"]),
+                list(m["logprobs"]),
+                m["steps"],
+                m["drafted"],
+                m["accepted"],
+                m["rejected"],
+                migrations=m["migrations"],
+            )
             for d, (succ, fail) in m["counts"].items():
                 if d in self.estimator.drafters:
                     self.estimator.add_sample_counts(d, row.index, succ, fail)
@@ -383,9 +438,11 @@ class RolloutEngine:
         for name, d in self.drafters.items():
             c = getattr(d, "cache", None)  # a model drafter's own cache must hold as much
             if c is not None and (c.max_batch < self.max_batch or c.max_len < need):
-                raise UserError(f"drafter '{name}': its KV cache ({c.max_batch} rows x {c.max_len}) is smaller than "
-                                f"the engine needs ({self.max_batch} rows x {need}); build it with max_batch >= "
-                                f"{self.max_batch} and max_len >= {need}")
+                raise UserError(
+                    f"drafter '{name}': its KV cache ({c.max_batch} rows x {c.max_len}) is smaller than "
+                    f"the engine needs ({self.max_batch} rows x {need}); build it with max_batch >= "
+                    f"{self.max_batch} and max_len >= {need}"
+                )
 
     def _kv_reserved(self, running: dict[int, _Row]) -> int:
         return sum(reserve(r.req) for r in running.values())
@@ -411,8 +468,9 @@ class RolloutEngine:
         computed, copies = self._plan_prefill(joining)
         if computed:
             states = {} if self._observers else None
-            prefill(self.model, self._cache, [r.seq.slot for r in computed], [r.seq.tokens for r in computed],
-                    states=states)
+            prefill(
+                self.model, self._cache, [r.seq.slot for r in computed], [r.seq.tokens for r in computed], states=states
+            )
             for i, st in (states or {}).items():
                 for d in self._observers:
                     d.remember(computed[i].seq.tokens[:-1], st)
@@ -423,8 +481,9 @@ class RolloutEngine:
             row.last = row.seq.tokens[-1]
             running[row.seq.slot] = row
         if computed:  # the tokens computed: what a prefill's time is a function of
-            self._record_step(t, "prefill", len(computed), None, 0, 0, 0, 0, 0.0, ms, ms,
-                              sum(len(r.seq.tokens) for r in computed))
+            self._record_step(
+                t, "prefill", len(computed), None, 0, 0, 0, 0, 0.0, ms, ms, sum(len(r.seq.tokens) for r in computed)
+            )
         return self.cache_capacity - room
 
     def _plan_prefill(self, joining: list[_Row]) -> tuple[list[_Row], list[tuple[_Row, int]]]:
@@ -460,8 +519,17 @@ class RolloutEngine:
             self._ids = ids
         ctx = np.array([len(r.seq.tokens) for r in rows], dtype=np.int64)
         ctx_tokens = int(ctx.sum())
-        return EngineState(self.instance, self.step_index, time.perf_counter() - self._t0, self._ids, ctx,
-                           ctx_tokens, waiting, self.cache_capacity - ctx_tokens, self.estimator)
+        return EngineState(
+            self.instance,
+            self.step_index,
+            time.perf_counter() - self._t0,
+            self._ids,
+            ctx,
+            ctx_tokens,
+            waiting,
+            self.cache_capacity - ctx_tokens,
+            self.estimator,
+        )
 
     def _row_lengths(self, strategy: Strategy, rows: list[_Row]) -> np.ndarray:
         """Each row's draft length: the strategy's k (or k_per_row), at most remaining - 1 (a step
@@ -471,11 +539,16 @@ class RolloutEngine:
             return np.zeros(len(rows), dtype=np.int64)
         if strategy.is_tree:
             if strategy.nodes > self.k_max:
-                raise UserError(f"strategy {strategy.label} verifies {strategy.nodes} drafts a row, more than the "
-                                f"engine's k_max = {self.k_max}; lower N or raise k_max")
+                raise UserError(
+                    f"strategy {strategy.label} verifies {strategy.nodes} drafts a row, more than the "
+                    f"engine's k_max = {self.k_max}; lower N or raise k_max"
+                )
             return np.full(len(rows), strategy.k, dtype=np.int64)
-        want = (np.asarray(strategy.k_per_row, dtype=np.int64) if strategy.k_per_row is not None
-                else np.full(len(rows), strategy.k, dtype=np.int64))
+        want = (
+            np.asarray(strategy.k_per_row, dtype=np.int64)
+            if strategy.k_per_row is not None
+            else np.full(len(rows), strategy.k, dtype=np.int64)
+        )
         cap = np.minimum(np.array([r.remaining - 1 for r in rows], dtype=np.int64), self.k_max)
         return np.clip(np.minimum(want, cap), 0, None)
 
@@ -496,8 +569,10 @@ class RolloutEngine:
         else:
             drafter = self.drafters.get(strategy.drafter)
             if drafter is None:
-                raise UserError(f"policy chose drafter '{strategy.drafter}', which this engine lacks "
-                                f"(it has: {', '.join(self.drafters) or 'none'})")
+                raise UserError(
+                    f"policy chose drafter '{strategy.drafter}', which this engine lacks "
+                    f"(it has: {', '.join(self.drafters) or 'none'})"
+                )
             if strategy.is_tree:
                 out, dk, trials = self._tree_step(strategy, drafter, rows, slots, last, t)
                 draft_s = self._draft_s
@@ -514,8 +589,21 @@ class RolloutEngine:
         step_s = time.perf_counter() - t
         drafted, n_acc = int(dk.sum()), int(accepted.sum())
         catch_up = getattr(drafter, "catch_up", 0) if k > 0 else 0
-        self._learn(state, strategy, rows, dk, accepted, drafted, n_acc, emitted, step_s, draft_s, verify_s, catch_up,
-                    trials if strategy.is_tree and k > 0 else None)
+        self._learn(
+            state,
+            strategy,
+            rows,
+            dk,
+            accepted,
+            drafted,
+            n_acc,
+            emitted,
+            step_s,
+            draft_s,
+            verify_s,
+            catch_up,
+            trials if strategy.is_tree and k > 0 else None,
+        )
         totals["steps"] += 1
         totals["drafted"] += drafted
         totals["accepted"] += n_acc
@@ -524,8 +612,21 @@ class RolloutEngine:
             totals["sd_rows"] += len(rows)
             totals["rejected"] += rejected  # chains that stopped short (the estimator's trials)
             totals["draft_s"] += draft_s
-        self._record_step(t, "decode", len(rows), strategy.drafter, strategy.k, strategy.width, drafted, n_acc,
-                          draft_s * 1e3, verify_s * 1e3, step_s * 1e3, state.ctx_tokens, emitted)
+        self._record_step(
+            t,
+            "decode",
+            len(rows),
+            strategy.drafter,
+            strategy.k,
+            strategy.width,
+            drafted,
+            n_acc,
+            draft_s * 1e3,
+            verify_s * 1e3,
+            step_s * 1e3,
+            state.ctx_tokens,
+            emitted,
+        )
         self.step_index += 1
 
     def _tree_step(self, strategy: Strategy, drafter, rows: list[_Row], slots, last, t: float):
@@ -533,8 +634,9 @@ class RolloutEngine:
         verified in one target forward. Returns the result, the drafts each row verified, and the
         rank-1 trials its accepted path showed (hits, misses: `_rank1_trials`)."""
         if not hasattr(drafter, "propose_tree"):
-            raise UserError(f"strategy {strategy.label}: drafter '{strategy.drafter}' drafts chains only; "
-                            "use static:K with it")
+            raise UserError(
+                f"strategy {strategy.label}: drafter '{strategy.drafter}' drafts chains only; use static:K with it"
+            )
         tree = self._trees.get(strategy)
         if tree is None:
             tree = self._trees[strategy] = DraftTree.from_shape(self._tree_ctx.tree(strategy.drafter, strategy))
@@ -563,8 +665,8 @@ class RolloutEngine:
         n_acc, n_draft = accepted.tolist(), dk.tolist()
         emitted = rejected = 0
         for r, row_toks, row_lps, a, d in zip(rows, all_tokens, all_lps, n_acc, n_draft):
-            new = row_toks[:a + 1]
-            toks, lps = new[:r.remaining], row_lps[:a + 1][:r.remaining]
+            new = row_toks[: a + 1]
+            toks, lps = new[: r.remaining], row_lps[: a + 1][: r.remaining]
             if r.req.eos_id is not None and r.req.eos_id in toks:
                 cut = toks.index(r.req.eos_id) + 1
                 toks, lps = toks[:cut], lps[:cut]
@@ -582,8 +684,22 @@ class RolloutEngine:
             emitted += len(toks)
         return emitted, rejected
 
-    def _learn(self, state, strategy, rows, dk, accepted, drafted, n_acc, emitted, step_s, draft_s, verify_s,
-               catch_up=0, trials=None):
+    def _learn(
+        self,
+        state,
+        strategy,
+        rows,
+        dk,
+        accepted,
+        drafted,
+        n_acc,
+        emitted,
+        step_s,
+        draft_s,
+        verify_s,
+        catch_up=0,
+        trials=None,
+    ):
         """Feed the estimator (steps that drafted: a chain's accepted length, a tree's rank-1
         trials) and the policy's observe."""
         feeds = not strategy.is_off and drafted > 0 and getattr(self.policy, "needs_acceptance", True)
@@ -597,8 +713,23 @@ class RolloutEngine:
             else:
                 self.estimator.update(strategy.drafter, state.sample_ids, acc, dk.numpy().astype(np.int64))
         if observes:
-            self.policy.observe(StepOutcome(self.instance, state.step, strategy, len(rows), drafted, n_acc, emitted,
-                                            step_s, draft_s, verify_s, state.sample_ids, acc, catch_up))
+            self.policy.observe(
+                StepOutcome(
+                    self.instance,
+                    state.step,
+                    strategy,
+                    len(rows),
+                    drafted,
+                    n_acc,
+                    emitted,
+                    step_s,
+                    draft_s,
+                    verify_s,
+                    state.sample_ids,
+                    acc,
+                    catch_up,
+                )
+            )
 
     # --- leaving ---------------------------------------------------------------------------
 
@@ -620,29 +751,75 @@ class RolloutEngine:
         self.estimator.finish(np.array([r.index for r in rows], dtype=np.int64))
         out = []
         for r in rows:
-            out.append((r.index, SampleResult(r.req.prompt_id, r.req.sample_id, r.tokens, r.logprobs, finish_s,
-                                              r.steps, r.drafted, r.accepted)))
+            out.append(
+                (
+                    r.index,
+                    SampleResult(
+                        r.req.prompt_id, r.req.sample_id, r.tokens, r.logprobs, finish_s, r.steps, r.drafted, r.accepted
+                    ),
+                )
+            )
             self._record_sample(r, finish_s)
         return out
 
     # --- traces and stats ------------------------------------------------------------------
 
-    def _record_step(self, t, kind, batch, drafter, k, width, drafted, accepted, draft_ms, verify_ms, step_ms,
-                     ctx_tokens, emitted=None) -> None:
+    def _record_step(
+        self,
+        t,
+        kind,
+        batch,
+        drafter,
+        k,
+        width,
+        drafted,
+        accepted,
+        draft_ms,
+        verify_ms,
+        step_ms,
+        ctx_tokens,
+        emitted=None,
+    ) -> None:
         if self._steps_w is None:
             return
-        self._steps_w.append(dict(
-            rl_step=self.rl_step, instance=self.instance, step=self.step_index, time_s=t - self._t0, kind=kind,
-            batch=batch, drafter=drafter or "off", k=k, width=width, drafted=drafted, accepted=accepted,
-            emitted=0 if emitted is None else emitted, draft_ms=draft_ms, verify_ms=verify_ms, step_ms=step_ms,
-            ctx_tokens=ctx_tokens))
+        self._steps_w.append(
+            dict(
+                rl_step=self.rl_step,
+                instance=self.instance,
+                step=self.step_index,
+                time_s=t - self._t0,
+                kind=kind,
+                batch=batch,
+                drafter=drafter or "off",
+                k=k,
+                width=width,
+                drafted=drafted,
+                accepted=accepted,
+                emitted=0 if emitted is None else emitted,
+                draft_ms=draft_ms,
+                verify_ms=verify_ms,
+                step_ms=step_ms,
+                ctx_tokens=ctx_tokens,
+            )
+        )
 
     def _record_sample(self, r: _Row, finish_s: float) -> None:
         if self._samples_w is None:
             return
-        rec = dict(rl_step=self.rl_step, sample_id=r.req.sample_id, prompt_id=r.req.prompt_id, instance=self.instance,
-                   prompt_len=len(r.req.prompt), response_len=len(r.tokens), finish_s=finish_s,
-                   preemptions=0, migrations=r.migrations, drafted=r.drafted, accepted=r.accepted, rejected=r.rejected)
+        rec = dict(
+            rl_step=self.rl_step,
+            sample_id=r.req.sample_id,
+            prompt_id=r.req.prompt_id,
+            instance=self.instance,
+            prompt_len=len(r.req.prompt),
+            response_len=len(r.tokens),
+            finish_s=finish_s,
+            preemptions=0,
+            migrations=r.migrations,
+            drafted=r.drafted,
+            accepted=r.accepted,
+            rejected=r.rejected,
+        )
         informed = getattr(self.policy, "needs_acceptance", True)
         for name in self.drafters:
             if informed:  # the shared estimator's (shrunk to the prompt and the drafter)
@@ -656,13 +833,21 @@ class RolloutEngine:
     @staticmethod
     def _summary(results: list[SampleResult], totals: dict, seconds: float) -> dict:
         tokens = sum(len(s.tokens) for s in results)
-        return dict(samples=len(results), tokens=tokens, seconds=seconds,
-                    tokens_per_s=tokens / seconds if seconds > 0 else 0.0, steps=totals["steps"],
-                    drafted=totals["drafted"], accepted=totals["accepted"], rejected=totals["rejected"],
-                    sd_rows=totals["sd_rows"],
-                    mean_accept_len=totals["sd_emitted"] / totals["sd_rows"] if totals["sd_rows"] else 1.0,
-                    kv_peak_tokens=totals["kv_peak_tokens"], max_running=totals["max_running"],
-                    draft_s=totals.get("draft_s", 0.0))
+        return dict(
+            samples=len(results),
+            tokens=tokens,
+            seconds=seconds,
+            tokens_per_s=tokens / seconds if seconds > 0 else 0.0,
+            steps=totals["steps"],
+            drafted=totals["drafted"],
+            accepted=totals["accepted"],
+            rejected=totals["rejected"],
+            sd_rows=totals["sd_rows"],
+            mean_accept_len=totals["sd_emitted"] / totals["sd_rows"] if totals["sd_rows"] else 1.0,
+            kv_peak_tokens=totals["kv_peak_tokens"],
+            max_running=totals["max_running"],
+            draft_s=totals.get("draft_s", 0.0),
+        )
 
     def sync_weights(self, model, drafter_model=None) -> None:
         """New weights after an RL update: nothing to do, this engine runs the trainer's own
@@ -702,4 +887,3 @@ def _rank1_trials(tree: DraftTree, path: torch.Tensor, present: torch.Tensor) ->
     pres = present.numpy()
     misses += (child >= 0) & pres[np.arange(len(p)), np.maximum(child, 0)]
     return hits.astype(np.int64), misses.astype(np.int64)
-

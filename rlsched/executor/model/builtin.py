@@ -42,10 +42,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from rlsched.executor.model.transformer import ModelConfig, Transformer
-from rlsched.executor.model.saving import TOKENIZER_FILES, save_model
-from rlsched.tasks.synthetic import ALPHABET, make_examples
 from rlsched.atomic import atomic_folder
+from rlsched.executor.model.saving import TOKENIZER_FILES, save_model
+from rlsched.executor.model.transformer import ModelConfig, Transformer
+from rlsched.tasks.synthetic import ALPHABET, make_examples
 
 SPECIALS = ("<pad>", "<eos>", "<unk>")
 PAD, EOS = 0, 1
@@ -57,10 +57,20 @@ class Recipe:
 
     vocab_size: int = 64
     max_len: int = 256
-    target: tuple = (("hidden_size", 128), ("intermediate_size", 384), ("num_layers", 16),
-                     ("num_heads", 4), ("num_kv_heads", 2))
-    drafter: tuple = (("hidden_size", 128), ("intermediate_size", 384), ("num_layers", 2),
-                      ("num_heads", 4), ("num_kv_heads", 2))
+    target: tuple = (
+        ("hidden_size", 128),
+        ("intermediate_size", 384),
+        ("num_layers", 16),
+        ("num_heads", 4),
+        ("num_kv_heads", 2),
+    )
+    drafter: tuple = (
+        ("hidden_size", 128),
+        ("intermediate_size", 384),
+        ("num_layers", 2),
+        ("num_heads", 4),
+        ("num_kv_heads", 2),
+    )
     # progressive stacking: (layers, steps) per stage, each stage's layers its predecessor's
     # stacked twice; the last stage is the target
     stages: tuple = ((4, 1200), (8, 400), (16, 400))
@@ -74,8 +84,10 @@ class Recipe:
 
     def __post_init__(self):
         if dict(self.target)["num_layers"] != self.stages[-1][0]:
-            raise ValueError(f"Recipe: the target has {dict(self.target)['num_layers']} layers but the last "
-                             f"stacking stage trains {self.stages[-1][0]}; make them equal")
+            raise ValueError(
+                f"Recipe: the target has {dict(self.target)['num_layers']} layers but the last "
+                f"stacking stage trains {self.stages[-1][0]}; make them equal"
+            )
 
     def key(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:10]
@@ -84,9 +96,15 @@ class Recipe:
         d = dict(self.target if which == "target" else self.drafter)
         if layers is not None:
             d["num_layers"] = layers
-        return ModelConfig(vocab_size=self.vocab_size, head_dim=d["hidden_size"] // d["num_heads"],
-                           max_position_embeddings=self.max_len, tie_word_embeddings=True,
-                           rope_theta=10000.0, rms_norm_eps=1e-6, **d)
+        return ModelConfig(
+            vocab_size=self.vocab_size,
+            head_dim=d["hidden_size"] // d["num_heads"],
+            max_position_embeddings=self.max_len,
+            tie_word_embeddings=True,
+            rope_theta=10000.0,
+            rms_norm_eps=1e-6,
+            **d,
+        )
 
 
 # The same recipe twice as wide (target and drafter: the drafter starts from the target's first
@@ -94,10 +112,22 @@ class Recipe:
 # several tokens a row at many rows costs more, relative to one token's, than on the default
 # target: nearer a GPU at a large batch, where the k that pays at the head of a drain (many rows)
 # and at its tail (one row) differ most. Not shipped: built on first use.
-WIDE = Recipe(target=(("hidden_size", 256), ("intermediate_size", 768), ("num_layers", 16),
-                      ("num_heads", 4), ("num_kv_heads", 2)),
-              drafter=(("hidden_size", 256), ("intermediate_size", 768), ("num_layers", 2),
-                       ("num_heads", 4), ("num_kv_heads", 2)))
+WIDE = Recipe(
+    target=(
+        ("hidden_size", 256),
+        ("intermediate_size", 768),
+        ("num_layers", 16),
+        ("num_heads", 4),
+        ("num_kv_heads", 2),
+    ),
+    drafter=(
+        ("hidden_size", 256),
+        ("intermediate_size", 768),
+        ("num_layers", 2),
+        ("num_heads", 4),
+        ("num_kv_heads", 2),
+    ),
+)
 
 
 @dataclass(frozen=True)
@@ -135,6 +165,7 @@ def builtin_pair(recipe: Recipe = Recipe(), *, log=None) -> BuiltinPair:
 def built_pair(recipe: Recipe = Recipe(), *, log=None) -> BuiltinPair:
     """The pair built from `recipe` in the cache (fp32 weights), building it first if this
     machine has none cached. Never the shipped pair."""
+
     def build(folder: Path) -> None:
         with atomic_folder(folder) as tmp:
             _build(recipe, tmp, log or (lambda msg: None))
@@ -173,8 +204,11 @@ def export_builtin(dest, recipe: Recipe = Recipe(), *, log=None) -> Path:
             src, out = getattr(pair, which), tmp / which
             out.mkdir()
             weights = load_file(str(src / "model.safetensors"))
-            save_file({name: t.to(SHIPPED_DTYPE).contiguous() for name, t in weights.items()},
-                      str(out / "model.safetensors"), metadata={"format": "pt"})
+            save_file(
+                {name: t.to(SHIPPED_DTYPE).contiguous() for name, t in weights.items()},
+                str(out / "model.safetensors"),
+                metadata={"format": "pt"},
+            )
             os.chmod(out / "model.safetensors", 0o644)  # as the other files (safetensors writes 0600)
             config = json.loads((src / "config.json").read_text())
             config["torch_dtype"] = dtype_name
@@ -191,6 +225,7 @@ def export_builtin(dest, recipe: Recipe = Recipe(), *, log=None) -> Path:
 
 # --- tokenizer ------------------------------------------------------------------------------
 
+
 def write_tokenizer(folder: Path, vocab_size: int) -> None:
     """A character-level `tokenizers` tokenizer (tokenizer.json) that transformers and vLLM
     also load (tokenizer_config.json names PreTrainedTokenizerFast)."""
@@ -204,10 +239,20 @@ def write_tokenizer(folder: Path, vocab_size: int) -> None:
     tok.add_special_tokens(list(SPECIALS))
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>", "pad_token": "<pad>",
-        "unk_token": "<unk>", "model_max_length": 256, "clean_up_tokenization_spaces": False,
-    }, indent=2) + "\n")
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": "<eos>",
+                "pad_token": "<pad>",
+                "unk_token": "<unk>",
+                "model_max_length": 256,
+                "clean_up_tokenization_spaces": False,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
 
 
 def encode(text: str) -> list[int]:
@@ -225,6 +270,7 @@ def decode(ids) -> str:
 
 # --- training -------------------------------------------------------------------------------
 
+
 def _batches(recipe: Recipe, steps: int, seed: int, chunk: int = 16):
     """`steps` batches of task texts (prompt, answer, <eos>), right-padded, with a mask of the
     positions whose next token is part of the answer (the loss is taken there only: the
@@ -235,8 +281,8 @@ def _batches(recipe: Recipe, steps: int, seed: int, chunk: int = 16):
     order = torch.randperm(steps, generator=torch.Generator().manual_seed(seed)).tolist()
     batches = []
     for c in range(0, len(texts), chunk * recipe.batch):
-        group = sorted(texts[c:c + chunk * recipe.batch], key=lambda t: len(t[0]) + len(t[1]))
-        batches += [group[i:i + recipe.batch] for i in range(0, len(group), recipe.batch)]
+        group = sorted(texts[c : c + chunk * recipe.batch], key=lambda t: len(t[0]) + len(t[1]))
+        batches += [group[i : i + recipe.batch] for i in range(0, len(group), recipe.batch)]
     from rlsched.executor.rl.algos import make_batch
 
     for s in order:
@@ -333,25 +379,48 @@ def _build(recipe: Recipe, out: Path, log) -> None:
     for stage, (layers, steps) in enumerate(stacked):
         shallow, target = target, _fresh(recipe.model_config("target", layers))
         _copy_layers(target, shallow, [i % shallow.config.num_layers for i in range(layers)])
-        t_loss = _train(target, recipe, steps, recipe.seed + 2 + stage, recipe.deep_lr, lm_loss, log,
-                        f"target ({layers} layers, stacked)")
+        t_loss = _train(
+            target,
+            recipe,
+            steps,
+            recipe.seed + 2 + stage,
+            recipe.deep_lr,
+            lm_loss,
+            log,
+            f"target ({layers} layers, stacked)",
+        )
     t_time = time.perf_counter() - start
     torch.manual_seed(recipe.seed + 1)
     drafter = _fresh(recipe.model_config("drafter"))
     _copy_layers(drafter, target, list(range(drafter.config.num_layers)))
-    d_loss = _train(drafter, recipe, recipe.drafter_steps, recipe.seed + 1, recipe.drafter_lr,
-                    lambda m, ids, mask: distill_loss(target, m, ids, mask), log, "drafter")
+    d_loss = _train(
+        drafter,
+        recipe,
+        recipe.drafter_steps,
+        recipe.seed + 1,
+        recipe.drafter_lr,
+        lambda m, ids, mask: distill_loss(target, m, ids, mask),
+        log,
+        "drafter",
+    )
     tok = out / "tokenizer"
     write_tokenizer(tok, recipe.vocab_size)
     extra = {"eos_token_id": EOS, "pad_token_id": PAD, "bos_token_id": None}
     save_model(target, out / "target", tokenizer_from=tok, extra_config=extra)
     save_model(drafter, out / "drafter", tokenizer_from=tok, extra_config=extra)
-    info = {"recipe": asdict(recipe), "key": recipe.key(), "target_loss": t_loss, "drafter_kl": d_loss,
-            "target_seconds": t_time, "seconds": time.perf_counter() - start,
-            "target_params": sum(p.numel() for p in target.parameters()),
-            "drafter_params": sum(p.numel() for p in drafter.parameters()),
-            "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "built": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    info = {
+        "recipe": asdict(recipe),
+        "key": recipe.key(),
+        "target_loss": t_loss,
+        "drafter_kl": d_loss,
+        "target_seconds": t_time,
+        "seconds": time.perf_counter() - start,
+        "target_params": sum(p.numel() for p in target.parameters()),
+        "drafter_params": sum(p.numel() for p in drafter.parameters()),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "built": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
     (out / "build.json").write_text(json.dumps(info, indent=2) + "\n")
     log(f"built in {info['seconds']:.0f} s: target loss {t_loss:.3f}, drafter KL {d_loss:.3f}")
 
@@ -360,9 +429,13 @@ def main(argv=None) -> None:
     import argparse
 
     ap = argparse.ArgumentParser(description="The built-in model pair of the default recipe.")
-    ap.add_argument("--export", metavar="DIR", required=True,
-                    help="write the pair, weights in bfloat16, to DIR (what the package ships: "
-                         "rlsched/executor/model/builtin_pair); builds it into the cache first if absent")
+    ap.add_argument(
+        "--export",
+        metavar="DIR",
+        required=True,
+        help="write the pair, weights in bfloat16, to DIR (what the package ships: "
+        "rlsched/executor/model/builtin_pair); builds it into the cache first if absent",
+    )
     args = ap.parse_args(argv)
     export_builtin(args.export, log=print)
 

@@ -73,8 +73,8 @@ def _row_views(cache: KVCache, start: int, b: int) -> tuple[list[torch.Tensor], 
     from two on."""
     views = cache.__dict__.setdefault("_row_views", {})
     if (start, b) not in views:
-        keys = [k[start:start + b] for k in cache.keys]
-        values = [v[start:start + b] for v in cache.values]
+        keys = [k[start : start + b] for k in cache.keys]
+        values = [v[start : start + b] for v in cache.values]
         for t in keys + values:
             torch._dynamo.maybe_mark_dynamic(t, 2)
             if b > 1:
@@ -124,8 +124,9 @@ class CompiledForward:
                 cache.lengths[:b] = 3
                 self(torch.zeros((b, q), dtype=torch.long, device=dev), cache, None, None, False)
 
-    def __call__(self, ids: torch.Tensor, cache: KVCache, slots, n: torch.Tensor | None,
-                 last_only: bool) -> torch.Tensor | None:
+    def __call__(
+        self, ids: torch.Tensor, cache: KVCache, slots, n: torch.Tensor | None, last_only: bool
+    ) -> torch.Tensor | None:
         b, q = ids.shape
         if b > self.max_batch or q > self.max_new or torch.is_grad_enabled():
             return None
@@ -136,7 +137,7 @@ class CompiledForward:
             start = 0 if slots is None else cache.consecutive(cache.rows(slots, b))
             if start is None:
                 return None  # scattered rows: eager (the engine keeps its rows consecutive)
-            longest = max(cache.lengths[start:start + b].tolist())
+            longest = max(cache.lengths[start : start + b].tolist())
         c = self.model.config
         if longest + q > cache.max_len or (c.sliding_window is not None and longest + q > c.sliding_window):
             return None  # the eager forward raises the error
@@ -146,7 +147,7 @@ class CompiledForward:
             return None  # a read length of 1 would be specialised (a graph of its own): eager
         cos, sin = self._tables(cache.max_len, self.model.embed.weight.dtype, ids.device)
         keys, values = _row_views(cache, start, b)
-        lengths = cache.lengths[start:start + b]
+        lengths = cache.lengths[start : start + b]
         pos = lengths.clone()
         seen = None
         if b > 1:  # one graph for every number of rows from two on and every read length
@@ -203,19 +204,22 @@ class CompiledForward:
             seen = torch.arange(keys[0].shape[2], device=ids.device)
         length = seen.shape[0]
         mask = torch.zeros((), dtype=embed.dtype, device=ids.device).masked_fill(
-            seen[None, None, :] > p[:, :, None], float("-inf"))[:, None]  # (B, 1, q, L)
+            seen[None, None, :] > p[:, :, None], float("-inf")
+        )[:, None]  # (B, 1, q, L)
         if b > 1:  # laid out as `cached_attention`'s scores: (B * KV, G * q, L)
             g = nh // nkv
             mask = mask[:, None].expand(b, nkv, g, q, length).reshape(b * nkv, g * q, length)
         # where the new keys/values go: (row, head, position), broadcast to (B, KV, q)
-        at = (torch.arange(b, device=ids.device)[:, None, None], torch.arange(nkv, device=ids.device)[None, :, None],
-              p[:, None, :])
+        at = (
+            torch.arange(b, device=ids.device)[:, None, None],
+            torch.arange(nkv, device=ids.device)[None, :, None],
+            p[:, None, :],
+        )
         h = F.embedding(ids, embed)
         for i, blk in enumerate(m.layers):
             a = blk.attn
             x = rms_norm(h, blk.attn_norm.weight, eps)
-            xqk, xv = F.linear(x, a.qkv.weight, a.qkv.bias).split_with_sizes(
-                [(nh + nkv) * hd, nkv * hd], dim=-1)
+            xqk, xv = F.linear(x, a.qkv.weight, a.qkv.bias).split_with_sizes([(nh + nkv) * hd, nkv * hd], dim=-1)
             xqk = xqk.view(b, q, nh + nkv, hd)
             if a.q_norm is not None:
                 xq, xk = xqk.split_with_sizes([nh, nkv], dim=2)

@@ -17,14 +17,21 @@ import torch
 
 
 class KVCache:
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_batch: int,
-                 max_len: int, *, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_batch: int,
+        max_len: int,
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ):
         if max_batch < 1 or max_len < 1:
             raise ValueError(f"KV cache needs max_batch >= 1 and max_len >= 1 (got {max_batch}, {max_len})")
         self.max_batch, self.max_len = max_batch, max_len
-        self.kv = torch.zeros(num_layers, 2, max_batch, num_kv_heads, max_len, head_dim,
-                              device=device, dtype=dtype)
+        self.kv = torch.zeros(num_layers, 2, max_batch, num_kv_heads, max_len, head_dim, device=device, dtype=dtype)
         self.lengths = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.on_cpu = self.lengths.device.type == "cpu"
         # per-layer views, indexed once here rather than twice per access in every forward
@@ -51,17 +58,25 @@ class KVCache:
             raise ValueError(f"slots must have shape ({batch},), got {tuple(slots.shape)}")
         return slots
 
-    def write(self, layer: int, rows: torch.Tensor, positions: torch.Tensor,
-              k: torch.Tensor, v: torch.Tensor, start: int | None = None, first: int | None = None,
-              flat: torch.Tensor | None = None) -> None:
+    def write(
+        self,
+        layer: int,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        start: int | None = None,
+        first: int | None = None,
+        flat: torch.Tensor | None = None,
+    ) -> None:
         """Store k, v (B, kv_heads, q, head_dim) of row rows[b] at positions[b] (B, q). When the
         rows are start..start+B-1 and every row's positions begin at `first`, a plain slice
         copy (no index tensors); otherwise one index_copy_ per tensor at `flat_index(rows,
         positions)` (pass it to compute it once for all layers)."""
         if start is not None and first is not None:
             b, q = positions.shape
-            self.keys[layer][start:start + b, :, first:first + q] = k
-            self.values[layer][start:start + b, :, first:first + q] = v
+            self.keys[layer][start : start + b, :, first : first + q] = k
+            self.values[layer][start : start + b, :, first : first + q] = v
             return
         if flat is None:
             flat = self.flat_index(rows, positions)
@@ -74,11 +89,11 @@ class KVCache:
         the order of k (B, kv_heads, q, head_dim): an index_copy_ is cheaper than the
         equivalent advanced-index assignment."""
         heads = torch.arange(self.kv.shape[3], device=rows.device)
-        return ((rows[:, None, None] * self.kv.shape[3] + heads[None, :, None]) * self.max_len
-                + positions[:, None, :]).reshape(-1)
+        return (
+            (rows[:, None, None] * self.kv.shape[3] + heads[None, :, None]) * self.max_len + positions[:, None, :]
+        ).reshape(-1)
 
-    def read(self, layer: int, rows: torch.Tensor, upto: int,
-             start: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, layer: int, rows: torch.Tensor, upto: int, start: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values (B, kv_heads, upto, head_dim) of the given rows; views when the rows
         are the consecutive range start..start+B-1, a gather otherwise."""
         if start is not None:

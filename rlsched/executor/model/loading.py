@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from rlsched.errors import UserError
-from rlsched.executor.model.transformer import ModelConfig, Transformer
 from rlsched.executor.model.rope import SUPPORTED_SCALINGS, RopeScaling
+from rlsched.executor.model.transformer import ModelConfig, Transformer
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -49,12 +49,14 @@ def load_model(path, *, device="cpu", dtype="float32") -> LoadedModel:
 
 # --- config ---------------------------------------------------------------------------------
 
+
 def load_config(path) -> ModelConfig:
     """Read and validate `config.json` of a model folder."""
     folder = Path(path)
     if not folder.is_dir():
-        raise UserError(f"model folder {folder} does not exist (give a local folder with config.json"
-                        " and *.safetensors)")
+        raise UserError(
+            f"model folder {folder} does not exist (give a local folder with config.json and *.safetensors)"
+        )
     file = folder / "config.json"
     if not file.is_file():
         raise UserError(f"model folder {folder} has no config.json")
@@ -73,8 +75,10 @@ def config_from_hf(raw: dict, folder: Path | str = "<config>") -> ModelConfig:
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         shown = "missing" if model_type is None else f"{model_type!r}"
-        raise UserError(f"{f.where}: field 'model_type' is {shown}; supported: "
-                        f"{', '.join(SUPPORTED_MODEL_TYPES)} (decoder-only Llama-family models)")
+        raise UserError(
+            f"{f.where}: field 'model_type' is {shown}; supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)} (decoder-only Llama-family models)"
+        )
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise UserError(f"{f.where}: field 'hidden_act' is {act!r}; only 'silu' (SwiGLU) is supported")
@@ -82,8 +86,9 @@ def config_from_hf(raw: dict, folder: Path | str = "<config>") -> ModelConfig:
     heads = f.int("num_attention_heads")
     kv_heads = f.int("num_key_value_heads", heads)
     if heads % kv_heads:
-        raise UserError(f"{f.where}: field 'num_key_value_heads' ({kv_heads}) must divide "
-                        f"'num_attention_heads' ({heads})")
+        raise UserError(
+            f"{f.where}: field 'num_key_value_heads' ({kv_heads}) must divide 'num_attention_heads' ({heads})"
+        )
     head_default = 128 if model_type == "qwen3" else (hidden // heads if hidden % heads == 0 else None)
     head_dim = f.int("head_dim", head_default)
     if head_dim % 2:
@@ -133,8 +138,9 @@ class _Fields:
             raise UserError(f"{self.where}: field '{name}' must be a positive integer (got {value!r})")
         return value
 
-    def float(self, name: str, default: float | None = None, sub: dict | None = None,
-              label: str | None = None) -> float:
+    def float(
+        self, name: str, default: float | None = None, sub: dict | None = None, label: str | None = None
+    ) -> float:
         src = self.raw if sub is None else sub
         value = src.get(name)
         if value is None:
@@ -160,8 +166,7 @@ def _rope(raw: dict, f: _Fields) -> tuple[float, RopeScaling | None]:
     params = raw.get("rope_parameters")
     if isinstance(params, dict) and params:
         field = "rope_parameters"
-        theta = f.float("rope_theta", raw.get("rope_theta", 10000.0), sub=params,
-                        label="rope_parameters.rope_theta")
+        theta = f.float("rope_theta", raw.get("rope_theta", 10000.0), sub=params, label="rope_parameters.rope_theta")
     else:
         field = "rope_scaling"
         params = raw.get("rope_scaling") or {}
@@ -170,8 +175,7 @@ def _rope(raw: dict, f: _Fields) -> tuple[float, RopeScaling | None]:
         raise UserError(f"{f.where}: field '{field}' must be an object or null (got {params!r})")
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in SUPPORTED_SCALINGS:
-        raise UserError(f"{f.where}: field '{field}.rope_type' is {kind!r}; supported: "
-                        f"{', '.join(SUPPORTED_SCALINGS)}")
+        raise UserError(f"{f.where}: field '{field}.rope_type' is {kind!r}; supported: {', '.join(SUPPORTED_SCALINGS)}")
     partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         raise UserError(f"{f.where}: field 'partial_rotary_factor' is {partial!r}; only 1.0 is supported")
@@ -185,13 +189,19 @@ def _rope(raw: dict, f: _Fields) -> tuple[float, RopeScaling | None]:
         return theta, RopeScaling(kind, factor=num("factor"))
     original = params.get("original_max_position_embeddings")
     if isinstance(original, bool) or not isinstance(original, int) or original < 1:
-        raise UserError(f"{f.where}: field '{field}.original_max_position_embeddings' must be a "
-                        f"positive integer (got {original!r})")
+        raise UserError(
+            f"{f.where}: field '{field}.original_max_position_embeddings' must be a positive integer (got {original!r})"
+        )
     low, high = num("low_freq_factor"), num("high_freq_factor")
     if high <= low:
         raise UserError(f"{f.where}: field '{field}.high_freq_factor' must exceed low_freq_factor")
-    return theta, RopeScaling("llama3", factor=num("factor"), low_freq_factor=low,
-                              high_freq_factor=high, original_max_position_embeddings=original)
+    return theta, RopeScaling(
+        "llama3",
+        factor=num("factor"),
+        low_freq_factor=low,
+        high_freq_factor=high,
+        original_max_position_embeddings=original,
+    )
 
 
 def _sliding_window(raw: dict, model_type: str, layers: int, f: _Fields) -> int | None:
@@ -210,13 +220,16 @@ def _sliding_window(raw: dict, model_type: str, layers: int, f: _Fields) -> int 
 
 # --- weights --------------------------------------------------------------------------------
 
+
 def weight_map(config: ModelConfig) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
     """Each parameter of `Transformer` -> the HF tensors (name, shape) concatenated into it."""
     c = config
     h, hd = c.hidden_size, c.head_dim
     q, kv = c.num_heads * hd, c.num_kv_heads * hd
-    out = {"embed.weight": [("model.embed_tokens.weight", (c.vocab_size, h))],
-           "norm.weight": [("model.norm.weight", (h,))]}
+    out = {
+        "embed.weight": [("model.embed_tokens.weight", (c.vocab_size, h))],
+        "norm.weight": [("model.norm.weight", (h,))],
+    }
     if not c.tie_word_embeddings:
         out["lm_head.weight"] = [("lm_head.weight", (c.vocab_size, h))]
     for i in range(c.num_layers):
@@ -234,12 +247,13 @@ def weight_map(config: ModelConfig) -> dict[str, list[tuple[str, tuple[int, ...]
             out[me + "attn.q_norm.weight"] = [(hf + "self_attn.q_norm.weight", (hd,))]
             out[me + "attn.k_norm.weight"] = [(hf + "self_attn.k_norm.weight", (hd,))]
         i_sz = c.intermediate_size
-        out[me + "mlp.gate_up.weight"] = [(hf + "mlp.gate_proj.weight", (i_sz, h)),
-                                          (hf + "mlp.up_proj.weight", (i_sz, h))]
+        out[me + "mlp.gate_up.weight"] = [
+            (hf + "mlp.gate_proj.weight", (i_sz, h)),
+            (hf + "mlp.up_proj.weight", (i_sz, h)),
+        ]
         out[me + "mlp.down.weight"] = [(hf + "mlp.down_proj.weight", (h, i_sz))]
         if c.mlp_bias:
-            out[me + "mlp.gate_up.bias"] = [(hf + "mlp.gate_proj.bias", (i_sz,)),
-                                            (hf + "mlp.up_proj.bias", (i_sz,))]
+            out[me + "mlp.gate_up.bias"] = [(hf + "mlp.gate_proj.bias", (i_sz,)), (hf + "mlp.up_proj.bias", (i_sz,))]
             out[me + "mlp.down.bias"] = [(hf + "mlp.down_proj.bias", (h,))]
     return out
 
@@ -249,8 +263,9 @@ def _ignorable(name: str, config: ModelConfig) -> bool:
     return name.endswith(".rotary_emb.inv_freq") or (config.tie_word_embeddings and name == "lm_head.weight")
 
 
-def _load_weights(folder: Path, config: ModelConfig, device: torch.device,
-                  dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _load_weights(
+    folder: Path, config: ModelConfig, device: torch.device, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError, safe_open
 
     where = _locate_tensors(folder)
@@ -261,8 +276,10 @@ def _load_weights(folder: Path, config: ModelConfig, device: torch.device,
         raise UserError(f"model folder {folder}: missing weight(s) {_names(missing)}")
     unexpected = sorted(n for n in where.keys() - needed if not _ignorable(n, config))
     if unexpected:
-        raise UserError(f"model folder {folder}: unexpected weight(s) {_names(unexpected)} "
-                        f"(not a {config.model_type} checkpoint matching config.json?)")
+        raise UserError(
+            f"model folder {folder}: unexpected weight(s) {_names(unexpected)} "
+            f"(not a {config.model_type} checkpoint matching config.json?)"
+        )
     handles = {}
     state = {}
     try:
@@ -274,8 +291,9 @@ def _load_weights(folder: Path, config: ModelConfig, device: torch.device,
                     handles[file] = safe_open(str(file), framework="pt", device="cpu")
                 t = handles[file].get_tensor(name)
                 if tuple(t.shape) != shape:
-                    raise UserError(f"model folder {folder}: weight {name} has shape {tuple(t.shape)}, "
-                                    f"config.json implies {shape}")
+                    raise UserError(
+                        f"model folder {folder}: weight {name} has shape {tuple(t.shape)}, config.json implies {shape}"
+                    )
                 tensors.append(t)
             t = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
             state[mine] = t.to(device=device, dtype=dtype)
@@ -298,8 +316,7 @@ def _locate_tensors(folder: Path) -> dict[str, Path]:
         files = {f: folder / f for f in set(mapping.values())}
         absent = sorted(f for f, p in files.items() if not p.is_file())
         if absent:
-            raise UserError(f"model folder {folder}: shard(s) {', '.join(absent)} named in {INDEX_FILE} "
-                            "are missing")
+            raise UserError(f"model folder {folder}: shard(s) {', '.join(absent)} named in {INDEX_FILE} are missing")
         return {name: files[f] for name, f in mapping.items()}
     shards = sorted(folder.glob("*.safetensors"))
     if not shards:
@@ -310,7 +327,7 @@ def _locate_tensors(folder: Path) -> dict[str, Path]:
     for shard in shards:
         try:
             with safe_open(str(shard), framework="pt", device="cpu") as h:
-                for name in h.keys():
+                for name in h.keys():  # noqa: SIM118 - a safetensors handle, not a dict
                     where.setdefault(name, shard)
         except (SafetensorError, OSError) as e:
             raise UserError(f"model folder {folder}: cannot read {shard.name}: {e}") from None
@@ -323,6 +340,7 @@ def _names(names: list[str], shown: int = 5) -> str:
 
 
 # --- tokenizer, device, dtype ---------------------------------------------------------------
+
 
 def load_tokenizer(path):
     """tokenizers.Tokenizer from tokenizer.json, or None when the folder has none (a

@@ -13,8 +13,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
 
-def cached_attention(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, mask: torch.Tensor,
-                     nkv: int) -> torch.Tensor:
+def cached_attention(
+    xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, mask: torch.Tensor, nkv: int
+) -> torch.Tensor:
     """Attention of a few new tokens over a cache, as two batched matmuls: the query heads that
     share a KV head are stacked into one matrix, so keys and values are read once per KV head
     and never copied, and the scale and the mask go into the first matmul (`baddbmm`). Used for
@@ -28,6 +29,6 @@ def cached_attention(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, mask:
     g, length = h // nkv, xk.shape[2]
     q3 = xq.reshape(b * nkv, g * q, d)
     keys = xk.reshape(b * nkv, length, d).transpose(1, 2)
-    scores = torch.baddbmm(mask, q3, keys, alpha=d ** -0.5)
+    scores = torch.baddbmm(mask, q3, keys, alpha=d**-0.5)
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(xv.dtype)
     return torch.bmm(weights, xv.reshape(b * nkv, length, d)).view(b, h, q, d)

@@ -28,8 +28,9 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192  # llama3 only
 
 
-def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None,
-                    max_position_embeddings: int, seq_len: int | None = None) -> torch.Tensor:
+def inv_frequencies(
+    head_dim: int, theta: float, scaling: RopeScaling | None, max_position_embeddings: int, seq_len: int | None = None
+) -> torch.Tensor:
     """Inverse frequencies (head_dim / 2,) in float32 on the CPU.
 
     `seq_len` matters only for `dynamic`: the base grows once the sequence outgrows
@@ -42,7 +43,7 @@ def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None,
         f = scaling.factor
         theta = theta * ((f * n / max_position_embeddings) - (f - 1)) ** (head_dim / (head_dim - 2))
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    inv = 1.0 / (theta ** exponents)
+    inv = 1.0 / (theta**exponents)
     if kind == "linear":
         inv = inv / scaling.factor
     elif kind == "llama3":
@@ -66,23 +67,22 @@ def _llama3(inv: torch.Tensor, s: RopeScaling) -> torch.Tensor:
 class Rope(nn.Module):
     """cos/sin tables for given positions; computed per forward (cheap: B x q x head_dim)."""
 
-    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None,
-                 max_position_embeddings: int):
+    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None, max_position_embeddings: int):
         super().__init__()
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
         self.max_position_embeddings = max_position_embeddings
         self.register_buffer("inv_freq", self._inv(None), persistent=False)
 
     def _inv(self, seq_len: int | None) -> torch.Tensor:
-        return inv_frequencies(self.head_dim, self.theta, self.scaling,
-                               self.max_position_embeddings, seq_len)
+        return inv_frequencies(self.head_dim, self.theta, self.scaling, self.max_position_embeddings, seq_len)
 
     def materialize(self, device: torch.device | str) -> None:
         """Recompute the buffer on a real device (after the model was built on `meta`)."""
         self.inv_freq = self._inv(None).to(device)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype, longest: int | None = None,
-                first: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype, longest: int | None = None, first: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions (B, q) -> cos and signed sin (see `apply_rope`) of shape (B, 1, q, head_dim),
         in `dtype`. Looked up in tables grown on demand (one gather per forward instead of
         computing them), except for dynamic scaling past the trained length, where the
@@ -95,8 +95,12 @@ class Rope(nn.Module):
             cos, sin = _tables(positions.float(), self._inv(longest).to(positions.device), dtype)
             return cos[:, None], sin[:, None]
         table = getattr(self, "_table", None)
-        if (table is None or table[0].shape[0] < longest or table[0].dtype != dtype
-                or table[0].device != positions.device):
+        if (
+            table is None
+            or table[0].shape[0] < longest
+            or table[0].dtype != dtype
+            or table[0].device != positions.device
+        ):
             inv = self.inv_freq
             n = max(longest, 256, 0 if table is None else 2 * table[0].shape[0])
             with torch.inference_mode(False):  # usable by autograd too (training after rollouts)

@@ -12,13 +12,17 @@ from pathlib import Path
 
 import torch
 
+from rlsched.atomic import atomic_folder
 from rlsched.executor.model.loading import weight_map
 from rlsched.executor.model.transformer import ModelConfig, Transformer
-from rlsched.atomic import atomic_folder
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-         "qwen3": "Qwen3ForCausalLM"}
+_ARCH = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 
 
 def hf_config(c: ModelConfig, **extra) -> dict:
@@ -27,14 +31,24 @@ def hf_config(c: ModelConfig, **extra) -> dict:
     if c.rope_scaling is not None:
         raise ValueError("hf_config writes configs without rope_scaling; pass the original config.json")
     return {
-        "architectures": [_ARCH[c.model_type]], "model_type": c.model_type,
-        "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_layers,
-        "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
-        "head_dim": c.head_dim, "hidden_act": "silu", "rms_norm_eps": c.rms_norm_eps,
-        "rope_theta": c.rope_theta, "max_position_embeddings": c.max_position_embeddings,
-        "tie_word_embeddings": c.tie_word_embeddings, "attention_bias": c.o_bias,
-        "mlp_bias": c.mlp_bias, "torch_dtype": "float32", **extra,
+        "architectures": [_ARCH[c.model_type]],
+        "model_type": c.model_type,
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "max_position_embeddings": c.max_position_embeddings,
+        "tie_word_embeddings": c.tie_word_embeddings,
+        "attention_bias": c.o_bias,
+        "mlp_bias": c.mlp_bias,
+        "torch_dtype": "float32",
+        **extra,
     }
 
 
@@ -53,8 +67,9 @@ def hf_weights(state: dict, config: ModelConfig) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_model(model: Transformer, folder, *, raw_config: dict | None = None,
-               tokenizer_from=None, extra_config: dict | None = None) -> Path:
+def save_model(
+    model: Transformer, folder, *, raw_config: dict | None = None, tokenizer_from=None, extra_config: dict | None = None
+) -> Path:
     """Write `model` to `folder` (replaced whole). `raw_config` is kept as config.json when
     given (a loaded model's own); tokenizer files are copied from folder `tokenizer_from`."""
     from safetensors.torch import save_file

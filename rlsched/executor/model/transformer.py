@@ -54,13 +54,18 @@ class ModelConfig:
     def shape(self) -> dict:
         """The architecture numbers a policy file is checked against (`policyfile.SHAPE_KEYS`,
         named as in the simulator's model presets)."""
-        return dict(hidden=self.hidden_size, layers=self.num_layers, heads=self.num_heads,
-                    kv_heads=self.num_kv_heads, vocab=self.vocab_size)
+        return dict(
+            hidden=self.hidden_size,
+            layers=self.num_layers,
+            heads=self.num_heads,
+            kv_heads=self.num_kv_heads,
+            vocab=self.vocab_size,
+        )
 
-    def new_cache(self, max_batch: int, max_len: int, *, device="cpu",
-                  dtype: torch.dtype = torch.float32) -> KVCache:
-        return KVCache(self.num_layers, self.num_kv_heads, self.head_dim, max_batch, max_len,
-                       device=device, dtype=dtype)
+    def new_cache(self, max_batch: int, max_len: int, *, device="cpu", dtype: torch.dtype = torch.float32) -> KVCache:
+        return KVCache(
+            self.num_layers, self.num_kv_heads, self.head_dim, max_batch, max_len, device=device, dtype=dtype
+        )
 
 
 class RMSNorm(nn.Module):
@@ -97,8 +102,9 @@ class TreeMask(NamedTuple):
     rel: torch.Tensor  # (q,) long
 
 
-def _tree_attention(tree: TreeMask, positions: torch.Tensor, upto: int,
-                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _tree_attention(
+    tree: TreeMask, positions: torch.Tensor, upto: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The additive mask (B, 1, q, upto) and rotary positions (B, q) of a tree forward whose
     new tokens are written at `positions` (B, q) (rows of ragged lengths)."""
     visible, rel = tree
@@ -134,8 +140,9 @@ class _Step:
         add in every layer. (Every forward of q > 1 new tokens has a mask.)"""
         if self.grouped is None:
             b, _, q, length = self.mask.shape
-            self.grouped = self.mask.view(b, 1, 1, q, length).expand(b, nkv, g, q, length).reshape(
-                b * nkv, g * q, length)
+            self.grouped = (
+                self.mask.view(b, 1, 1, q, length).expand(b, nkv, g, q, length).reshape(b * nkv, g * q, length)
+            )
         return self.grouped
 
 
@@ -174,8 +181,7 @@ class Attention(nn.Module):
         if s.cache is not None and not torch.is_grad_enabled() and bmm:
             out = cached_attention(xq, xk, xv, s.grouped_mask(self.nkv, self.nh // self.nkv), self.nkv)
         else:
-            out = F.scaled_dot_product_attention(xq, xk, xv, attn_mask=s.mask,
-                                                 enable_gqa=self.nkv != self.nh)
+            out = F.scaled_dot_product_attention(xq, xk, xv, attn_mask=s.mask, enable_gqa=self.nkv != self.nh)
         return F.linear(out.transpose(1, 2).reshape(b, q, self.nh * self.hd), self.o.weight, self.o.bias)
 
 
@@ -237,8 +243,16 @@ class Transformer(nn.Module):
         w = self.embed.weight
         return self.config.new_cache(max_batch, max_len, device=w.device, dtype=w.dtype)
 
-    def forward(self, ids: torch.Tensor, cache: KVCache | None = None, *, slots=None,
-                n_new=None, last_only: bool = False, tree: TreeMask | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        ids: torch.Tensor,
+        cache: KVCache | None = None,
+        *,
+        slots=None,
+        n_new=None,
+        last_only: bool = False,
+        tree: TreeMask | None = None,
+    ) -> torch.Tensor:
         """Logits (float32) for `ids` (B, q) appended to each row's cached context.
 
         Row b is cache row `slots[b]` (default: b); its tokens go to positions
@@ -305,8 +319,9 @@ class Transformer(nn.Module):
         self.captured = torch.cat(got, dim=-1)
         return self.norm.forward(h)
 
-    def _step(self, b: int, q: int, device, dtype: torch.dtype, cache: KVCache | None, slots,
-              tree: TreeMask | None = None) -> _Step:
+    def _step(
+        self, b: int, q: int, device, dtype: torch.dtype, cache: KVCache | None, slots, tree: TreeMask | None = None
+    ) -> _Step:
         # (no shortcut for a single row: a step cost that jumps between batch 1 and 2 is one
         # the cost model's smooth forms cannot fit, and the policies price steps with them.
         # The rows' lengths are read once, as a list: this bookkeeping runs once a forward, and
@@ -323,12 +338,13 @@ class Transformer(nn.Module):
             positions = lengths[:, None] + torch.arange(q, device=device)  # (the cache is on ids' device)
         upto = hi + q
         if cache is not None and upto > cache.max_len:
-            raise ValueError(f"a row needs {upto} cache positions, more than the cache's max_len "
-                             f"{cache.max_len}")
+            raise ValueError(f"a row needs {upto} cache positions, more than the cache's max_len {cache.max_len}")
         window = self.config.sliding_window
         if window is not None and upto > window:
-            raise ValueError(f"context of {upto} tokens exceeds the model's sliding window ({window}),"
-                             " which this executor does not implement")
+            raise ValueError(
+                f"context of {upto} tokens exceeds the model's sliding window ({window}),"
+                " which this executor does not implement"
+            )
         if tree is not None:
             mask, rotary = _tree_attention(tree, positions, upto, dtype)
         elif q == 1 and lo == hi:

@@ -25,6 +25,7 @@ report, and checks at the end that every request came back.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -123,8 +124,9 @@ class InstanceWorker:
             self.drafter_model = load_model(Path(spec.drafter_dir), device=spec.device, dtype=spec.dtype).model
             if drafter_state is not None:
                 self.drafter_model.load_state_dict(drafter_state)
-            drafter = ModelDrafter(self.drafter_model, spec.sampling, spec.max_batch, spec.drafter_max_len,
-                                   self.generator)
+            drafter = ModelDrafter(
+                self.drafter_model, spec.sampling, spec.max_batch, spec.drafter_max_len, self.generator
+            )
         elif spec.drafter == "eagle":
             from rlsched.executor.decode.eagle import load_head
             from rlsched.executor.decode.eagle_drafter import EagleDrafter
@@ -133,23 +135,47 @@ class InstanceWorker:
             if drafter_state is not None:
                 self.drafter_model.load_state_dict(drafter_state)
             drafter = EagleDrafter(self.drafter_model, self.model, spec.sampling, self.generator)
-        self.engine = RolloutEngine(self.model, drafter, spec.cache_capacity, spec.max_batch, spec.sampling,
-                                    policy, estimator, trace_dir=spec.trace_dir and Path(spec.trace_dir),
-                                    k_max=spec.k_max, instance=idx, generator=self.generator,
-                                    trace_tag=f"i{idx}", share_prompts=spec.share_prompts,
-                                    probe_every=spec.probe_every)
+        self.engine = RolloutEngine(
+            self.model,
+            drafter,
+            spec.cache_capacity,
+            spec.max_batch,
+            spec.sampling,
+            policy,
+            estimator,
+            trace_dir=spec.trace_dir and Path(spec.trace_dir),
+            k_max=spec.k_max,
+            instance=idx,
+            generator=self.generator,
+            trace_tag=f"i{idx}",
+            share_prompts=spec.share_prompts,
+            probe_every=spec.probe_every,
+        )
 
     def _start_vllm(self, target_state, drafter_state, state) -> None:
         from rlsched.executor.vllm.engine import VllmRolloutEngine
 
         spec, idx = self.spec, self.idx
         drafter = spec.drafter_dir if spec.drafter in ("model", "eagle") else spec.drafter
-        self.engine = VllmRolloutEngine(Path(spec.target_dir), drafter, spec.sampling, spec.policy,
-                                        max_batch=spec.max_batch, k_max=spec.k_max,
-                                        max_len=spec.max_len, trace_dir=spec.trace_dir and Path(spec.trace_dir),
-                                        seed=spec.seed, threads=spec.threads, dtype=spec.dtype, cost=spec.cost,
-                                        typical_ctx=spec.typical_ctx, instance=idx, probe_every=spec.probe_every,
-                                        state=state, trace_tag=f"i{idx}")
+        self.engine = VllmRolloutEngine(
+            Path(spec.target_dir),
+            drafter,
+            spec.sampling,
+            spec.policy,
+            max_batch=spec.max_batch,
+            k_max=spec.k_max,
+            max_len=spec.max_len,
+            trace_dir=spec.trace_dir and Path(spec.trace_dir),
+            seed=spec.seed,
+            threads=spec.threads,
+            dtype=spec.dtype,
+            cost=spec.cost,
+            typical_ctx=spec.typical_ctx,
+            instance=idx,
+            probe_every=spec.probe_every,
+            state=state,
+            trace_tag=f"i{idx}",
+        )
         self._load_vllm_weights(target_state, drafter_state)
 
     def _load_vllm_weights(self, target_state, drafter_state) -> None:
@@ -227,11 +253,16 @@ class InstanceWorker:
                 finished += self.engine.work()
         with self._lock:
             e = self.engine
-            return dict(finished=finished, view=self._view(), totals=e.totals,
-                        accept_means={d: e.estimator.mean(d) for d in e.estimator.drafters})
+            return dict(
+                finished=finished,
+                view=self._view(),
+                totals=e.totals,
+                accept_means={d: e.estimator.mean(d) for d in e.estimator.drafters},
+            )
 
     def export_rows(self, indices, with_kv) -> dict:
         """Between two steps: these samples leave (those still here), with their KV for with_kv."""
+
         def export():  # KV rows travel as CPU tensors of the cache's dtype (Ray pickles them)
             return dict(moved=self.engine.export_rows(indices, set(with_kv)), view=self._view())
 
@@ -336,9 +367,21 @@ class InstancePool:
     restore from a checkpoint; max_restarts: how often one instance is started again after
     dying."""
 
-    def __init__(self, n: int, spec: InstanceSpec, *, realloc: str = "none", threshold: int = 8, cost=None,
-                 seed: int = 0, target_state=None, drafter_state=None, states=None, max_restarts: int = 3,
-                 log=None):
+    def __init__(
+        self,
+        n: int,
+        spec: InstanceSpec,
+        *,
+        realloc: str = "none",
+        threshold: int = 8,
+        cost=None,
+        seed: int = 0,
+        target_state=None,
+        drafter_state=None,
+        states=None,
+        max_restarts: int = 3,
+        log=None,
+    ):
         from rlsched.policies.realloc import make_realloc_policy
 
         if n < 1:
@@ -353,20 +396,25 @@ class InstancePool:
             # RAY_ADDRESS names a running cluster to join, which refuses a CPU count (its own
             # counts stand); without it, a private local Ray with this machine's cores
             size = {} if os.environ.get("RAY_ADDRESS") else {"num_cpus": max(2, os.cpu_count() or 1)}
-            ray.init(**size, include_dashboard=False, configure_logging=False, log_to_driver=False,
-                     ignore_reinit_error=True)
+            ray.init(
+                **size, include_dashboard=False, configure_logging=False, log_to_driver=False, ignore_reinit_error=True
+            )
         # threads are set per instance; migrations run in their own group (see InstanceWorker)
         remote = ray.remote(num_cpus=0, max_restarts=0, concurrency_groups={MOVES: 1})(InstanceWorker)
         if spec.device.startswith("cuda"):  # one GPU per instance: Ray sets each actor's CUDA_VISIBLE_DEVICES
             gpus = ray.cluster_resources().get("GPU", 0)
             if gpus < n:
-                raise UserError(f"{n} rollout instances on '{spec.device}' need {n} GPUs, Ray sees {gpus:g}; "
-                                "lower --instances or add GPUs")
+                raise UserError(
+                    f"{n} rollout instances on '{spec.device}' need {n} GPUs, Ray sees {gpus:g}; "
+                    "lower --instances or add GPUs"
+                )
             remote = remote.options(num_gpus=1)
             spec = replace(spec, device="cuda")
         self._remote, self._actor_spec = remote, spec
-        self._weights = (None if target_state is None else ray.put(_cpu(target_state)),
-                         None if drafter_state is None else ray.put(_cpu(drafter_state)))
+        self._weights = (
+            None if target_state is None else ray.put(_cpu(target_state)),
+            None if drafter_state is None else ray.put(_cpu(drafter_state)),
+        )
         self.actors = [remote.remote(i, spec, *self._weights, states[i] if states else None) for i in range(n)]
         self.alive = set(range(n))
         self.max_restarts, self.restarts = max_restarts, [0] * n
@@ -391,8 +439,7 @@ class InstancePool:
         from rlsched.executor.model.loading import load_config
 
         c = load_config(Path(self.spec.target_dir))
-        per_token = KVCache.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim,
-                                            getattr(torch, self.spec.dtype))
+        per_token = KVCache.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, getattr(torch, self.spec.dtype))
         actor = self.actors[0]
 
         def trip(nbytes: int) -> float:
@@ -417,8 +464,9 @@ class InstancePool:
         check_requests(requests, self.spec.cache_capacity)
         n = len(requests)
         prompt_index: dict = {}
-        prompt_of = np.array([prompt_index.setdefault(r.prompt_id, len(prompt_index)) for r in requests],
-                             dtype=np.int64)
+        prompt_of = np.array(
+            [prompt_index.setdefault(r.prompt_id, len(prompt_index)) for r in requests], dtype=np.int64
+        )
         longest = max((reserve(r) for r in requests), default=1)
         self._await_starting()
         live = sorted(self.alive)
@@ -470,8 +518,9 @@ class InstancePool:
         self.requests, self.results, self.location = requests, [None] * len(requests), location
         self.views: dict[int, InstanceView] = {}
         self.totals: dict[int, dict] = {}
-        self.counts = dict(migrated=0, migrated_kv=0, migrated_reprefill=0, migrations=0, requeued=0,
-                           instances_died=0, restarted=0)
+        self.counts = dict(
+            migrated=0, migrated_kv=0, migrated_reprefill=0, migrations=0, requeued=0, instances_died=0, restarted=0
+        )
         self.inflight: dict[int, list] = {}  # per instance, its queued `work` calls, oldest first
         self.view_seq: dict[int, int] = {}
         self.moves: list[_Move] = []  # migrations under way (export, then import, queued on the instances)
@@ -494,8 +543,15 @@ class InstancePool:
         if view["seq"] <= self.view_seq.get(i, 0):  # an answer older than one already read
             return
         self.view_seq[i] = view["seq"]
-        v = InstanceView(i, view["running_ids"], view["running_ctx"], None, list(view["waiting_ids"]),
-                         int(view["kv_free_tokens"]), int(view["max_batch"]))
+        v = InstanceView(
+            i,
+            view["running_ids"],
+            view["running_ctx"],
+            None,
+            list(view["waiting_ids"]),
+            int(view["kv_free_tokens"]),
+            int(view["max_batch"]),
+        )
         for m in self.moves:  # as it will be once the moves under way have landed
             if m.src == i:
                 v = self._without(v, set(m.ids))
@@ -532,10 +588,8 @@ class InstancePool:
         """Instance i is gone: every sample it held and never reported starts again elsewhere.
         It is killed first: an instance Ray only found unreachable must not come back and
         report (or export) what now runs elsewhere."""
-        try:
+        with contextlib.suppress(Exception):  # already gone
             self.ray.kill(self.actors[i], no_restart=True)
-        except Exception:  # noqa: BLE001 - already gone
-            pass
         self.alive.discard(i)
         self.inflight.pop(i, None)
         self.views.pop(i, None)
@@ -548,8 +602,7 @@ class InstancePool:
         if not self.alive:  # no other instance can take them: wait for this one to be back
             self._await_starting()
         live = sorted(self.alive)
-        self.log(f"rollout instance {i} died; re-queuing its {len(lost)} unfinished samples on "
-                 f"{len(live)} instance(s)")
+        self.log(f"rollout instance {i} died; re-queuing its {len(lost)} unfinished samples on {len(live)} instance(s)")
         if not live:
             raise RuntimeError("every rollout instance has died; the rollout cannot complete")
         by_prompt: dict[int, list[int]] = {}
@@ -561,8 +614,9 @@ class InstancePool:
     def _begin(self, i: int):
         """Queue instance i's `begin` of the rollout under way (its answer: the view)."""
         prompt_of, longest = self._begin_args
-        return self.actors[i].begin.remote(self.rl_step, prompt_of, longest,
-                                           _seed(self.seed, "instance", self.rl_step, i, self.restarts[i]))
+        return self.actors[i].begin.remote(
+            self.rl_step, prompt_of, longest, _seed(self.seed, "instance", self.rl_step, i, self.restarts[i])
+        )
 
     def _restart(self, i: int) -> None:
         """Start instance i again (the current weights, a fresh policy), without waiting: it
@@ -603,8 +657,10 @@ class InstancePool:
             raise RuntimeError("every rollout instance has died; the rollout cannot complete")
         dst = min(live, key=lambda k: (self.views[k].load if k in self.views else 0, k))
         self.location[group] = dst  # if dst dies taking them, its own handler re-queues them
-        if self._call(dst, self.actors[dst].submit.remote([(j, self.requests[j]) for j in group]),
-                      self._set_view) is not None:
+        if (
+            self._call(dst, self.actors[dst].submit.remote([(j, self.requests[j]) for j in group]), self._set_view)
+            is not None
+        ):
             self.counts["requeued"] += len(group)
 
     # --- reallocation ------------------------------------------------------------------------
@@ -663,15 +719,23 @@ class InstancePool:
         keep = np.array([j not in gone for j in v.running_ids.tolist()], dtype=bool)
         left = [j for j in v.waiting_ids if j not in gone]
         n_out = [j for j in v.running_ids.tolist() + list(v.waiting_ids) if j in gone]
-        return replace(v, running_ids=v.running_ids[keep], running_ctx=v.running_ctx[keep], waiting_ids=left,
-                       kv_free_tokens=v.kv_free_tokens + sum(reserve(self.requests[j]) for j in n_out))
+        return replace(
+            v,
+            running_ids=v.running_ids[keep],
+            running_ctx=v.running_ctx[keep],
+            waiting_ids=left,
+            kv_free_tokens=v.kv_free_tokens + sum(reserve(self.requests[j]) for j in n_out),
+        )
 
     def _with(self, v: InstanceView, arriving: list[int]) -> InstanceView:
         """The view with these samples queued (arriving: they reserve KV here)."""
-        return replace(v, waiting_ids=list(v.waiting_ids) + list(arriving),
-                       kv_free_tokens=v.kv_free_tokens - sum(reserve(self.requests[j]) for j in arriving))
+        return replace(
+            v,
+            waiting_ids=list(v.waiting_ids) + list(arriving),
+            kv_free_tokens=v.kv_free_tokens - sum(reserve(self.requests[j]) for j in arriving),
+        )
 
-    def _settle(self, move: "_Move") -> None:
+    def _settle(self, move: _Move) -> None:
         """A migration's outcome: which samples left the source and whether they landed."""
         if move not in self.moves:
             return
@@ -704,17 +768,29 @@ class InstancePool:
     # --- results and the rest ----------------------------------------------------------------
 
     def _summary(self, seconds: float) -> dict:
-        t = {k: sum(tt.get(k, 0) for tt in self.totals.values())
-             for k in ("steps", "drafted", "accepted", "rejected", "sd_emitted", "sd_rows")}
+        t = {
+            k: sum(tt.get(k, 0) for tt in self.totals.values())
+            for k in ("steps", "drafted", "accepted", "rejected", "sd_emitted", "sd_rows")
+        }
         tokens = sum(len(s.tokens) for s in self.results)
-        return dict(samples=len(self.results), tokens=tokens, seconds=seconds,
-                    tokens_per_s=tokens / seconds if seconds > 0 else 0.0, steps=t["steps"],
-                    drafted=t["drafted"], accepted=t["accepted"], rejected=t["rejected"], sd_rows=t["sd_rows"],
-                    mean_accept_len=t["sd_emitted"] / t["sd_rows"] if t["sd_rows"] else 1.0,
-                    kv_peak_tokens=max((tt.get("kv_peak_tokens", 0) for tt in self.totals.values()), default=0),
-                    max_running=max((tt.get("max_running", 0) for tt in self.totals.values()), default=0),
-                    instances=self.n, instances_alive=len(self.alive),
-                    instance_finish_s={str(k): v for k, v in sorted(self.finish_s.items())}, **self.counts)
+        return dict(
+            samples=len(self.results),
+            tokens=tokens,
+            seconds=seconds,
+            tokens_per_s=tokens / seconds if seconds > 0 else 0.0,
+            steps=t["steps"],
+            drafted=t["drafted"],
+            accepted=t["accepted"],
+            rejected=t["rejected"],
+            sd_rows=t["sd_rows"],
+            mean_accept_len=t["sd_emitted"] / t["sd_rows"] if t["sd_rows"] else 1.0,
+            kv_peak_tokens=max((tt.get("kv_peak_tokens", 0) for tt in self.totals.values()), default=0),
+            max_running=max((tt.get("max_running", 0) for tt in self.totals.values()), default=0),
+            instances=self.n,
+            instances_alive=len(self.alive),
+            instance_finish_s={str(k): v for k, v in sorted(self.finish_s.items())},
+            **self.counts,
+        )
 
     def kill(self, i: int) -> None:
         """End instance i's process now (what a crash does; tests and failure drills use it)."""
@@ -739,8 +815,7 @@ class InstancePool:
         """Per instance its engine's `policy_state()` (None for a dead one), for checkpoints:
         given back as `states` when the pool is rebuilt."""
         self._await_starting()
-        return [self._call(i, self.actors[i].policy_state.remote()) if i in self.alive else None
-                for i in range(self.n)]
+        return [self._call(i, self.actors[i].policy_state.remote()) if i in self.alive else None for i in range(self.n)]
 
     def close(self) -> None:
         """Write the instances' last trace parts and end their processes."""
@@ -749,13 +824,10 @@ class InstancePool:
         for i in sorted(self.alive):
             self._call(i, self.actors[i].flush.remote())
         for a in self.actors:
-            try:
+            with contextlib.suppress(Exception):  # already gone
                 self.ray.kill(a, no_restart=True)
-            except Exception:  # already gone
-                pass
         self.alive.clear()
 
 
 def _cpu(state: dict) -> dict:
     return {k: v.detach().to("cpu") for k, v in state.items()}
-

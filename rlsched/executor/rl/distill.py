@@ -62,14 +62,27 @@ def _pad(samples: list[ReplaySample], pad_id: int) -> tuple[torch.Tensor, torch.
     ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(samples), width - 1), dtype=torch.bool)
     for i, s in enumerate(samples):
-        ids[i, :len(s.tokens)] = torch.tensor(s.tokens, dtype=torch.long)
-        mask[i, s.prompt_len - 1:len(s.tokens) - 1] = True
+        ids[i, : len(s.tokens)] = torch.tensor(s.tokens, dtype=torch.long)
+        mask[i, s.prompt_len - 1 : len(s.tokens) - 1] = True
     return ids, mask
 
 
-def distill(actor, drafter, optimizer, buffer: ReplayBuffer, *, steps: int, batch: int, weighting: str,
-            weight_min: float, weight_max: float, temperature: float, generator: torch.Generator,
-            pad_id: int, loss_fn=None) -> dict:
+def distill(
+    actor,
+    drafter,
+    optimizer,
+    buffer: ReplayBuffer,
+    *,
+    steps: int,
+    batch: int,
+    weighting: str,
+    weight_min: float,
+    weight_max: float,
+    temperature: float,
+    generator: torch.Generator,
+    pad_id: int,
+    loss_fn=None,
+) -> dict:
     """`steps` optimizer steps of the drafter on minibatches of the buffer. Returns the mean
     per-token KL(p_actor || q_drafter) of the first and the last minibatch (unweighted).
     `loss_fn(ids, mask, weights) -> (weighted loss, unweighted KL)` replaces the model
@@ -77,8 +90,9 @@ def distill(actor, drafter, optimizer, buffer: ReplayBuffer, *, steps: int, batc
     samples = buffer.samples()
     if not samples:
         return dict(kl_before=float("nan"), kl_after=float("nan"), samples=0)
-    weights = torch.as_tensor(reward_weights(np.array([s.reward for s in samples]), weighting,
-                                             weight_min, weight_max), dtype=torch.float32)
+    weights = torch.as_tensor(
+        reward_weights(np.array([s.reward for s in samples]), weighting, weight_min, weight_max), dtype=torch.float32
+    )
     drafter.train().requires_grad_(True)
     kls = []
     try:

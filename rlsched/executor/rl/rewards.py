@@ -34,9 +34,9 @@ import numbers
 import os
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -65,7 +65,7 @@ class RewardBatch:
     errors: list[str]  # one line per failed sample: "sample 3 (prompt 1): ValueError: ..."
 
     @classmethod
-    def empty(cls, n: int) -> "RewardBatch":
+    def empty(cls, n: int) -> RewardBatch:
         return cls(np.full(n, np.nan), np.zeros(n, dtype=bool), [])
 
     def fail(self, i: int, item: RewardInput, reason: str) -> None:
@@ -90,12 +90,11 @@ def resolve_reward(spec: str, *, device="cpu") -> RewardFunction:
         raise UserError(f"reward {spec!r} is empty; give one of {SPEC_HELP}")
     spec = spec.strip()
     if spec == "exact_match":
-        return _PerSample(spec, lambda prompt, response, answer: exact_match(response, answer),
-                          needs_answer=True)
+        return _PerSample(spec, lambda prompt, response, answer: exact_match(response, answer), needs_answer=True)
     if spec == "math":
         return _PerSample(spec, math_reward, needs_answer=True)
     if spec.startswith("model:"):
-        return RewardModel(spec[len("model:"):], device=device, name=spec)
+        return RewardModel(spec[len("model:") :], device=device, name=spec)
     if ":" not in spec:
         raise UserError(f"reward {spec!r} is not known; give one of {SPEC_HELP}")
     return _user_function(spec)
@@ -111,7 +110,7 @@ def _one_line(e: BaseException | str, limit: int = 200) -> str:
         text = f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
     else:
         text = e
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class _BadValue(Exception):
@@ -134,6 +133,7 @@ def _as_reward(value) -> float:
 
 # --- per-sample and batched functions -------------------------------------------------------
 
+
 class _PerSample(RewardFunction):
     """`fn(prompt, response, answer) -> float` called once per sample."""
 
@@ -144,8 +144,12 @@ class _PerSample(RewardFunction):
         out = RewardBatch.empty(len(items))
         for i, item in enumerate(items):
             if self.needs_answer and item.answer is None:
-                out.fail(i, item, f'the dataset lacks an "answer" for this prompt, which the {self.name} '
-                                  'reward needs (add an "answer" field to every line)')
+                out.fail(
+                    i,
+                    item,
+                    f'the dataset lacks an "answer" for this prompt, which the {self.name} '
+                    'reward needs (add an "answer" field to every line)',
+                )
                 continue
             try:
                 out.rewards[i] = _as_reward(self.fn(item.prompt, item.response, item.answer))
@@ -167,8 +171,7 @@ class _Batched(RewardFunction):
         if not items:
             return out
         try:
-            values = self.fn([it.prompt for it in items], [it.response for it in items],
-                             [it.answer for it in items])
+            values = self.fn([it.prompt for it in items], [it.response for it in items], [it.answer for it in items])
             if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
                 raise _BadValue(f"returned {type(values).__name__}, not a sequence of {len(items)} floats")
             values = list(values)
@@ -200,15 +203,21 @@ def _user_function(spec: str) -> RewardFunction:
         try:
             module = importlib.import_module(target)
         except Exception as e:
-            raise UserError(f"reward {spec!r}: cannot import module {target!r} ({_one_line(e)}); check it is "
-                            f"on PYTHONPATH, or {fix}") from None
+            raise UserError(
+                f"reward {spec!r}: cannot import module {target!r} ({_one_line(e)}); check it is "
+                f"on PYTHONPATH, or {fix}"
+            ) from None
     if not hasattr(module, attr):
-        raise UserError(f"reward {spec!r}: module {target!r} has no attribute {attr!r}; define "
-                        f"`def {attr}(prompt, response, answer) -> float` there or fix the name")
+        raise UserError(
+            f"reward {spec!r}: module {target!r} has no attribute {attr!r}; define "
+            f"`def {attr}(prompt, response, answer) -> float` there or fix the name"
+        )
     fn = getattr(module, attr)
     if not callable(fn):
-        raise UserError(f"reward {spec!r}: {attr!r} is a {type(fn).__name__}, not a function; it must be "
-                        "`def f(prompt, response, answer) -> float`")
+        raise UserError(
+            f"reward {spec!r}: {attr!r} is a {type(fn).__name__}, not a function; it must be "
+            "`def f(prompt, response, answer) -> float`"
+        )
     batched = getattr(fn, "batched", False) is True
     try:
         inspect.signature(fn).bind("prompt", "response", "answer")
@@ -222,8 +231,10 @@ def _user_function(spec: str) -> RewardFunction:
 
 def _import_file(spec: str, path: Path):
     if not path.is_file():
-        raise UserError(f"reward {spec!r}: file {path} does not exist; give path/to/file.py:function "
-                        "(relative to the working directory) or pkg.module:function")
+        raise UserError(
+            f"reward {spec!r}: file {path} does not exist; give path/to/file.py:function "
+            "(relative to the working directory) or pkg.module:function"
+        )
     path = path.resolve()
     name = "rlsched_reward_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
     if name in sys.modules:
@@ -245,8 +256,10 @@ def _import_file(spec: str, path: Path):
 
 # A number not glued to a word or to another number: integer or decimal, optional thousands
 # separators (1,234,567), exponent, or a simple fraction (3/4, -1/2).
-_NUM = (r"(?:\d{1,3}(?:,\d{3})+(?!,?\d)|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?"
-        r"|\.\d+(?:[eE][-+]?\d+)?")
+_NUM = (
+    r"(?:\d{1,3}(?:,\d{3})+(?!,?\d)|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?"
+    r"|\.\d+(?:[eE][-+]?\d+)?"
+)
 NUMBER = re.compile(rf"(?<![\w.])-?(?:{_NUM})(?:/\d+(?:\.\d+)?)?")
 _FRAC = re.compile(r"\\[dt]?frac\s*\{\s*(-?[\d.,]+)\s*\}\s*\{\s*(-?[\d.,]+)\s*\}")
 _TEXT = re.compile(r"\\(?:text|textbf|mathrm|mathbf)\s*\{([^{}]*)\}")
@@ -262,7 +275,7 @@ def last_boxed(text: str) -> str | None:
             depth += {"{": 1, "}": -1}.get(text[i], 0)
             i += 1
         if depth == 0:
-            found = text[m.end():i - 1]
+            found = text[m.end() : i - 1]
     return found
 
 
@@ -329,6 +342,7 @@ def math_reward(prompt: str, response: str, answer: str) -> float:
 
 # --- reward model ---------------------------------------------------------------------------
 
+
 class RewardModel(RewardFunction):
     """A local HF sequence-classification folder (num_labels 1) on this project's transformer.
 
@@ -343,8 +357,8 @@ class RewardModel(RewardFunction):
             import torch
         except ImportError:
             raise UserError("the model: reward needs torch; pip install 'rlsched[executor]'") from None
-        from rlsched.executor.model.transformer import loading as loading
         from rlsched.executor.model.transformer import Transformer
+        from rlsched.executor.model.transformer import loading as loading
 
         folder = Path(folder)
         if not str(folder).strip() or str(folder) == ".":
@@ -359,8 +373,10 @@ class RewardModel(RewardFunction):
         self.config = config = dataclasses.replace(config, tie_word_embeddings=True)
         self.tokenizer = loading.load_tokenizer(folder)
         if self.tokenizer is None:
-            raise UserError(f"reward model folder {folder} has no tokenizer.json (convert its tokenizer "
-                            "with transformers: AutoTokenizer.from_pretrained(...).save_pretrained(...))")
+            raise UserError(
+                f"reward model folder {folder} has no tokenizer.json (convert its tokenizer "
+                "with transformers: AutoTokenizer.from_pretrained(...).save_pretrained(...))"
+            )
         pad = raw.get("pad_token_id")
         self.pad_id = pad if isinstance(pad, int) and 0 <= pad < config.vocab_size else 0
         state, head_w, head_b = _load_reward_weights(folder, config, self.device)
@@ -382,8 +398,12 @@ class RewardModel(RewardFunction):
             if not ids:
                 out.fail(i, item, "prompt + response is empty; a reward model needs at least one token")
             elif max(ids) >= vocab:
-                out.fail(i, item, f"token id {max(ids)} is outside the reward model's vocabulary ({vocab}); "
-                                  "its tokenizer.json does not match config.json")
+                out.fail(
+                    i,
+                    item,
+                    f"token id {max(ids)} is outside the reward model's vocabulary ({vocab}); "
+                    "its tokenizer.json does not match config.json",
+                )
             elif window is not None and len(ids) > window:
                 out.fail(i, item, f"{len(ids)} tokens exceed the reward model's sliding window ({window})")
             else:
@@ -391,11 +411,11 @@ class RewardModel(RewardFunction):
         rows.sort(key=lambda r: len(r[1]), reverse=True)
         with torch.inference_mode():
             for start in range(0, len(rows), self.batch_size):
-                chunk = rows[start:start + self.batch_size]
+                chunk = rows[start : start + self.batch_size]
                 width = len(chunk[0][1])
                 ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
                 for r, (_, seq) in enumerate(chunk):
-                    ids[r, :len(seq)] = torch.tensor(seq)
+                    ids[r, : len(seq)] = torch.tensor(seq)
                 last = torch.tensor([len(seq) - 1 for _, seq in chunk], device=self.device)
                 h = self.model.features(ids.to(self.device))
                 h = h[torch.arange(len(chunk), device=self.device), last]
@@ -413,15 +433,19 @@ def _check_classifier(raw: dict, folder: Path) -> None:
     where = folder / "config.json"
     arch = raw.get("architectures")
     if isinstance(arch, list) and arch and not any(str(a).endswith("ForSequenceClassification") for a in arch):
-        raise UserError(f"{where}: field 'architectures' is {arch}; a reward model is a "
-                        "*ForSequenceClassification folder (one score head), not a causal LM")
+        raise UserError(
+            f"{where}: field 'architectures' is {arch}; a reward model is a "
+            "*ForSequenceClassification folder (one score head), not a causal LM"
+        )
     labels = raw.get("num_labels")
     field = "num_labels"
     if labels is None and isinstance(raw.get("id2label"), dict):
         labels, field = len(raw["id2label"]), "id2label"
     if labels is not None and labels != 1:
-        raise UserError(f"{where}: field '{field}' gives {labels} labels; a reward model needs num_labels=1 "
-                        "(one score per sequence)")
+        raise UserError(
+            f"{where}: field '{field}' gives {labels} labels; a reward model needs num_labels=1 "
+            "(one score per sequence)"
+        )
 
 
 def _load_reward_weights(folder: Path, config, device):
@@ -433,8 +457,10 @@ def _load_reward_weights(folder: Path, config, device):
 
     where = _locate_tensors(folder)
     if "score.weight" not in where:
-        raise UserError(f"reward model folder {folder} has no score.weight; a reward model is a "
-                        "*ForSequenceClassification checkpoint (save it with save_pretrained)")
+        raise UserError(
+            f"reward model folder {folder} has no score.weight; a reward model is a "
+            "*ForSequenceClassification checkpoint (save it with save_pretrained)"
+        )
     wanted = weight_map(config)
     needed = {name for parts in wanted.values() for name, _ in parts}
     missing = sorted(needed - where.keys())
@@ -443,8 +469,10 @@ def _load_reward_weights(folder: Path, config, device):
     known = needed | {"score.weight", "score.bias", "lm_head.weight"}
     unexpected = sorted(n for n in where.keys() - known if not n.endswith(".rotary_emb.inv_freq"))
     if unexpected:
-        raise UserError(f"reward model folder {folder}: unexpected weight(s) {_names(unexpected)} "
-                        f"(not a {config.model_type} checkpoint matching config.json?)")
+        raise UserError(
+            f"reward model folder {folder}: unexpected weight(s) {_names(unexpected)} "
+            f"(not a {config.model_type} checkpoint matching config.json?)"
+        )
     handles = {}
 
     def get(name):
@@ -461,8 +489,10 @@ def _load_reward_weights(folder: Path, config, device):
             for name, shape in parts:
                 t = get(name)
                 if tuple(t.shape) != shape:
-                    raise UserError(f"reward model folder {folder}: weight {name} has shape {tuple(t.shape)}, "
-                                    f"config.json implies {shape}")
+                    raise UserError(
+                        f"reward model folder {folder}: weight {name} has shape {tuple(t.shape)}, "
+                        f"config.json implies {shape}"
+                    )
                 tensors.append(t)
             t = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
             state[mine] = t.to(device=device, dtype=torch.float32)
@@ -471,8 +501,10 @@ def _load_reward_weights(folder: Path, config, device):
     except (SafetensorError, OSError) as e:
         raise UserError(f"reward model folder {folder}: cannot read weights: {e}") from None
     if tuple(w.shape) != (1, h):
-        raise UserError(f"reward model folder {folder}: score.weight has shape {tuple(w.shape)} "
-                        f"(num_labels={w.shape[0]}); a reward model needs num_labels=1, shape (1, {h})")
+        raise UserError(
+            f"reward model folder {folder}: score.weight has shape {tuple(w.shape)} "
+            f"(num_labels={w.shape[0]}); a reward model needs num_labels=1, shape (1, {h})"
+        )
     if b is not None and tuple(b.shape) != (1,):
         raise UserError(f"reward model folder {folder}: score.bias has shape {tuple(b.shape)}, expected (1,)")
     w = w.to(device=device, dtype=torch.float32)

@@ -49,8 +49,13 @@ class Trainer:
     def __init__(self, cfg: RunConfig, out: Path, *, resume: bool = False, log=None):
         self.cfg, self.out, self.log = cfg, Path(out), log or (lambda msg: None)
         b = build(cfg, self.out, resume=resume, log=self.log)
-        self.source, self.reward_fn, self.tokenizer, self.eos, self.pad_id = (b.source, b.reward_fn, b.tokenizer,
-                                                                              b.eos, b.pad_id)
+        self.source, self.reward_fn, self.tokenizer, self.eos, self.pad_id = (
+            b.source,
+            b.reward_fn,
+            b.tokenizer,
+            b.eos,
+            b.pad_id,
+        )
         self.drafter_name, self.model_dir = b.drafter_name, b.model_dir
         self.drafter_names = drafter_names(b.drafter_name)
         self.state, self.reference, self.backend = b.state, b.reference, b.backend
@@ -67,12 +72,16 @@ class Trainer:
         items = self.source.batch(s, r.prompts_per_step)
         prompts = [encode(self.tokenizer, i.prompt) for i in items]
         n = r.prompts_per_step * r.group_size
-        requests = [Request(p, prompt_key(it.prompt), s * n + i * r.group_size + j, r.max_tokens, self.eos)
-                    for i, (it, p) in enumerate(zip(items, prompts)) for j in range(r.group_size)]
+        requests = [
+            Request(p, prompt_key(it.prompt), s * n + i * r.group_size + j, r.max_tokens, self.eos)
+            for i, (it, p) in enumerate(zip(items, prompts))
+            for j in range(r.group_size)
+        ]
         if max(len(p) for p in prompts) > self._longest:  # a longer prompt than sized for: bigger caches
             self._longest = max(len(p) for p in prompts)
-            self.backend.resize(r.max_batch * (self._longest + r.max_tokens),
-                                drafter_cache_len(self._longest, r.max_tokens, r.k_max))
+            self.backend.resize(
+                r.max_batch * (self._longest + r.max_tokens), drafter_cache_len(self._longest, r.max_tokens, r.k_max)
+            )
         self.state.generator.manual_seed(_seed(c.seed, "rollout", s))
         self.backend.rl_step = s
         t = time.perf_counter()
@@ -83,8 +92,10 @@ class Trainer:
         t = time.perf_counter()
         texts = [self._decode(x.tokens) for x in result.samples]
         group = [q.sample_id // r.group_size % r.prompts_per_step for q in requests]
-        inputs = [RewardInput(items[g].prompt, txt, items[g].answer, q.prompt_id, q.sample_id)
-                  for q, g, txt in zip(requests, group, texts)]
+        inputs = [
+            RewardInput(items[g].prompt, txt, items[g].answer, q.prompt_id, q.sample_id)
+            for q, g, txt in zip(requests, group, texts)
+        ]
         rb = self.reward_fn.score(inputs)
         failed = int(rb.failed.sum())
         inference_s = reward_s = time.perf_counter() - t
@@ -94,10 +105,12 @@ class Trainer:
             raise RewardFailures(
                 f"reward '{c.reward}' failed on {failed} of {n} samples at step {s} (more than "
                 f"max_reward_failures={c.max_reward_failures:g}); first: {rb.errors[0]}; the run stopped, its traces "
-                f"and last checkpoint are in {self.out}: fix the reward and run again with --resume")
+                f"and last checkpoint are in {self.out}: fix the reward and run again with --resume"
+            )
         if failed:
-            self.log(f"step {s}: reward failed on {failed} of {n} samples (left out of the update); "
-                     f"first: {rb.errors[0]}")
+            self.log(
+                f"step {s}: reward failed on {failed} of {n} samples (left out of the update); first: {rb.errors[0]}"
+            )
         update = self._prepare_update(requests, group, result, rb)
         inference_s += time.perf_counter() - t
 
@@ -108,10 +121,15 @@ class Trainer:
         from rlsched.executor.rl.distill import ReplaySample
 
         state, st = self.state, result.stats
-        state.buffer.add([ReplaySample(list(q.prompt) + x.tokens, len(q.prompt), float(rw))
-                          for q, x, rw in zip(requests, result.samples, rb.rewards)])
-        state.schedule.observe(generation_s, st.get("drafted", 0), st.get("accepted", 0), st.get("rejected"),
-                               st.get("sd_rows", 0))
+        state.buffer.add(
+            [
+                ReplaySample(list(q.prompt) + x.tokens, len(q.prompt), float(rw))
+                for q, x, rw in zip(requests, result.samples, rb.rewards)
+            ]
+        )
+        state.schedule.observe(
+            generation_s, st.get("drafted", 0), st.get("accepted", 0), st.get("rejected"), st.get("sd_rows", 0)
+        )
         t = time.perf_counter()
         distill_stats = self._update_drafter(s)
         if distill_stats is not None:
@@ -119,10 +137,16 @@ class Trainer:
         self.backend.sync_weights(state.actor, state.drafter_model)  # the next rollout samples the new policy
         drafter_update_s = time.perf_counter() - t
 
-        times = dict(generation_s=generation_s, inference_s=inference_s, training_s=training_s,
-                     drafter_update_s=drafter_update_s, total_s=time.perf_counter() - t_start)
-        record = step_record(s, requests, result, rb, times, train_stats, distill_stats, self.backend.estimator,
-                             self.drafter_names)
+        times = dict(
+            generation_s=generation_s,
+            inference_s=inference_s,
+            training_s=training_s,
+            drafter_update_s=drafter_update_s,
+            total_s=time.perf_counter() - t_start,
+        )
+        record = step_record(
+            s, requests, result, rb, times, train_stats, distill_stats, self.backend.estimator, self.drafter_names
+        )
         record.update(reward_s=reward_s, reference_s=update["reference_s"], critic_s=update["critic_s"])
         self._rl_writer.append(record)
         if (s + 1) % c.checkpoint_every == 0 or s + 1 == c.steps:
@@ -135,8 +159,13 @@ class Trainer:
 
         c, a = self.cfg, self.cfg.algorithm
         valid = ~rb.failed
-        batch = make_batch([q.prompt for q in requests], [x.tokens for x in result.samples],
-                           [x.logprobs for x in result.samples], self.pad_id, valid.tolist())
+        batch = make_batch(
+            [q.prompt for q in requests],
+            [x.tokens for x in result.samples],
+            [x.logprobs for x in result.samples],
+            self.pad_id,
+            valid.tolist(),
+        )
         rewards = torch.as_tensor(np.nan_to_num(rb.rewards, nan=0.0), dtype=torch.float32)
         update = dict(batch=batch, ref_logp=None, old_values=None, returns=None, reference_s=0.0, critic_s=0.0)
         with torch.no_grad():
@@ -177,8 +206,9 @@ class Trainer:
                     mb = batch.select(rows)
                     logp = token_logprobs(state.actor, mb.ids, c.rollout.temperature)
                     ref = None if u["ref_logp"] is None else u["ref_logp"][rows]
-                    loss, st = policy_loss(logp, mb.old_logp, u["advantages"][rows], mb.mask, a.clip_eps,
-                                           a.loss_agg, ref, a.kl_coef)
+                    loss, st = policy_loss(
+                        logp, mb.old_logp, u["advantages"][rows], mb.mask, a.clip_eps, a.loss_agg, ref, a.kl_coef
+                    )
                     state.actor_opt.zero_grad(set_to_none=True)
                     loss.backward()
                     st["grad_norm"] = torch.nn.utils.clip_grad_norm_(state.actor.parameters(), a.max_grad_norm).item()
@@ -186,8 +216,7 @@ class Trainer:
                     st["loss"] = loss.item()
                     if state.critic is not None:
                         v = state.critic(mb.ids)
-                        vl = value_loss(v, u["old_values"][rows], u["returns"][rows], mb.mask, a.value_clip,
-                                        a.loss_agg)
+                        vl = value_loss(v, u["old_values"][rows], u["returns"][rows], mb.mask, a.value_clip, a.loss_agg)
                         state.critic_opt.zero_grad(set_to_none=True)
                         vl.backward()
                         torch.nn.utils.clip_grad_norm_(state.critic.parameters(), a.max_grad_norm)
@@ -211,13 +240,34 @@ class Trainer:
         if self.drafter_name == "eagle":
             from rlsched.executor.decode.eagle import distill_head
 
-            return distill_head(state.actor, state.drafter_model, state.drafter_opt, state.buffer, steps=d.steps,
-                                batch=d.batch, weighting=d.weighting, weight_min=d.weight_min,
-                                weight_max=d.weight_max, temperature=self.cfg.rollout.temperature, generator=gen,
-                                pad_id=self.pad_id)
-        return distill(state.actor, state.drafter_model, state.drafter_opt, state.buffer, steps=d.steps, batch=d.batch,
-                       weighting=d.weighting, weight_min=d.weight_min, weight_max=d.weight_max,
-                       temperature=self.cfg.rollout.temperature, generator=gen, pad_id=self.pad_id)
+            return distill_head(
+                state.actor,
+                state.drafter_model,
+                state.drafter_opt,
+                state.buffer,
+                steps=d.steps,
+                batch=d.batch,
+                weighting=d.weighting,
+                weight_min=d.weight_min,
+                weight_max=d.weight_max,
+                temperature=self.cfg.rollout.temperature,
+                generator=gen,
+                pad_id=self.pad_id,
+            )
+        return distill(
+            state.actor,
+            state.drafter_model,
+            state.drafter_opt,
+            state.buffer,
+            steps=d.steps,
+            batch=d.batch,
+            weighting=d.weighting,
+            weight_min=d.weight_min,
+            weight_max=d.weight_max,
+            temperature=self.cfg.rollout.temperature,
+            generator=gen,
+            pad_id=self.pad_id,
+        )
 
     def _decode(self, ids: list[int]) -> str:
         n = self.tokenizer.get_vocab_size()
@@ -234,7 +284,7 @@ class Trainer:
                     on_step(rec)
         return self.finish()
 
-    def __enter__(self) -> "Trainer":
+    def __enter__(self) -> Trainer:
         """Open the RL-step trace, for `step` calls made by the caller: runs stepped in lockstep
         (`bench/fidelity.py`: an SD run and an off run alternating steps, so that this shared
         machine's slow spells hit both). `run` does it all."""

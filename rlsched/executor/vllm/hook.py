@@ -42,8 +42,7 @@ class StepHook:
     index map of the current rollout, and the step records. With `policy` None the hook only
     watches: vLLM keeps its own draft length, the estimator and the records are fed alike."""
 
-    def __init__(self, policy, estimator, drafter: str, k_max: int, *, instance: int = 0, prober=None,
-                 record=None):
+    def __init__(self, policy, estimator, drafter: str, k_max: int, *, instance: int = 0, prober=None, record=None):
         self.policy, self.estimator, self.drafter, self.k_max = policy, estimator, drafter, k_max
         self.instance, self.prober, self.record = instance, prober, record
         self.needs_acceptance = policy is None or getattr(policy, "needs_acceptance", True)
@@ -119,9 +118,17 @@ class StepHook:
             self._ids = ids
         ctx = np.asarray(ctx, dtype=np.int64)
         pool = scheduler.kv_cache_manager.block_pool
-        state = EngineState(self.instance, self.step, time.perf_counter() - self._t0, self._ids, ctx,
-                            int(ctx.sum()), len(scheduler.waiting), pool.get_num_free_blocks() * scheduler.block_size,
-                            self.estimator)
+        state = EngineState(
+            self.instance,
+            self.step,
+            time.perf_counter() - self._t0,
+            self._ids,
+            ctx,
+            int(ctx.sum()),
+            len(scheduler.waiting),
+            pool.get_num_free_blocks() * scheduler.block_size,
+            self.estimator,
+        )
         self._next = (state, None)
         self.draft_s = 0.0
         if self.policy is not None:  # else vLLM's own choice (num_speculative_tokens or its batch-size table)
@@ -135,9 +142,13 @@ class StepHook:
             strategy = self.prober(strategy)
         if strategy.width != 1:
             raise ValueError(f"strategy {strategy.label}: vLLM drafts chains, not trees")
-        want = (np.zeros(len(rows), dtype=np.int64) if strategy.is_off
-                else np.asarray(strategy.k_per_row, dtype=np.int64) if strategy.k_per_row is not None
-                else np.full(len(rows), strategy.k, dtype=np.int64))
+        want = (
+            np.zeros(len(rows), dtype=np.int64)
+            if strategy.is_off
+            else np.asarray(strategy.k_per_row, dtype=np.int64)
+            if strategy.k_per_row is not None
+            else np.full(len(rows), strategy.k, dtype=np.int64)
+        )
         ks = np.clip(np.minimum(want, np.minimum(np.asarray(room, dtype=np.int64), self.k_max)), 0, None)
         self._k_of = dict(zip(rows, ks.tolist()))
         k = int(ks.max(initial=0))
@@ -176,25 +187,72 @@ class StepHook:
                 self.estimator.update(self.drafter, ids, acc, dk)
             if self.observes:
                 verify_s = step_s - self.draft_s
-                self.policy.observe(StepOutcome(self.instance, state.step, strategy, len(verified), drafted, n_acc,
-                                                emitted, verify_s + draft_s, draft_s, verify_s, ids, acc))
+                self.policy.observe(
+                    StepOutcome(
+                        self.instance,
+                        state.step,
+                        strategy,
+                        len(verified),
+                        drafted,
+                        n_acc,
+                        emitted,
+                        verify_s + draft_s,
+                        draft_s,
+                        verify_s,
+                        ids,
+                        acc,
+                    )
+                )
         elif prev is not None and self.observes:
             state, strategy, _ = prev
-            self.policy.observe(StepOutcome(self.instance, state.step, strategy, len(rows), 0, 0, emitted,
-                                            step_s, self.draft_s, step_s - self.draft_s))
+            self.policy.observe(
+                StepOutcome(
+                    self.instance,
+                    state.step,
+                    strategy,
+                    len(rows),
+                    0,
+                    0,
+                    emitted,
+                    step_s,
+                    self.draft_s,
+                    step_s - self.draft_s,
+                )
+            )
         if self.record is not None:
             prefill = sum(1 for q, n in scheduler_output.num_scheduled_tokens.items() if n > 1 + len(spec.get(q, ())))
-            kind = "decode" if not prefill else ("prefill" if prefill == len(scheduler_output.num_scheduled_tokens)
-                                                 else "mixed")
+            kind = (
+                "decode"
+                if not prefill
+                else ("prefill" if prefill == len(scheduler_output.num_scheduled_tokens) else "mixed")
+            )
             draft_ms = (prev[2] if prev is not None else 0.0) * 1e3  # with k = 0: the drafter's feed
             verify_ms = (step_s - self.draft_s) * 1e3
-            ctx = int(sum(scheduler_output.num_scheduled_tokens.values())) if kind == "prefill" else int(
-                self._next[0].ctx_tokens)
-            self.record(dict(rl_step=self.rl_step, instance=self.instance, step=self.step,
-                             time_s=self._t_step - self._t0, kind=kind, batch=len(rows),
-                             drafter=self.drafter if drafted else "off", k=int(dk.max(initial=0)), width=1,
-                             drafted=drafted, accepted=n_acc, emitted=emitted, draft_ms=draft_ms,
-                             verify_ms=verify_ms, step_ms=draft_ms + verify_ms, ctx_tokens=ctx))
+            ctx = (
+                int(sum(scheduler_output.num_scheduled_tokens.values()))
+                if kind == "prefill"
+                else int(self._next[0].ctx_tokens)
+            )
+            self.record(
+                dict(
+                    rl_step=self.rl_step,
+                    instance=self.instance,
+                    step=self.step,
+                    time_s=self._t_step - self._t0,
+                    kind=kind,
+                    batch=len(rows),
+                    drafter=self.drafter if drafted else "off",
+                    k=int(dk.max(initial=0)),
+                    width=1,
+                    drafted=drafted,
+                    accepted=n_acc,
+                    emitted=emitted,
+                    draft_ms=draft_ms,
+                    verify_ms=verify_ms,
+                    step_ms=draft_ms + verify_ms,
+                    ctx_tokens=ctx,
+                )
+            )
         self.step += 1
         self.hook_s += time.perf_counter() - t_in
 
@@ -253,7 +311,7 @@ def install_draft_clock(llm, hook: StepHook) -> None:
 def attach(llm, hook: StepHook) -> None:
     """Give `llm`'s PolicyScheduler its hook and time its drafting."""
     core = llm.llm_engine.engine_core
-    scheduler = getattr(getattr(core, "engine_core", core), "scheduler")
+    scheduler = getattr(core, "engine_core", core).scheduler
     if not hasattr(type(scheduler), "hook"):
         raise RuntimeError("the vLLM engine was not started with rlsched's scheduler_class()")
     scheduler.hook = hook
