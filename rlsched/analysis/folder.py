@@ -41,6 +41,7 @@ from rlsched.analysis.plots import (
     stage_figure,
 )
 from rlsched.errors import UserError
+from rlsched.policies.tree import chain_tokens
 from rlsched.traces.reader import read_trace
 from rlsched.traces.schema import STEP_SCHEMA
 
@@ -201,7 +202,7 @@ def expected_tokens(a: float, k) -> np.ndarray:
     """Tokens per row of a chain-drafting step of length k at per-token acceptance a:
     (1 - a^(k+1)) / (1 - a), the accepted drafts plus the target's own token."""
     k = np.asarray(k, dtype=float)
-    return k + 1 if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
+    return k + 1 if a >= 1 else chain_tokens(a, k)
 
 
 def per_step_acceptance(d: FolderData) -> pd.DataFrame | None:

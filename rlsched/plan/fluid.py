@@ -32,7 +32,7 @@ import numpy as np
 from rlsched.config import SimConfig
 from rlsched.policies.draft import tree_parts
 from rlsched.policies.registry import make_draft_policy
-from rlsched.policies.tree import GRID
+from rlsched.policies.tree import GRID, chain_tokens
 from rlsched.sim.cluster import kv_capacity
 from rlsched.sim.simulate import policy_context
 from rlsched.sim.workload import sample_rollout
@@ -51,7 +51,7 @@ class FluidStage:
 def expected_tokens_per_row(acceptance: np.ndarray, k_max: int) -> np.ndarray:
     """(rows, k_max + 1): tokens a chain step of k drafts emits in expectation, per row."""
     a = np.clip(acceptance, 0.0, 1.0 - 1e-9)[:, None]
-    return (1.0 - a ** (np.arange(k_max + 1) + 1.0)) / (1.0 - a)
+    return chain_tokens(a, np.arange(k_max + 1))
 
 
 class Strategies:

@@ -78,6 +78,12 @@ class AcceptanceEstimator:
         s.p_mean = (g * self.prompt_strength + s.p_succ) / (self.prompt_strength + s.p_succ + s.p_fail)
         s.stale = 0
 
+    def from_trials(self, accepted, rejected):
+        """A sample's per-token acceptance from its own chain trials (`accepted` drafts kept,
+        `rejected` chains stopped short), shrunk towards the prior with the sample strength:
+        what both engines write of a finished sample whose acceptance no estimator followed."""
+        return (accepted + self.prior_mean * self.sample_strength) / (accepted + rejected + self.sample_strength)
+
     def estimates(self, drafter: str, ids: np.ndarray, whole: bool = False) -> np.ndarray:
         """Each sample's acceptance: from its recent steps (`sample_decay`), or with `whole` from
         all of them (what a trace records of a finished sample: its mean, which the simulator

@@ -9,7 +9,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rlsched.errors import UserError
-from rlsched.policies.tree import TREE_GAIN, TreeShape, TreeTable, reference_acceptance, tree_options, tree_shape
+from rlsched.policies.tree import (
+    TREE_GAIN,
+    TreeShape,
+    TreeTable,
+    chain_tokens,
+    reference_acceptance,
+    tree_options,
+    tree_shape,
+)
 from rlsched.policies.types import NEVER_CHANGES, OFF, CostModel, EngineState, StepOutcome, Strategy
 
 
@@ -93,7 +101,8 @@ def tree_times(cost: CostModel, drafter: str, options: list[Strategy], batch: in
 def expected_tokens(acceptance: np.ndarray, k_max: int) -> np.ndarray:
     """Expected tokens emitted by a chain step, summed over the batch, for k = 0..k_max.
 
-    Per sequence with acceptance a: sum_{j=0..k} a^j = (1 - a^(k+1)) / (1 - a).
+    Per sequence with acceptance a: sum_{j=0..k} a^j (`tree.chain_tokens`), summed here as
+    running products.
     """
     a = np.atleast_1d(np.asarray(acceptance, dtype=float))
     powers = np.empty((len(a), k_max))
@@ -441,7 +450,7 @@ class SeqGoodputPolicy(GoodputPolicy):
             # each threshold under every cap (the longest draft sets the drafter forwards), and the uniform k's
             capped = np.minimum(by_tau[None], self._ks[:, None, None]).reshape(-1, b)
             ks = np.concatenate((capped, np.repeat(self._ks[:, None], b, axis=1)))  # (candidates, batch)
-            tokens = ((1 - a ** (ks + 1)) / (1 - a)).sum(axis=1)
+            tokens = chain_tokens(a, ks).sum(axis=1)
             times = self.cost.draft_time_per_row(d, ks, ctx) + self.cost.verify_time(b, 1 + ks.mean(axis=1), ctx)
             rates = tokens / np.maximum(times, 1e-12)
             rates[ks.max(axis=1) == 0] = 0.0

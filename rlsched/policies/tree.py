@@ -75,6 +75,13 @@ class TreeShape:
         return self.node_probs(a, gain).sum(axis=1)
 
 
+def chain_tokens(a, k):
+    """Expected tokens of a chain step of `k` drafts at per-token acceptance `a` < 1: the
+    accepted drafts plus the target's own token, sum_{j=0..k} a^j = (1 - a^(k+1)) / (1 - a)
+    (numpy arrays broadcast; a tree's counterpart is `TreeShape.expected_accepted` + 1)."""
+    return (1 - a ** (k + 1)) / (1 - a)
+
+
 def reference_acceptance(mean: float, top1: float) -> float:
     """The rank-1 rate a drafter's tree shapes are built for: its mean chain acceptance times
     `tree_top1`, rounded so that policies and the simulator build the very same shape."""

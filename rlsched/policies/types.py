@@ -52,6 +52,22 @@ class Strategy:
         if self.k_per_row is not None and (self.width != 1 or int(self.k_per_row.max(initial=0)) != self.k):
             raise ValueError("per-sequence draft lengths are chains whose maximum is k")
 
+    def row_lengths(self, room, k_max: int) -> np.ndarray:
+        """Each row's draft length: `k` (or `k_per_row`), at most the row's `room` (the drafts
+        it could still keep) and `k_max`; 0 for every row when off. A tree drafts its `k`
+        levels on every row."""
+        n = len(room)
+        if self.is_off:
+            return np.zeros(n, dtype=np.int64)
+        if self.is_tree:
+            return np.full(n, self.k, dtype=np.int64)
+        want = (
+            np.asarray(self.k_per_row, dtype=np.int64)
+            if self.k_per_row is not None
+            else np.full(n, self.k, dtype=np.int64)
+        )
+        return np.clip(np.minimum(want, np.minimum(np.asarray(room, dtype=np.int64), k_max)), 0, None)
+
     @property
     def is_tree(self) -> bool:
         return self.width > 1
