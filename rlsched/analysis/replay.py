@@ -29,8 +29,8 @@ import simpy
 import yaml
 
 from rlsched.errors import UserError
-from rlsched.executor.setup import HOST_DRAFTERS
 from rlsched.policies.acceptance import AcceptanceEstimator
+from rlsched.policies.drafters import HOST_DRAFTERS
 from rlsched.traces.reader import read_trace
 
 

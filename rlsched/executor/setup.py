@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rlsched.errors import UserError
+from rlsched.policies.drafters import HOST_DRAFTERS, drafter_names
 from rlsched.policies.probe import PROBE_EVERY
 from rlsched.policies.registry import parse_policy
 
@@ -44,8 +45,6 @@ def check_policy_model(policy: str, model_dir: Path, config) -> None:
 
 # --- the drafter -------------------------------------------------------------------------------
 
-HOST_DRAFTERS = ("ngram", "suffix")  # drafters without a model: they draft from earlier text
-
 
 def drafter_kind(drafter) -> str:
     """What a drafter argument is: off, ngram, suffix, eagle (the built-in target's EAGLE-3
@@ -72,11 +71,6 @@ def check_width_max(width_max: int, kind: str, backend: str, field: str) -> None
             f"{field} {width_max}: the {kind} drafter drafts no trees; use builtin, a model folder, "
             "eagle or suffix, or set it to 1"
         )
-
-
-def drafter_names(kind: str) -> tuple[str, ...]:
-    """The drafters a policy may name, for a drafter of this kind."""
-    return () if kind == "off" else (kind,)
 
 
 # --- models --------------------------------------------------------------------------------------
