@@ -304,164 +304,190 @@ class Instance:
 
     # ------------------------------------------------------------------ the process
     def run(self):
-        env, st, cost, policy, tl = self.env, self.stage, self.stage.cost, self.policy, self.stage.timeline
-        est, rl_step, drafter_idx = st.estimator, st.rl_step, st.drafter_idx
-        record = tl.append if tl.enabled else None
-        learn_acceptance = getattr(policy, "needs_acceptance", True)
-        observes = getattr(policy, "observes", True)
+        """The instance's process: admit and prefill queued sequences, decode the batch a step
+        (or a steady run of steps) at a time, and wait while it has nothing to run."""
+        st, policy = self.stage, self.policy
+        self._record = st.timeline.append if st.timeline.enabled else None
+        self._learn_acceptance = getattr(policy, "needs_acceptance", True)
+        self._observes = getattr(policy, "observes", True)
         # runs of identical steps are simulated at once when the policy can promise them
-        steady = getattr(policy, "steady_steps", None) if not observes and st.max_run > 1 else None
-        add = np.add.reduce
+        self._steady = getattr(policy, "steady_steps", None) if not self._observes and st.max_run > 1 else None
         while True:
             if self.outbox:
                 st.carry_out(self)
             if self.waiting and self.batch < st.max_batch:
-                t_pre, n_pre = self._admit()
-                if n_pre:
-                    t0 = env.now
-                    yield env.timeout(t_pre)
-                    self.busy += t_pre
-                    if record:
-                        record(
-                            (
-                                rl_step,
-                                self.idx,
-                                self.steps,
-                                t0 - st.t0,
-                                KIND_PREFILL,
-                                self.batch,
-                                -1,
-                                0,
-                                1,
-                                0,
-                                0,
-                                0,
-                                0.0,
-                                t_pre,
-                                n_pre,
-                            )
-                        )
-                    self.steps += 1
-            b = self.batch
-            # new work can arrive between steps (migrations) or be admitted: step one by one
-            block_blocked = st.realloc_active or (self.waiting and b < st.max_batch)
-            if b == 0:
-                if self.waiting:  # the queue head does not fit in KV: cannot happen (checked upfront)
-                    raise RuntimeError(
-                        f"instance {self.idx}: sequence of {st.ctx_g[self.waiting[0]]} tokens "
-                        f"exceeds KV capacity {st.kv_capacity}"
-                    )
-                if st.done.triggered:
-                    return
-                st.report(self, "idle")
-                if self.waiting or self.outbox:
-                    continue
-                self.wake = env.event()
-                yield self.wake | st.done
-                self.wake = None
-                continue
+                yield from self._prefill()
+            if self.batch:
+                yield from self._decode()
+            elif (yield from self._idle()):
+                return
 
-            ctx_sum, sid = self.ctx_sum, self.sid
-            state = EngineState(
-                self.idx,
-                self.steps,
-                env.now - st.t0,
-                sid,
-                self.ctx,
-                ctx_sum,
-                len(self.waiting),
-                st.kv_capacity - ctx_sum,
-                est,
+    def _prefill(self):
+        """Admit what the queue head allows and spend their prefill, a step of its own."""
+        t_pre, n_pre = self._admit()
+        if not n_pre:
+            return
+        st, t0 = self.stage, self.env.now
+        yield self.env.timeout(t_pre)
+        self.busy += t_pre
+        if self._record:
+            self._record(
+                (
+                    st.rl_step,
+                    self.idx,
+                    self.steps,
+                    t0 - st.t0,
+                    KIND_PREFILL,
+                    self.batch,
+                    -1,
+                    0,
+                    1,
+                    0,
+                    0,
+                    0,
+                    0.0,
+                    t_pre,
+                    n_pre,
+                )
             )
-            strat = self.prober(policy.choose(state))
-            t0 = env.now
-            if steady is not None and not block_blocked and not self.prober.probed:
-                n = self._steady_run_length(state, strat, steady)
+        self.steps += 1
+
+    def _idle(self):
+        """No rows: returns True when the stage is done, else waits for work (or goes on at once
+        when some is queued or waits in the outbox)."""
+        st = self.stage
+        if self.waiting:  # the queue head does not fit in KV: cannot happen (checked upfront)
+            raise RuntimeError(
+                f"instance {self.idx}: sequence of {st.ctx_g[self.waiting[0]]} tokens "
+                f"exceeds KV capacity {st.kv_capacity}"
+            )
+        if st.done.triggered:
+            return True
+        st.report(self, "idle")
+        if self.waiting or self.outbox:
+            return False
+        self.wake = self.env.event()
+        yield self.wake | st.done
+        self.wake = None
+        return False
+
+    def _decode(self):
+        """Ask the policy for a strategy and run one step of it, or a steady run of identical
+        steps when the policy promises one and nothing can change the batch in between."""
+        st, b, ctx_sum = self.stage, self.batch, self.ctx_sum
+        # new work can arrive between steps (migrations) or be admitted: step one by one
+        block_blocked = st.realloc_active or (self.waiting and b < st.max_batch)
+        state = EngineState(
+            self.idx,
+            self.steps,
+            self.env.now - st.t0,
+            self.sid,
+            self.ctx,
+            ctx_sum,
+            len(self.waiting),
+            st.kv_capacity - ctx_sum,
+            st.estimator,
+        )
+        strat = self.prober(self.policy.choose(state))
+        if self._steady is not None and not block_blocked and not self.prober.probed:
+            n = self._steady_run_length(state, strat, self._steady)
+            if strat.is_off:
+                n = min(n, 1 + self.prober.off_steps_left())  # stop short of the next probe
+            if n >= 2:
                 if strat.is_off:
-                    n = min(n, 1 + self.prober.off_steps_left())  # stop short of the next probe
-                if n >= 2:
-                    if strat.is_off:
-                        self.prober.skip(n - 1)
-                    yield from self._steady_run(strat, n, learn_acceptance, record)
-                    continue
-            caught = 0
-            if strat.drafter is None:
-                self._settle_seen()
-                t_draft = 0.0
-                t_verify = cost.verify_time(b, 1, ctx_sum)
-                yield env.timeout(t_verify)
-                self.ctx += 1
-                emitted, acc, drafted, max_adv = b, None, 0, 1
+                    self.prober.skip(n - 1)
+                yield from self._steady_run(strat, n, self._learn_acceptance, self._record)
+                return
+        yield from self._step(strat)
+
+    def _step(self, strat):
+        """One step of `strat`: draft, verify and advance every row by its accepted drafts + 1."""
+        env, st, cost = self.env, self.stage, self.stage.cost
+        b, ctx_sum, sid, t0 = self.batch, self.ctx_sum, self.sid, env.now
+        caught, d = 0, -1
+        if strat.drafter is None:
+            self._settle_seen()
+            t_draft = 0.0
+            t_verify = cost.verify_time(b, 1, ctx_sum)
+            yield env.timeout(t_verify)
+            self.ctx += 1
+            emitted, acc, drafted, max_adv = b, None, 0, 1
+        else:
+            k, w, ks = strat.k, strat.width, strat.k_per_row
+            d = st.drafter_idx[strat.drafter]
+            if ks is None:
+                t_draft, drafted, ks = cost.draft_time(strat.drafter, b, k, ctx_sum, w), b * strat.nodes, k
             else:
-                k, w, ks = strat.k, strat.width, strat.k_per_row
-                d = drafter_idx[strat.drafter]
-                if ks is None:
-                    t_draft, drafted, ks = cost.draft_time(strat.drafter, b, k, ctx_sum, w), b * strat.nodes, k
-                else:
-                    t_draft, drafted = float(cost.draft_time_per_row(strat.drafter, ks, ctx_sum)), int(add(ks))
-                if self.current != d:
-                    t_feed, caught = self._catch_up(d)
-                    t_draft += t_feed
-                t_verify = cost.verify_time(b, strat.tokens_per_row, ctx_sum)
+                t_draft, drafted = float(cost.draft_time_per_row(strat.drafter, ks, ctx_sum)), int(np.add.reduce(ks))
+            if self.current != d:
+                t_feed, caught = self._catch_up(d)
+                t_draft += t_feed
+            t_verify = cost.verify_time(b, strat.tokens_per_row, ctx_sum)
+            if w > 1:
+                acc, hits, misses = self._draw_tree(d, strat, 1)
+                acc = acc[0]
+            else:
+                acc = self._draw_accepted(d, ks, 1)[0]
+            if st.chains is not None:
+                st.chains += (drafted, acc.sum(), (acc < ks).sum(), b)
+            yield env.timeout(t_draft + t_verify)
+            if self._learn_acceptance:
                 if w > 1:
-                    acc, hits, misses = self._draw_tree(d, strat, 1)
-                    acc = acc[0]
+                    st.estimator.update_trials(strat.drafter, sid, hits, misses)
                 else:
-                    acc = self._draw_accepted(d, ks, 1)[0]
-                if st.chains is not None:
-                    st.chains += (drafted, acc.sum(), (acc < ks).sum(), b)
-                yield env.timeout(t_draft + t_verify)
-                if learn_acceptance:
-                    if w > 1:
-                        est.update_trials(strat.drafter, sid, hits, misses)
-                    else:
-                        est.update(strat.drafter, sid, acc, ks)
-                adv = acc + 1
-                self.ctx += adv  # may overshoot a row's end; trimmed below when it finishes
-                emitted, max_adv = int(add(adv)), k + 1
-            dt = t_draft + t_verify
-            self.busy += dt
-            self.min_rem -= max_adv  # a lower bound on every row's tokens left: skip the scan while > 0
-            left = None
-            if self.min_rem <= 0:
-                left = self.tot - self.ctx
-                if left.min() <= 0:
-                    emitted += int(left[left < 0].sum())  # tokens past a row's end were never emitted
-                    np.minimum(self.ctx, self.tot, out=self.ctx)
-                else:
-                    left = None
-            self.ctx_sum += emitted
-            if left is not None:  # some rows finished this step
-                st.finished(self, self.take_rows(left > 0))
-            if self.min_rem <= 0:
-                self.min_rem = int((self.tot - self.ctx).min()) if self.batch else 0
-            n_acc = emitted - b if acc is not None else 0
-            if observes:
-                policy.observe(
-                    StepOutcome(
-                        self.idx, self.steps, strat, b, drafted, n_acc, emitted, dt, t_draft, t_verify, sid, acc, caught
-                    )
+                    st.estimator.update(strat.drafter, sid, acc, ks)
+            adv = acc + 1
+            self.ctx += adv  # may overshoot a row's end; trimmed in `_finish_rows` when it finishes
+            emitted, max_adv = int(np.add.reduce(adv)), k + 1
+        dt = t_draft + t_verify
+        self.busy += dt
+        emitted = self._finish_rows(emitted, max_adv)
+        n_acc = emitted - b if acc is not None else 0
+        if self._observes:
+            self.policy.observe(
+                StepOutcome(
+                    self.idx, self.steps, strat, b, drafted, n_acc, emitted, dt, t_draft, t_verify, sid, acc, caught
                 )
-            if record:
-                record(
-                    (
-                        rl_step,
-                        self.idx,
-                        self.steps,
-                        t0 - st.t0,
-                        KIND_DECODE,
-                        b,
-                        -1 if acc is None else d,
-                        strat.k,
-                        strat.width,
-                        drafted,
-                        n_acc,
-                        emitted,
-                        t_draft,
-                        t_verify,
-                        ctx_sum,
-                    )
+            )
+        if self._record:
+            self._record(
+                (
+                    st.rl_step,
+                    self.idx,
+                    self.steps,
+                    t0 - st.t0,
+                    KIND_DECODE,
+                    b,
+                    d,
+                    strat.k,
+                    strat.width,
+                    drafted,
+                    n_acc,
+                    emitted,
+                    t_draft,
+                    t_verify,
+                    ctx_sum,
                 )
-            self.steps += 1
-            if self.ctx_sum > st.kv_capacity:
-                self._preempt_if_full()
+            )
+        self.steps += 1
+        if self.ctx_sum > st.kv_capacity:
+            self._preempt_if_full()
+
+    def _finish_rows(self, emitted: int, max_adv: int) -> int:
+        """After a step that advanced the rows by up to `max_adv` tokens: trim the rows that
+        overshot their end, hand the finished ones to the stage; returns the tokens emitted."""
+        self.min_rem -= max_adv  # a lower bound on every row's tokens left: skip the scan while > 0
+        left = None
+        if self.min_rem <= 0:
+            left = self.tot - self.ctx
+            if left.min() <= 0:
+                emitted += int(left[left < 0].sum())  # tokens past a row's end were never emitted
+                np.minimum(self.ctx, self.tot, out=self.ctx)
+            else:
+                left = None
+        self.ctx_sum += emitted
+        if left is not None:  # some rows finished this step
+            self.stage.finished(self, self.take_rows(left > 0))
+        if self.min_rem <= 0:
+            self.min_rem = int((self.tot - self.ctx).min()) if self.batch else 0
+        return emitted
