@@ -90,6 +90,43 @@ class TrueAcceptance:
         return self.rollout.acceptance[ids, self.rollout.drafters.index(drafter)]
 
 
+class DrafterUpdates:
+    """The drafter's updates between RL steps: when they are due (`DrafterSchedule`) and the
+    seconds they expose on the critical path. An overlapped update runs beside the next rollout
+    and must land before the weights change."""
+
+    def __init__(self, env: simpy.Environment, cfg: SimConfig, costs: StageCosts, drift: AcceptanceDrift):
+        self.env, self.cfg, self.costs, self.drift = env, cfg, costs, drift
+        self.schedule = DrafterSchedule(cfg.rl.drafter_update_schedule, cfg.rl.drafter_update_interval, cfg.rl.steps)
+        self.pending = None  # an overlapped drafter update still running
+
+    def land(self):
+        """Wait for the overlapped update still running, if any; returns the seconds waited."""
+        if self.pending is None:
+            return 0.0
+        t0 = self.env.now
+        yield self.pending
+        waited = self.env.now - t0
+        self.drift.drafter_updated()
+        self.schedule.updated(waited)  # what it cost the critical path
+        self.pending = None
+        return waited
+
+    def start(self, step: int, tokens: int):
+        """After training: update the drafter when due, beside the next rollout or in line;
+        returns the seconds exposed."""
+        if not (self.costs.drafter_params and self.schedule.due(step)):
+            return 0.0
+        t_upd = self.costs.drafter_update(tokens)
+        if self.cfg.rl.overlap_drafter_update and step + 1 < self.cfg.rl.steps:
+            self.pending = self.env.timeout(t_upd)  # runs beside the next rollout; its drafter is used after
+            return 0.0
+        yield self.env.timeout(t_upd)
+        self.drift.drafter_updated()
+        self.schedule.updated(t_upd)
+        return t_upd
+
+
 def rl_run(
     env: simpy.Environment,
     cfg: SimConfig,
@@ -118,9 +155,7 @@ def rl_run(
     )
     policies = make_policies()
     costs = StageCosts(cfg)
-    pending = None  # an overlapped drafter update still running
-    interval = cfg.rl.drafter_update_interval
-    schedule = DrafterSchedule(cfg.rl.drafter_update_schedule, interval, cfg.rl.steps)
+    updates = DrafterUpdates(env, cfg, costs, drift)
     for step in range(cfg.rl.steps):
         means.update(drift.means())
         rollout = sample_rollout(cfg.workload, cfg.drafters, means, workload_rng)
@@ -135,28 +170,13 @@ def rl_run(
         tokens = int(rollout.prompt_len.sum() + rollout.response_len.sum())
         t_inf = costs.inference(tokens)
         yield env.timeout(t_inf)
-        exposed = 0.0
         if stage.chains is not None:
-            schedule.observe(t_gen, *(int(x) for x in stage.chains))
-        if pending is not None:  # the previous overlapped update must land before the weights change
-            t0 = env.now
-            yield pending
-            exposed += env.now - t0
-            drift.drafter_updated()
-            schedule.updated(env.now - t0)  # what it cost the critical path
-            pending = None
+            updates.schedule.observe(t_gen, *(int(x) for x in stage.chains))
+        exposed = yield from updates.land()
         t_train = costs.training(tokens)
         yield env.timeout(t_train)
         drift.step()
-        if costs.drafter_params and schedule.due(step):
-            t_upd = costs.drafter_update(tokens)
-            if cfg.rl.overlap_drafter_update and step + 1 < cfg.rl.steps:
-                pending = env.timeout(t_upd)  # runs beside the next rollout; its drafter is used after
-            else:
-                yield env.timeout(t_upd)
-                exposed += t_upd
-                drift.drafter_updated()
-                schedule.updated(t_upd)
+        exposed += yield from updates.start(step, tokens)
         records.append(
             StepRecord(
                 step,
