@@ -26,7 +26,8 @@ from support import ok, rlsched
 
 from rlsched.errors import UserError
 from rlsched.traces.reader import read_trace
-from rlsched.traces.vllm_metrics import NEEDED, build, engine_totals, import_vllm, parse_prometheus, read_source
+from rlsched.traces.vllm_metrics import build, import_vllm
+from rlsched.traces.vllm_snapshots import NEEDED, engine_totals, parse_prometheus, read_source
 
 DATA = Path(__file__).parent / "data"
 FIX_JSON, FIX_PROM = DATA / "vllm_metrics.json", DATA / "vllm_metrics.prom"

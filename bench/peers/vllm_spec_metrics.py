@@ -17,7 +17,7 @@ one snapshot each, in order. vLLM's counters restart with every engine, so each 
 snapshots form one `run`; the first two (start, warm-up) are marked `"record": false` (they
 are baselines, not measured intervals).
 
-METRICS.json (the format `rlsched import-vllm` reads, documented in rlsched/traces/vllm_metrics.py):
+METRICS.json (the format `rlsched import-vllm` reads, documented in rlsched/traces/vllm_snapshots.py):
 
     {"format": "rlsched-vllm-metrics", "version": 1, "vllm": "0.32.0", "config": {...},
      "snapshots": [{"run": 0, "label": "k2-b16", "time_s": 12.3, "record": true,
@@ -55,7 +55,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 FORMAT, VERSION = "rlsched-vllm-metrics", 1
-# the metrics `rlsched import-vllm` reads (rlsched/traces/vllm_metrics.py: NEEDED); --only-imported keeps these
+# the metrics `rlsched import-vllm` reads (rlsched/traces/vllm_snapshots.py: NEEDED); --only-imported keeps these
 IMPORTED = (
     "vllm:generation_tokens",
     "vllm:inter_token_latency_seconds",
