@@ -16,15 +16,38 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    PlainValidator,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from rlsched.errors import UserError, describe_validation_error
+from rlsched.policies.registry import PolicySpec, as_spec
 
 Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
 OpenFraction = Annotated[float, Field(gt=0.0, le=1.0)]
 Positive = Annotated[float, Field(gt=0.0)]
 PosInt = Annotated[int, Field(gt=0)]
 NonNeg = Annotated[float, Field(ge=0.0)]
+
+
+def policy_spec(value, engine: str = "simulator") -> PolicySpec:
+    """A policy field's value parsed once (YAML reads a bare `off` as false: the name off)."""
+    if value is False:
+        value = "off"
+    if not isinstance(value, (str, PolicySpec)):
+        raise ValueError("Input should be a valid string")
+    return as_spec(value, engine)
+
+
+# a drafting policy: parsed where the config is read, written back as its text
+Policy = Annotated[PolicySpec, PlainValidator(policy_spec), PlainSerializer(str)]
 
 
 class Strict(BaseModel):
@@ -255,7 +278,7 @@ class ClusterSpec(Strict):
 
 
 class SpeculationSpec(Strict):
-    policy: str = "goodput"
+    policy: Policy = as_spec("goodput")
     k_max: Annotated[int, Field(ge=1, le=32)] = 8
     # off steps in a row (across rollouts) after which a policy that prices acceptance drafts
     # once (`policies/probe.py`); None: never. The executor probes by default (every 64):

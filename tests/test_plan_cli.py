@@ -337,7 +337,7 @@ def test_a_table_learned_for_the_best_chain_setup_is_ranked_and_written(tmp_path
     base = load_config(preset="default", overrides=["rl.steps=1", "record_timeline=false"])
     space = Space(2, tps=(1,), max_batches=(256,), static_ks=(2,), reallocs=("none",), colocated=(1.0,))
     plan = make_plan(base, space, seeds=2, survivors=3, explain=False, learn_in=tmp_path)
-    learned = [x for x in plan.ranked if x.candidate.policy.startswith("table:")]
+    learned = [x for x in plan.ranked if x.candidate.policy.family == "table"]
     assert len(learned) == 1 and len(learned[0].runs) == 2 and learned[0].evaluations > 0
     assert learned[0].candidate.label.endswith("table:model (learned)")
     pf = load_policy_file(tmp_path / "policy.json")

@@ -12,6 +12,7 @@ from rlsched.plan.fluid import stage_time
 from rlsched.plan.screen import score, screen
 from rlsched.plan.search import search
 from rlsched.plan.space import Candidate, Space, candidates, from_config, placements, to_config
+from rlsched.policies.registry import parse_policy
 from rlsched.sim.rlstep import StageCosts
 from rlsched.sim.simulate import simulate
 
@@ -43,9 +44,9 @@ def test_candidates_cover_the_space(base):
     per_batch = 2 * 1 + 2 + 3 * 2
     assert len(cs) == 2 * 2 * per_batch and len(set(cs)) == len(cs)
     assert all(c.gpus == 16 and c.memory == rollout_memory(base, 16, None) for c in cs)
-    assert {c.policy for c in cs} == {"off", "goodput", "twostate", "static:2:eagle", "static:4:eagle"}
-    assert {c.width_max for c in cs if c.policy == "goodput"} == {1, 8}
-    assert not any(c.realloc != "none" for c in cs if c.policy.startswith("static:"))
+    assert {c.policy.text for c in cs} == {"off", "goodput", "twostate", "static:2:eagle", "static:4:eagle"}
+    assert {c.width_max for c in cs if c.policy.text == "goodput"} == {1, 8}
+    assert not any(c.realloc != "none" for c in cs if c.policy.family == "static")
     assert {c.tp for c in candidates(base, Space(6, tps=(1, 4)))} == {1}  # tp 4 divides no placement of 6 GPUs
     with pytest.raises(ValueError, match="gpus must be >= 1"):
         candidates(base, Space(0))
@@ -58,7 +59,7 @@ def test_a_candidates_config_is_the_base_with_its_setup(base):
         if c.train_gpus == 4
         and c.tp == 2
         and c.max_batch == 256
-        and c.policy == "goodput"
+        and c.policy.text == "goodput"
         and c.width_max == 1
         and c.realloc == "rebalance"
     )
@@ -69,7 +70,7 @@ def test_a_candidates_config_is_the_base_with_its_setup(base):
     assert [d.name for d in cfg.drafters] == ["eagle"] and cfg.speculation.width_max == 1
     assert cfg.workload == base.workload and cfg.model == base.model
     assert from_config(cfg) == c
-    off = to_config(base, next(c for c in candidates(base, Space(16)) if c.policy == "off"))
+    off = to_config(base, next(c for c in candidates(base, Space(16)) if c.policy.text == "off"))
     assert off.drafters == []
 
 
@@ -95,7 +96,7 @@ def test_the_screen_ranks_feasible_setups_and_says_why_it_drops_the_rest(base):
     costs = StageCosts(best.config)
     other = best.step_s - best.generation_s
     assert other > costs.training(best.tokens)
-    assert scored[-1].candidate.policy == "off"  # with this head, drafting beats plain decoding at every setup
+    assert scored[-1].candidate.policy.text == "off"  # with this head, drafting beats plain decoding at every setup
     per_gpu, _ = screen(base, cs, "tokens-per-gpu-s")
     assert per_gpu[0].score == pytest.approx(per_gpu[0].step_s * 16 / per_gpu[0].tokens)
     with pytest.raises(ValueError, match="objective must be one of step-time, tokens-per-gpu-s"):
@@ -107,7 +108,7 @@ def test_successive_halving_keeps_the_better_half_and_runs_the_pinned_on_every_s
         base, Space(16, tps=(2, 4), max_batches=(1024,), static_ks=(2,), reallocs=("none",), colocated=(1.0,), split=())
     )
     scored, _ = screen(base, cs)
-    off = next(s for s in scored if s.candidate.policy == "off")
+    off = next(s for s in scored if s.candidate.policy.text == "off")
     result = search(scored, survivors=4, seeds=[0, 1, 2], pinned=[off])
     raced = [x for x in result.ranked if x is not result.pinned[0]]
     assert [len(x.runs) for x in raced] == [3, 2, 1, 1]  # 4 -> 2 -> 1: the last has run every seed
@@ -129,8 +130,8 @@ def test_offloading_trades_training_time_for_rollout_memory():
     assert own.offload and own.memory == 0.9 and rollout_memory(base, 2, None) < 0.9 - 0.1
     cs = candidates(base, Space(2, tps=(1,), max_batches=(256,), static_ks=(), reallocs=("none",), colocated=(1.0,)))
     assert {(c.memory, c.offload) for c in cs} == {(rollout_memory(base, 2, None), False), (0.9, True)}
-    resident = to_config(base, next(c for c in cs if not c.offload and c.policy == "off"))
-    offloaded = to_config(base, next(c for c in cs if c.offload and c.policy == "off"))
+    resident = to_config(base, next(c for c in cs if not c.offload and c.policy.text == "off"))
+    offloaded = to_config(base, next(c for c in cs if c.offload and c.policy.text == "off"))
     # 16 bytes a parameter over 2 GPUs, out and back over the host link
     moved = 2 * 16 * base.model.params / 2 / (base.hardware.host_link_gbs * 1e9)
     assert StageCosts(offloaded).training(1000) - StageCosts(resident).training(1000) == pytest.approx(moved)
@@ -155,9 +156,11 @@ def test_a_knob_moves_alone_unless_it_cannot():
 
     base = load_config(preset="respec-qwen2.5-7b", overrides=["rl.steps=1"])
     own = from_config(base)  # tp 2 x 8
-    win = Candidate(4, 4, 256, 0.88, "static:2:eagle", "eagle")
+    win = Candidate(4, 4, 256, 0.88, parse_policy("static:2:eagle"), "eagle")
     assert with_knob(own, win, "tp") == Candidate(**{**own.__dict__, "tp": 4, "instances": 4})
-    assert with_knob(own, win, "policy").policy == "static:2:eagle" and with_knob(own, win, "realloc") is None
-    assert with_knob(own, Candidate(3, 5, 256, 0.88, "off", None), "tp") is None  # tp 3 does not divide 16
-    table = Candidate(8, 2, 256, 0.8, "table:/tmp/p.json", "eagle")  # learned for tp 8: not for the own setup's
+    assert with_knob(own, win, "policy").policy.text == "static:2:eagle" and with_knob(own, win, "realloc") is None
+    off = parse_policy("off")
+    assert with_knob(own, Candidate(3, 5, 256, 0.88, off, None), "tp") is None  # tp 3 does not divide 16
+    # learned for tp 8: not for the own setup's
+    table = Candidate(8, 2, 256, 0.8, parse_policy("table:/tmp/p.json"), "eagle")
     assert with_knob(own, table, "policy") is None

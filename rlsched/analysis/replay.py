@@ -31,6 +31,7 @@ import yaml
 from rlsched.errors import UserError
 from rlsched.policies.acceptance import AcceptanceEstimator
 from rlsched.policies.drafters import HOST_DRAFTERS
+from rlsched.policies.registry import OFF_SPEC, PolicySpec, parse_policy
 from rlsched.traces.reader import read_trace
 
 
@@ -185,7 +186,7 @@ def _drafter_name(cfg: dict) -> str | None:
     return None if d == "off" else (d if d in HOST_DRAFTERS + ("eagle",) else "model")
 
 
-def _simulate(rollouts, policy_spec: str, drafter, sim_cost, policy_cost, run_cfg: dict, seed: int) -> list[float]:
+def _simulate(rollouts, policy: PolicySpec, drafter, sim_cost, policy_cost, run_cfg: dict, seed: int) -> list[float]:
     """Generation-stage seconds of each rollout with the run's limits: on one instance, or on
     the run's `rollout.instances` (prompts assigned round-robin, as the pool does) with its
     reallocation policy and threshold."""
@@ -216,7 +217,7 @@ def _simulate(rollouts, policy_spec: str, drafter, sim_cost, policy_cost, run_cf
     ctx = PolicyContext(
         cost=policy_cost, drafters=names, k_max=r["k_max"], max_batch=r["max_batch"], typical_ctx=typical
     )
-    policies = [make_draft_policy(policy_spec, ctx) for _ in range(n_inst)]  # one per instance, as in the pool
+    policies = [make_draft_policy(policy, ctx) for _ in range(n_inst)]  # one per instance, as in the pool
     estimator = AcceptanceEstimator(names)
     capacity = r["max_batch"] * (max(int(ro.prompt_len.max()) for ro in rollouts) + r["max_tokens"] + r["k_max"]) * 2
     env = simpy.Environment()
@@ -303,15 +304,16 @@ def replay_run(rundir, cost_file=None, policy: str | None = None) -> ReplayResul
     rl = rl.sort_values("rl_step")
     done = rl["rl_step"].tolist()
     rollouts = [_rollout(samples[samples["rl_step"] == s], drafter) for s in done]
-    predicted = _simulate(rollouts, spec, drafter, sim_cost, policy_cost, cfg, int(cfg.get("seed", 0)))
-    predicted_off = _simulate(rollouts, "off", drafter, sim_cost, policy_cost, cfg, int(cfg.get("seed", 0)))
+    parsed = parse_policy(spec)
+    predicted = _simulate(rollouts, parsed, drafter, sim_cost, policy_cost, cfg, int(cfg.get("seed", 0)))
+    predicted_off = _simulate(rollouts, OFF_SPEC, drafter, sim_cost, policy_cost, cfg, int(cfg.get("seed", 0)))
     measured = rl["generation_s"].to_numpy(dtype=float)
     df = pd.DataFrame(dict(rl_step=done, measured_s=measured, predicted_s=predicted, predicted_off_s=predicted_off))
     df["error"] = (df["predicted_s"] - df["measured_s"]) / df["measured_s"]
     notes = []
     if spec != str(cfg["policy"]):
         notes.append(f"replayed with policy {spec}; the run used {cfg['policy']}")
-    if spec.startswith("bandit"):
+    if parsed.family == "bandit":
         notes.append("bandit learns from measured step times: its simulated choices differ from the run's")
     if what.get("borrowed_plain_steps"):
         notes.append(

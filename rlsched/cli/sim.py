@@ -93,7 +93,7 @@ def simulate(
     """
     from rlsched.config import load_config
     from rlsched.policies.realloc import make_realloc_policy
-    from rlsched.policies.registry import make_draft_policy
+    from rlsched.policies.registry import make_draft_policy, parse_policy
     from rlsched.sim.output import run_and_write
     from rlsched.sim.simulate import policy_context
 
@@ -101,10 +101,10 @@ def simulate(
     if seed is not None and seed < 0:
         raise UserError(f"--seed must be >= 0 (got {seed})")
     cfg = _with_cost(load_config(preset, config, overrides), cost)
-    pol = policy or cfg.speculation.policy
+    pol = parse_policy(policy) if policy else cfg.speculation.policy
     make_draft_policy(pol, policy_context(cfg, true_acceptance=lambda d, ids: None))
     make_realloc_policy(realloc or cfg.cluster.realloc)
-    out = out or _default_out(cfg.name, pol, cfg.seed)
+    out = out or _default_out(cfg.name, pol.text, cfg.seed)
     summary = run_and_write(cfg, pol, realloc, out, baseline, err_console)
     if as_json:
         print(json.dumps(summary, indent=2))
@@ -201,6 +201,7 @@ def compare(
 ):
     from rlsched.config import load_config
     from rlsched.sim import compare as cmp
+    from rlsched.sim.runs import default_workers, run_jobs
 
     if workers is not None and workers < 1:
         raise UserError(f"--workers must be >= 1 (got {workers})")
@@ -214,7 +215,7 @@ def compare(
     cfg = _with_cost(load_config(preset, config, list(set_)), cost)
     plan = cmp.make_plan(cfg, policies, realloc, seeds, first_seed, trace_instance=0 if plot else None)
     jobs = plan.jobs()
-    n_workers = workers or cmp.default_workers()
+    n_workers = workers or default_workers()
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -239,7 +240,7 @@ def compare(
             f"{len(plan.seeds)} seeds on {where}",
             total=len(jobs),
         )
-        results = cmp.run_jobs(cfg, jobs, n_workers, ray, on_done=lambda r: bar.advance(task))
+        results = run_jobs(cfg, jobs, n_workers, ray, on_done=lambda r: bar.advance(task))
     report = cmp.aggregate(cfg, plan, results)
     if out is not None:
         cmp.write_report(report, out)
@@ -344,7 +345,7 @@ def plan(
     from rlsched.plan.planner import base_for_plan, make_plan, plan_rows, write_plan
     from rlsched.plan.screen import OBJECTIVES
     from rlsched.plan.space import Space
-    from rlsched.sim.compare import default_workers
+    from rlsched.sim.runs import default_workers
 
     if gpus is not None and gpus < 1:
         raise UserError(f"--gpus must be >= 1 (got {gpus}); give the GPUs the job may use")
@@ -487,7 +488,6 @@ def learn(
     """
     from rlsched.config import load_config
     from rlsched.policies.policyfile import save_policy_file
-    from rlsched.sim import compare as cmp
     from rlsched.sim.learn import Learner, parallel_evaluator
     from rlsched.sim.learn import vllm_table as to_vllm
 
@@ -510,7 +510,9 @@ def learn(
             "--vllm-table: vLLM's table holds chain lengths, and this config lets the policy draft trees "
             "(speculation.width_max > 1); add --set speculation.width_max=1"
         )
-    n_workers = workers or cmp.default_workers()
+    from rlsched.sim.runs import default_workers
+
+    n_workers = workers or default_workers()
 
     first = cfg.seed
     learner = Learner(

@@ -42,7 +42,7 @@ from rlsched.executor.setup import (
     needs_cost,
     start_engine,
 )
-from rlsched.policies.registry import GENERATE, parse_policy
+from rlsched.policies.registry import GENERATE, PolicySpec, parse_policy
 
 MARKER = "summary.json"
 
@@ -119,6 +119,7 @@ class Setup:
     """Everything checked and loaded; nothing written yet."""
 
     args: GenerateArgs
+    policy: PolicySpec  # --policy, parsed
     models: Models
     prompts: list[Prompt]
     sampling: object
@@ -132,15 +133,15 @@ class Setup:
 def prepare(a: GenerateArgs, out: Path | None, log=None) -> Setup:
     _check_numbers(a)
     # the policy and its cost model folder first: the drafter's kind is known from --drafter alone
-    parse_policy(a.policy, "local").check(drafter_names(drafter_kind(a.drafter)), a.k_max, GENERATE)
+    policy = parse_policy(a.policy, "local").check(drafter_names(drafter_kind(a.drafter)), a.k_max, GENERATE)
     check_width_max(a.width_max, drafter_kind(a.drafter), "local", "--width-max")
-    if needs_cost(a.policy, a.instances, a.realloc):
+    if needs_cost(policy, a.instances, a.realloc):
         check_cost_folder(a.cost_model, "--cost-model")
     if a.threads:
         torch.set_num_threads(a.threads)
     sampling = _sampling(a)
     m = load_models(a.model, a.drafter, device=a.device, dtype=a.dtype, log=log)
-    check_policy_model(a.policy, m.target_dir, m.target.config)
+    check_policy_model(policy, m.target_dir, m.target.config)
     prompts = load_prompts(a.prompts, m.tokenizer)
     if a.compile:  # after every check: compiling takes a while
         from rlsched.executor.model.compiled import compile_for_engine
@@ -148,7 +149,7 @@ def prepare(a: GenerateArgs, out: Path | None, log=None) -> Setup:
         compile_for_engine(m.target, [] if m.drafter_model is None else [m.drafter_model], a.k_max, a.max_batch, log)
     if out is not None:
         prepare_out(out)
-    return Setup(a, m, prompts, sampling, None if a.ignore_eos else m.eos)
+    return Setup(a, policy, m, prompts, sampling, None if a.ignore_eos else m.eos)
 
 
 def run(s: Setup, out: Path, log=None) -> dict:
@@ -170,7 +171,7 @@ def run(s: Setup, out: Path, log=None) -> dict:
     drafter = make_drafter(m, s.sampling, a.max_batch, drafter_len, gen)
     typical = int(sum(len(r.prompt) for r in requests) / len(requests) + a.max_tokens / 2)
     cost, _ = cost_model(
-        a.policy,
+        s.policy,
         a.cost_model,
         m.target,
         drafter,
@@ -185,7 +186,7 @@ def run(s: Setup, out: Path, log=None) -> dict:
         width_max=a.width_max,
     )
     policy = build_policy(
-        a.policy,
+        s.policy,
         m.drafter_names,
         cost,
         GENERATE,

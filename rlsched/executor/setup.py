@@ -17,7 +17,7 @@ from typing import Any
 from rlsched.errors import UserError
 from rlsched.policies.drafters import HOST_DRAFTERS, drafter_names
 from rlsched.policies.probe import PROBE_EVERY
-from rlsched.policies.registry import parse_policy
+from rlsched.policies.registry import PolicySpec, as_spec
 
 PROFILE = "profile.parquet"  # the step costs a run profiled at its start
 
@@ -25,14 +25,14 @@ PROFILE = "profile.parquet"  # the step costs a run profiled at its start
 # --- the policy ---------------------------------------------------------------------------------
 
 
-def check_policy_model(policy: str, model_dir: Path, config) -> None:
+def check_policy_model(policy: PolicySpec | str, model_dir: Path, config) -> None:
     """A policy file (`table:FILE`, `twostate:FILE`) learned for a model of another
     architecture than the one in `model_dir` (its ModelConfig `config`) is refused, one line."""
     import json
 
     from rlsched.policies.policyfile import FORMAT, check_model_shape, load_policy_file
 
-    file = parse_policy(policy).file
+    file = as_spec(policy).file
     if file is None or not Path(file).is_file():
         return
     try:
@@ -165,9 +165,9 @@ def history_size(samples: int | None) -> dict:
 # --- the cost model ------------------------------------------------------------------------------
 
 
-def needs_cost(policy: str, instances: int, realloc: str) -> bool:
+def needs_cost(policy: PolicySpec | str, instances: int, realloc: str) -> bool:
     """Whether the run prices steps: a priced policy, or a pool that migrates samples."""
-    return parse_policy(policy).priced or (instances > 1 and realloc != "none")
+    return as_spec(policy).priced or (instances > 1 and realloc != "none")
 
 
 def priced_from(folder: Path) -> str | None:

@@ -31,7 +31,7 @@ import numpy as np
 
 from rlsched.config import SimConfig
 from rlsched.policies.draft import tree_parts
-from rlsched.policies.registry import make_draft_policy
+from rlsched.policies.registry import PolicySpec, as_spec, make_draft_policy
 from rlsched.policies.tree import GRID, chain_tokens
 from rlsched.sim.cluster import kv_capacity
 from rlsched.sim.simulate import policy_context
@@ -101,15 +101,15 @@ class Strategies:
         return hit
 
 
-def _rule(policy: str, cfg: SimConfig, cost):
+def _rule(policy: PolicySpec, cfg: SimConfig, cost):
     """The column a step of b rows takes under `policy`: a number (off: 0, static:K: K), a
     function of b (twostate: solved as the simulator solves it, a chain of K up to its batch
     size, off above), or None (choose the most tokens a second)."""
-    if policy == "off":
+    if policy.family == "off":
         return 0
-    if policy.startswith("static:"):
-        return int(policy.split(":")[1])
-    if policy.startswith("twostate"):
+    if policy.family == "static":
+        return policy.k
+    if policy.family == "twostate":
         two = make_draft_policy(policy, policy_context(cfg, cost))
         if two.on.width > 1:
             raise ValueError("the fluid estimate prices a two-state policy's chains, not its trees")
@@ -186,7 +186,7 @@ def batch_limit(cfg: SimConfig, capacity: int, prompt_len: np.ndarray, response_
 
 
 def stage_time(
-    cfg: SimConfig, policy: str, cost, seed: int | None = None, strategies: Strategies | None = None
+    cfg: SimConfig, policy: PolicySpec | str, cost, seed: int | None = None, strategies: Strategies | None = None
 ) -> FluidStage:
     """The fluid estimate of the first RL step's generation stage of `cfg` under `policy`
     (off, static:K[:DRAFTER], or any adaptive policy), priced by `cost` (or `strategies`, the
@@ -200,10 +200,10 @@ def stage_time(
         {d.name: d.acceptance.mean for d in cfg.drafters},
         np.random.default_rng(workload_seq),
     )
-    parts = policy.split(":")
+    policy = as_spec(policy)
     drafter = None
-    if policy != "off":
-        drafter = parts[2] if policy.startswith("static:") and len(parts) > 2 else rollout.drafters[0]
+    if policy.family != "off":
+        drafter = (policy.family == "static" and policy.drafter) or rollout.drafters[0]
     if strategies is None or strategies.drafter != drafter:
         strategies = Strategies(cfg, cost, drafter)
     rule = _rule(policy, cfg, cost)

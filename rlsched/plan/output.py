@@ -26,7 +26,7 @@ from rlsched.config import SimConfig
 from rlsched.plan.feasible import length_max
 from rlsched.plan.fluid import Strategies
 from rlsched.plan.space import Candidate
-from rlsched.policies.registry import make_draft_policy
+from rlsched.policies.registry import PolicySpec, make_draft_policy, parse_policy
 from rlsched.policies.vllm_plan import NGRAM, TABLE_FIELD, speculative_plan
 from rlsched.sim.simulate import policy_context
 
@@ -34,14 +34,14 @@ METHODS = {"model": "draft_model", "eagle": "eagle3"}
 TIE = 0.01  # a draft length within this share of the best rate's is as good
 
 
-def engine_policy(cfg: SimConfig, c: Candidate, cost) -> str:
+def engine_policy(cfg: SimConfig, c: Candidate, cost) -> PolicySpec:
     """The candidate's policy as an engine runs it: static:K, twostate:MAX_BATCH:K (solved
     over `cost`), goodput or off."""
-    if c.policy.startswith("static:"):
-        return ":".join(c.policy.split(":")[:2])
-    if c.policy == "twostate":
-        two = make_draft_policy("twostate", policy_context(cfg, cost))
-        return f"twostate:{two.max_batch_on}:{two.k}"
+    if c.policy.family == "static":
+        return parse_policy(f"static:{c.policy.k}")
+    if c.policy.family == "twostate" and c.policy.priced:  # solved here, written as its threshold and k
+        two = make_draft_policy(c.policy, policy_context(cfg, cost))
+        return parse_policy(f"twostate:{two.max_batch_on}:{two.k}")
     return c.policy
 
 
@@ -82,11 +82,11 @@ def vllm_engine_args(cfg: SimConfig, c: Candidate, cost, model: str, drafter: st
     policy = engine_policy(cfg, c, cost)
     plan = speculative_plan(policy, kind, k_max=cfg.speculation.k_max, max_batch=c.max_batch)
     table = plan["table"]
-    if c.policy.startswith("table:"):  # a learned table: its draft lengths by batch size
+    if c.policy.family == "table":  # a learned table: its draft lengths by batch size
         from rlsched.policies.policyfile import load_policy_file
         from rlsched.sim.learn import vllm_table
 
-        pf = load_policy_file(c.policy.split(":", 1)[1])
+        pf = load_policy_file(c.policy.file)
         table = vllm_table(pf, c.max_batch, cfg.drafter(c.drafter).acceptance.mean, policy_context(cfg).typical_ctx)[
             TABLE_FIELD
         ]
@@ -144,7 +144,7 @@ def run_config(cfg: SimConfig, c: Candidate, cost, model: str, drafter: str) -> 
     return {
         "model": model,
         "drafter": drafter if kind in ("model", "eagle") else kind,
-        "policy": engine_policy(cfg, c, cost),
+        "policy": engine_policy(cfg, c, cost).text,
         "rollout": {
             "backend": "vllm",
             "instances": c.instances,

@@ -29,6 +29,7 @@ from rlsched.plan.output import run_config, verl_rollout, vllm_engine_args
 from rlsched.plan.screen import Dropped, Scored, screen
 from rlsched.plan.search import Ranked, run_seed, search, signature
 from rlsched.plan.space import Candidate, Space, candidates, from_config, to_config
+from rlsched.policies.registry import parse_policy
 from rlsched.policies.vllm_plan import TABLE_FIELD
 
 KNOBS = ("placement", "tp", "max_batch", "memory", "policy", "realloc", "update_schedule")
@@ -85,7 +86,7 @@ def with_knob(own: Candidate, winner: Candidate, knob: str) -> Candidate | None:
     elif knob == "policy":
         if (own.policy, own.drafter, own.width_max) == (winner.policy, winner.drafter, winner.width_max):
             return None
-        if winner.policy.startswith("table:"):  # a learned table belongs to the setup it was learned for
+        if winner.policy.family == "table":  # a learned table belongs to the setup it was learned for
             return None
         d.update(policy=winner.policy, drafter=winner.drafter, width_max=winner.width_max)
     else:
@@ -159,7 +160,7 @@ def make_plan(
             + (f" (and {len(reasons) - 1} other reasons)" if len(reasons) > 1 else "")
         )
     pinned = []
-    offs = [s for s in scored if s.candidate.policy == "off"]
+    offs = [s for s in scored if s.candidate.policy.family == "off"]
     if offs:
         pinned.append(offs[0])
     for g in sorted({s.candidate.gpus for s in scored})[:-1]:  # the front: the best on fewer GPUs
@@ -183,7 +184,7 @@ def make_plan(
         on_done=on_done,
     )
     # the baseline: the best plain decoding setup simulated on every seed (the pinned one at least)
-    baseline = next((x for x in result.ranked if x.candidate.policy == "off" and len(x.runs) == seeds), None)
+    baseline = next((x for x in result.ranked if x.candidate.policy.family == "off" and len(x.runs) == seeds), None)
     plan = Plan(
         base,
         objective,
@@ -237,7 +238,7 @@ def learn_table(
     pf, _ = learner.learn("table")
     path = Path(folder) / "policy.json"
     save_policy_file(path, pf)
-    c = replace(top.candidate, policy=f"table:{path}")
+    c = replace(top.candidate, policy=parse_policy(f"table:{path}"))
     learned = Ranked(screen(base, [c], plan.objective)[0][0])
     for seed in plan.seeds:
         run_seed([learned], seed, workers=workers, ray_address=ray_address)
@@ -293,7 +294,7 @@ def _row(x: Scored | Ranked, objective: str, rank: int | None) -> dict:
         "max_batch": c.max_batch,
         "memory": c.memory,
         "offload": c.offload,
-        "policy": "table" if c.policy.startswith("table:") else c.policy,
+        "policy": "table" if c.policy.family == "table" else c.policy.text,
         "drafter": c.drafter,
         "width_max": c.width_max,
         "realloc": c.realloc,
@@ -398,12 +399,12 @@ def write_plan(plan: Plan, out: Path, model_path: str, drafter_path: str) -> dic
     if cost_file is not None:  # the plan's copy, where sim.yaml names it
         cfg = cfg.model_copy(update={"cost_file": str((Path(out) / "cost.json").resolve())})
     winner, run_winner = win.candidate, win.candidate
-    policy_file = Path(winner.policy.split(":", 1)[1]) if winner.policy.startswith("table:") else None
+    policy_file = Path(winner.policy.file) if winner.policy.family == "table" else None
     vllm_table = None
     if policy_file is not None:
         # sim.yaml names the plan's copy of the learned policy file; run.yaml its draft lengths by batch size in
         # vLLM's own form (the policy file holds the simulated model's and drafter's names)
-        winner = replace(winner, policy=f"table:{(Path(out) / 'policy.json').resolve()}")
+        winner = replace(winner, policy=parse_policy(f"table:{(Path(out) / 'policy.json').resolve()}"))
         cfg = cfg.model_copy(update={"speculation": cfg.speculation.model_copy(update={"policy": winner.policy})})
         spec = engine.get("speculative_config", {})
         if TABLE_FIELD in spec:
@@ -411,7 +412,7 @@ def write_plan(plan: Plan, out: Path, model_path: str, drafter_path: str) -> dic
             run_policy = f"table:{(Path(out) / 'vllm_table.json').resolve()}"
         else:
             run_policy = f"static:{spec['num_speculative_tokens']}" if spec else "off"
-        run_winner = replace(winner, policy=run_policy)
+        run_winner = replace(winner, policy=parse_policy(run_policy))
     rows = plan_rows(plan)
     record = {
         "format": "rlsched-plan",

@@ -6,7 +6,7 @@ and keeps the better half for the next round; the last round's setups have run e
 Setups the screen cannot tell apart (batch limits above what any instance ever holds) are
 simulated once. Pinned setups (the best plain decoding, the workload's own setup) run every
 seed whatever their rank, so the winner is compared with them on the same seeds. Simulations
-run in worker processes or on a Ray cluster (`sim/compare.run_jobs`).
+run in worker processes or on a Ray cluster (`sim/runs.run_jobs`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import numpy as np
 from rlsched.config import SimConfig
 from rlsched.plan.screen import Scored, score
 from rlsched.plan.space import Candidate
-from rlsched.sim.compare import run_jobs
+from rlsched.sim.runs import run_jobs
 
 
 @dataclass

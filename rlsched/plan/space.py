@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from rlsched.config import SimConfig
 from rlsched.plan.feasible import MEMORY_MAX, rollout_memory
 from rlsched.policies.drafter_schedule import SCHEDULES
+from rlsched.policies.registry import OFF_SPEC, PolicySpec, parse_policy
 
 OFFLOAD_GAIN = 0.1  # offloading training's states is tried where it frees at least this share of a GPU
 
@@ -36,7 +37,7 @@ class Candidate:
     instances: int
     max_batch: int
     memory: float  # the rollout's gpu_memory_utilization
-    policy: str  # off, static:K:DRAFTER, goodput or twostate (over the candidate's one drafter)
+    policy: PolicySpec  # off, static:K:DRAFTER, goodput or twostate (over the candidate's one drafter)
     drafter: str | None  # None: plain decoding
     width_max: int = 1  # 1: chains only
     realloc: str = "none"
@@ -55,11 +56,11 @@ class Candidate:
 
     @property
     def policy_label(self) -> str:
-        if self.drafter is None or self.policy.startswith("static:"):
-            return self.policy
-        if self.policy.startswith("table:"):
+        if self.drafter is None or self.policy.family == "static":
+            return self.policy.text
+        if self.policy.family == "table":
             return f"table:{self.drafter} (learned)"
-        return f"{self.policy}:{self.drafter}" + (f" trees<={self.width_max}" if self.width_max > 1 else "")
+        return f"{self.policy.text}:{self.drafter}" + (f" trees<={self.width_max}" if self.width_max > 1 else "")
 
     @property
     def placement(self) -> str:
@@ -102,16 +103,17 @@ def placements(space: Space) -> list[tuple[int, int | None]]:
     return out
 
 
-def policies(base: SimConfig, space: Space) -> list[tuple[str, str | None, int]]:
+def policies(base: SimConfig, space: Space) -> list[tuple[PolicySpec, str | None, int]]:
     """(policy, drafter, width_max) of the space for `base`'s drafters."""
-    out: list[tuple[str, str | None, int]] = [("off", None, 1)]
+    out: list[tuple[PolicySpec, str | None, int]] = [(OFF_SPEC, None, 1)]
     k_max = base.speculation.k_max
+    goodput, twostate = parse_policy("goodput"), parse_policy("twostate")
     for d in base.drafters:
-        out += [(f"static:{k}:{d.name}", d.name, 1) for k in space.static_ks if k <= k_max]
-        out.append(("goodput", d.name, 1))
+        out += [(parse_policy(f"static:{k}:{d.name}"), d.name, 1) for k in space.static_ks if k <= k_max]
+        out.append((goodput, d.name, 1))
         if base.speculation.width_max > 1:
-            out.append(("goodput", d.name, base.speculation.width_max))
-        out.append(("twostate", d.name, 1))
+            out.append((goodput, d.name, base.speculation.width_max))
+        out.append((twostate, d.name, 1))
     return out
 
 
@@ -131,7 +133,7 @@ def candidates(base: SimConfig, space: Space) -> list[Candidate]:
             for b in space.max_batches:
                 for memory, offload in memories:
                     for policy, drafter, width in policies(base, space):
-                        fixed = policy.startswith("static:")
+                        fixed = policy.family == "static"
                         for r in space.reallocs if instances > 1 and not fixed else ("none",):
                             for u in schedules(base, drafter):
                                 out.append(
@@ -177,7 +179,7 @@ def from_config(cfg: SimConfig) -> Candidate:
     """The candidate a config is (its first drafter, the one its policy drafts with). Colocated,
     a memory fraction above what training's states leave needs them offloaded: it is read so."""
     c, s, rl = cfg.cluster, cfg.speculation, cfg.rl
-    drafter = cfg.drafters[0].name if cfg.drafters and s.policy != "off" else None
+    drafter = cfg.drafters[0].name if cfg.drafters and s.policy.family != "off" else None
     offload = rl.offload_states or (
         rl.train_gpus is None and c.gpu_memory_utilization > rollout_memory(cfg, c.instances * c.tp, None)
     )

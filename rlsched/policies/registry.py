@@ -2,88 +2,21 @@
 
 A policy spec is `NAME[:ARG[:ARG]]` (`off`, `static:4:ngram`, `goodput:drain`, `table:p.json`)
 or a bare policy file `PATH.json` (the policy it holds). `parse_policy` turns the text into a
-`PolicySpec`: the family, its arguments, and what it needs (a drafter, a cost model, the
-simulator's true acceptance, a file). `PolicySpec.check` holds it against one command's limits
-(its drafters, its longest draft, its engine) and words every refusal in that command's terms
-(`Words`); `make_draft_policy` builds the policy. The simulator, the local engine, the vLLM
-backend and the CLI's help all read the families from here.
+`PolicySpec` once, where it enters (a CLI option, a config field); the spec travels down from
+there. `FAMILIES` is the one table of the families: each one's grammar and words for `--help`,
+its parser, its builder and the engines that run it. `PolicySpec.check` holds a spec against one
+command's limits (its drafters, its longest draft, its engine) and words every refusal in that
+command's terms (`Words`); `make_draft_policy` builds the policy from the spec.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from rlsched.errors import UserError
 
-
-@dataclass(frozen=True)
-class Family:
-    """One policy name: its grammar, a one-line description, and where it runs."""
-
-    name: str
-    usage: str
-    summary: str
-    priced: bool = False  # needs a cost model (twostate: only when it solves, i.e. without arguments)
-    simulator_only: bool = False  # reads the simulator's true acceptance
-    native: bool = False  # vLLM's own speculative_config says it (a fixed k, or k by batch size)
-    trees: bool = False  # drafts trees: the simulator and rlsched's engine (vLLM's drafts chains)
-
-
-FAMILIES: dict[str, Family] = {
-    f.name: f
-    for f in (
-        Family("off", "off", "plain decoding", native=True),
-        Family("static", "static:K[:DRAFTER]", "K drafts every step (static:0 is off)", native=True),
-        Family(
-            "tree",
-            "tree:K:W:N[:DRAFTER]",
-            "the same draft tree every step: K levels, W candidates a branch, "
-            "the best N drafts verified (SGLang's steps, topk, num_draft_tokens - 1)",
-            trees=True,
-        ),
-        Family(
-            "goodput",
-            "goodput[:REFRESH|:drain]",
-            "the (drafter, k) with the most expected tokens per second "
-            "of draft + verify, from the cost model and each row's acceptance",
-            priced=True,
-        ),
-        Family(
-            "seqgoodput",
-            "seqgoodput[:REFRESH]",
-            "every row its own draft length, priced by the cost model",
-            priced=True,
-        ),
-        Family(
-            "twostate",
-            "twostate[:MAX_BATCH:K|:FILE]",
-            "speculation off above a batch size, one k at or below it (solved over the cost model without arguments)",
-            priced=True,
-            native=True,
-        ),
-        Family("bandit", "bandit[:EPSILON]", "epsilon-greedy over (drafter, k) arms by measured tokens per second"),
-        Family(
-            "table",
-            "table:FILE",
-            "a learned lookup (`rlsched learn`) by batch size, acceptance and context",
-            native=True,
-        ),
-        Family(
-            "oracle", "oracle[:seq]", "goodput with the true acceptance (a yardstick)", priced=True, simulator_only=True
-        ),
-    )
-}
 ENGINES = ("simulator", "local", "vllm")
-
-
-def usage(engine: str = "simulator") -> str:
-    """The policy names one engine runs, comma-separated (the CLI's help and error messages)."""
-    names = [
-        f.usage
-        for f in FAMILIES.values()
-        if engine == "simulator" or not (f.simulator_only or f.trees and engine == "vllm")
-    ]
-    return ", ".join(names) + ", or a policy file (PATH.json)"
 
 
 @dataclass(frozen=True)
@@ -122,9 +55,10 @@ def run_words(engine: str) -> Words:
 
 @dataclass(frozen=True)
 class PolicySpec:
-    """A parsed policy name. `k` is static's and twostate's draft length; `drafter` static's
-    (None: the first the command has); `max_batch` twostate's threshold; `file` a table or
-    twostate policy file (`family` None for a bare PATH.json: the kind the file holds)."""
+    """A parsed policy name. `k` is static's, tree's and twostate's draft length; `drafter`
+    static's and tree's (None: the first the command has); `max_batch` twostate's threshold;
+    `file` a table or twostate policy file (`family` None for a bare PATH.json: the kind the
+    file holds). `text` is the name as given: messages and written files say it."""
 
     text: str
     family: str | None
@@ -138,6 +72,9 @@ class PolicySpec:
     per_row: bool = False  # oracle:seq
     width: int = 1  # tree's
     nodes: int = 0  # tree's
+
+    def __str__(self) -> str:
+        return self.text
 
     @property
     def drafts(self) -> bool:
@@ -155,12 +92,12 @@ class PolicySpec:
         """This spec against a command's drafters, longest draft and engine; UserError, one
         line in the command's words, for what it cannot run. Returns self."""
         fam = FAMILIES.get(self.family) if self.family else None
-        if fam is not None and fam.simulator_only and words.engine != "simulator":
+        if fam is not None and words.engine not in fam.engines and fam.engines == ("simulator",):
             raise UserError(
                 f"policy '{self.text}' reads the simulator's true acceptance; it runs in "
                 "`rlsched simulate`, `compare` and `learn` only"
             )
-        if fam is not None and fam.trees and words.engine == "vllm":
+        if fam is not None and words.engine not in fam.engines:
             raise UserError(
                 f"policy '{self.text}' drafts a tree; the {words.engine} engine drafts chains: use static:K"
             )
@@ -182,10 +119,242 @@ class PolicySpec:
         return self
 
 
+# --- each family's grammar: (the whole text, what follows NAME:) -> its spec, or None -----------
+
+
 def _whole(text: str, spec: str, what: str, example: str, least: int = 0) -> int:
     if not text.isdigit() or int(text) < least:
         raise UserError(f"policy '{spec}': {what} must be a whole number >= {least}, as in {example}")
     return int(text)
+
+
+def _parse_off(spec: str, arg: str) -> PolicySpec | None:
+    return None if arg else PolicySpec(spec, "off")
+
+
+def _parse_static(spec: str, arg: str) -> PolicySpec:
+    k_text, _, drafter = arg.partition(":")
+    return PolicySpec(spec, "static", k=_whole(k_text, spec, "K", "static:4"), drafter=drafter or None)
+
+
+def _parse_tree(spec: str, arg: str) -> PolicySpec:
+    parts = arg.split(":")
+    example = "tree:6:4:24"
+    if len(parts) not in (3, 4):
+        raise UserError(
+            f"policy '{spec}': expected tree:K:W:N[:DRAFTER] (depth, width, drafts verified), as in {example}"
+        )
+    k = _whole(parts[0], spec, "K (the depth)", example, 1)
+    w = _whole(parts[1], spec, "W (candidates a branch)", example, 2)
+    most = w * (w**k - 1) // (w - 1)  # the full tree
+    n = _whole(parts[2], spec, "N (drafts verified)", example, k)
+    if n > most:
+        raise UserError(f"policy '{spec}': a tree {k} deep and {w} wide holds at most {most} drafts; lower N")
+    return PolicySpec(spec, "tree", k=k, width=w, nodes=n, drafter=parts[3] if len(parts) == 4 else None)
+
+
+def _parse_refresh(name: str) -> Callable[[str, str], PolicySpec]:
+    """goodput's and seqgoodput's: a refresh interval (goodput also takes drain)."""
+
+    def parse(spec: str, arg: str) -> PolicySpec:
+        if name == "goodput" and arg == "drain":
+            return PolicySpec(spec, name, drain=True)
+        if arg and (not arg.isdigit() or int(arg) < 1):
+            also = " or 'drain' (goodput:drain)" if name == "goodput" else ""
+            raise UserError(f"policy '{spec}': the refresh interval must be a whole number >= 1{also}, as in {name}:1")
+        return PolicySpec(spec, name, refresh=int(arg) if arg else 32)
+
+    return parse
+
+
+def _parse_twostate(spec: str, arg: str) -> PolicySpec:
+    if not arg:
+        return PolicySpec(spec, "twostate")
+    if arg.endswith(".json"):
+        return PolicySpec(spec, "twostate", file=arg)
+    t, _, k = arg.partition(":")
+    if not (t.isdigit() and k.isdigit() and int(k) >= 1):
+        raise UserError(f"policy '{spec}': expected twostate:MAX_BATCH:K with whole numbers, as in twostate:32:4")
+    return PolicySpec(spec, "twostate", k=int(k), max_batch=int(t))
+
+
+def _parse_bandit(spec: str, arg: str) -> PolicySpec:
+    try:
+        eps = float(arg) if arg else 0.1
+    except ValueError:
+        eps = -1.0
+    if not 0.0 <= eps <= 1.0:
+        raise UserError(f"policy '{spec}': epsilon must be a number in [0, 1], as in bandit:0.1")
+    return PolicySpec(spec, "bandit", epsilon=eps)
+
+
+def _parse_table(spec: str, arg: str) -> PolicySpec:
+    if not arg:
+        raise UserError("policy 'table' needs a policy file: table:PATH.json (write one with `rlsched learn`)")
+    return PolicySpec(spec, "table", file=arg)
+
+
+def _parse_oracle(spec: str, arg: str) -> PolicySpec | None:
+    return PolicySpec(spec, "oracle", per_row=arg == "seq") if arg in ("", "seq") else None
+
+
+# --- each family's builder: (spec, PolicyContext, Words) -> DraftPolicy ---------------------------
+# (the policies are imported in the builders: the grammar needs neither numpy nor the policies,
+# and the CLI's help reads it)
+
+
+def _build_static(p: PolicySpec, ctx, words: Words):
+    from rlsched.policies.draft import StaticPolicy
+
+    return StaticPolicy(p.drafter or ctx.drafters[0], p.k, p.width, p.nodes)
+
+
+def _build_goodput(p: PolicySpec, ctx, words: Words):
+    from rlsched.policies.draft import GoodputPolicy
+
+    return GoodputPolicy(ctx, refresh=p.refresh, drain=p.drain)
+
+
+def _build_seqgoodput(p: PolicySpec, ctx, words: Words):
+    from rlsched.policies.draft import SeqGoodputPolicy
+
+    return SeqGoodputPolicy(ctx, refresh=p.refresh)
+
+
+def _build_twostate(p: PolicySpec, ctx, words: Words):
+    from rlsched.policies.lookup import TwoStatePolicy
+
+    if p.file is not None:
+        return _build_file(p, ctx, words)
+    if p.max_batch is None:
+        return TwoStatePolicy.solve(ctx)
+    return TwoStatePolicy(ctx, ctx.drafters[0], p.max_batch, p.k)
+
+
+def _build_bandit(p: PolicySpec, ctx, words: Words):
+    from rlsched.policies.bandit import BanditPolicy
+
+    return BanditPolicy(ctx, epsilon=p.epsilon)
+
+
+def _build_file(p: PolicySpec, ctx, words: Words):
+    """A table or twostate policy file (`table:FILE`, `twostate:FILE`, a bare PATH.json)."""
+    from rlsched.policies.lookup import TablePolicy, TwoStatePolicy
+    from rlsched.policies.policyfile import load_policy_file  # (pydantic: only for policy files)
+
+    pf = load_policy_file(p.file, ctx.identity, kinds=(p.family,) if p.family else ("table", "twostate"))
+    return (TablePolicy if pf.kind == "table" else TwoStatePolicy).from_file(pf, ctx, words.k_max)
+
+
+def _build_oracle(p: PolicySpec, ctx, words: Words):
+    from rlsched.policies.draft import OraclePolicy, SeqOraclePolicy
+
+    return SeqOraclePolicy(ctx) if p.per_row else OraclePolicy(ctx)
+
+
+def _build_off(p: PolicySpec, ctx, words: Words):
+    from rlsched.policies.draft import OffPolicy
+
+    return OffPolicy()
+
+
+@dataclass(frozen=True)
+class Family:
+    """One policy name: its grammar and a one-line description (the CLI's help), its parser
+    and builder, and the engines that run it."""
+
+    name: str
+    usage: str
+    summary: str
+    parse: Callable[[str, str], PolicySpec | None]  # (whole text, text after NAME:) -> spec; None: not this grammar
+    build: Callable  # (spec, PolicyContext, Words) -> DraftPolicy
+    engines: tuple[str, ...] = ENGINES  # ("simulator",): reads the simulator's true acceptance
+    priced: bool = False  # needs a cost model (twostate: only when it solves, i.e. without arguments)
+    native: bool = False  # vLLM's own speculative_config says it (a fixed k, or k by batch size)
+
+
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family("off", "off", "plain decoding", _parse_off, _build_off, native=True),
+        Family(
+            "static",
+            "static:K[:DRAFTER]",
+            "K drafts every step (static:0 is off)",
+            _parse_static,
+            _build_static,
+            native=True,
+        ),
+        Family(
+            "tree",
+            "tree:K:W:N[:DRAFTER]",
+            "the same draft tree every step: K levels, W candidates a branch, "
+            "the best N drafts verified (SGLang's steps, topk, num_draft_tokens - 1)",
+            _parse_tree,
+            _build_static,
+            engines=("simulator", "local"),  # vLLM drafts chains
+        ),
+        Family(
+            "goodput",
+            "goodput[:REFRESH|:drain]",
+            "the (drafter, k) with the most expected tokens per second "
+            "of draft + verify, from the cost model and each row's acceptance",
+            _parse_refresh("goodput"),
+            _build_goodput,
+            priced=True,
+        ),
+        Family(
+            "seqgoodput",
+            "seqgoodput[:REFRESH]",
+            "every row its own draft length, priced by the cost model",
+            _parse_refresh("seqgoodput"),
+            _build_seqgoodput,
+            priced=True,
+        ),
+        Family(
+            "twostate",
+            "twostate[:MAX_BATCH:K|:FILE]",
+            "speculation off above a batch size, one k at or below it (solved over the cost model without arguments)",
+            _parse_twostate,
+            _build_twostate,
+            priced=True,
+            native=True,
+        ),
+        Family(
+            "bandit",
+            "bandit[:EPSILON]",
+            "epsilon-greedy over (drafter, k) arms by measured tokens per second",
+            _parse_bandit,
+            _build_bandit,
+        ),
+        Family(
+            "table",
+            "table:FILE",
+            "a learned lookup (`rlsched learn`) by batch size, acceptance and context",
+            _parse_table,
+            _build_file,
+            native=True,
+        ),
+        Family(
+            "oracle",
+            "oracle[:seq]",
+            "goodput with the true acceptance (a yardstick)",
+            _parse_oracle,
+            _build_oracle,
+            engines=("simulator",),
+            priced=True,
+        ),
+    )
+}
+
+
+def usage(engine: str = "simulator") -> str:
+    """The policy names one engine runs, comma-separated (the CLI's help and error messages)."""
+    names = [f.usage for f in FAMILIES.values() if engine in f.engines]
+    return ", ".join(names) + ", or a policy file (PATH.json)"
+
+
+OFF_SPEC = PolicySpec("off", "off")  # plain decoding (a baseline's), without a text to parse
 
 
 def parse_policy(text, engine: str = "simulator") -> PolicySpec:
@@ -195,93 +364,24 @@ def parse_policy(text, engine: str = "simulator") -> PolicySpec:
     if spec.endswith(".json") and ":" not in spec:
         return PolicySpec(spec, None, file=spec)
     name, _, arg = spec.partition(":")
-    if name == "off" and not arg:
-        return PolicySpec(spec, "off")
-    if name == "static":
-        k_text, _, drafter = arg.partition(":")
-        return PolicySpec(spec, "static", k=_whole(k_text, spec, "K", "static:4"), drafter=drafter or None)
-    if name == "tree":
-        parts = arg.split(":")
-        example = "tree:6:4:24"
-        if len(parts) not in (3, 4):
-            raise UserError(
-                f"policy '{spec}': expected tree:K:W:N[:DRAFTER] (depth, width, drafts verified), as in {example}"
-            )
-        k = _whole(parts[0], spec, "K (the depth)", example, 1)
-        w = _whole(parts[1], spec, "W (candidates a branch)", example, 2)
-        most = w * (w**k - 1) // (w - 1)  # the full tree
-        n = _whole(parts[2], spec, "N (drafts verified)", example, k)
-        if n > most:
-            raise UserError(f"policy '{spec}': a tree {k} deep and {w} wide holds at most {most} drafts; lower N")
-        return PolicySpec(spec, name, k=k, width=w, nodes=n, drafter=parts[3] if len(parts) == 4 else None)
-    if name in ("goodput", "seqgoodput"):
-        if name == "goodput" and arg == "drain":
-            return PolicySpec(spec, name, drain=True)
-        if arg and (not arg.isdigit() or int(arg) < 1):
-            also = " or 'drain' (goodput:drain)" if name == "goodput" else ""
-            raise UserError(f"policy '{spec}': the refresh interval must be a whole number >= 1{also}, as in {name}:1")
-        return PolicySpec(spec, name, refresh=int(arg) if arg else 32)
-    if name == "twostate":
-        if not arg:
-            return PolicySpec(spec, name)
-        if arg.endswith(".json"):
-            return PolicySpec(spec, name, file=arg)
-        t, _, k = arg.partition(":")
-        if not (t.isdigit() and k.isdigit() and int(k) >= 1):
-            raise UserError(f"policy '{spec}': expected twostate:MAX_BATCH:K with whole numbers, as in twostate:32:4")
-        return PolicySpec(spec, name, k=int(k), max_batch=int(t))
-    if name == "bandit":
-        try:
-            eps = float(arg) if arg else 0.1
-        except ValueError:
-            eps = -1.0
-        if not 0.0 <= eps <= 1.0:
-            raise UserError(f"policy '{spec}': epsilon must be a number in [0, 1], as in bandit:0.1")
-        return PolicySpec(spec, name, epsilon=eps)
-    if name == "table":
-        if not arg:
-            raise UserError("policy 'table' needs a policy file: table:PATH.json (write one with `rlsched learn`)")
-        return PolicySpec(spec, name, file=arg)
-    if name == "oracle" and arg in ("", "seq"):
-        return PolicySpec(spec, name, per_row=arg == "seq")
-    raise UserError(f"unknown policy '{spec}'; choose from {usage(engine)}")
+    family = FAMILIES.get(name)
+    parsed = family.parse(spec, arg) if family is not None else None
+    if parsed is None:
+        raise UserError(f"unknown policy '{spec}'; choose from {usage(engine)}")
+    return parsed
 
 
-def make_draft_policy(spec, ctx, words: Words = SIMULATOR):
-    """A DraftPolicy from its name or parsed spec, checked against the PolicyContext's
-    drafters and k_max in the command's `words`. (The policies are imported here: the grammar
-    above needs neither numpy nor the policies, and the CLI's help reads it.)"""
-    from rlsched.policies.bandit import BanditPolicy
-    from rlsched.policies.draft import (
-        GoodputPolicy,
-        OffPolicy,
-        OraclePolicy,
-        SeqGoodputPolicy,
-        SeqOraclePolicy,
-        StaticPolicy,
-    )
-    from rlsched.policies.lookup import TablePolicy, TwoStatePolicy
+def as_spec(policy: PolicySpec | str, engine: str = "simulator") -> PolicySpec:
+    """`policy` itself when parsed, else its text parsed: commands parse once where the name
+    enters and pass the spec down; tests and scripts may pass the text."""
+    return policy if isinstance(policy, PolicySpec) else parse_policy(policy, engine)
 
-    p = (spec if isinstance(spec, PolicySpec) else parse_policy(spec)).check(ctx.drafters, ctx.k_max, words)
+
+def make_draft_policy(spec: PolicySpec | str, ctx, words: Words = SIMULATOR):
+    """A DraftPolicy from its parsed spec (or its text), checked against the PolicyContext's
+    drafters and k_max in the command's `words`, built by its family's builder."""
+    p = as_spec(spec).check(ctx.drafters, ctx.k_max, words)
     if not p.drafts:
-        return OffPolicy()
-    if p.family in ("goodput", "seqgoodput"):
-        return (
-            SeqGoodputPolicy(ctx, refresh=p.refresh)
-            if p.family == "seqgoodput"
-            else GoodputPolicy(ctx, refresh=p.refresh, drain=p.drain)
-        )
-    if p.family in ("static", "tree"):
-        return StaticPolicy(p.drafter or ctx.drafters[0], p.k, p.width, p.nodes)
-    if p.family == "oracle":
-        return SeqOraclePolicy(ctx) if p.per_row else OraclePolicy(ctx)
-    if p.family == "bandit":
-        return BanditPolicy(ctx, epsilon=p.epsilon)
-    if p.family == "twostate" and p.file is None:
-        return (
-            TwoStatePolicy.solve(ctx) if p.max_batch is None else TwoStatePolicy(ctx, ctx.drafters[0], p.max_batch, p.k)
-        )
-    from rlsched.policies.policyfile import load_policy_file  # (pydantic: only for policy files)
-
-    pf = load_policy_file(p.file, ctx.identity, kinds=(p.family,) if p.family else ("table", "twostate"))
-    return (TablePolicy if pf.kind == "table" else TwoStatePolicy).from_file(pf, ctx, words.k_max)
+        return _build_off(p, ctx, words)
+    build = FAMILIES[p.family].build if p.family is not None else _build_file
+    return build(p, ctx, words)

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from rlsched.errors import UserError
-from rlsched.policies.registry import parse_policy, run_words
+from rlsched.policies.registry import PolicySpec, as_spec, run_words
 
 TABLE_FIELD = "num_speculative_tokens_per_batch_size"
 NGRAM = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 4}
@@ -83,7 +83,7 @@ def _twostate_table(on: int, k: int, max_batch: int) -> list[list[int]]:
     return [[1, on, k], [on + 1, max_batch, 0]]
 
 
-def speculative_plan(policy: str, have: str, *, k_max: int, max_batch: int) -> dict | None:
+def speculative_plan(policy: PolicySpec | str, have: str, *, k_max: int, max_batch: int) -> dict | None:
     """What `policy` is in vLLM's terms with a drafter of kind `have` (off, model, eagle, ngram,
     suffix: `executor.setup.drafter_kind`): None for plain decoding, else
     {"k": num_speculative_tokens, "table": [[start_bs, end_bs, K], ...] or None, "drafter":
@@ -95,7 +95,7 @@ def speculative_plan(policy: str, have: str, *, k_max: int, max_batch: int) -> d
             "drafter suffix runs on the local backend only (vLLM's own suffix method needs the "
             "arctic-inference package); set rollout.backend local or drafter ngram"
         )
-    p = parse_policy(policy, "vllm").check(() if have == "off" else (have,), k_max, run_words("vllm"))
+    p = as_spec(policy, "vllm").check(() if have == "off" else (have,), k_max, run_words("vllm"))
     if not p.drafts:
         return None
     if p.family == "static":

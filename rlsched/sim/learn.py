@@ -54,8 +54,8 @@ def serial_evaluator(jobs):
 
 
 def parallel_evaluator(workers: int, ray_address: str | None = None) -> Evaluator:
-    """Score runs on worker processes (or Ray) with `rlsched compare`'s runner, grouped by config."""
-    from rlsched.sim.compare import run_jobs
+    """Score runs on worker processes (or Ray) with the simulations' runner (`sim/runs.py`), grouped by config."""
+    from rlsched.sim.runs import run_jobs
 
     def evaluate(jobs):
         times = [0.0] * len(jobs)

@@ -17,11 +17,14 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rlsched import __version__
 from rlsched.atomic import atomic_folder
 from rlsched.config import SimConfig
+from rlsched.policies.registry import OFF_SPEC, PolicySpec
 from rlsched.sim.simulate import SimResult, simulate
 from rlsched.traces.writer import to_table, write_table
 
 
-def run_with_progress(cfg: SimConfig, policy: str, realloc: str | None, console: Console, label: str) -> SimResult:
+def run_with_progress(
+    cfg: SimConfig, policy: PolicySpec, realloc: str | None, console: Console, label: str
+) -> SimResult:
     with Progress(
         SpinnerColumn(),
         TextColumn("{task.description}"),
@@ -48,18 +51,18 @@ def write_result(result: SimResult, out: Path, summary: dict, meta: dict) -> Non
 
 
 def run_and_write(
-    cfg: SimConfig, policy: str, realloc: str | None, out: Path, baseline: bool, console: Console
+    cfg: SimConfig, policy: PolicySpec, realloc: str | None, out: Path, baseline: bool, console: Console
 ) -> dict:
     """Simulate, optionally simulate `off` on the same seed for the speedup, write the folder."""
     result = run_with_progress(cfg, policy, realloc, console, f"simulating {cfg.name} ({policy})")
     summary = result.summary()
-    if baseline and policy != "off":
+    if baseline and policy.family != "off":
         ref_cfg = cfg.model_copy(update={"record_timeline": False})
-        ref = run_with_progress(ref_cfg, "off", realloc, console, "baseline (off, same seed)").summary()
+        ref = run_with_progress(ref_cfg, OFF_SPEC, realloc, console, "baseline (off, same seed)").summary()
         summary["off_generation_s"] = ref["generation_s"]
         summary["speedup_vs_off"] = ref["generation_s"] / summary["generation_s"]
         summary["rl_step_speedup_vs_off"] = ref["rl_step_s"] / summary["rl_step_s"]
-    elif policy == "off":
+    elif policy.family == "off":
         summary["speedup_vs_off"] = 1.0
     summary["out"] = str(out)
     meta = {

@@ -12,7 +12,7 @@ from rlsched.config import SimConfig
 from rlsched.costs.choose import cost_model_for
 from rlsched.policies.draft import PolicyContext
 from rlsched.policies.realloc import make_realloc_policy
-from rlsched.policies.registry import make_draft_policy
+from rlsched.policies.registry import PolicySpec, as_spec, make_draft_policy
 from rlsched.sim.cluster import kv_capacity
 from rlsched.sim.rlstep import StepRecord, TrueAcceptance, rl_run
 from rlsched.sim.timeline import KINDS, Timeline
@@ -177,13 +177,14 @@ def config_identity(cfg: SimConfig) -> dict:
 
 
 def simulate(
-    cfg: SimConfig, policy: str | None = None, realloc: str | None = None, progress=None, cost=None
+    cfg: SimConfig, policy: PolicySpec | str | None = None, realloc: str | None = None, progress=None, cost=None
 ) -> SimResult:
-    """Simulate cfg.rl.steps RL steps with a drafting policy and a reallocation policy.
+    """Simulate cfg.rl.steps RL steps with a drafting policy (default: the config's) and a
+    reallocation policy.
 
     `cost` defaults to the config's: its analytic roofline, or its fitted `cost_file`.
     """
-    policy = policy or cfg.speculation.policy
+    policy = as_spec(policy) if policy else cfg.speculation.policy
     realloc_name = realloc or cfg.cluster.realloc
     cost = cost or cost_model_for(cfg)
     truth = TrueAcceptance()
@@ -198,4 +199,4 @@ def simulate(
     make = lambda: [make_draft_policy(policy, ctx) for _ in range(cfg.cluster.instances)]  # noqa: E731
     env.process(rl_run(env, cfg, cost, make, realloc_policy, timeline, records, capacity, progress, truth))
     env.run()
-    return SimResult(cfg, policy, realloc_name, records, timeline, capacity, cost)
+    return SimResult(cfg, policy.text, realloc_name, records, timeline, capacity, cost)

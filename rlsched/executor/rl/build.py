@@ -42,7 +42,7 @@ from rlsched.executor.setup import (
     needs_cost,
     start_engine,
 )
-from rlsched.policies.registry import parse_policy, run_words
+from rlsched.policies.registry import PolicySpec, run_words
 
 
 @dataclass
@@ -225,7 +225,7 @@ def check_policy_inputs(cfg: RunConfig) -> None:
 
         check_vllm_backend(cfg.policy, kind, k_max=r.k_max, max_batch=r.max_batch, cost_model=cfg.cost_model)
         return
-    parse_policy(cfg.policy, r.backend).check(drafter_names(kind), r.k_max, run_words(r.backend))
+    cfg.policy.check(drafter_names(kind), r.k_max, run_words(r.backend))
     if needs_cost(cfg.policy, r.instances, r.realloc):
         check_cost_folder(cfg.cost_model, "cost_model")
 
@@ -366,7 +366,7 @@ def make_backend(
         from rlsched.executor.vllm.engine import VllmRolloutEngine
 
         drafter_spec = m.drafter_dir if m.drafter_name in ("model", "eagle") else m.drafter_name  # folder or name
-        restored = None if estimator is None else (None if isinstance(policy, str) else policy, estimator, None)
+        restored = None if estimator is None else (None if isinstance(policy, PolicySpec) else policy, estimator, None)
         return VllmRolloutEngine(
             m.target_dir,
             drafter_spec,

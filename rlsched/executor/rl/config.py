@@ -10,8 +10,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from rlsched.config import build_config, read_config_file
+from rlsched.config import Policy, build_config, policy_spec, read_config_file
 from rlsched.policies.probe import PROBE_EVERY
+from rlsched.policies.registry import as_spec
 
 
 class _Strict(BaseModel):
@@ -119,7 +120,7 @@ class RunConfig(_Strict):
     )
     data: str = Field("builtin:count,repeat@64", description="builtin[:tasks][@N] or a JSONL file")
     reward: str = Field("exact_match", description="exact_match, math, module:function or model:DIR")
-    policy: str = Field("goodput", description="drafting policy name or policy file")
+    policy: Policy = Field(as_spec("goodput"), description="drafting policy name or policy file")
     cost_model: str = Field(
         "auto",
         description="auto (profile at start), a `rlsched profile` folder, or an earlier "
@@ -138,11 +139,21 @@ class RunConfig(_Strict):
     algorithm: AlgorithmConfig = AlgorithmConfig()
     drafter_update: DrafterUpdateConfig = DrafterUpdateConfig()
 
-    @field_validator("policy", "drafter", mode="before")
+    @field_validator("drafter", mode="before")
     @classmethod
     def _off(cls, v):
         """YAML reads a bare `off` as false; here it means the name."""
         return "off" if v is False else v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _policy(cls, data):
+        """The policy parsed once, an unknown name answered with what the rollout backend runs."""
+        if isinstance(data, dict) and isinstance(data.get("policy"), str):
+            rollout = data.get("rollout")
+            backend = rollout.get("backend") if isinstance(rollout, dict) else getattr(rollout, "backend", None)
+            data = {**data, "policy": policy_spec(data["policy"], "vllm" if backend == "vllm" else "local")}
+        return data
 
 
 def build_run_config(data: dict, overrides: list[str] = (), source: str = "config") -> RunConfig:

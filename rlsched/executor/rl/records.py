@@ -94,7 +94,7 @@ def write_summary(out: Path, cfg, drafter_name: str, model_dir: Path) -> dict:
         seconds=float(df["total_s"].sum()),
         stage_s={k: float(df[f"{k}_s"].sum()) for k in STAGES},
         tokens_per_s=float(df["response_tokens"].sum() / df["generation_s"].sum()),
-        policy=cfg.policy,
+        policy=cfg.policy.text,
         drafter=drafter_name,
         algorithm=cfg.algorithm.name,
         model=str(model_dir),

@@ -74,7 +74,7 @@ from rlsched.executor.engine.rollout import RolloutResult, SampleResult, check_r
 from rlsched.executor.seeds import derive_seed
 from rlsched.policies import vllm_plan
 from rlsched.policies.probe import PROBE_EVERY, prober_for
-from rlsched.policies.registry import parse_policy, run_words
+from rlsched.policies.registry import PolicySpec, as_spec, run_words
 from rlsched.policies.vllm_plan import NGRAM, TABLE_FIELD
 
 INSTALL_HINT = (
@@ -83,14 +83,16 @@ INSTALL_HINT = (
 )
 
 
-def speculative_plan(policy: str, drafter, *, k_max: int, max_batch: int) -> dict | None:
+def speculative_plan(policy: PolicySpec | str, drafter, *, k_max: int, max_batch: int) -> dict | None:
     """`policies.vllm_plan.speculative_plan` for the drafter `drafter` names (a folder, builtin, ...)."""
     from rlsched.executor.setup import drafter_kind
 
     return vllm_plan.speculative_plan(policy, drafter_kind(drafter), k_max=k_max, max_batch=max_batch)
 
 
-def check_vllm_backend(policy: str, drafter, *, k_max: int, max_batch: int, cost_model: str = "auto") -> dict | None:
+def check_vllm_backend(
+    policy: PolicySpec | str, drafter, *, k_max: int, max_batch: int, cost_model: str = "auto"
+) -> dict | None:
     """Everything a vLLM rollout needs that can be checked without starting vLLM (for a caller
     that must refuse bad input before writing anything): the policy's plan, that a priced
     policy can be priced (step costs are measured at start-up with a model drafter only: an
@@ -98,8 +100,9 @@ def check_vllm_backend(policy: str, drafter, *, k_max: int, max_batch: int, cost
     UserError otherwise, one line."""
     import importlib.util
 
+    policy = as_spec(policy, "vllm")
     plan = speculative_plan(policy, drafter, k_max=k_max, max_batch=max_batch)
-    if plan is not None and plan["drafter"] == "ngram" and cost_model == "auto" and parse_policy(policy).priced:
+    if plan is not None and plan["drafter"] == "ngram" and cost_model == "auto" and policy.priced:
         raise UserError(
             f"policy '{policy}' prices steps, and with the ngram drafter vLLM's step costs cannot be "
             "measured at start-up; set cost_model to a folder (`rlsched fit` of a vLLM run)"
@@ -331,7 +334,7 @@ class VllmRolloutEngine:
         target_dir: Path,
         drafter,
         sampling: SamplingParams,
-        policy: str,
+        policy: PolicySpec | str,
         *,
         max_batch: int,
         k_max: int,
@@ -352,13 +355,13 @@ class VllmRolloutEngine:
         from rlsched.executor.vllm import hook as vllm_hook
         from rlsched.policies.acceptance import AcceptanceEstimator
 
-        self.policy, self.drafters = policy, {}
+        self.policy, self.drafters = as_spec(policy, "vllm"), {}
         self.rl_step, self.instance = 0, instance
         self.target_dir, self.sampling, self.seed = Path(target_dir), sampling, seed
         self.max_batch, self.k_max = max_batch, k_max
         if max_batch < 1:
             raise UserError(f"rollout.max_batch must be >= 1 (got {max_batch})")
-        self.plan = speculative_plan(policy, drafter, k_max=k_max, max_batch=max_batch)
+        self.plan = speculative_plan(self.policy, drafter, k_max=k_max, max_batch=max_batch)
         if self.plan is not None and self.plan["drafter"] == "eagle" and isinstance(drafter, str):
             raise UserError("drafter eagle on vLLM needs the head's folder (`setup.eagle_head`), not its name")
         raw = json.loads((self.target_dir / "config.json").read_text())
@@ -454,7 +457,7 @@ class VllmRolloutEngine:
         from rlsched.policies.draft import PolicyContext
         from rlsched.policies.registry import make_draft_policy
 
-        spec = parse_policy(self.policy)
+        spec = self.policy
         if spec.priced and cost is None:
             if log:
                 log(
