@@ -326,4 +326,15 @@ def _run_with_progress(trainer, cfg) -> dict:
             )
             bar.advance(task)
 
-        return trainer.run(on_step)
+        summary = trainer.run(on_step)
+    return _with_plots(trainer.out, summary)
+
+
+def _with_plots(out: Path, summary: dict) -> dict:
+    """The run's plots (from its RL-step trace) drawn under out/plots/ and listed in its summary.json."""
+    from rlsched.analysis.plots import plot_run
+    from rlsched.executor.rl.records import save_summary
+    from rlsched.traces.reader import read_trace
+
+    rl_steps = read_trace(out / "traces", "rl_steps").sort_values("rl_step")
+    return save_summary(out, {**summary, "plots": [str(p) for p in plot_run(rl_steps, out)]})

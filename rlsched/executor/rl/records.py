@@ -1,5 +1,6 @@
 """What an RL run writes besides the backend's traces: one `rl_steps` record per step, the
-step's samples (`rollouts/step-NNNNNN.parquet`) and, at the end, `summary.json` and the plots."""
+step's samples (`rollouts/step-NNNNNN.parquet`) and, at the end, `summary.json` (the command
+adds the run's plots to it: the executor never imports `analysis`)."""
 
 from __future__ import annotations
 
@@ -78,8 +79,7 @@ def write_rollout(out: Path, s: int, items, requests, group, result, texts, rb) 
 
 
 def write_summary(out: Path, cfg, drafter_name: str, model_dir: Path) -> dict:
-    """summary.json and the plots, from the RL-step trace. Returns the summary."""
-    from rlsched.atomic import write_text_atomic
+    """summary.json, from the RL-step trace. Returns the summary."""
     from rlsched.executor.model.loading import load_config
     from rlsched.traces.reader import read_trace
 
@@ -106,12 +106,13 @@ def write_summary(out: Path, cfg, drafter_name: str, model_dir: Path) -> dict:
         out=str(out),
         traces=str(out / "traces"),
     )
-    try:
-        from rlsched.analysis.plots import plot_run
+    return save_summary(out, summary)
 
-        summary["plots"] = [str(p) for p in plot_run(df, out)]
-    except ImportError:  # pragma: no cover - matplotlib is a core dependency
-        summary["plots"] = []
+
+def save_summary(out: Path, summary: dict) -> dict:
+    """Write `summary` (NaN as null) to out/summary.json, atomically. Returns what was written."""
+    from rlsched.atomic import write_text_atomic
+
     summary = _finite(summary)
     write_text_atomic(out / SUMMARY, json.dumps(summary, indent=2) + "\n")
     return summary
