@@ -127,7 +127,7 @@ def load_folder(path) -> FolderData:
         return d
     if (path / "compare.json").is_file():
         d.kind, d.compare = "compare", _json(path / "compare.json")
-        if not {"aggregate", "policies", "realloc", "seeds", "name"} <= set(d.compare):
+        if not {"aggregate", "policies", "realloc", "seeds", "name"} <= set(d.compare or ()):
             raise UserError(
                 f"'{path / 'compare.json'}' is not a `rlsched compare` report (it lacks aggregate, "
                 "policies, realloc, seeds or name)"
@@ -273,7 +273,7 @@ def fit_figure_for(d: FolderData, cost: dict | None = None, cost_path: Path | No
 
 def predicted_speedup(
     profile: pd.DataFrame, a: float, per_row: float | None = None, drafter: str | None = None
-) -> tuple[pd.DataFrame, float, str]:
+) -> tuple[pd.DataFrame, float, str | None]:
     """Per (batch, k >= 1): verify(B, 0) / (verify(B, k) + draft(B, k)) x expected tokens per
     row at acceptance `a`, from measured step costs (profile records) at the profiled context
     per row nearest `per_row` (default: the median one). Returns (batch, k, speedup), that
@@ -378,6 +378,7 @@ def _speedup(d: FolderData, cost: dict | None, cost_path: Path | None, acceptanc
     drafter, per_row = _drafter(d), _per_row(d.steps)
     predicted, title, why = None, "", ""
     if d.profile is not None:
+        assert d.profile_path is not None  # loaded with its profile
         try:
             predicted, ctx, drafter = predicted_speedup(d.profile, a, per_row, drafter)
             title = (
@@ -387,6 +388,7 @@ def _speedup(d: FolderData, cost: dict | None, cost_path: Path | None, acceptanc
         except UserError as e:
             why = f"{d.profile_path}: {e}; "
     if predicted is None and cost is not None:
+        assert cost_path is not None  # given with its cost model
         ctx = per_row if per_row is not None else 128.0
         top = int(d.steps["batch"].max()) if d.steps is not None else 256
         batches = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b <= max(top, 1)] or [1]
@@ -418,9 +420,9 @@ def figures_for(
 ) -> tuple[dict, dict]:
     """({name: Figure} of every figure the folder's data supports, {name: why not} of the rest)."""
     figs, skipped = {}, {}
-    if d.kind == "compare":
+    if d.kind == "compare" and d.compare is not None:
         return {"compare": compare_figure(d.compare, [])}, {}
-    if d.kind == "plan":
+    if d.kind == "plan" and d.plan is not None:
         return {"pareto": plan_figure(d.plan)}, {}
     if d.profile is not None or cost is not None:
         try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 import numpy as np
@@ -21,7 +22,7 @@ from rlsched.errors import UserError  # noqa: E402
 FORMATS = {".png": "png", ".pdf": "pdf"}
 DPI = 120
 MAX_PANELS = 8  # instances drawn in the batch/k figure
-BELOW = {"loc": "upper center", "bbox_to_anchor": (0.5, -0.16), "ncol": 4}  # a legend under the axes
+BELOW: dict[str, Any] = {"loc": "upper center", "bbox_to_anchor": (0.5, -0.16), "ncol": 4}  # a legend under the axes
 
 
 def save_figure(fig: Figure, path: Path) -> None:

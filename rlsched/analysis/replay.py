@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -162,6 +163,7 @@ def _rollout(samples: pd.DataFrame, drafter: str | None):
 
     s = samples.sort_values("sample_id")
     prompt_of = pd.factorize(s["prompt_id"])[0].astype(np.int64)
+    names: tuple[str, ...]
     if drafter is not None:
         acc, names = per_sample_acceptance(s, drafter)[:, None], (drafter,)
     else:
@@ -273,7 +275,7 @@ def _costs(rundir: Path, cost_file, drafter, steps: pd.DataFrame | None = None):
     borrowed = 0
     if cost_file is not None:
         cost = load_cost_model(cost_file, drafters=() if drafter is None else (drafter,))
-        what = {"source": str(cost_file)}
+        what: dict[str, Any] = {"source": str(cost_file)}
     else:
         df, source = read_records(rundir)
         own = None  # the run's own op tables, where the fit also takes the profile's

@@ -61,6 +61,7 @@ def run_numbers(d: FolderData) -> dict:
     """A run's key numbers from its rl_steps records (the definitions of the run's summary.json),
     and its settings from summary.json or config.yaml."""
     s, c = d.summary or {}, d.config or {}
+    assert d.rl_steps is not None  # a run folder's
     rl = d.rl_steps.sort_values("rl_step")
     head, tail = _windows(rl)
     stage = {k: float(rl[f"{k}_s"].sum()) for k in STAGES}

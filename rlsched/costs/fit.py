@@ -24,6 +24,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -63,7 +64,12 @@ class OpFit:
         return op_ms(self.op, self.params, batch, tokens, per_row)
 
     def entry(self) -> dict:
-        out = {"used": self.used, "form": FORMS[self.op], "params": dict(self.params), "quality": dict(self.quality)}
+        out: dict[str, Any] = {
+            "used": self.used,
+            "form": FORMS[self.op],
+            "params": dict(self.params),
+            "quality": dict(self.quality),
+        }
         if self.used == "interpolation":
             out["grid"] = self.grid
         return out
@@ -234,7 +240,7 @@ def _linear_start(op: str, t: pd.DataFrame) -> dict:
     B, q, L, y = (t[c].to_numpy(float) for c in ("batch", "tokens", "per_row", "ms"))
     if op == "verify":
         X = np.column_stack([np.ones_like(B), q > 1, (q == 1) & (B > 1), B * q, B, B * q * (L + (q - 1) / 2), B * L])
-        names = ("t0", "s", "u", "a", "r", "c", "kv")
+        names: tuple[str, ...] = ("t0", "s", "u", "a", "r", "c", "kv")
     elif op == "draft":
         X = np.column_stack([np.ones_like(B), B * L, q, q * B, q * B * L, np.maximum(q - 1, 0) * (B > 1)])
         names = ("e", "d", "t0", "a", "c", "s")
@@ -319,7 +325,7 @@ def fit_op(key: str, t: pd.DataFrame, max_mape: float = DEFAULT_MAX_MAPE, seed: 
     op = key.partition(":")[0]
     frozen = FROZEN.get(op, {}) if len(t) < 2 * len(PARAMS[op]) else {}
     held, how, grid = _holdout(t, seed)
-    q = {
+    q: dict[str, Any] = {
         "points": int(len(t)),
         "heldout": how,
         "heldout_points": int(held.sum()),

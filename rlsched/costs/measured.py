@@ -43,7 +43,7 @@ class Grid:
         i = np.clip(np.searchsorted(axis, x, side="right") - 1, 0, len(axis) - 2)
         return i, (x - axis[i]) / (axis[i + 1] - axis[i])
 
-    def __call__(self, log_batch, tokens, per_row) -> np.ndarray:
+    def __call__(self, log_batch, tokens, per_row) -> np.ndarray | float:
         """At points broadcast from the three coordinates (numbers or arrays)."""
         if np.ndim(log_batch) == 0 and np.ndim(per_row) == 0:
             # a policy's lookup: one batch and context, so those two axes fold to one line

@@ -14,6 +14,8 @@ makes the best draft length depend on the batch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from rlsched.config import DrafterSpec, HardwareSpec, ModelSpec, SimConfig, eagle_head
@@ -93,7 +95,7 @@ class RooflineCostModel:
 
     kind = "roofline"
 
-    def __init__(self, hardware: HardwareSpec, model: ModelSpec, drafters: list[DrafterSpec] = (), tp: int = 1):
+    def __init__(self, hardware: HardwareSpec, model: ModelSpec, drafters: Sequence[DrafterSpec] = (), tp: int = 1):
         self.hardware, self.model, self.tp = hardware, model, tp
         self._step_oh = hardware.step_overhead_ms * 1e-3
         self._fwd_oh = hardware.forward_overhead_ms * 1e-3
@@ -109,7 +111,7 @@ class RooflineCostModel:
         self._mig_bw = tp * hardware.migrate_link_gbs * 1e9
         self._mig_lat = hardware.migrate_latency_ms * 1e-3
         self._kv_bytes = model.kv_bytes_per_token + sum(
-            d.model.kv_bytes_per_token for d in drafters if d.kind == "model"
+            d.model.kv_bytes_per_token for d in drafters if d.kind == "model" and d.model is not None
         )
 
     @classmethod

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import IO
 
 import pandas as pd
 import pyarrow as pa
@@ -64,7 +65,7 @@ class TraceWriter:
             if p.suffix in (".parquet", ".jsonl") and (f"-{rest}" if rest else "") == self.tag and number.isdigit():
                 numbers.append(int(number))
         self._next = max(numbers) + 1 if numbers else 0
-        self._journal = None
+        self._journal: IO[str] | None = None
 
     def _part(self, suffix: str) -> Path:
         return self.dir / f"part-{self._next:06d}{self.tag}{suffix}"
