@@ -42,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import table, write_result  # noqa: E402
 
 from rlsched.executor.decode.drafters import ModelDrafter, drafter_cache_len, make_drafter  # noqa: E402
-from rlsched.executor.decode.eagle import builtin_head, load_head  # noqa: E402
+from rlsched.executor.decode.eagle import load_head  # noqa: E402
+from rlsched.executor.decode.eagle_builtin import builtin_head  # noqa: E402
 from rlsched.executor.decode.eagle_drafter import EagleDrafter  # noqa: E402
 from rlsched.executor.decode.sampling import SamplingParams  # noqa: E402
 from rlsched.executor.engine.rollout import Request, RolloutEngine, reserve  # noqa: E402

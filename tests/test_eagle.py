@@ -17,16 +17,13 @@ from rlsched.executor.decode.eagle import (  # noqa: E402
     EagleHead,
     HeadConfig,
     default_aux_layers,
-    distill_head,
-    draft,
-    frequent_tokens,
-    init_head,
     load_head,
     save_head,
     target_features,
-    train_head,
-    ttt_loss,
 )
+from rlsched.executor.decode.eagle_builtin import init_head  # noqa: E402
+from rlsched.executor.decode.eagle_drafter import draft  # noqa: E402
+from rlsched.executor.decode.eagle_train import distill_head, frequent_tokens, train_head, ttt_loss  # noqa: E402
 from rlsched.executor.decode.sampling import SamplingParams  # noqa: E402
 from rlsched.executor.model.transformer import ModelConfig, Transformer  # noqa: E402
 
@@ -251,7 +248,7 @@ def test_reward_weights_scale_each_samples_tokens(target):
 
 @pytest.fixture(scope="module")
 def builtin():
-    from rlsched.executor.decode.eagle import builtin_head
+    from rlsched.executor.decode.eagle_builtin import builtin_head
 
     return builtin_head()
 

@@ -9,7 +9,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from rlsched.executor.decode.eagle import builtin_head, load_head, target_features  # noqa: E402
+from rlsched.executor.decode.eagle import load_head, target_features  # noqa: E402
+from rlsched.executor.decode.eagle_builtin import builtin_head  # noqa: E402
 from rlsched.executor.decode.eagle_drafter import EagleDrafter  # noqa: E402
 from rlsched.executor.decode.sampling import GREEDY, SamplingParams  # noqa: E402
 from rlsched.executor.engine.rollout import Request, RolloutEngine  # noqa: E402

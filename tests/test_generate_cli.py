@@ -247,7 +247,7 @@ def test_generate_with_the_suffix_drafter_on_revisited_prompts(pair, tmp_path):
 
 
 def test_generate_with_the_eagle_head_and_a_draft_tree(pair, tmp_path):
-    from rlsched.executor.decode.eagle import builtin_head
+    from rlsched.executor.decode.eagle_builtin import builtin_head
 
     builtin_head()  # built once here (about a minute on first use), not inside the timed command
     out = tmp_path / "gen"

@@ -24,8 +24,9 @@ torch = pytest.importorskip("torch")
 
 from rlsched.executor.decode import tree_verify as tv  # noqa: E402
 from rlsched.executor.decode.drafters import ModelDrafter  # noqa: E402
-from rlsched.executor.decode.eagle import builtin_head, draft_tree, load_head, target_features  # noqa: E402
-from rlsched.executor.decode.eagle_drafter import EagleDrafter  # noqa: E402
+from rlsched.executor.decode.eagle import load_head, target_features  # noqa: E402
+from rlsched.executor.decode.eagle_builtin import builtin_head  # noqa: E402
+from rlsched.executor.decode.eagle_drafter import EagleDrafter, draft_tree  # noqa: E402
 from rlsched.executor.decode.sampling import GREEDY, SamplingParams  # noqa: E402
 from rlsched.executor.decode.speculative import PAD, Seq, generate, prefill, tree_step  # noqa: E402
 from rlsched.executor.decode.tree_verify import DraftTree, draw_children, tree_of, tree_verify  # noqa: E402

@@ -30,7 +30,7 @@ def served():
     """The built-in target served by vLLM with the built-in head as its eagle3 drafter; greedy
     outputs of the built-in task prompts, vLLM's spec-decode counters and its draft model's
     weights."""
-    from rlsched.executor.decode.eagle import builtin_head
+    from rlsched.executor.decode.eagle_builtin import builtin_head
     from rlsched.executor.model.builtin import EOS, encode
     from rlsched.executor.vllm.engine import start_llm
     from rlsched.tasks.synthetic import make_examples
@@ -104,7 +104,8 @@ def test_vllm_accepts_what_our_greedy_chain_accepts_with_the_same_head(served):
     what vLLM's eagle3 proposer did, step by step. vLLM counts the drafts a verify accepts
     past the end of a sample (after its <eos> or max_tokens) before the output is cut; so
     does this count, against the target's greedy tokens there."""
-    from rlsched.executor.decode.eagle import draft, load_head, target_features
+    from rlsched.executor.decode.eagle import load_head, target_features
+    from rlsched.executor.decode.eagle_drafter import draft
     from rlsched.executor.model.loading import load_model
 
     target = load_model(served["head"].target).model

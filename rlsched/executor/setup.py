@@ -121,7 +121,8 @@ def eagle_head(model: str, drafter, target, log=None):
     """An EAGLE-3 head's folder and the head, reading `target`'s states: `drafter` eagle is the
     built-in target's (trained on first use, then cached; UserError for another target), else
     `drafter` is a head's folder."""
-    from rlsched.executor.decode.eagle import builtin_head, load_head
+    from rlsched.executor.decode.eagle import load_head
+    from rlsched.executor.decode.eagle_builtin import builtin_head
 
     if drafter != "eagle":
         return Path(drafter), load_head(drafter, target)

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from rlsched.executor.decode.eagle import EagleHead, draft, draft_tree, target_features
+from rlsched.executor.decode.eagle import EagleHead, target_features
+from rlsched.executor.decode.sampling import GREEDY, SamplingParams, sample
 from rlsched.executor.decode.speculative import Seq
 
 
@@ -103,7 +104,7 @@ class EagleDrafter:
 
     @torch.inference_mode()
     def propose_tree(self, rows: list[Seq], tree):
-        """A draft tree per row (`eagle.draft_tree`): tokens (B, n), draft_probs (B, n + 1, V)
+        """A draft tree per row (`draft_tree`): tokens (B, n), draft_probs (B, n + 1, V)
         or None (greedy) and present (B, n), for `tree_verify`."""
         b, n, v = len(rows), tree.n, self.head.config.vocab_size
         dev = self.target.embed.weight.device
@@ -129,3 +130,98 @@ class EagleDrafter:
             d, q = draft(self.head, aux, nxt, k, self.sampling, self.generator)
             tokens[idx], probs[idx] = d, q
         return tokens.cpu(), probs, torch.full((b,), k, dtype=torch.long)
+
+
+@torch.no_grad()
+def draft(
+    head: EagleHead,
+    aux: torch.Tensor,
+    tokens: torch.Tensor,
+    k: int,
+    sampling: SamplingParams = GREEDY,
+    generator: torch.Generator | None = None,
+):
+    """k chain drafts per row. aux (B, T, A*h): the target's aux states at a row's positions
+    0..T-1 (`target_features`; T = 1 gives the head the last position only); tokens (B, T):
+    the token after each of those positions, the last being the token the target chose
+    after the row's last verified position. Rows have equal length. Drafts are drawn from
+    `sampling.probs` over the draft vocabulary (greedy: its argmax). Returns target ids
+    (B, k) and the distributions they were drawn from over the target vocabulary (B, k, V),
+    zero outside the draft vocabulary."""
+    b, t, _ = aux.shape
+    ids = head.draft_ids
+    out_tokens = torch.zeros((b, k), dtype=torch.long, device=aux.device)
+    out_probs = torch.zeros((b, k, head.config.vocab_size), device=aux.device)
+    if k == 0:
+        return out_tokens, out_probs
+    positions = torch.arange(t, device=aux.device).expand(b, t)
+    hidden, logits, ctx = head.layer(tokens, head.fc(aux), positions)
+    hidden, logits, own = hidden[:, -1:], logits[:, -1], []
+    for j in range(k):
+        p = sampling.probs(logits)
+        d = p.argmax(-1) if sampling.greedy else sample(p, generator)
+        out_tokens[:, j] = ids[d]
+        out_probs[:, j, ids] = p
+        if j + 1 < k:
+            hidden, logits, _ = head.layer(out_tokens[:, j : j + 1], hidden, positions[:, -1:] + j + 1, ctx, own)
+            logits = logits[:, -1]
+    return out_tokens, out_probs
+
+
+@torch.no_grad()
+def draft_tree(
+    head: EagleHead,
+    aux: torch.Tensor,
+    tokens: torch.Tensor,
+    tree,
+    sampling: SamplingParams = GREEDY,
+    generator: torch.Generator | None = None,
+):
+    """A draft tree (`tree_verify.DraftTree`, n nodes) per row, from the inputs `draft` takes.
+    Each node's children are drawn without replacement from the head's distribution there
+    (`tree_verify.draw_children`; greedy: its top tokens). The nodes of one depth go through
+    the layer together, each as its own chain: fed its parent's output and its own token at
+    the position of its depth, attending to the context anchors and to its ancestors' keys
+    (what chain step j attends to at steps < j). Returns target ids (B, n), the
+    distributions the children were drawn from over the target vocabulary (B, n + 1, V;
+    index 0 the root's, i + 1 node i's; None when greedy) and present (B, n)."""
+    from rlsched.executor.decode.tree_verify import draw_level
+
+    b, t, _ = aux.shape
+    n, ids, dev = tree.n, head.draft_ids, aux.device
+    out_tokens = torch.zeros((b, n), dtype=torch.long, device=dev)
+    present = torch.zeros((b, n), dtype=torch.bool, device=dev)
+    dists = None if sampling.greedy else torch.zeros((b, n + 1, head.config.vocab_size), device=dev)
+    positions = torch.arange(t, device=dev).expand(b, t)
+    hidden, logits, (ctx_k, ctx_v) = head.layer(tokens, head.fc(aux), positions)
+    node_hidden = torch.zeros((b, n, hidden.shape[-1]), dtype=hidden.dtype, device=dev)
+    root_hidden, logits = hidden[:, -1:], logits[:, -1:]  # (B, 1, h), (B, P, D) over this level's parents
+    level_kv: dict[int, tuple] = {}  # depth -> (k, v) of its nodes, (B, n_d, KV, 1, hd)
+    anc = tree.ancestors()
+    for d in range(tree.k):
+        if d == 0:
+            parents = [-1]
+        else:  # the nodes of depth d, each a one-token chain step, give their children's distributions
+            lo, hi = tree.level(d)
+            parents, m = list(range(lo, hi)), hi - lo
+            x = torch.where(present[:, lo:hi], out_tokens[:, lo:hi], 0).reshape(b * m, 1)
+            par = [tree.parent[i] for i in parents]
+            h_in = torch.stack([root_hidden[:, 0] if j < 0 else node_hidden[:, j] for j in par], 1)
+            own = []
+            for e in range(1, d):  # each node's ancestor at depth e, as the chain's step e
+                elo, _ = tree.level(e)
+                at = [int(anc[i, elo : elo + level_kv[e][0].shape[1]].nonzero()[0]) for i in parents]
+                own.append(tuple(kv[:, at].reshape(b * m, *kv.shape[2:]) for kv in level_kv[e]))
+            pos = torch.full((b * m, 1), t - 1 + d, dtype=torch.long, device=dev)
+            ctx = (ctx_k.repeat_interleave(m, 0), ctx_v.repeat_interleave(m, 0))
+            h_out, lg, (k_d, v_d) = head.layer(x, h_in.reshape(b * m, 1, -1), pos, ctx, own)
+            node_hidden[:, lo:hi] = h_out.view(b, m, -1)
+            level_kv[d] = (k_d.view(b, m, *k_d.shape[1:]), v_d.view(b, m, *v_d.shape[1:]))
+            logits = lg.view(b, m, -1)
+        p = sampling.probs(logits)  # (B, P, D)
+        if dists is not None:
+            dists[:, parents[0] + 1 : parents[-1] + 2, ids] = p
+        for kids, x, ok in draw_level(tree, parents, logits, None if sampling.greedy else p, present, generator):
+            out_tokens[:, kids] = ids[x]
+            present[:, kids] = ok
+    return out_tokens, dists, present

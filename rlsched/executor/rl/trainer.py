@@ -238,7 +238,7 @@ class Trainer:
             return None
         gen = torch.Generator().manual_seed(_seed(self.cfg.seed, "distill", s))
         if self.drafter_name == "eagle":
-            from rlsched.executor.decode.eagle import distill_head
+            from rlsched.executor.decode.eagle_train import distill_head
 
             return distill_head(
                 state.actor,
