@@ -28,6 +28,7 @@ from _common import table, write_result
 
 from rlsched.config import load_config
 from rlsched.sim import compare as cmp
+from rlsched.sim.runs import run_jobs
 
 POLICIES = "off,static:1,static:2,static:3,static:4,static:6,goodput,oracle"
 GRID = {
@@ -48,7 +49,7 @@ def main() -> int:
         overrides = [f"{k}={v}" for k, v in zip(GRID, values)]
         cfg = load_config("longtail-grpo", overrides=overrides)
         plan = cmp.make_plan(cfg, POLICIES, "none", args.seeds, 1)
-        report = cmp.aggregate(cfg, plan, cmp.run_jobs(cfg, plan.jobs(), args.workers))
+        report = cmp.aggregate(cfg, plan, run_jobs(cfg, plan.jobs(), args.workers))
         agg = {a["policy"]: a for a in report["aggregate"]}
         best = {b["seed"]: b["policy"] for b in report["best_static_per_seed"]}
         row = dict(

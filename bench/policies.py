@@ -22,6 +22,7 @@ from rlsched.config import load_config
 from rlsched.policies.policyfile import save_policy_file
 from rlsched.sim import compare as cmp
 from rlsched.sim.learn import Learner, parallel_evaluator
+from rlsched.sim.runs import run_jobs
 
 STATIC = "static:1,static:2,static:3,static:4,static:6"
 ADAPTIVE = "goodput,seqgoodput,twostate,bandit,{table},oracle"
@@ -49,7 +50,7 @@ def run_preset(name: str, realloc: str, seeds: int, workers: int) -> dict:
     static = f"{STATIC},{TREES}" if cfg.speculation.width_max > 1 else STATIC
     policies = f"off,{static},{ADAPTIVE.format(table=f'table:{path}')}"
     plan = cmp.make_plan(cfg, policies, realloc, seeds, 1)
-    results = cmp.run_jobs(cfg, plan.jobs(), workers)
+    results = run_jobs(cfg, plan.jobs(), workers)
     report = cmp.aggregate(cfg, plan, results)
     report["learned_policy"] = {
         "file": str(path.relative_to(RESULTS.parent.parent)),

@@ -141,3 +141,22 @@ def test_an_unknown_name_lists_what_the_engine_runs():
     with pytest.raises(UserError, match=r"unknown policy 'nosuch'; choose from off,.*goodput") as run:
         parse_policy("nosuch", "vllm")
     assert "oracle" in str(sim.value) and "oracle" not in str(run.value)
+
+
+def test_a_new_family_is_one_entry_of_the_table(monkeypatch):
+    from rlsched.policies.registry import Family, PolicySpec
+
+    entry = Family(
+        "fixed",
+        "fixed:K",
+        "K drafts every step, in the simulator only",
+        lambda text, arg: PolicySpec(text, "fixed", k=int(arg)),
+        lambda p, ctx, words: StaticPolicy(ctx.drafters[0], p.k),
+        engines=("simulator",),
+    )
+    monkeypatch.setitem(FAMILIES, "fixed", entry)
+    assert parse_policy("fixed:2").k == 2 and "fixed:K" in usage("simulator") and "fixed:K" not in usage("local")
+    ctx = PolicyContext(cost=None, drafters=("model",), k_max=6)
+    assert make_draft_policy(parse_policy("fixed:2"), ctx).strategy.k == 2
+    with pytest.raises(UserError, match="true acceptance"):
+        parse_policy("fixed:2").check(("model",), 6, GENERATE)

@@ -27,68 +27,90 @@ GENERATE_HELP = (
 )
 
 
+_MODEL = typer.Option("builtin", "--model", "-m", help="Target model folder, or builtin.")
+_DRAFTER = typer.Option(
+    None,
+    "--drafter",
+    "-d",
+    help="Drafter: a model folder, builtin, eagle (the "
+    "built-in model's EAGLE-3 head) or an EAGLE-3 head's folder, ngram, suffix "
+    "or off (default: builtin with the built-in model, else ngram).",
+)
+_POLICY = typer.Option("goodput", "--policy", help=f"Drafting policy: {policy_usage('local')}.")
+_PROMPTS = typer.Option(None, "--prompts", help="JSONL prompts file (default: built-in task prompts).")
+_N = typer.Option(4, "--n", help="Samples per prompt.")
+_MAX_TOKENS = typer.Option(128, "--max-tokens", help="Token budget per sample.")
+_TEMPERATURE = typer.Option(1.0, "--temperature", help="Sampling temperature (0 = greedy).")
+_TOP_P = typer.Option(1.0, "--top-p", help="Nucleus sampling (1 = off).")
+_TOP_K = typer.Option(0, "--top-k", help="Top-k sampling (0 = off).")
+_K_MAX = typer.Option(6, "--k-max", help="Longest draft a policy may choose.")
+_WIDTH_MAX = typer.Option(
+    1,
+    "--width-max",
+    help="Widest draft tree a priced policy (goodput, seqgoodput, "
+    "twostate) may choose, of at most --k-max nodes (1: chains only; trees need "
+    "builtin, a model folder, eagle or suffix).",
+)
+_MAX_BATCH = typer.Option(64, "--max-batch", help="Rows decoded at once (continuous batching).")
+_KV_BUDGET = typer.Option(
+    None,
+    "--kv-budget",
+    help="KV cache budget in tokens shared by the "
+    "running rows (default: max-batch rows at their longest). Requests "
+    "wait for room; one that could never fit is refused.",
+)
+_COST_MODEL = typer.Option("auto", "--cost-model", help="auto, or a `rlsched profile` output folder.")
+_IGNORE_EOS = typer.Option(False, "--ignore-eos", help="Generate every sample to --max-tokens.")
+_DEVICE = typer.Option("cpu", "--device", help="cpu or cuda[:N].")
+_DTYPE = typer.Option("float32", "--dtype", help="float32 or bfloat16.")
+_SEED = typer.Option(0, "--seed", help="Sampling seed.")
+_THREADS = typer.Option(
+    None,
+    "--threads",
+    help="CPU threads for torch (default: torch's; with --instances, per instance: cores / instances).",
+)
+_INSTANCES = typer.Option(
+    1,
+    "--instances",
+    help="Rollout instances; more than 1 runs them as Ray actors (the distributed extra), each with --max-batch rows.",
+)
+_REALLOC = typer.Option("none", "--realloc", help="Sample reallocation across instances: none, rebalance, consolidate.")
+_COMPILE = typer.Option(
+    False,
+    "--compile",
+    help="Run decode and verify steps and the drafter's drafts "
+    "through torch.compile'd graphs, at every batch size (fewer, fused kernels: what "
+    "it gains is in docs/benchmarks.md); compiling takes minutes the first time "
+    "(much less after, from inductor's disk cache).",
+)
+_GENERATE_OUT = typer.Option(Path("runs/generate/latest"), "--out", "-o", help="Output folder.")
+
+
 @app.command(help=GENERATE_HELP)
 def generate(
-    model: str = typer.Option("builtin", "--model", "-m", help="Target model folder, or builtin."),
-    drafter: str | None = typer.Option(
-        None,
-        "--drafter",
-        "-d",
-        help="Drafter: a model folder, builtin, eagle (the "
-        "built-in model's EAGLE-3 head) or an EAGLE-3 head's folder, ngram, suffix "
-        "or off (default: builtin with the built-in model, else ngram).",
-    ),
-    policy: str = typer.Option("goodput", "--policy", help=f"Drafting policy: {policy_usage('local')}."),
-    prompts: Path | None = typer.Option(None, "--prompts", help="JSONL prompts file (default: built-in task prompts)."),
-    n: int = typer.Option(4, "--n", help="Samples per prompt."),
-    max_tokens: int = typer.Option(128, "--max-tokens", help="Token budget per sample."),
-    temperature: float = typer.Option(1.0, "--temperature", help="Sampling temperature (0 = greedy)."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling (1 = off)."),
-    top_k: int = typer.Option(0, "--top-k", help="Top-k sampling (0 = off)."),
-    k_max: int = typer.Option(6, "--k-max", help="Longest draft a policy may choose."),
-    width_max: int = typer.Option(
-        1,
-        "--width-max",
-        help="Widest draft tree a priced policy (goodput, seqgoodput, "
-        "twostate) may choose, of at most --k-max nodes (1: chains only; trees need "
-        "builtin, a model folder, eagle or suffix).",
-    ),
-    max_batch: int = typer.Option(64, "--max-batch", help="Rows decoded at once (continuous batching)."),
-    kv_budget: int | None = typer.Option(
-        None,
-        "--kv-budget",
-        help="KV cache budget in tokens shared by the "
-        "running rows (default: max-batch rows at their longest). Requests "
-        "wait for room; one that could never fit is refused.",
-    ),
-    cost_model: str = typer.Option("auto", "--cost-model", help="auto, or a `rlsched profile` output folder."),
-    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Generate every sample to --max-tokens."),
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda[:N]."),
-    dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
-    seed: int = typer.Option(0, "--seed", help="Sampling seed."),
-    threads: int | None = typer.Option(
-        None,
-        "--threads",
-        help="CPU threads for torch (default: torch's; with --instances, per instance: cores / instances).",
-    ),
-    instances: int = typer.Option(
-        1,
-        "--instances",
-        help="Rollout instances; more than 1 runs them as Ray actors "
-        "(the distributed extra), each with --max-batch rows.",
-    ),
-    realloc: str = typer.Option(
-        "none", "--realloc", help="Sample reallocation across instances: none, rebalance, consolidate."
-    ),
-    compile_: bool = typer.Option(
-        False,
-        "--compile",
-        help="Run decode and verify steps and the drafter's drafts "
-        "through torch.compile'd graphs, at every batch size (fewer, fused kernels: what "
-        "it gains is in docs/benchmarks.md); compiling takes minutes the first time "
-        "(much less after, from inductor's disk cache).",
-    ),
-    out: Path = typer.Option(Path("runs/generate/latest"), "--out", "-o", help="Output folder."),
+    model: str = _MODEL,
+    drafter: str | None = _DRAFTER,
+    policy: str = _POLICY,
+    prompts: Path | None = _PROMPTS,
+    n: int = _N,
+    max_tokens: int = _MAX_TOKENS,
+    temperature: float = _TEMPERATURE,
+    top_p: float = _TOP_P,
+    top_k: int = _TOP_K,
+    k_max: int = _K_MAX,
+    width_max: int = _WIDTH_MAX,
+    max_batch: int = _MAX_BATCH,
+    kv_budget: int | None = _KV_BUDGET,
+    cost_model: str = _COST_MODEL,
+    ignore_eos: bool = _IGNORE_EOS,
+    device: str = _DEVICE,
+    dtype: str = _DTYPE,
+    seed: int = _SEED,
+    threads: int | None = _THREADS,
+    instances: int = _INSTANCES,
+    realloc: str = _REALLOC,
+    compile_: bool = _COMPILE,
+    out: Path = _GENERATE_OUT,
     as_json: bool = JsonOpt,
 ):
     _need_executor("generate")
@@ -127,7 +149,11 @@ def generate(
     if as_json:
         print(json.dumps(summary, indent=2))
         return
-    t = Table(title=f"rlsched generate: policy={policy} drafter={setup.drafter_name}")
+    _print_generated(summary, f"policy={policy} drafter={setup.drafter_name}", out)
+
+
+def _print_generated(summary: dict, title: str, out: Path) -> None:
+    t = Table(title=f"rlsched generate: {title}")
     t.add_column("metric", style="bold")
     t.add_column("value", justify="right")
     t.add_row("samples x tokens", f"{summary['samples']} x {summary['tokens'] / max(1, summary['samples']):.1f} (mean)")

@@ -155,16 +155,34 @@ def prepare(a: GenerateArgs, out: Path | None, log=None) -> Setup:
 def run(s: Setup, out: Path, log=None) -> dict:
     """Generate every prompt `n` times with the engine; write the folder; return the summary."""
     from rlsched.atomic import write_text_atomic
-    from rlsched.executor.decode.drafters import drafter_cache_len
-    from rlsched.executor.engine.rollout import Request, build_policy, check_requests
-    from rlsched.tasks.synthetic import exact_match
+    from rlsched.executor.engine.rollout import Request, check_requests
     from rlsched.traces.writer import write_table
 
-    a, m = s.args, s.models
+    a = s.args
     requests = [Request(p.ids, p.index, p.index * a.n + j, a.max_tokens, s.eos) for p in s.prompts for j in range(a.n)]
     longest = max(len(r.prompt) for r in requests)
     budget = a.kv_budget or a.max_batch * (longest + a.max_tokens)
     check_requests(requests, budget)
+    engine = _start(s, requests, longest, budget, out, log)
+    freeze_long_lived()
+    try:
+        result = engine.run(requests)
+    finally:
+        engine.close()
+    df = _samples_frame(s, requests, result.samples)
+    write_table(out / "samples.parquet", pa.Table.from_pandas(df, preserve_index=False))
+    summary = _summary(s, result.stats, df, budget, out)
+    write_text_atomic(out / MARKER, json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _start(s: Setup, requests, longest: int, budget: int, out: Path, log):
+    """The drafter, the cost model and the policy, then a fresh `out` and the engine (in this
+    process or a pool) over a KV budget of `budget` tokens."""
+    from rlsched.executor.decode.drafters import drafter_cache_len
+    from rlsched.executor.engine.rollout import build_policy
+
+    a, m = s.args, s.models
     gen = torch.Generator(device=a.device).manual_seed(a.seed)
     torch.manual_seed(a.seed)
     drafter_len = drafter_cache_len(longest, a.max_tokens, a.k_max)
@@ -201,7 +219,7 @@ def run(s: Setup, out: Path, log=None) -> dict:
     out.mkdir(parents=True)
     # --threads is per instance; a pool shares the cores by default
     threads = a.threads or max(1, (os.cpu_count() or 1) // a.instances)
-    engine = start_engine(
+    return start_engine(
         m,
         drafter,
         s.sampling,
@@ -221,14 +239,15 @@ def run(s: Setup, out: Path, log=None) -> dict:
         seed=a.seed,
         log=log,
     )
-    freeze_long_lived()
-    try:
-        result = engine.run(requests)
-    finally:
-        engine.close()
-    tok = m.tokenizer
+
+
+def _samples_frame(s: Setup, requests, samples) -> pd.DataFrame:
+    """One row a sample: its prompt, tokens, text, log-probs and whether it is right."""
+    from rlsched.tasks.synthetic import exact_match
+
+    tok = s.models.tokenizer
     rows = []
-    for r, sample in zip(requests, result.samples):
+    for r, sample in zip(requests, samples):
         p = s.prompts[r.prompt_id]
         text = tok.decode(sample.tokens, skip_special_tokens=True)
         rows.append(
@@ -246,10 +265,12 @@ def run(s: Setup, out: Path, log=None) -> dict:
                 correct=None if p.answer is None else exact_match(text, p.answer),
             )
         )
-    df = pd.DataFrame(rows)
-    write_table(out / "samples.parquet", pa.Table.from_pandas(df, preserve_index=False))
-    stats = result.stats
-    summary = dict(
+    return pd.DataFrame(rows)
+
+
+def _summary(s: Setup, stats: dict, df: pd.DataFrame, budget: int, out: Path) -> dict:
+    a, m = s.args, s.models
+    return dict(
         stats,
         model=str(m.target_dir),
         drafter=m.drafter_name,
@@ -266,5 +287,3 @@ def run(s: Setup, out: Path, log=None) -> dict:
         created_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         out=str(out),
     )
-    write_text_atomic(out / MARKER, json.dumps(summary, indent=2) + "\n")
-    return summary

@@ -92,12 +92,12 @@ class PolicySpec:
         """This spec against a command's drafters, longest draft and engine; UserError, one
         line in the command's words, for what it cannot run. Returns self."""
         fam = FAMILIES.get(self.family) if self.family else None
-        if fam is not None and words.engine not in fam.engines and fam.engines == ("simulator",):
-            raise UserError(
-                f"policy '{self.text}' reads the simulator's true acceptance; it runs in "
-                "`rlsched simulate`, `compare` and `learn` only"
-            )
         if fam is not None and words.engine not in fam.engines:
+            if fam.engines == ("simulator",):
+                raise UserError(
+                    f"policy '{self.text}' reads the simulator's true acceptance; it runs in "
+                    "`rlsched simulate`, `compare` and `learn` only"
+                )
             raise UserError(
                 f"policy '{self.text}' drafts a tree; the {words.engine} engine drafts chains: use static:K"
             )
