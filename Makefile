@@ -1,4 +1,5 @@
 # Quick start: `make demo` (set up + simulate the default preset), `make test` (set up + tests).
+# `make lint` (ruff, its formatter, mypy) and `make test-fast` (no slow or vLLM tests) while working.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -7,7 +8,7 @@ ALL_STAMP := $(VENV)/.installed-all
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed-rlsched
 
-.PHONY: demo test test-vllm bench bench-rl clean
+.PHONY: demo lint test test-fast test-vllm bench bench-rl clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -31,13 +32,28 @@ $(ALL_STAMP): pyproject.toml | $(BIN)/python
 demo: $(SIM_STAMP)
 	$(BIN)/rlsched simulate
 
-# Lint, then two workers, each taking whole test files (a file's module fixtures are built
-# once): half the tests wait on subprocesses and imports, not on the cores. Then the vLLM
-# tests (pytest -m vllm) in .venv-vllm, vLLM's CPU build.
-test: $(ALL_STAMP) $(VLLM_STAMP)
+# ruff's rules and formatter over the code, mypy over the torch-free packages ([tool.mypy]).
+lint: $(ALL_STAMP)
 	$(BIN)/ruff check rlsched tests bench
-	$(BIN)/python -m pytest -n 2 --dist loadfile
-	$(VLLM_VENV)/bin/python -m pytest -m vllm -p no:cacheprovider
+	$(BIN)/ruff format --check rlsched tests bench
+	$(BIN)/python -m mypy
+
+# The main suite on two workers, each taking whole test files (a file's module fixtures are
+# built once): half the tests wait on subprocesses and imports, not on the cores.
+PYTEST_MAIN := $(BIN)/python -m pytest -n 2 --dist loadfile
+
+# Lint, the main suite, then the vLLM tests (pytest -m vllm) in .venv-vllm, vLLM's CPU build.
+# The vLLM tests run even when the main suite failed; make reports both and fails if either did.
+test: lint $(VLLM_STAMP)
+	@main=0; vllm=0; \
+	$(PYTEST_MAIN) || main=$$?; \
+	$(VLLM_VENV)/bin/python -m pytest -m vllm -p no:cacheprovider || vllm=$$?; \
+	echo "make test: main suite exit $$main, vLLM suite exit $$vllm (0: passed)"; \
+	[ $$main -eq 0 ] && [ $$vllm -eq 0 ]
+
+# The main suite without the slow and the vLLM tests: minutes, while working.
+test-fast: $(ALL_STAMP)
+	$(PYTEST_MAIN) -m 'not slow and not vllm'
 
 # .venv-vllm: vLLM's CPU build (bench/peers/setup_vllm.sh, idempotent) plus rlsched installed
 # editable. Everything vLLM already installed (torch 2.13.0+cpu, transformers, tokenizers,
@@ -47,7 +63,7 @@ $(VLLM_STAMP): pyproject.toml bench/peers/setup_vllm.sh
 	bash bench/peers/setup_vllm.sh >/dev/null
 	$(VLLM_VENV)/bin/python -m pip freeze --exclude-editable | grep -v '^rlsched' > $(VLLM_VENV)/constraints.txt
 	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check -c $(VLLM_VENV)/constraints.txt \
-		-e '.[dev,distributed]' safetensors tokenizers 'transformers>=5.0'
+		-e '.[dev,distributed]' safetensors tokenizers
 	$(VLLM_VENV)/bin/python -c "import torch, vllm, rlsched; assert torch.__version__ == '2.13.0+cpu', torch.__version__"
 	touch $(VLLM_STAMP)
 
