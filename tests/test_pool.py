@@ -135,7 +135,7 @@ def test_migrated_sequences_lose_and_duplicate_no_token(pair, pool, mode):
 def test_rebalance_on_live_states_is_lossless(pair, pool, tmp_path):
     """The real ReallocPolicy (rebalance, priced by a measured cost model) on the live views."""
     from rlsched.costs.measured import MeasuredCostModel
-    from rlsched.executor.pool.instances import HostCost
+    from rlsched.executor.pool.moves import HostCost
     from rlsched.executor.profiler import policy_profile
     from rlsched.policies.realloc import make_realloc_policy
 

@@ -222,7 +222,7 @@ def profile(
     `rlsched generate --cost-model FOLDER` and the cost-model fit read it.
     """
     _need_executor("profile")
-    from rlsched.executor.profiler import run_profile
+    from rlsched.executor.profile_run import run_profile
 
     run_profile(
         model=model,

@@ -11,11 +11,12 @@ join (one ragged prefill) while batch slots and KV room allow. Each step:
 3. caps each row's draft length by what the row may still emit, drafts, and runs ONE target
    forward (`step`; `decode_step` when nothing is drafted),
 4. feeds the shared AcceptanceEstimator and `policy.observe` (measured wall-clock times),
-5. appends one step record to the trace (journaled every step: a crash loses at most the step
-   in flight); a finished sample gets one sample record.
+5. appends one step record to the trace (`recorder.py`, journaled every step: a crash loses at
+   most the step in flight); a finished sample gets one sample record.
 
-KV room is reserved per request (prompt + token budget), so a running row never runs out of
-cache and nothing is ever preempted; a request that could never fit is refused up front.
+KV room is reserved per request (prompt + token budget, `rows.py`), so a running row never runs
+out of cache and nothing is ever preempted; a request that could never fit is refused up front.
+Rows move between engines of a pool through `migration.py`.
 
 Sample ids inside a rollout: the estimator indexes its arrays by sample id, so the engine
 numbers the requests of one `run` 0..n-1 (their order) for `EngineState.sample_ids`,
@@ -26,7 +27,6 @@ in the sample trace.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -34,14 +34,26 @@ import torch
 
 from rlsched.errors import UserError
 from rlsched.executor.decode.sampling import SamplingParams
-from rlsched.executor.decode.speculative import Seq, decode_step, prefill, step, tree_step
+from rlsched.executor.decode.speculative import Seq, decode_step, step, tree_step
 from rlsched.executor.decode.tree_verify import DraftTree
+from rlsched.executor.engine.admission import Admission
+from rlsched.executor.engine.migration import RowMigration
+from rlsched.executor.engine.recorder import Recorder, sample_record, step_record
+from rlsched.executor.engine.rows import (
+    Request,
+    RolloutResult,
+    Row,
+    SampleResult,
+    append_tokens,
+    check_requests,
+    reserve,
+    summary,
+)
 from rlsched.policies.acceptance import AcceptanceEstimator
 from rlsched.policies.draft import PolicyContext
 from rlsched.policies.probe import PROBE_EVERY, prober_for
-from rlsched.policies.registry import GENERATE, Words, make_draft_policy, parse_policy
+from rlsched.policies.registry import GENERATE, PolicySpec, Words, as_spec, make_draft_policy
 from rlsched.policies.types import EngineState, StepOutcome, Strategy
-from rlsched.traces.writer import TraceWriter
 
 # The weight a sample's earlier steps keep in its acceptance estimate, step to step
 # (`AcceptanceEstimator.sample_decay`; 1: its whole response so far, as the simulator's
@@ -50,90 +62,11 @@ from rlsched.traces.writer import TraceWriter
 SAMPLE_DECAY = 1.0
 
 
-@dataclass
-class Request:
-    """One sample to generate."""
-
-    prompt: list[int]
-    prompt_id: int
-    sample_id: int
-    max_new_tokens: int
-    eos_id: int | None = None
-
-
-@dataclass
-class SampleResult:
-    """A finished sample: its tokens, their target log-probs and how it went."""
-
-    prompt_id: int
-    sample_id: int
-    tokens: list[int]
-    logprobs: list[float]
-    finish_s: float
-    steps: int  # engine steps the sample took part in
-    drafted: int
-    accepted: int
-
-    @property
-    def mean_accept_len(self) -> float:
-        """Tokens emitted per step of this sample (1.0 without speculation)."""
-        return len(self.tokens) / self.steps if self.steps else 0.0
-
-
-@dataclass
-class RolloutResult:
-    samples: list[SampleResult]  # in the order of the requests
-    # tokens, seconds, tokens_per_s, steps, drafted, accepted, mean_accept_len
-    stats: dict = field(default_factory=dict)
-
-
-@dataclass
-class _Row:
-    """A running sample: its request, its Seq (prompt + generated, as drafters see it), the
-    dense rollout index, and what it has produced."""
-
-    req: Request
-    index: int
-    seq: Seq
-    last: int  # the last token, not yet in the target's cache
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    steps: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    rejected: int = 0  # speculative steps that ended in a rejection (a chain's failed trial)
-    migrations: int = 0  # times it moved to another instance
-    done: bool = False
-
-    @property
-    def remaining(self) -> int:
-        return self.req.max_new_tokens - len(self.tokens)
-
-
-def reserve(r: Request) -> int:
-    """KV tokens a request may occupy at most (a step writes no further than the budget)."""
-    return len(r.prompt) + r.max_new_tokens
-
-
-def check_requests(requests: list[Request], cache_capacity: int) -> None:
-    """Refuse requests that are malformed or could never fit the KV budget."""
-    for r in requests:
-        if not r.prompt:
-            raise UserError(f"sample {r.sample_id}: the prompt is empty")
-        if r.max_new_tokens < 1:
-            raise UserError(f"sample {r.sample_id}: max_new_tokens must be >= 1 (got {r.max_new_tokens})")
-        if reserve(r) > cache_capacity:
-            raise UserError(
-                f"sample {r.sample_id}: prompt + max_new_tokens ({reserve(r)} tokens) exceed "
-                f"the KV cache capacity ({cache_capacity}); raise cache_capacity or lower max_new_tokens"
-            )
-
-
-def build_policy(spec, drafters: tuple[str, ...], cost=None, words: Words = GENERATE, **ctx_kwargs):
-    """A DraftPolicy from a name or policy file, for the executor's drafters; a policy that
-    needs a cost model without one is refused with a UserError. Step times here are measured,
-    so priced policies calibrate to them."""
-    p = parse_policy(spec)
+def build_policy(spec: PolicySpec | str, drafters: tuple[str, ...], cost=None, words: Words = GENERATE, **ctx_kwargs):
+    """A DraftPolicy from a parsed policy spec (or its text), for the executor's drafters; a
+    policy that needs a cost model without one is refused with a UserError. Step times here are
+    measured, so priced policies calibrate to them."""
+    p = as_spec(spec)
     if cost is None and p.priced:
         raise UserError(
             f"policy '{p.text}' needs a cost model; pass one (a fitted or analytic CostModel) "
@@ -143,7 +76,7 @@ def build_policy(spec, drafters: tuple[str, ...], cost=None, words: Words = GENE
     return make_draft_policy(p, PolicyContext(cost=cost, drafters=drafters, **ctx_kwargs), words)
 
 
-class RolloutEngine:
+class RolloutEngine(Admission, RowMigration):
     """Continuous-batching speculative rollouts on one model (one instance); a RolloutBackend
     (`executor/backends.py`).
 
@@ -154,7 +87,7 @@ class RolloutEngine:
     shared AcceptanceEstimator (a fresh one over the drafters when None); trace_dir: where
     `steps/` and `samples/` trace parts go (none when None; `trace_tag` names this engine's
     parts where several engines write into one folder); share_prompts: samples of one prompt
-    share its prefill (`_plan_prefill`); probe_every: off steps in a row (across rollouts)
+    share its prefill (`admission.plan_prefill`); probe_every: off steps in a row (across rollouts)
     after which a policy that prices acceptance gets one probing step (`policies/probe.py`;
     None: never)."""
 
@@ -184,39 +117,29 @@ class RolloutEngine:
                 f"the engine needs max_batch >= 1 and cache_capacity >= 1 (got {max_batch}, {cache_capacity})"
             )
         self.model, self.sampling, self.generator = model, sampling, generator
-        self.drafters = {d.name: d for d in self._as_list(drafter) if d.name != "off"}
+        self.drafters = {d.name: d for d in _as_list(drafter) if d.name != "off"}
         names = tuple(self.drafters)
         self.cache_capacity, self.max_batch, self.k_max = cache_capacity, max_batch, k_max
-        if isinstance(policy, str):
+        if isinstance(policy, (str, PolicySpec)):
             policy = build_policy(policy, names, cost, k_max=k_max, max_batch=max_batch)
         self.policy = policy
         self.estimator = estimator if estimator is not None else AcceptanceEstimator(names, sample_decay=SAMPLE_DECAY)
         self.instance, self.rl_step = instance, rl_step
         self.ngram_history = ngram_history
         self.share_prompts = share_prompts
-        self.trace_dir = None if trace_dir is None else Path(trace_dir)
-        self._steps_w = self._samples_w = None
-        if self.trace_dir is not None:
-            self._steps_w = TraceWriter(self.trace_dir, "steps", flush_every=256, journal=True, tag=trace_tag)
-            self._samples_w = TraceWriter(self.trace_dir, "samples", flush_every=256, journal=True, tag=trace_tag)
+        self.recorder = Recorder(trace_dir, trace_tag)
+        self.trace_dir = self.recorder.trace_dir
         self._cache = None
         self.step_index = 0
         self._prober = prober_for(self.policy, names, probe_every)
         self._observers = [d for d in self.drafters.values() if hasattr(d, "observe")]  # they read the target's states
         self._tree_ctx = PolicyContext(cost=None, drafters=names)  # the tree shapes, as the policies build them
         self._trees: dict[Strategy, DraftTree] = {}
-        self._draft_s = 0.0
 
     @property
     def probes(self) -> int:
         """Probing steps run so far (`policies/probe.py`)."""
         return self._prober.probes
-
-    @staticmethod
-    def _as_list(drafter) -> list:
-        if drafter is None:
-            return []
-        return list(drafter) if isinstance(drafter, (list, tuple)) else [drafter]
 
     # --- the rollout ---------------------------------------------------------------------
 
@@ -246,7 +169,7 @@ class RolloutEngine:
         """The finished rollout `start` began: its samples and overall stats."""
         seconds = time.perf_counter() - self._t0
         self.estimator.retire(self._ids)
-        return RolloutResult(list(results), self._summary(results, self._totals, seconds))
+        return RolloutResult(list(results), summary(results, self._totals, seconds))
 
     # --- the rollout one step at a time (what `run` and a pool instance drive) ---------------
 
@@ -258,8 +181,8 @@ class RolloutEngine:
         for d in self.drafters.values():
             if hasattr(d, "reset"):
                 d.reset()
-        self._queue: list[_Row] = []  # waiting rows: fresh requests, or migrated ones to re-prefill
-        self._running: dict[int, _Row] = {}  # cache slot -> row
+        self._queue: list[Row] = []  # waiting rows: fresh requests, or migrated ones to re-prefill
+        self._running: dict[int, Row] = {}  # cache slot -> row
         self._ids = np.zeros(0, dtype=np.int64)
         self.step_index = 0  # steps count per rollout, as in the simulator
         self._totals = dict(
@@ -278,7 +201,7 @@ class RolloutEngine:
     def submit(self, items: list[tuple[int, Request]]) -> None:
         """Queue requests (their dense rollout index, the request)."""
         for i, req in items:
-            self._queue.append(_Row(req, i, Seq(list(req.prompt), -1, req.prompt_id), req.prompt[-1]))
+            self._queue.append(Row(req, i, Seq(list(req.prompt), -1, req.prompt_id), req.prompt[-1]))
 
     @property
     def has_work(self) -> bool:
@@ -311,206 +234,9 @@ class RolloutEngine:
         if d is not None:
             d.new_cache(self.max_batch, drafter_max_len)
 
-    def _compact(self) -> None:
-        """Running rows in cache slots 0..n-1, in slot order, so that every layer reads the
-        cache as views: rows finish (or leave) at different times, and the holes they leave
-        would make every step gather all rows' keys and values in every layer. A row moves by
-        copying its cached tokens, in the target's cache and in a model drafter's."""
-        running = self._running
-        n = len(running)
-        movers = sorted(s for s in running if s >= n)
-        holes = [s for s in range(n) if s not in running]
-        for src, dst in zip(movers, holes):
-            self._cache.move(src, dst)
-            for d in self.drafters.values():
-                if hasattr(d, "move"):
-                    d.move(src, dst)
-            row = running.pop(src)
-            row.seq.slot = dst
-            running[dst] = row
-        self._running = dict(sorted(running.items()))
-
-    def view(self) -> dict:
-        """What a reallocation policy sees of this instance (InstanceView's fields)."""
-        rows = list(self._running.values())
-        return dict(
-            running_ids=np.array([r.index for r in rows], dtype=np.int64),
-            running_ctx=np.array([len(r.seq.tokens) for r in rows], dtype=np.int64),
-            waiting_ids=[r.index for r in self._queue],
-            kv_free_tokens=self.cache_capacity
-            - self._kv_reserved(self._running)
-            - sum(reserve(r.req) for r in self._queue),
-            max_batch=self.max_batch,
-        )
-
-    # --- migration: rows leave with their tokens (and KV), and join elsewhere -------------------
-
-    def export_rows(self, indices, with_kv: set | frozenset = frozenset()) -> list[dict]:
-        """Take these samples off this instance (those still here: a sample that finished
-        meanwhile has been reported and stays). Each leaves as a dict: its request, tokens,
-        log-probs, counters, acceptance counts and, for indices in `with_kv`, its KV cache rows."""
-        with torch.inference_mode():
-            return self._export_rows(set(int(i) for i in indices), with_kv)
-
-    def _export_rows(self, want: set, with_kv) -> list[dict]:
-        self.estimator.retire(self._ids)  # apply pending acceptance counts before reading them
-        out = []
-        for row in [r for r in self._queue if r.index in want]:
-            self._queue.remove(row)
-            out.append(self._moved(row, None))
-        leaving = [(slot, r) for slot, r in self._running.items() if r.index in want]
-        for slot, row in leaving:
-            kv = None
-            if row.index in with_kv:
-                n = int(self._cache.lengths[slot])
-                kv = self._cache.kv[:, :, slot, :, :n].to("cpu", copy=True)  # travels between processes
-            del self._running[slot]
-            out.append(self._moved(row, kv))
-        if leaving:
-            self._cache.free(torch.tensor([s for s, _ in leaving], dtype=torch.long))
-            for d in self.drafters.values():
-                if hasattr(d, "release"):
-                    d.release([r.seq for _, r in leaving])
-        return out
-
-    def _moved(self, row: _Row, kv) -> dict:
-        counts = {d: self.estimator.take_sample_counts(d, row.index) for d in self.estimator.drafters}
-        return dict(
-            req=row.req,
-            index=row.index,
-            seq_tokens=list(row.seq.tokens),
-            last=row.last,
-            tokens=row.tokens,
-            logprobs=row.logprobs,
-            steps=row.steps,
-            drafted=row.drafted,
-            accepted=row.accepted,
-            rejected=row.rejected,
-            migrations=row.migrations + 1,
-            counts=counts,
-            kv=kv,
-        )
-
-    def import_rows(self, moved: list[dict]) -> None:
-        """Rows from another instance: with KV they run at once in a free slot (their cache
-        rows copied in); without (or when no slot is free) they queue to be re-prefilled."""
-        with torch.inference_mode():
-            self._import_rows(moved)
-
-    def _import_rows(self, moved: list[dict]) -> None:
-        for m in moved:
-            row = _Row(
-                m["req"],
-                m["index"],
-                Seq(list(m["seq_tokens"]), -1, m["req"].prompt_id),
-                m["last"],
-                list(m["tokens"]),
-                list(m["logprobs"]),
-                m["steps"],
-                m["drafted"],
-                m["accepted"],
-                m["rejected"],
-                migrations=m["migrations"],
-            )
-            for d, (succ, fail) in m["counts"].items():
-                if d in self.estimator.drafters:
-                    self.estimator.add_sample_counts(d, row.index, succ, fail)
-            free = [s for s in range(self.max_batch) if s not in self._running]
-            kv = m["kv"]
-            fits = self._kv_reserved(self._running) + reserve(row.req) <= self.cache_capacity
-            if kv is not None and free and fits and kv.shape[3] + self.k_max + 1 <= self._cache.max_len:
-                slot = free[0]
-                n = kv.shape[3]
-                self._cache.kv[:, :, slot, :, :n] = kv.to(self._cache.kv.device, self._cache.kv.dtype)
-                self._cache.lengths[slot] = n
-                row.seq.slot = slot
-                self._running[slot] = row
-            else:
-                self._queue.append(row)
-
-    def _ensure_cache(self, longest_reserve: int) -> None:
-        """A cache of max_batch rows long enough for the longest request plus k_max (a ragged
-        verify writes K + 1 positions in every row, padding included; reused if it is)."""
-        need = longest_reserve + self.k_max
-        if self._cache is None or self._cache.max_len < need:
-            self._cache = self.model.new_cache(self.max_batch, need)
-        self._cache.free(torch.arange(self.max_batch))
-        for name, d in self.drafters.items():
-            c = getattr(d, "cache", None)  # a model drafter's own cache must hold as much
-            if c is not None and (c.max_batch < self.max_batch or c.max_len < need):
-                raise UserError(
-                    f"drafter '{name}': its KV cache ({c.max_batch} rows x {c.max_len}) is smaller than "
-                    f"the engine needs ({self.max_batch} rows x {need}); build it with max_batch >= "
-                    f"{self.max_batch} and max_len >= {need}"
-                )
-
-    def _kv_reserved(self, running: dict[int, _Row]) -> int:
-        return sum(reserve(r.req) for r in running.values())
-
-    # --- joining ---------------------------------------------------------------------------
-
-    def _admit(self) -> int:
-        """Queued rows join (in order) while slots and KV room allow; one ragged prefill of
-        their tokens so far (the prompt, or a migrated row's prompt and response). Returns the
-        KV tokens the running rows then reserve."""
-        running = self._running
-        free_slots = [s for s in range(self.max_batch) if s not in running]
-        room = self.cache_capacity - self._kv_reserved(running)
-        joining: list[_Row] = []
-        while self._queue and free_slots and reserve(self._queue[0].req) <= room:
-            row = self._queue.pop(0)
-            room -= reserve(row.req)
-            row.seq.slot = free_slots.pop(0)
-            joining.append(row)
-        if not joining:
-            return self.cache_capacity - room
-        t = time.perf_counter()
-        computed, copies = self._plan_prefill(joining)
-        if computed:
-            states = {} if self._observers else None
-            prefill(
-                self.model, self._cache, [r.seq.slot for r in computed], [r.seq.tokens for r in computed], states=states
-            )
-            for i, st in (states or {}).items():
-                for d in self._observers:
-                    d.remember(computed[i].seq.tokens[:-1], st)
-        for row, src in copies:
-            self._cache.copy_prefix(src, row.seq.slot, len(row.seq.tokens) - 1)
-        ms = (time.perf_counter() - t) * 1e3
-        for row in joining:
-            row.last = row.seq.tokens[-1]
-            running[row.seq.slot] = row
-        if computed:  # the tokens computed: what a prefill's time is a function of
-            self._record_step(
-                t, "prefill", len(computed), None, 0, 0, 0, 0, 0.0, ms, ms, sum(len(r.seq.tokens) for r in computed)
-            )
-        return self.cache_capacity - room
-
-    def _plan_prefill(self, joining: list[_Row]) -> tuple[list[_Row], list[tuple[_Row, int]]]:
-        """(rows to prefill, (row, source slot) pairs whose prompt's KV is copied instead).
-
-        GRPO samples every prompt `group_size` times: with `share_prompts`, a fresh row whose
-        prompt another row of this engine already holds (running, or prefilled in this same
-        step) copies that row's prompt KV, as vLLM's prefix cache lets a group share one
-        prefill. Rows that bring generated tokens (migrated ones) are prefilled whole."""
-        if not self.share_prompts:
-            return joining, []
-        holder = {tuple(r.req.prompt): slot for slot, r in self._running.items()}
-        computed, copies = [], []
-        for row in joining:
-            key = tuple(row.req.prompt)
-            fresh = len(row.seq.tokens) == len(row.req.prompt)
-            if fresh and key in holder:
-                copies.append((row, holder[key]))
-                continue
-            computed.append(row)
-            if fresh:
-                holder.setdefault(key, row.seq.slot)
-        return computed, copies
-
     # --- one engine step ---------------------------------------------------------------------
 
-    def _state(self, running: dict[int, _Row], waiting: int) -> EngineState:
+    def _state(self, running: dict[int, Row], waiting: int) -> EngineState:
         """What the policy sees: the same fields as in the simulator."""
         rows = list(running.values())
         ids = np.array([r.index for r in rows], dtype=np.int64)
@@ -531,108 +257,71 @@ class RolloutEngine:
             self.estimator,
         )
 
-    def _row_lengths(self, strategy: Strategy, rows: list[_Row]) -> np.ndarray:
-        """Each row's draft length: the strategy's k (or k_per_row), at most remaining - 1 (a step
-        emits accepted + 1 tokens, so more drafts could never be kept) and at most k_max (the
-        cache's spare room)."""
-        if strategy.is_off:
-            return np.zeros(len(rows), dtype=np.int64)
-        if strategy.is_tree:
-            if strategy.nodes > self.k_max:
-                raise UserError(
-                    f"strategy {strategy.label} verifies {strategy.nodes} drafts a row, more than the "
-                    f"engine's k_max = {self.k_max}; lower N or raise k_max"
-                )
-            return np.full(len(rows), strategy.k, dtype=np.int64)
-        want = (
-            np.asarray(strategy.k_per_row, dtype=np.int64)
-            if strategy.k_per_row is not None
-            else np.full(len(rows), strategy.k, dtype=np.int64)
-        )
-        cap = np.minimum(np.array([r.remaining - 1 for r in rows], dtype=np.int64), self.k_max)
-        return np.clip(np.minimum(want, cap), 0, None)
-
-    def _decode(self, running: dict[int, _Row], totals: dict, waiting: int) -> None:
+    def _decode(self, running: dict[int, Row], totals: dict, waiting: int) -> None:
         """One step over the running rows: choose, draft, verify, learn, record."""
         state = self._state(running, waiting)
         strategy = self._prober(self.policy.choose(state))
         rows = list(running.values())
-        slots = torch.tensor([r.seq.slot for r in rows], dtype=torch.long)
-        last = torch.tensor([r.last for r in rows], dtype=torch.long)
-        ks = self._row_lengths(strategy, rows)
-        k = int(ks.max(initial=0))
-        t = time.perf_counter()
-        if k == 0:
-            draft_s = 0.0
-            out = decode_step(self.model, self._cache, slots, last, self.sampling, self.generator)
-            dk = torch.zeros(len(rows), dtype=torch.long)
-        else:
-            drafter = self.drafters.get(strategy.drafter)
-            if drafter is None:
-                raise UserError(
-                    f"policy chose drafter '{strategy.drafter}', which this engine lacks "
-                    f"(it has: {', '.join(self.drafters) or 'none'})"
-                )
-            if strategy.is_tree:
-                out, dk, trials = self._tree_step(strategy, drafter, rows, slots, last, t)
-                draft_s = self._draft_s
-            else:
-                d, dq, dk = drafter.propose([r.seq for r in rows], k)
-                dk = torch.minimum(dk.cpu(), torch.as_tensor(ks))
-                draft_s = time.perf_counter() - t
-                out = step(self.model, self._cache, slots, last, self.sampling, d, dq, dk, self.generator)
+        t, out, dk, draft_s, trials, drafter = self._draft_verify(strategy, rows)
         accepted = out.accepted.cpu()  # waits for the device: the clock below then sees the verify
         verify_s = time.perf_counter() - t - draft_s
-        emitted, rejected = self._append(rows, out, dk, accepted)
+        emitted, rejected = append_tokens(rows, out, dk, accepted)
         if self._observers:
-            self._observe(rows, out, accepted)
+            _observe(self._observers, rows, out, accepted, self.model)
         step_s = time.perf_counter() - t
         drafted, n_acc = int(dk.sum()), int(accepted.sum())
-        catch_up = getattr(drafter, "catch_up", 0) if k > 0 else 0
+        catch_up = getattr(drafter, "catch_up", 0) if drafter is not None else 0
         self._learn(
-            state,
-            strategy,
-            rows,
-            dk,
-            accepted,
-            drafted,
-            n_acc,
-            emitted,
-            step_s,
-            draft_s,
-            verify_s,
-            catch_up,
-            trials if strategy.is_tree and k > 0 else None,
+            state, strategy, rows, dk, accepted, drafted, n_acc, emitted, step_s, draft_s, verify_s, catch_up, trials
         )
         totals["steps"] += 1
         totals["drafted"] += drafted
         totals["accepted"] += n_acc
-        if k > 0:
+        if drafter is not None:
             totals["sd_emitted"] += emitted
             totals["sd_rows"] += len(rows)
             totals["rejected"] += rejected  # chains that stopped short (the estimator's trials)
             totals["draft_s"] += draft_s
-        self._record_step(
-            t,
-            "decode",
-            len(rows),
-            strategy.drafter,
-            strategy.k,
-            strategy.width,
-            drafted,
-            n_acc,
-            draft_s * 1e3,
-            verify_s * 1e3,
-            step_s * 1e3,
+        # fmt: off
+        self.recorder.step(step_record(
+            self.rl_step, self.instance, self.step_index, t - self._t0, "decode", len(rows), strategy.drafter,
+            strategy.k, strategy.width, drafted, n_acc, emitted, draft_s * 1e3, verify_s * 1e3, step_s * 1e3,
             state.ctx_tokens,
-            emitted,
-        )
+        ))
+        # fmt: on
         self.step_index += 1
 
-    def _tree_step(self, strategy: Strategy, drafter, rows: list[_Row], slots, last, t: float):
-        """A draft tree's step: the drafter's tree (the shape the policies price, `policies/tree.py`),
-        verified in one target forward. Returns the result, the drafts each row verified, and the
-        rank-1 trials its accepted path showed (hits, misses: `_rank1_trials`)."""
+    def _draft_verify(self, strategy: Strategy, rows: list[Row]):
+        """Draft each row's length (`Strategy.row_lengths`: at most what the row may still emit
+        and k_max, the cache's spare room) and verify in ONE target forward. Returns the step's
+        start time, its result, the drafts each row verified, the draft seconds, a tree's rank-1
+        trials (hits, misses: `_rank1_trials`; None for a chain) and the drafter (None: plain)."""
+        slots = torch.tensor([r.seq.slot for r in rows], dtype=torch.long)
+        last = torch.tensor([r.last for r in rows], dtype=torch.long)
+        if strategy.is_tree and strategy.nodes > self.k_max:
+            raise UserError(
+                f"strategy {strategy.label} verifies {strategy.nodes} drafts a row, more than the "
+                f"engine's k_max = {self.k_max}; lower N or raise k_max"
+            )
+        ks = strategy.row_lengths([r.remaining - 1 for r in rows], self.k_max)  # a step keeps accepted + 1
+        k = int(ks.max(initial=0))
+        t = time.perf_counter()
+        if k == 0:
+            out = decode_step(self.model, self._cache, slots, last, self.sampling, self.generator)
+            return t, out, torch.zeros(len(rows), dtype=torch.long), 0.0, None, None
+        drafter = self.drafters.get(strategy.drafter)
+        if drafter is None:
+            raise UserError(
+                f"policy chose drafter '{strategy.drafter}', which this engine lacks "
+                f"(it has: {', '.join(self.drafters) or 'none'})"
+            )
+        if not strategy.is_tree:
+            d, dq, dk = drafter.propose([r.seq for r in rows], k)
+            dk = torch.minimum(dk.cpu(), torch.as_tensor(ks))
+            draft_s = time.perf_counter() - t
+            out = step(self.model, self._cache, slots, last, self.sampling, d, dq, dk, self.generator)
+            return t, out, dk, draft_s, None, drafter
+        # a draft tree: the drafter's tree (the shape the policies price, `policies/tree.py`)
         if not hasattr(drafter, "propose_tree"):
             raise UserError(
                 f"strategy {strategy.label}: drafter '{strategy.drafter}' drafts chains only; use static:K with it"
@@ -641,48 +330,10 @@ class RolloutEngine:
         if tree is None:
             tree = self._trees[strategy] = DraftTree.from_shape(self._tree_ctx.tree(strategy.drafter, strategy))
         tokens, q, present = drafter.propose_tree([r.seq for r in rows], tree)
-        self._draft_s = time.perf_counter() - t
+        draft_s = time.perf_counter() - t
         out = tree_step(self.model, self._cache, slots, last, self.sampling, tree, tokens, q, present, self.generator)
         present = present.cpu()
-        return out, present.sum(1), _rank1_trials(tree, out.path.cpu(), present)
-
-    def _observe(self, rows: list[_Row], out, accepted: torch.Tensor) -> None:
-        """Hand the drafters that draft from the target's states (EAGLE) the states of the
-        positions each row kept in this step: its last token, then its accepted drafts (a
-        tree's accepted path)."""
-        path = getattr(out, "path", None)
-        if path is None:
-            kept = [list(range(a + 1)) for a in accepted.tolist()]
-        else:
-            kept = [[0] + [j + 1 for j in p[:a]] for p, a in zip(path.cpu().tolist(), accepted.tolist())]
-        for d in self._observers:
-            d.observe([r.seq for r in rows], self.model.captured, kept)
-
-    def _append(self, rows: list[_Row], out, dk: torch.Tensor, accepted: torch.Tensor) -> tuple[int, int]:
-        """Give each row its new tokens (cut at its budget and at eos) and its chain trial; returns
-        the tokens emitted and the rows whose chain stopped short (a rejection)."""
-        all_tokens, all_lps = out.tokens.cpu().tolist(), out.logprobs.cpu().tolist()  # one conversion
-        n_acc, n_draft = accepted.tolist(), dk.tolist()
-        emitted = rejected = 0
-        for r, row_toks, row_lps, a, d in zip(rows, all_tokens, all_lps, n_acc, n_draft):
-            new = row_toks[: a + 1]
-            toks, lps = new[: r.remaining], row_lps[: a + 1][: r.remaining]
-            if r.req.eos_id is not None and r.req.eos_id in toks:
-                cut = toks.index(r.req.eos_id) + 1
-                toks, lps = toks[:cut], lps[:cut]
-                r.done = True
-            r.tokens.extend(toks)
-            r.logprobs.extend(lps)
-            r.seq.tokens.extend(new)
-            r.last = new[-1]
-            r.steps += 1
-            r.drafted += d
-            r.accepted += a
-            r.rejected += a < d
-            rejected += a < d
-            r.done = r.done or r.remaining <= 0
-            emitted += len(toks)
-        return emitted, rejected
+        return t, out, present.sum(1), draft_s, _rank1_trials(tree, out.path.cpu(), present), drafter
 
     def _learn(
         self,
@@ -733,7 +384,7 @@ class RolloutEngine:
 
     # --- leaving ---------------------------------------------------------------------------
 
-    def _retire(self, running: dict[int, _Row]) -> list[tuple[int, SampleResult]]:
+    def _retire(self, running: dict[int, Row]) -> list[tuple[int, SampleResult]]:
         """Finished rows leave: cache rows freed, drafters told, estimator folded, records
         written; returns them (dense index, result)."""
         done = [slot for slot, r in running.items() if r.done]
@@ -762,92 +413,26 @@ class RolloutEngine:
             self._record_sample(r, finish_s)
         return out
 
-    # --- traces and stats ------------------------------------------------------------------
-
-    def _record_step(
-        self,
-        t,
-        kind,
-        batch,
-        drafter,
-        k,
-        width,
-        drafted,
-        accepted,
-        draft_ms,
-        verify_ms,
-        step_ms,
-        ctx_tokens,
-        emitted=None,
-    ) -> None:
-        if self._steps_w is None:
+    def _record_sample(self, r: Row, finish_s: float) -> None:
+        """The sample's record, with each drafter's acceptance: the shared estimator's (shrunk to
+        the prompt and the drafter), or where the policy fed none, the row's own chain trials."""
+        if not self.recorder.on:
             return
-        self._steps_w.append(
-            dict(
-                rl_step=self.rl_step,
-                instance=self.instance,
-                step=self.step_index,
-                time_s=t - self._t0,
-                kind=kind,
-                batch=batch,
-                drafter=drafter or "off",
-                k=k,
-                width=width,
-                drafted=drafted,
-                accepted=accepted,
-                emitted=0 if emitted is None else emitted,
-                draft_ms=draft_ms,
-                verify_ms=verify_ms,
-                step_ms=step_ms,
-                ctx_tokens=ctx_tokens,
-            )
-        )
-
-    def _record_sample(self, r: _Row, finish_s: float) -> None:
-        if self._samples_w is None:
-            return
-        rec = dict(
-            rl_step=self.rl_step,
-            sample_id=r.req.sample_id,
-            prompt_id=r.req.prompt_id,
-            instance=self.instance,
-            prompt_len=len(r.req.prompt),
-            response_len=len(r.tokens),
-            finish_s=finish_s,
-            preemptions=0,
-            migrations=r.migrations,
-            drafted=r.drafted,
-            accepted=r.accepted,
-            rejected=r.rejected,
-        )
         informed = getattr(self.policy, "needs_acceptance", True)
-        for name in self.drafters:
-            if informed:  # the shared estimator's (shrunk to the prompt and the drafter)
-                a = float(self.estimator.estimates(name, np.array([r.index]), whole=True)[0])
-            else:  # the policy fed no estimator: the row's own chain trials, from the same prior
-                e = self.estimator
-                a = (r.accepted + e.prior_mean * e.sample_strength) / (r.accepted + r.rejected + e.sample_strength)
-            rec[f"acceptance_{name}"] = a
-        self._samples_w.append(rec)
+        acceptance = {
+            name: float(self.estimator.estimates(name, np.array([r.index]), whole=True)[0])
+            if informed
+            else self.estimator.from_trials(r.accepted, r.rejected)
+            for name in self.drafters
+        }
+        # fmt: off
+        self.recorder.sample(sample_record(
+            self.rl_step, r.req, self.instance, len(r.tokens), finish_s, 0, r.migrations, r.drafted, r.accepted,
+            r.rejected, acceptance,
+        ))
+        # fmt: on
 
-    @staticmethod
-    def _summary(results: list[SampleResult], totals: dict, seconds: float) -> dict:
-        tokens = sum(len(s.tokens) for s in results)
-        return dict(
-            samples=len(results),
-            tokens=tokens,
-            seconds=seconds,
-            tokens_per_s=tokens / seconds if seconds > 0 else 0.0,
-            steps=totals["steps"],
-            drafted=totals["drafted"],
-            accepted=totals["accepted"],
-            rejected=totals["rejected"],
-            sd_rows=totals["sd_rows"],
-            mean_accept_len=totals["sd_emitted"] / totals["sd_rows"] if totals["sd_rows"] else 1.0,
-            kv_peak_tokens=totals["kv_peak_tokens"],
-            max_running=totals["max_running"],
-            draft_s=totals.get("draft_s", 0.0),
-        )
+    # --- weights, checkpoints, closing -------------------------------------------------------
 
     def sync_weights(self, model, drafter_model=None) -> None:
         """New weights after an RL update: nothing to do, this engine runs the trainer's own
@@ -861,9 +446,26 @@ class RolloutEngine:
 
     def close(self) -> None:
         """Write the last trace parts (the journals hold every record until then)."""
-        for w in (self._steps_w, self._samples_w):
-            if w is not None:
-                w.close()
+        self.recorder.close()
+
+
+def _as_list(drafter) -> list:
+    if drafter is None:
+        return []
+    return list(drafter) if isinstance(drafter, (list, tuple)) else [drafter]
+
+
+def _observe(observers: list, rows: list[Row], out, accepted: torch.Tensor, model) -> None:
+    """Hand the drafters that draft from the target's states (EAGLE) the states of the
+    positions each row kept in this step: its last token, then its accepted drafts (a
+    tree's accepted path)."""
+    path = getattr(out, "path", None)
+    if path is None:
+        kept = [list(range(a + 1)) for a in accepted.tolist()]
+    else:
+        kept = [[0] + [j + 1 for j in p[:a]] for p, a in zip(path.cpu().tolist(), accepted.tolist())]
+    for d in observers:
+        d.observe([r.seq for r in rows], model.captured, kept)
 
 
 def _rank1_trials(tree: DraftTree, path: torch.Tensor, present: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:

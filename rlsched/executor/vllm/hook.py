@@ -34,6 +34,7 @@ import time
 
 import numpy as np
 
+from rlsched.executor.engine.recorder import step_record
 from rlsched.policies.types import EngineState, StepOutcome, Strategy
 
 
@@ -142,14 +143,7 @@ class StepHook:
             strategy = self.prober(strategy)
         if strategy.width != 1:
             raise ValueError(f"strategy {strategy.label}: vLLM drafts chains, not trees")
-        want = (
-            np.zeros(len(rows), dtype=np.int64)
-            if strategy.is_off
-            else np.asarray(strategy.k_per_row, dtype=np.int64)
-            if strategy.k_per_row is not None
-            else np.full(len(rows), strategy.k, dtype=np.int64)
-        )
-        ks = np.clip(np.minimum(want, np.minimum(np.asarray(room, dtype=np.int64), self.k_max)), 0, None)
+        ks = strategy.row_lengths(room, self.k_max)
         self._k_of = dict(zip(rows, ks.tolist()))
         k = int(ks.max(initial=0))
         out.num_spec_tokens_to_schedule = k
@@ -177,11 +171,21 @@ class StepHook:
         acc = np.minimum(acc, dk)
         emitted = sum(len(sampled[index[q]]) for q in rows)
         prev, self._pending = self._pending, (*self._next, self.draft_s)
-        drafted, n_acc = int(dk.sum()), int(acc.sum())
         for q, d, a in zip(verified, dk.tolist(), acc.tolist()):
             self.add_counts(self.index_of[q], (d, a, int(a < d), 1))
-        if prev is not None and drafted:
-            state, strategy, draft_s = prev
+        if prev is not None:
+            self._learn(prev, verified, rows, dk, acc, emitted, step_s)
+        if self.record is not None:
+            self._record(scheduler_output, prev, rows, dk, acc, emitted, step_s)
+        self.step += 1
+        self.hook_s += time.perf_counter() - t_in
+
+    def _learn(self, prev, verified, rows, dk, acc, emitted: int, step_s: float) -> None:
+        """Feed the estimator and the policy what the step verified of the drafts chosen before
+        it (`prev`: their state, strategy and draft seconds)."""
+        state, strategy, draft_s = prev
+        drafted, n_acc = int(dk.sum()), int(acc.sum())
+        if drafted:
             ids = np.array([self.index_of[q] for q in verified], dtype=np.int64)
             if self.needs_acceptance:
                 self.estimator.update(self.drafter, ids, acc, dk)
@@ -203,8 +207,7 @@ class StepHook:
                         acc,
                     )
                 )
-        elif prev is not None and self.observes:
-            state, strategy, _ = prev
+        elif self.observes:
             self.policy.observe(
                 StepOutcome(
                     self.instance,
@@ -219,42 +222,24 @@ class StepHook:
                     step_s - self.draft_s,
                 )
             )
-        if self.record is not None:
-            prefill = sum(1 for q, n in scheduler_output.num_scheduled_tokens.items() if n > 1 + len(spec.get(q, ())))
-            kind = (
-                "decode"
-                if not prefill
-                else ("prefill" if prefill == len(scheduler_output.num_scheduled_tokens) else "mixed")
-            )
-            draft_ms = (prev[2] if prev is not None else 0.0) * 1e3  # with k = 0: the drafter's feed
-            verify_ms = (step_s - self.draft_s) * 1e3
-            ctx = (
-                int(sum(scheduler_output.num_scheduled_tokens.values()))
-                if kind == "prefill"
-                else int(self._next[0].ctx_tokens)
-            )
-            self.record(
-                dict(
-                    rl_step=self.rl_step,
-                    instance=self.instance,
-                    step=self.step,
-                    time_s=self._t_step - self._t0,
-                    kind=kind,
-                    batch=len(rows),
-                    drafter=self.drafter if drafted else "off",
-                    k=int(dk.max(initial=0)),
-                    width=1,
-                    drafted=drafted,
-                    accepted=n_acc,
-                    emitted=emitted,
-                    draft_ms=draft_ms,
-                    verify_ms=verify_ms,
-                    step_ms=draft_ms + verify_ms,
-                    ctx_tokens=ctx,
-                )
-            )
-        self.step += 1
-        self.hook_s += time.perf_counter() - t_in
+
+    def _record(self, scheduler_output, prev, rows, dk, acc, emitted: int, step_s: float) -> None:
+        """The step record: a verify paired with the drafting that produced its drafts."""
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        scheduled = scheduler_output.num_scheduled_tokens
+        prefill = sum(1 for q, n in scheduled.items() if n > 1 + len(spec.get(q, ())))
+        kind = "decode" if not prefill else ("prefill" if prefill == len(scheduled) else "mixed")
+        draft_ms = (prev[2] if prev is not None else 0.0) * 1e3  # with k = 0: the drafter's feed
+        verify_ms = (step_s - self.draft_s) * 1e3
+        ctx = int(sum(scheduled.values())) if kind == "prefill" else int(self._next[0].ctx_tokens)
+        drafted = int(dk.sum())
+        # fmt: off
+        self.record(step_record(
+            self.rl_step, self.instance, self.step, self._t_step - self._t0, kind, len(rows),
+            self.drafter if drafted else "off", int(dk.max(initial=0)), 1, drafted, int(acc.sum()), emitted,
+            draft_ms, verify_ms, draft_ms + verify_ms, ctx,
+        ))
+        # fmt: on
 
 
 def scheduler_class():
