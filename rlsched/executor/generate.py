@@ -26,6 +26,7 @@ import pyarrow as pa
 import torch
 
 from rlsched.errors import UserError
+from rlsched.executor.backends import BackendConfig, make_backend
 from rlsched.executor.folders import prepare_out
 from rlsched.executor.gcfreeze import freeze_long_lived
 from rlsched.executor.prompts import Prompt, load_prompts
@@ -40,7 +41,6 @@ from rlsched.executor.setup import (
     load_models,
     make_drafter,
     needs_cost,
-    start_engine,
 )
 from rlsched.policies.registry import GENERATE, PolicySpec, parse_policy
 
@@ -219,26 +219,22 @@ def _start(s: Setup, requests, longest: int, budget: int, out: Path, log):
     out.mkdir(parents=True)
     # --threads is per instance; a pool shares the cores by default
     threads = a.threads or max(1, (os.cpu_count() or 1) // a.instances)
-    return start_engine(
-        m,
-        drafter,
-        s.sampling,
-        policy,
-        instances=a.instances,
-        capacity=budget,
-        max_batch=a.max_batch,
-        k_max=a.k_max,
-        drafter_len=drafter_len,
-        trace_dir=out / "traces",
-        generator=gen,
-        device=a.device,
-        dtype=a.dtype,
-        threads=threads,
+    config = BackendConfig(
+        "local",
+        a.instances,
+        s.policy,
+        budget,
+        a.max_batch,
+        a.k_max,
+        drafter_len,
+        out / "traces",
+        a.device,
+        a.dtype,
+        threads,
         realloc=a.realloc,
-        cost=cost,
         seed=a.seed,
-        log=log,
     )
+    return make_backend(config, m, drafter, s.sampling, policy, cost=cost, generator=gen, log=log)
 
 
 def _samples_frame(s: Setup, requests, samples) -> pd.DataFrame:

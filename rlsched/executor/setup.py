@@ -4,8 +4,9 @@
   model is loaded, so the policy is checked first;
 - the target and drafter models (`load_models`) and the in-process drafter (`make_drafter`);
 - the cost model that prices the policy or a pool's migrations (`cost_model`): a given
-  folder's, or a short profile at start;
-- rlsched's own engine, in this process or as a Ray pool (`start_engine`).
+  folder's, or a short profile at start.
+
+The rollout backend is built from these by `backends.make_backend`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from typing import Any
 
 from rlsched.errors import UserError
 from rlsched.policies.drafters import HOST_DRAFTERS, drafter_names
-from rlsched.policies.probe import PROBE_EVERY
 from rlsched.policies.registry import PolicySpec, as_spec
 
 PROFILE = "profile.parquet"  # the step costs a run profiled at its start
@@ -241,96 +241,3 @@ def cost_model(
         width_max=width_max,
     )
     return MeasuredCostModel(records), records
-
-
-# --- the engine ----------------------------------------------------------------------------------
-
-
-def start_engine(
-    m: Models,
-    drafter,
-    sampling,
-    policy,
-    *,
-    instances: int,
-    capacity: int,
-    max_batch: int,
-    k_max: int,
-    drafter_len: int,
-    trace_dir: Path,
-    generator,
-    device: str,
-    dtype: str,
-    threads: int,
-    realloc: str = "none",
-    threshold: int = 8,
-    cost=None,
-    seed: int = 0,
-    ngram_history: int | None = None,
-    share_prompts: bool = True,
-    probe_every: int | None = PROBE_EVERY,
-    estimator=None,
-    send_weights: bool = False,
-    states=None,
-    log=None,
-):
-    """rlsched's own engine with a KV budget of `capacity` tokens and `max_batch` rows: one in
-    this process (over `drafter`, with `estimator` restored), or `instances` Ray actors (each
-    loading the models from their folders, then the current weights when `send_weights`, on
-    `threads` threads, with its own copy of the policy or its `states` entry restored)."""
-    if instances > 1:
-        from rlsched.executor.pool.instances import InstancePool, InstanceSpec
-
-        spec = InstanceSpec(
-            str(m.target_dir),
-            m.drafter_name,
-            None if m.drafter_dir is None else str(m.drafter_dir),
-            sampling,
-            policy,
-            capacity,
-            max_batch,
-            k_max,
-            drafter_len,
-            str(trace_dir),
-            device,
-            dtype,
-            threads,
-            ngram_history,
-            share_prompts,
-            probe_every,
-        )
-        weights = (
-            dict(
-                target_state=m.target.state_dict(),
-                drafter_state=None if m.drafter_model is None else m.drafter_model.state_dict(),
-            )
-            if send_weights
-            else {}
-        )
-        return InstancePool(
-            instances,
-            spec,
-            realloc=realloc,
-            threshold=threshold,
-            cost=cost,
-            seed=seed,
-            states=states,
-            log=log,
-            **weights,
-        )
-    from rlsched.executor.engine.rollout import RolloutEngine
-
-    return RolloutEngine(
-        m.target,
-        drafter,
-        capacity,
-        max_batch,
-        sampling,
-        policy,
-        estimator,
-        trace_dir=trace_dir,
-        k_max=k_max,
-        generator=generator,
-        share_prompts=share_prompts,
-        probe_every=probe_every,
-    )

@@ -23,7 +23,7 @@ import torch
 import yaml
 
 from rlsched.errors import UserError
-from rlsched.executor.backends import RolloutBackend
+from rlsched.executor.backends import BackendConfig, RolloutBackend, make_backend
 from rlsched.executor.decode.drafters import drafter_cache_len
 from rlsched.executor.prompts import encode
 from rlsched.executor.rl.checkpoint import SUMMARY, TrainState, restore, rewind_out
@@ -40,9 +40,8 @@ from rlsched.executor.setup import (
     load_models,
     make_drafter,
     needs_cost,
-    start_engine,
 )
-from rlsched.policies.registry import PolicySpec, run_words
+from rlsched.policies.registry import run_words
 
 
 @dataclass
@@ -113,19 +112,17 @@ def build(cfg: RunConfig, out: Path, *, resume: bool = False, log=None) -> Setup
 
         write_table(out / PROFILE, pa.Table.from_pandas(profile, preserve_index=False))
     backend = make_backend(
-        cfg,
+        backend_config(cfg, longest, out, typical),
         m,
         drafter,
         sampling,
         policy,
-        cost,
-        state.generator,
-        longest,
-        out,
-        log,
+        cost=cost,
+        generator=state.generator,
         estimator=estimator,
+        send_weights=True,
         states=None if one else saved,
-        typical_ctx=typical,
+        log=log,
     )
     return Setup(
         source,
@@ -304,111 +301,31 @@ def make_policy(cfg: RunConfig, m: Models, drafter, sampling, typical_ctx: int, 
 # --- the rollout backend -------------------------------------------------------------------------
 
 
-def make_backend(
-    cfg: RunConfig,
-    m: Models,
-    drafter,
-    sampling,
-    policy,
-    cost,
-    generator,
-    longest: int,
-    out: Path,
-    log,
-    *,
-    estimator=None,
-    states=None,
-    typical_ctx: int | None = None,
-) -> RolloutBackend:
-    """rlsched's own engine (one in this process, with `estimator` restored; or
-    rollout.instances of them on Ray, each with the actor's current weights and its own copy
-    of the policy, or its `states` entry restored), or vLLM's (with `policy` the policy's name,
-    or on resume the restored (policy, estimator, history); several on Ray alike)."""
+def backend_config(cfg: RunConfig, longest: int, out: Path, typical_ctx: int | None = None) -> BackendConfig:
+    """The run's rollout backend, sized for prompts of `longest` tokens: rlsched's own engine
+    (one in this process, or rollout.instances of them on Ray, sharing the cores) or vLLM's."""
     r = cfg.rollout
     threads = max(1, (cfg.threads or os.cpu_count() or 1) // r.instances)  # the instances share the cores
-    if r.backend == "vllm" and r.instances > 1:
-        from rlsched.executor.pool.instances import InstancePool, InstanceSpec
-
-        spec = InstanceSpec(
-            str(m.target_dir),
-            m.drafter_name,
-            None if m.drafter_dir is None else str(m.drafter_dir),
-            sampling,
-            cfg.policy,
-            r.max_batch * (longest + r.max_tokens),
-            r.max_batch,
-            r.k_max,
-            0,
-            str(out / "traces"),
-            cfg.device,
-            cfg.dtype,
-            threads,
-            probe_every=r.probe_every,
-            backend="vllm",
-            max_len=longest + r.max_tokens + r.k_max + 1,
-            seed=cfg.seed,
-            typical_ctx=typical_ctx,
-            cost=cost,
-        )
-        return InstancePool(
-            r.instances,
-            spec,
-            realloc=r.realloc,
-            threshold=r.realloc_threshold,
-            cost=cost,
-            seed=cfg.seed,
-            target_state=m.target.state_dict(),
-            drafter_state=None if m.drafter_model is None else m.drafter_model.state_dict(),
-            states=states,
-            log=log,
-        )
-    if r.backend == "vllm":
-        from rlsched.executor.vllm.engine import VllmRolloutEngine
-
-        drafter_spec = m.drafter_dir if m.drafter_name in ("model", "eagle") else m.drafter_name  # folder or name
-        restored = None if estimator is None else (None if isinstance(policy, PolicySpec) else policy, estimator, None)
-        return VllmRolloutEngine(
-            m.target_dir,
-            drafter_spec,
-            sampling,
-            cfg.policy,
-            max_batch=r.max_batch,
-            k_max=r.k_max,
-            max_len=longest + r.max_tokens + r.k_max + 1,
-            trace_dir=out / "traces",
-            seed=cfg.seed,
-            threads=cfg.threads,
-            dtype=cfg.dtype,
-            cost=cost,
-            typical_ctx=typical_ctx,
-            probe_every=r.probe_every,
-            state=restored,
-            log=log,
-        )
-    return start_engine(
-        m,
-        drafter,
-        sampling,
-        policy,
-        instances=r.instances,
-        capacity=r.max_batch * (longest + r.max_tokens),
-        max_batch=r.max_batch,
-        k_max=r.k_max,
-        drafter_len=drafter_cache_len(longest, r.max_tokens, r.k_max),
-        trace_dir=out / "traces",
-        generator=generator,
-        device=cfg.device,
-        dtype=cfg.dtype,
-        threads=threads,
+    if r.backend == "vllm" and r.instances == 1:
+        threads = cfg.threads  # vLLM in this process: the run's own setting
+    return BackendConfig(
+        r.backend,
+        r.instances,
+        cfg.policy,
+        r.max_batch * (longest + r.max_tokens),
+        r.max_batch,
+        r.k_max,
+        drafter_cache_len(longest, r.max_tokens, r.k_max),
+        out / "traces",
+        cfg.device,
+        cfg.dtype,
+        threads,
         realloc=r.realloc,
         threshold=r.realloc_threshold,
-        cost=cost,
         seed=cfg.seed,
         ngram_history=2 * r.group_size,
         share_prompts=r.share_prompts,
         probe_every=r.probe_every,
-        estimator=estimator,
-        send_weights=True,
-        states=states,
-        log=log,
+        max_len=longest + r.max_tokens + r.k_max + 1,
+        typical_ctx=typical_ctx,
     )
