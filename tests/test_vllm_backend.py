@@ -114,13 +114,6 @@ def test_without_vllm_the_engine_says_how_to_get_it(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def pair():
-    from rlsched.executor.model.builtin import builtin_pair
-
-    return builtin_pair()
-
-
-@pytest.fixture(scope="module")
 def requests_(pair):
     from rlsched.executor.engine.rollout import Request
     from rlsched.executor.model.loading import load_model
@@ -229,8 +222,7 @@ def test_traces_of_each_run(self_engine, requests_):
 
     self_engine.rl_step = 7
     res = self_engine.run(requests_[:4])
-    for w in (self_engine._steps_w, self_engine._samples_w):
-        w.flush()
+    self_engine.recorder.flush()
     steps = read_trace(self_engine.trace_dir, "steps")
     mine = steps[steps.rl_step == 7]  # one record per engine step, drafting and verifying timed apart
     assert len(mine) == res.stats["steps"] and mine.kind.iloc[0] == "prefill"
@@ -315,7 +307,7 @@ def test_run_end_to_end_on_vllm_weights_synced_every_step(pair, tmp_path):
     cfg = tmp_path / "run.yaml"
     cfg.write_text(RUN.format(steps=3, policy="twostate:8:2", drafter="builtin"))
     out = tmp_path / "run"
-    proc = ok(rlsched("run", "--config", str(cfg), "--out", str(out), "--json", cwd=tmp_path, timeout=600))
+    proc = ok(rlsched("run", "--config", str(cfg), "--out", str(out), "--json", cwd=tmp_path, timeout=1800))
     summary = json.loads(proc.stdout)  # stdout holds only the JSON (vLLM logs to stderr)
     assert summary["steps"] == 3
     rl = read_trace(out / "traces", "rl_steps").sort_values("rl_step")
@@ -348,8 +340,8 @@ def test_plain_vllm_run_traces_fit(pair, tmp_path):
     cfg = tmp_path / "run.yaml"
     cfg.write_text(RUN.format(steps=2, policy="off", drafter="off"))
     out = tmp_path / "run"
-    ok(rlsched("run", "--config", str(cfg), "--out", str(out), cwd=tmp_path, timeout=600))
-    proc = ok(rlsched("fit", str(out), "--out", str(tmp_path / "cost.json"), "--json", cwd=tmp_path, timeout=300))
+    ok(rlsched("run", "--config", str(cfg), "--out", str(out), cwd=tmp_path, timeout=1800))
+    proc = ok(rlsched("fit", str(out), "--out", str(tmp_path / "cost.json"), "--json", cwd=tmp_path, timeout=1800))
     fitted = json.loads(proc.stdout)
     assert (tmp_path / "cost.json").is_file() and {"verify", "prefill"} <= set(fitted["ops"]), fitted
 
@@ -368,7 +360,7 @@ def test_a_policy_vllm_cannot_run_is_one_line_exit_2(tmp_path):
         "--out",
         str(tmp_path / "r"),
         cwd=tmp_path,
-        timeout=300,
+        timeout=1800,
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
@@ -386,7 +378,7 @@ def test_run_with_rlsched_policies_inside_vllm(pair, tmp_path):
     cfg = tmp_path / "run.yaml"
     cfg.write_text(RUN.format(steps=2, policy="seqgoodput", drafter="builtin"))
     out = tmp_path / "run"
-    proc = ok(rlsched("run", "--config", str(cfg), "--out", str(out), "--json", cwd=tmp_path, timeout=600))
+    proc = ok(rlsched("run", "--config", str(cfg), "--out", str(out), "--json", cwd=tmp_path, timeout=1800))
     assert json.loads(proc.stdout)["steps"] == 2 and "measuring step costs through vLLM" in proc.stderr
     steps = read_trace(out / "traces", "steps")
     sd = steps[(steps.kind == "decode") & (steps.drafted > 0)]
@@ -409,9 +401,9 @@ def test_a_vllm_run_killed_and_resumed_restores_its_policy_and_loses_nothing(pai
     cfg = tmp_path / "run.yaml"
     cfg.write_text(RUN.format(steps=4, policy="goodput", drafter="builtin"))
     out = tmp_path / "cut"
-    run_then_kill(cfg, out, tmp_path, steps_recorded=2, timeout=300, checkpoint=True)
+    run_then_kill(cfg, out, tmp_path, steps_recorded=2, timeout=1800, checkpoint=True)
     assert not (out / "summary.json").exists()
-    done = ok(rlsched("run", "--out", str(out), "--resume", cwd=tmp_path, timeout=600))
+    done = ok(rlsched("run", "--out", str(out), "--resume", cwd=tmp_path, timeout=1800))
     assert "resuming" in done.stderr and " at step 0" not in done.stderr
     assert "measuring step costs through vLLM" not in done.stderr  # the policy came back from the checkpoint
     rl = read_trace(out / "traces", "rl_steps")

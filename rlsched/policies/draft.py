@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 
@@ -101,8 +102,7 @@ def tree_times(cost: CostModel, drafter: str, options: list[Strategy], batch: in
 def expected_tokens(acceptance: np.ndarray, k_max: int) -> np.ndarray:
     """Expected tokens emitted by a chain step, summed over the batch, for k = 0..k_max.
 
-    Per sequence with acceptance a: sum_{j=0..k} a^j (`tree.chain_tokens`), summed here as
-    running products.
+    Per sequence with acceptance a: sum_{j=0..k} a^j (`tree.chain_tokens`), as running products.
     """
     a = np.atleast_1d(np.asarray(acceptance, dtype=float))
     powers = np.empty((len(a), k_max))
@@ -210,11 +210,13 @@ class GoodputPolicy:
     _EXPLORE_MARGIN, _EXPLORE_STEPS = 0.05, 4  # `_explore`
 
     def __init__(self, ctx: PolicyContext, refresh: int = 32, ctx_tolerance: float = 0.05, drain: bool = False):
-        self.cost, self.drafters, self.k_max = ctx.cost, ctx.drafters, ctx.k_max
+        # None only in a policy built and never run (the registry's checks build one)
+        self.cost = cast(CostModel, ctx.cost)
+        self.drafters, self.k_max = ctx.drafters, ctx.k_max
         self._tokens = drain_tokens if drain else expected_tokens
         self.refresh, self.ctx_tolerance = refresh, ctx_tolerance
         self._ks = np.arange(1, self.k_max + 1)
-        self._last = None  # (batch, ctx_tokens, step, strategy)
+        self._last: tuple | None = None  # (batch, ctx_tokens, step, strategy, sample ids)
         self.calibrate = self.observes = ctx.calibrate
         # (batch, context bucket) -> the cost model's prices, shared by the cluster's policies
         # on the same cost model (one each of 1024 instances held 160 MiB more at peak); the
@@ -229,7 +231,7 @@ class GoodputPolicy:
         self._rel: dict = {}
         self._ones = np.ones(self.k_max + 1)  # (read only)
         self._feed: dict[str, float] = {}  # drafter -> seconds to feed it one token (catch-up)
-        self._priced = None  # (batch, verify at q = 1, verify at q = 2.., {drafter: draft at k = 1..})
+        self._priced: tuple | None = None  # (batch, verify at q = 1, verify at q = 2.., {drafter: draft at k = 1..})
         self._drain = drain
         self._trees = {d: t for d in self.drafters if (t := ctx.trees(d)) is not None}
         # each tree option's verify, as a chain's k (for the measured verify scales)
@@ -341,7 +343,7 @@ class GoodputPolicy:
         # a step whose drafter caught up (a joining row's prompt, the tokens of off steps) is a
         # prefill, not the drafting priced: folded, one such step after off steps would price the
         # drafter high for good, and off would never be left again
-        if s.k > 0 and s.drafter in drafts:
+        if s.k > 0 and s.drafter is not None and s.drafter in drafts:
             if outcome.catch_up == 0:
                 self._fold(s.drafter, b, s.k, outcome.draft_time, drafts[s.drafter][s.k - 1])
             else:  # what the feed cost beyond the drafting priced, a token
@@ -466,7 +468,7 @@ class SeqGoodputPolicy(GoodputPolicy):
         return super().steady_steps(state, strategy, max_growth)
 
 
-class _Truth:
+class _Truth(GoodputPolicy):
     """Mixin: the simulator's true acceptance instead of estimates, re-derived every step."""
 
     needs_acceptance = False

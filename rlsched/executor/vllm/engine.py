@@ -62,10 +62,12 @@ import torch
 
 from rlsched.errors import UserError
 from rlsched.executor.decode.sampling import SamplingParams
+from rlsched.executor.engine.recorder import Recorder, sample_record
 from rlsched.executor.engine.rollout import RolloutResult, SampleResult, check_requests
 from rlsched.executor.seeds import derive_seed
 from rlsched.executor.vllm.shims import INSTALL_HINT, import_vllm, repack_cpu_linears, start_llm
 from rlsched.policies import vllm_plan
+from rlsched.policies.acceptance import AcceptanceEstimator
 from rlsched.policies.probe import PROBE_EVERY, prober_for
 from rlsched.policies.registry import PolicySpec, as_spec, run_words
 from rlsched.policies.vllm_plan import NGRAM, TABLE_FIELD
@@ -98,6 +100,53 @@ def check_vllm_backend(
     if importlib.util.find_spec("vllm") is None:
         raise UserError(f"rollout.backend vllm needs vLLM, which is not installed here; {INSTALL_HINT}")
     return plan
+
+
+def model_window(target_dir: Path, max_len: int) -> tuple[int, int]:
+    """(vLLM's max_model_len, the vocabulary size) for a target in `target_dir` sized for
+    `max_len` tokens; UserError when the model's positions cannot hold that many. The window is
+    fixed at start-up (KV blocks are allocated on demand, so room to spare costs little): twice
+    what the trainer sized for, for prompts longer than its first sweep saw."""
+    raw = json.loads((target_dir / "config.json").read_text())
+    limit = int(raw.get("max_position_embeddings") or max_len)
+    if max_len > limit:
+        raise UserError(
+            f"rollout: the longest prompt + max_tokens + k_max ({max_len} tokens) exceed the model's "
+            f"max_position_embeddings ({limit}); lower rollout.max_tokens"
+        )
+    # (vLLM refuses a config.json without vocab_size as it starts)
+    return min(limit, max(2 * max_len, 256)), int(raw["vocab_size"])
+
+
+def speculative_config(plan: dict | None, policy, drafter, sampling: SamplingParams, vllm) -> dict | None:
+    """vLLM's speculative_config for a `speculative_plan` (None: plain decoding); UserError when
+    the installed `vllm` lacks the batch-size table the plan needs."""
+    if plan is None:
+        return None
+    if plan["table"] is not None:
+        from vllm.config import SpeculativeConfig
+
+        fields = getattr(SpeculativeConfig, "model_fields", None) or getattr(
+            SpeculativeConfig, "__dataclass_fields__", {}
+        )
+        if TABLE_FIELD not in fields:
+            raise UserError(
+                f"policy '{policy}' picks the draft length by batch size, but the installed vLLM "
+                f"{vllm.__version__} has no speculative_config.{TABLE_FIELD} (0.32 has it); "
+                "upgrade vLLM or use static:K"
+            )
+    if plan["drafter"] == "ngram":
+        spec = dict(NGRAM, num_speculative_tokens=plan["k"])
+    else:
+        spec = {
+            "method": "eagle3" if plan["drafter"] == "eagle" else "draft_model",
+            "model": str(drafter),
+            "num_speculative_tokens": plan["k"],
+            "draft_sample_method": "greedy" if sampling.greedy else "probabilistic",
+        }
+    if plan["table"] is not None:
+        spec[TABLE_FIELD] = [tuple(e) for e in plan["table"]]
+    return spec
 
 
 @dataclass
@@ -148,7 +197,6 @@ class VllmRolloutEngine:
         log=None,
     ):
         from rlsched.executor.vllm import hook as vllm_hook
-        from rlsched.policies.acceptance import AcceptanceEstimator
 
         self.policy, self.drafters = as_spec(policy, "vllm"), {}
         self.rl_step, self.instance = 0, instance
@@ -159,47 +207,13 @@ class VllmRolloutEngine:
         self.plan = speculative_plan(self.policy, drafter, k_max=k_max, max_batch=max_batch)
         if self.plan is not None and self.plan["drafter"] == "eagle" and isinstance(drafter, str):
             raise UserError("drafter eagle on vLLM needs the head's folder (`setup.eagle_head`), not its name")
-        raw = json.loads((self.target_dir / "config.json").read_text())
-        limit = int(raw.get("max_position_embeddings") or max_len)
-        if max_len > limit:
-            raise UserError(
-                f"rollout: the longest prompt + max_tokens + k_max ({max_len} tokens) exceed the model's "
-                f"max_position_embeddings ({limit}); lower rollout.max_tokens"
-            )
-        # vLLM's window is fixed at start-up (KV blocks are allocated on demand, so room to spare costs
-        # little): twice what the trainer sized for, for prompts longer than its first sweep saw
-        self.max_model_len = min(limit, max(2 * max_len, 256))
+        self.max_model_len, self.vocab_size = model_window(self.target_dir, max_len)
         vllm = import_vllm()
         self.vllm_version = vllm.__version__
-        self.vocab_size = int(raw["vocab_size"])  # (vLLM refuses a config.json without it as it starts)
-        from vllm.config import SpeculativeConfig
         from vllm.platforms import current_platform
 
         self.on_cpu = current_platform.is_cpu()
-        spec = None
-        if self.plan is not None:
-            if self.plan["table"] is not None:
-                fields = getattr(SpeculativeConfig, "model_fields", None) or getattr(
-                    SpeculativeConfig, "__dataclass_fields__", {}
-                )
-                if TABLE_FIELD not in fields:
-                    raise UserError(
-                        f"policy '{policy}' picks the draft length by batch size, but the installed vLLM "
-                        f"{vllm.__version__} has no speculative_config.{TABLE_FIELD} (0.32 has it); "
-                        "upgrade vLLM or use static:K"
-                    )
-            if self.plan["drafter"] == "ngram":
-                spec = dict(NGRAM, num_speculative_tokens=self.plan["k"])
-            else:
-                method = "eagle3" if self.plan["drafter"] == "eagle" else "draft_model"
-                spec = {
-                    "method": method,
-                    "model": str(drafter),
-                    "num_speculative_tokens": self.plan["k"],
-                    "draft_sample_method": "greedy" if sampling.greedy else "probabilistic",
-                }
-            if self.plan["table"] is not None:
-                spec[TABLE_FIELD] = [tuple(e) for e in self.plan["table"]]
+        spec = speculative_config(self.plan, policy, drafter, sampling, vllm)
         self.method = None if spec is None else spec["method"]
         global _ENGINES
         _ENGINES += 1
@@ -221,15 +235,8 @@ class VllmRolloutEngine:
             raise UserError(f"{e}; policy '{policy}', drafter {drafter}") from e.__cause__
         self.startup_s = time.perf_counter() - t
         self._adds, self._live, self._done, self._max_running = 0, {}, {}, 0
-        self.trace_dir = None if trace_dir is None else Path(trace_dir)
-        self._steps_w = self._samples_w = None
-        if self.trace_dir is not None:
-            from rlsched.traces.writer import TraceWriter
-
-            for kind in ("steps", "samples"):  # instances of a pool share the folder: parts tagged by instance
-                setattr(
-                    self, f"_{kind}_w", TraceWriter(self.trace_dir, kind, flush_every=256, journal=True, tag=trace_tag)
-                )
+        self.recorder = Recorder(trace_dir, trace_tag)  # a pool's instances share the folder: parts tagged
+        self.trace_dir = self.recorder.trace_dir
         names = () if self.plan is None else (self.plan["drafter"],)
         self.estimator = AcceptanceEstimator(names) if state is None else state[1]
         self.draft_policy = None if state is None else state[0]
@@ -242,7 +249,7 @@ class VllmRolloutEngine:
             names[0] if names else "off",
             k_max if self.plan else 0,
             instance=instance,
-            record=None if self._steps_w is None else self._steps_w.append,
+            record=self.recorder.step if self.recorder.on else None,
             prober=None if self.draft_policy is None else prober_for(self.draft_policy, names, probe_every),
         )
         vllm_hook.attach(self.llm, self.hook)
@@ -531,30 +538,19 @@ class VllmRolloutEngine:
     def _record_sample(self, r, res: SampleResult, rejected: int, migrations: int, preemptions: int) -> None:
         """One sample record: its chain trials (drafted, accepted, rejected: verify steps that
         ended in a rejection, counted by the hook) and, with a drafter, acceptance_<drafter>:
-        the sample's per-token acceptance accepted / (accepted + rejected), shrunk towards the
-        estimator's prior with its sample strength (as `replay` reads trials)."""
-        if self._samples_w is None:
+        the sample's per-token acceptance from those trials, shrunk towards the estimator's prior
+        (`AcceptanceEstimator.from_trials`, as `replay` reads trials)."""
+        if not self.recorder.on:
             return
-        rec = dict(
-            rl_step=self.rl_step,
-            sample_id=r.sample_id,
-            prompt_id=r.prompt_id,
-            instance=self.instance,
-            prompt_len=len(r.prompt),
-            response_len=len(res.tokens),
-            finish_s=res.finish_s,
-            preemptions=preemptions,
-            migrations=migrations,
-            drafted=res.drafted,
-            accepted=res.accepted,
-            rejected=int(rejected),
-        )
+        acceptance = {}
         if self.plan is not None:
-            e = self.estimator
-            rec[f"acceptance_{self.plan['drafter']}"] = (res.accepted + e.prior_mean * e.sample_strength) / (
-                res.accepted + rejected + e.sample_strength
-            )
-        self._samples_w.append(rec)
+            acceptance[self.plan["drafter"]] = self.estimator.from_trials(res.accepted, rejected)
+        # fmt: off
+        self.recorder.sample(sample_record(
+            self.rl_step, r, self.instance, len(res.tokens), res.finish_s, preemptions, migrations, res.drafted,
+            res.accepted, int(rejected), acceptance,
+        ))
+        # fmt: on
 
     # --- weights ---------------------------------------------------------------------------
 
@@ -601,10 +597,7 @@ class VllmRolloutEngine:
 
     def close(self) -> None:
         """Write the last trace parts and shut vLLM's engine down."""
-        for w in (self._steps_w, self._samples_w):
-            if w is not None:
-                w.close()
-        self._steps_w = self._samples_w = None
+        self.recorder.close()
         llm = getattr(self, "llm", None)
         if llm is not None:
             shutdown = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
