@@ -63,13 +63,12 @@ class Trainer:
 
     # --- one RL step -------------------------------------------------------------------------
 
-    def step(self, s: int) -> dict:
+    def _requests(self, s: int, items) -> list:
+        """Step `s`'s requests: each prompt `group_size` times (the caches grown first when a
+        prompt is longer than they were sized for)."""
         from rlsched.executor.engine.rollout import Request
-        from rlsched.executor.rl.rewards import RewardInput
 
-        c, r = self.cfg, self.cfg.rollout
-        t_start = time.perf_counter()
-        items = self.source.batch(s, r.prompts_per_step)
+        r = self.cfg.rollout
         prompts = [encode(self.tokenizer, i.prompt) for i in items]
         n = r.prompts_per_step * r.group_size
         requests = [
@@ -82,6 +81,16 @@ class Trainer:
             self.backend.resize(
                 r.max_batch * (self._longest + r.max_tokens), drafter_cache_len(self._longest, r.max_tokens, r.k_max)
             )
+        return requests
+
+    def step(self, s: int) -> dict:
+        from rlsched.executor.rl.rewards import RewardInput
+
+        c, r = self.cfg, self.cfg.rollout
+        t_start = time.perf_counter()
+        items = self.source.batch(s, r.prompts_per_step)
+        requests = self._requests(s, items)
+        n = r.prompts_per_step * r.group_size
         self.state.generator.manual_seed(_seed(c.seed, "rollout", s))
         self.backend.rl_step = s
         t = time.perf_counter()
