@@ -23,16 +23,12 @@ feeds `MeasuredCostModel` and the analysis layer's fits.
 from __future__ import annotations
 
 import functools
-import json
-import platform
 import time
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import torch
 
-from rlsched.errors import UserError
 from rlsched.executor.decode.sampling import SamplingParams
 from rlsched.executor.decode.speculative import Seq, prefill, step
 
@@ -235,26 +231,46 @@ def _profile_pass(
     rows of `profile_cache_len(contexts, k_max)`). Under inference mode, as the engine
     runs: under `no_grad` (every op tracking views and versions) a plain step is priced above
     what the engine pays, most at small batch sizes."""
-    sampling = sampling or SamplingParams(temperature=1.0)
-    trees = profile_trees(drafters, k_max, width_max)
-    vocab = model.config.vocab_size
-    gen = torch.Generator().manual_seed(seed)  # the random prompts and drafts (host)
-    device = next(model.parameters()).device
-    step_gen = torch.Generator(device=device).manual_seed(seed)  # sampling, on the model's device
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    timer = _PointTimer(model, drafters, k_max, repeats, sampling or SamplingParams(temperature=1.0), seed, width_max)
     records = []
     points = [(b, c) for c in sorted({*contexts, *prefill_only}) for b in batch_sizes]
     for n, (b, ctx) in enumerate(points):
         cache = model.new_cache(b, profile_cache_len([ctx], k_max))
+        records += timer.prefills(cache, b, ctx)
+        if ctx in contexts:
+            records += timer.steps(cache, b, ctx)
+        if progress is not None:
+            progress(n + 1, len(points), b, ctx)
+    return records
+
+
+class _PointTimer:
+    """Times one (batch, context) point of a pass at a time; the pass's random prompts and
+    drafts come from one host generator, its sampling from one on the model's device."""
+
+    def __init__(self, model, drafters: dict, k_max: int, repeats: int, sampling, seed: int, width_max: int):
+        self.model, self.drafters, self.k_max, self.repeats = model, drafters, k_max, repeats
+        self.sampling, self.width_max = sampling, width_max
+        self.trees = profile_trees(drafters, k_max, width_max)
+        self.vocab = model.config.vocab_size
+        self.gen = torch.Generator().manual_seed(seed)  # the random prompts and drafts (host)
+        device = next(model.parameters()).device
+        self.step_gen = torch.Generator(device=device).manual_seed(seed)  # sampling, on the model's device
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def prefills(self, cache, b: int, ctx: int) -> list[dict]:
+        """A prefill of b prompts of ctx tokens, and each model drafter's feed of the same
+        prompts: its catch-up on rows that join."""
         slots = torch.arange(b)
-        equal = torch.randint(3, vocab, (b, ctx), generator=gen).tolist()
+        equal = torch.randint(3, self.vocab, (b, ctx), generator=self.gen).tolist()
+        times = max(1, self.repeats // 2)
 
         def do_prefill():
             cache.free(slots)
-            return prefill(model, cache, slots, equal)
+            return prefill(self.model, cache, slots, equal)
 
-        records.append(_record("prefill", b, 0, b * ctx, _timed(do_prefill, max(1, repeats // 2), sync)))
-        for name, drafter in drafters.items():
+        records = [_record("prefill", b, 0, b * ctx, _timed(do_prefill, times, self.sync))]
+        for name, drafter in self.drafters.items():
             # a model drafter: its catch-up on fresh rows (a drafter that reads the target's
             # states is handed them with each step's and the prefill's forward: nothing to catch up)
             if hasattr(drafter, "reset") and not hasattr(drafter, "observe"):
@@ -264,72 +280,87 @@ def _profile_pass(
                     drafter.reset()
                     drafter.propose(fresh, 1)
 
-                records.append(
-                    _record("feed", b, 0, b * ctx, _timed(do_feed, max(1, repeats // 2), sync), drafter=name)
-                )
-        if ctx not in contexts:
-            if progress is not None:
-                progress(n + 1, len(points), b, ctx)
-            continue
-        prompts = [torch.randint(3, vocab, (length,), generator=gen).tolist() for length in ragged_lengths(b, ctx)]
+                records.append(_record("feed", b, 0, b * ctx, _timed(do_feed, times, self.sync), drafter=name))
+        return records
+
+    def steps(self, cache, b: int, ctx: int) -> list[dict]:
+        """Verify for k = 0..k_max and each drafter's propose for k = 1..k_max, on b rows of
+        ragged contexts around ctx (`ragged_lengths`)."""
+        slots = torch.arange(b)
+        prompts = [torch.randint(3, self.vocab, (n,), generator=self.gen).tolist() for n in ragged_lengths(b, ctx)]
         cache.free(slots)
-        last = prefill(model, cache, slots, prompts)
+        last = prefill(self.model, cache, slots, prompts)
         lengths = cache.lengths[slots].clone()
-        seqs = {name: [Seq(list(p), i, i) for i, p in enumerate(prompts)] for name in drafters}
-        for name, drafter in drafters.items():
+        seqs = {name: [Seq(list(p), i, i) for i, p in enumerate(prompts)] for name in self.drafters}
+        for name, drafter in self.drafters.items():
             if hasattr(drafter, "reset"):
                 drafter.reset()
             drafter.propose(seqs[name], 1)  # take the prompts in
-        for k in range(k_max + 1):
-            drafts = torch.randint(3, vocab, (b, k), generator=gen)
-            dk = torch.full((b,), k, dtype=torch.long)
-
-            def do_verify():
-                step(model, cache, slots, last, sampling, drafts if k else None, None, dk if k else None, step_gen)
-                cache.trim(slots, lengths)
-
-            def new_tokens(drafter, rows):
-                """The last draft and the bonus token after each row's prompt (a model drafter
-                takes them in inside its propose, timed; one that reads the target's states
-                is handed theirs by the engine, here untimed: `prepare`)."""
-                if hasattr(drafter, "rewind"):
-                    drafter.rewind(rows, [len(p) for p in prompts])
-                for s, p in zip(rows, prompts):
-                    s.tokens = p + torch.randint(3, vocab, (2,), generator=gen).tolist()
-                if hasattr(drafter, "prepare"):
-                    drafter.prepare(rows)
-
-            def do_draft(drafter, rows):
-                drafter.propose(rows, k)
-
-            def do_tree(drafter, rows, tree):
-                drafter.propose_tree(rows, tree)
-
-            # plain decoding runs the target alone; a speculative step drafts, then verifies
-            fns, before, tree_of = {}, {}, {}
-            if k:
-                for name, d in drafters.items():
-                    fns[name] = functools.partial(do_draft, d, seqs[name])
-                    before[name] = functools.partial(new_tokens, d, seqs[name])
-                    for w in range(2, width_max + 1):
-                        if (name, k, w) in trees:
-                            key = f"{name} width {w}"
-                            tree_of[key] = (name, w, trees[name, k, w])
-                            fns[key] = functools.partial(do_tree, d, seqs[name], trees[name, k, w])
-                            before[key] = before[name]
-            ms = _timed_in_turn({**fns, "": do_verify}, repeats, sync, before)
-            records.append(_record("verify", b, k, b * ctx, ms[""]))
-            records += [_record("draft", b, k, b * ctx, ms[name], drafter=name) for name in fns if name in drafters]
-            records += [
-                _record("draft", b, k, b * ctx, ms[key], drafter=name, width=w, drafted=b * tree.n)
-                for key, (name, w, tree) in tree_of.items()
-            ]
-        for drafter in drafters.values():
+        records = []
+        for k in range(self.k_max + 1):
+            records += self._step(cache, slots, last, lengths, prompts, seqs, b, ctx, k)
+        for drafter in self.drafters.values():
             if hasattr(drafter, "reset"):
                 drafter.reset()
-        if progress is not None:
-            progress(n + 1, len(points), b, ctx)
-    return records
+        return records
+
+    def _step(self, cache, slots, last, lengths, prompts, seqs: dict, b: int, ctx: int, k: int) -> list[dict]:
+        """One draft length: the verify, each drafter's chain and tree drafts, timed in turn."""
+        vocab, gen = self.vocab, self.gen
+        drafts = torch.randint(3, vocab, (b, k), generator=gen)
+        dk = torch.full((b,), k, dtype=torch.long)
+
+        def do_verify():
+            step(
+                self.model,
+                cache,
+                slots,
+                last,
+                self.sampling,
+                drafts if k else None,
+                None,
+                dk if k else None,
+                self.step_gen,
+            )
+            cache.trim(slots, lengths)
+
+        def new_tokens(drafter, rows):
+            """The last draft and the bonus token after each row's prompt (a model drafter
+            takes them in inside its propose, timed; one that reads the target's states
+            is handed theirs by the engine, here untimed: `prepare`)."""
+            if hasattr(drafter, "rewind"):
+                drafter.rewind(rows, [len(p) for p in prompts])
+            for s, p in zip(rows, prompts):
+                s.tokens = p + torch.randint(3, vocab, (2,), generator=gen).tolist()
+            if hasattr(drafter, "prepare"):
+                drafter.prepare(rows)
+
+        def do_draft(drafter, rows):
+            drafter.propose(rows, k)
+
+        def do_tree(drafter, rows, tree):
+            drafter.propose_tree(rows, tree)
+
+        # plain decoding runs the target alone; a speculative step drafts, then verifies
+        fns, before, tree_of = {}, {}, {}
+        if k:
+            for name, d in self.drafters.items():
+                fns[name] = functools.partial(do_draft, d, seqs[name])
+                before[name] = functools.partial(new_tokens, d, seqs[name])
+                for w in range(2, self.width_max + 1):
+                    if (name, k, w) in self.trees:
+                        key = f"{name} width {w}"
+                        tree_of[key] = (name, w, self.trees[name, k, w])
+                        fns[key] = functools.partial(do_tree, d, seqs[name], self.trees[name, k, w])
+                        before[key] = before[name]
+        ms = _timed_in_turn({**fns, "": do_verify}, self.repeats, self.sync, before)
+        records = [_record("verify", b, k, b * ctx, ms[""])]
+        records += [_record("draft", b, k, b * ctx, ms[name], drafter=name) for name in fns if name in self.drafters]
+        records += [
+            _record("draft", b, k, b * ctx, ms[key], drafter=name, width=w, drafted=b * tree.n)
+            for key, (name, w, tree) in tree_of.items()
+        ]
+        return records
 
 
 def policy_profile(
@@ -365,129 +396,3 @@ def policy_profile(
             width_max=width_max,
         )
     )
-
-
-def run_profile(
-    *,
-    model: str,
-    drafters: list[str],
-    batch_sizes: list[int],
-    k_max: int,
-    contexts: list[int],
-    repeats: int,
-    device: str,
-    dtype: str,
-    threads: int | None,
-    out: Path,
-    console,
-    table_console,
-    passes: int = 1,
-    compile: bool = False,
-    statistic: str = "median",
-    width_max: int = 1,
-) -> Path:
-    """`rlsched profile`: load, check, measure, write `out/traces/steps/` and `out/profile.json`."""
-    import pandas as pd
-    from rich.table import Table
-
-    from rlsched.atomic import atomic_folder, write_text_atomic
-    from rlsched.executor.decode.drafters import ModelDrafter, make_drafter
-    from rlsched.executor.folders import check_drafter_vocab, prepare_out, resolve_model_dir
-    from rlsched.executor.model.loading import load_model
-    from rlsched.executor.setup import HOST_DRAFTERS, drafter_kind, eagle_head
-    from rlsched.traces.writer import TraceWriter
-
-    if k_max < 1 or repeats < 1 or passes < 1 or width_max < 1:
-        raise UserError(
-            f"--k-max, --repeats, --passes and --width-max must be >= 1 (got {k_max}, {repeats}, {passes}, {width_max})"
-        )
-    if statistic not in STATISTICS:
-        raise UserError(f"--statistic must be one of {', '.join(STATISTICS)} (got {statistic!r})")
-    if threads is not None:
-        if threads < 1:
-            raise UserError(f"--threads must be >= 1 (got {threads})")
-        torch.set_num_threads(threads)
-    log = lambda msg: console.print(msg, highlight=False)  # noqa: E731
-    target_dir = resolve_model_dir(model, "target", log)
-    target = load_model(target_dir, device=device, dtype=dtype)
-    sampling = SamplingParams(temperature=1.0)
-    max_len = profile_cache_len(contexts, k_max)
-    timed = {}
-    for spec in drafters:
-        if spec == "off":
-            continue
-        if spec in HOST_DRAFTERS:
-            timed[spec] = make_drafter(spec)
-            continue
-        if drafter_kind(spec) == "eagle":
-            from rlsched.executor.decode.eagle_drafter import EagleDrafter
-
-            timed["eagle"] = EagleDrafter(eagle_head(model, spec, target.model, log)[1], target.model, sampling)
-            continue
-        folder = resolve_model_dir(spec, "drafter", log)
-        d = load_model(folder, device=device, dtype=dtype)
-        check_drafter_vocab(target, d, target_dir, folder)
-        name = "model" if "model" not in timed else f"model:{folder.name}"
-        timed[name] = ModelDrafter(d.model, sampling, max(batch_sizes), max_len)
-    if compile:  # after every check: compiling takes a while
-        from rlsched.executor.model.compiled import compile_for_engine
-
-        compile_for_engine(
-            target.model, [d.model for d in timed.values() if isinstance(d, ModelDrafter)], k_max, max(batch_sizes), log
-        )
-    prepare_out(out, "profile.json", "profile")
-    with console.status("profiling") as status:
-        records = profile(
-            target.model,
-            timed,
-            batch_sizes=batch_sizes,
-            k_max=k_max,
-            contexts=contexts,
-            repeats=repeats,
-            passes=passes,
-            sampling=sampling,
-            statistic=STATISTICS[statistic],
-            width_max=width_max,
-            progress=lambda i, n, b, c: status.update(f"profiling: point {i}/{n} (batch {b}, context {c})"),
-        )
-    df = pd.DataFrame(records)
-    with atomic_folder(out) as tmp:
-        w = TraceWriter(tmp / "traces", "steps", flush_every=len(records))
-        for r in records:
-            w.append(r)
-        w.close()
-        write_text_atomic(
-            tmp / "profile.json",
-            json.dumps(
-                {
-                    "model": str(target_dir),
-                    "model_shape": target.model.config.shape,
-                    "drafters": list(timed),
-                    "batch_sizes": batch_sizes,
-                    "k_max": k_max,
-                    "width_max": width_max,
-                    "contexts": contexts,
-                    "prefill_contexts": sorted({*contexts, *prefill_midpoints(contexts)}),
-                    "repeats": repeats,
-                    "passes": passes,
-                    "statistic": statistic,
-                    "device": device,
-                    "dtype": dtype,
-                    "compiled": compile,
-                    "threads": torch.get_num_threads(),
-                    "machine": platform.node(),
-                    "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                },
-                indent=2,
-            )
-            + "\n",
-        )
-    verify = df[df.kind == "verify"].pivot_table(index="batch", columns="k", values="verify_ms", aggfunc="mean")
-    t = Table(title=f"verify ms (mean over contexts {contexts}) by batch x k; written to {out}")
-    t.add_column("batch", justify="right")
-    for k in verify.columns:
-        t.add_column(f"k={k}", justify="right")
-    for b, row in verify.iterrows():
-        t.add_row(str(b), *(f"{v:.2f}" for v in row))
-    table_console.print(t)
-    return out
