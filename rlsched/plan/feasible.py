@@ -70,7 +70,7 @@ def infeasible(cfg: SimConfig, cost=None) -> str | None:
     c = cfg.cluster
     reason = _heads(cfg.model, c.tp, "the model")
     for d in cfg.drafters:
-        if reason is None and d.kind == "model":
+        if reason is None and d.kind == "model" and d.model is not None:
             reason = _heads(d.model, c.tp, f"drafter {d.name}")
     if reason is not None:
         return reason

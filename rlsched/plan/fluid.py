@@ -64,7 +64,8 @@ class Strategies:
     def __init__(self, cfg: SimConfig, cost, drafter: str | None, tolerance: float = 0.01):
         self.cost, self.drafter = cost, drafter
         self.k_max = cfg.speculation.k_max if drafter is not None else 0
-        self.trees, self.table, self.top1 = [], None, 1.0
+        self.trees: list = []  # the tree options, as Strategies
+        self.table, self.top1 = None, 1.0
         if drafter is not None:
             ctx = policy_context(cfg, cost)
             trees = ctx.trees(drafter)
@@ -95,6 +96,7 @@ class Strategies:
             if self.k_max > 0:
                 hit[1:] += self.cost.draft_time(self.drafter, b, ks[1:], ctx_sum)
             if self.trees:
+                assert self.drafter is not None  # (trees are a drafter's)
                 draft, verify = tree_parts(self.cost, self.drafter, self.trees, b, ctx_sum)
                 hit = np.concatenate([hit, draft + verify])
             self._memo[key] = hit
@@ -220,14 +222,14 @@ def stage_time(
     if instances > CRITICAL:
         makespan = np.array([_makespan(steps[owner == i], limit) for i in range(instances)])
         critical = np.unique(np.concatenate([np.argsort(-work)[:CRITICAL], np.argsort(-makespan)[:CRITICAL]]))
-    times = {}
+    times: dict = {}  # critical instance -> its seconds
     for i in critical:
         mine = np.flatnonzero(owner == i)
         acc = rollout.acceptance[mine, j] if drafter is not None else np.zeros(len(mine))
         times[i] = instance_time(
             cost, strategies, rule, rollout.prompt_len[mine], rollout.response_len[mine], acc, max_batch=limit
         )
-    slowest = max(times, key=times.get)
+    slowest = max(times, key=times.__getitem__)
     seconds = times[slowest]
     balanced = seconds * float(work.mean() / work[slowest]) if work[slowest] > 0 else seconds
     return FluidStage(seconds, min(seconds, balanced), int(rollout.response_len.sum()), int(rollout.prompt_len.sum()))

@@ -51,6 +51,7 @@ def goodput_table(cfg: SimConfig, c: Candidate, cost) -> list[list[int]]:
     chains = Strategies(
         cfg.model_copy(update={"speculation": cfg.speculation.model_copy(update={"width_max": 1})}), cost, c.drafter
     )
+    assert c.drafter is not None  # (a chain's table is a drafter's)
     a = np.array([cfg.drafter(c.drafter).acceptance.mean])
     tokens = chains.tokens(a)[0]
     ctx = policy_context(cfg).typical_ctx
@@ -81,6 +82,7 @@ def vllm_engine_args(cfg: SimConfig, c: Candidate, cost, model: str, drafter: st
     kind = cfg.drafter(c.drafter).kind
     policy = engine_policy(cfg, c, cost)
     plan = speculative_plan(policy, kind, k_max=cfg.speculation.k_max, max_batch=c.max_batch)
+    assert plan is not None  # (a setup with a drafter drafts)
     table = plan["table"]
     if c.policy.family == "table":  # a learned table: its draft lengths by batch size
         from rlsched.policies.policyfile import load_policy_file

@@ -15,6 +15,7 @@ import shutil
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -47,9 +48,11 @@ def base_for_plan(
         from rlsched.costs.fit import fit_records, read_records
 
         df, source = read_records(from_run)
+        assert workdir is not None  # (given with from_run)
         cost_path = workdir / "cost.json"
         cost_path.write_text(json.dumps(fit_records(df, source).to_json()))
         cfg = build_config(sim_config_from_run(from_run, cost_path, steps=1), overrides, source=f"--from {from_run}")
+    assert cfg is not None  # (a config or a run)
     if drafters is not None:
         names = [n.strip() for n in drafters.split(",") if n.strip()]
         have = [d.name for d in cfg.drafters]
@@ -250,6 +253,7 @@ def explain_knobs(base: SimConfig, plan: Plan, *, workers: int = 1, ray_address:
     """Each knob where the own setup and the winner differ, moved alone and simulated on the
     plan's seeds: [{knob, from, to, score, gain}] by gain, largest first (gain: the own
     setup's score over the moved one's, minus 1)."""
+    assert plan.own is not None  # (the knobs are moved from the own setup)
     own, win = plan.own.candidate, plan.winner.candidate
     moved = []
     for knob in KNOBS:
@@ -282,7 +286,7 @@ def explain_knobs(base: SimConfig, plan: Plan, *, workers: int = 1, ray_address:
 def _row(x: Scored | Ranked, objective: str, rank: int | None) -> dict:
     s = x.scored if isinstance(x, Ranked) else x
     c = s.candidate
-    row = {
+    row: dict[str, Any] = {
         "rank": rank,
         "setup": c.label,
         "placement": c.placement,
@@ -399,7 +403,7 @@ def write_plan(plan: Plan, out: Path, model_path: str, drafter_path: str) -> dic
     if cost_file is not None:  # the plan's copy, where sim.yaml names it
         cfg = cfg.model_copy(update={"cost_file": str((Path(out) / "cost.json").resolve())})
     winner, run_winner = win.candidate, win.candidate
-    policy_file = Path(winner.policy.file) if winner.policy.family == "table" else None
+    policy_file = Path(winner.policy.file) if winner.policy.family == "table" and winner.policy.file else None
     vllm_table = None
     if policy_file is not None:
         # sim.yaml names the plan's copy of the learned policy file; run.yaml its draft lengths by batch size in
@@ -414,7 +418,7 @@ def write_plan(plan: Plan, out: Path, model_path: str, drafter_path: str) -> dic
             run_policy = f"static:{spec['num_speculative_tokens']}" if spec else "off"
         run_winner = replace(winner, policy=parse_policy(run_policy))
     rows = plan_rows(plan)
-    record = {
+    record: dict[str, Any] = {
         "format": "rlsched-plan",
         "summary": summary(plan),
         "rows": rows,

@@ -12,6 +12,7 @@ run in worker processes or on a Ray cluster (`sim/runs.run_jobs`).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -19,7 +20,7 @@ import numpy as np
 from rlsched.config import SimConfig
 from rlsched.plan.screen import Scored, score
 from rlsched.plan.space import Candidate
-from rlsched.sim.runs import run_jobs
+from rlsched.sim.runs import Job, run_jobs
 
 
 @dataclass
@@ -75,7 +76,7 @@ def run_seed(
     setups: list[Ranked], seed: int, *, workers: int = 1, ray_address: str | None = None, on_done=None
 ) -> None:
     """Simulate every setup on `seed`; each keeps its record."""
-    jobs = [(x.candidate.policy, x.candidate.realloc, seed, None) for x in setups]
+    jobs: list[Job] = [(x.candidate.policy, x.candidate.realloc, seed, None) for x in setups]
     results = run_jobs(
         [x.scored.config for x in setups], jobs, workers=workers, ray_address=ray_address, on_done=on_done
     )
@@ -95,8 +96,8 @@ def search(
     *,
     objective: str = "step-time",
     survivors: int = 24,
-    seeds: list[int] = (0, 1, 2),
-    pinned: list[Scored] = (),
+    seeds: Sequence[int] = (0, 1, 2),
+    pinned: Sequence[Scored] = (),
     workers: int = 1,
     ray_address: str | None = None,
     on_done=None,

@@ -50,13 +50,13 @@ class BanditPolicy:
         """Per arm, the arms one step from it (itself included): along its drafter's k's, off
         next to each drafter's least k, and the other drafters at the same k."""
         near = [{i} for i in range(len(arms))]
-        line = {}
+        line: dict[str | None, list[int]] = {}
         for i, a in enumerate(arms[1:], 1):
             line.setdefault(a.drafter, [0]).append(i)  # off, then the drafter's k's in order
         for chain in line.values():
-            for a, b in zip(chain, chain[1:]):
-                near[a].add(b)
-                near[b].add(a)
+            for x, y in zip(chain, chain[1:]):
+                near[x].add(y)
+                near[y].add(x)
         for i, a in enumerate(arms):
             for j, b in enumerate(arms):
                 if not a.is_off and not b.is_off and a.k == b.k:

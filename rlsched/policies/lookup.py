@@ -29,13 +29,15 @@ def batch_grid(max_batch: int) -> list[int]:
 def rates(ctx: PolicyContext, drafter: str, batch: int, acceptance: float, per_row: int | None = None) -> np.ndarray:
     """Expected tokens/s of k = 0..k_max for a batch of `per_row` contexts (default: the
     typical context; k = 0 is off)."""
+    cost = ctx.cost
+    assert cost is not None, "pricing draft lengths needs a cost model"
     ks = np.arange(1, ctx.k_max + 1)
     ctx_tokens = batch * (ctx.typical_ctx if per_row is None else per_row)
     tokens = expected_tokens(np.full(batch, acceptance), ctx.k_max)
     times = np.concatenate(
         (
-            [ctx.cost.verify_time(batch, 1, ctx_tokens)],
-            ctx.cost.draft_time(drafter, batch, ks, ctx_tokens) + ctx.cost.verify_time(batch, ks + 1, ctx_tokens),
+            [cost.verify_time(batch, 1, ctx_tokens)],
+            cost.draft_time(drafter, batch, ks, ctx_tokens) + cost.verify_time(batch, ks + 1, ctx_tokens),
         )
     )
     return tokens / times
@@ -50,6 +52,7 @@ def tree_rates(
     if trees is None:
         return [], np.zeros(0)
     options, table = trees
+    assert ctx.cost is not None, "pricing draft trees needs a cost model"
     times = tree_times(ctx.cost, drafter, options, batch, batch * (ctx.typical_ctx if per_row is None else per_row))
     return options, table.tokens(np.full(batch, ctx.top1(drafter, acceptance))) / times
 
@@ -91,6 +94,7 @@ class TwoStatePolicy:
             score = float(small[j])
             if best is None or score > best[0]:
                 best = (score, d, threshold, options[j])
+        assert best is not None, "no drafter to learn a table for"
         s = best[3]
         return cls(ctx, best[1], best[2], s.k, s.width, s.nodes)
 
@@ -179,7 +183,7 @@ class TablePolicy:
         self.needs_acceptance = len(accept_edges) > 2
         self._strategies = [[[cell_strategy(drafter, x) for x in row] for row in plane] for plane in self.k]
         self._acc_row = self._row(ctx.prior(drafter))
-        self._last = None  # (batch, step) of the last acceptance read
+        self._last: tuple[int, int] | None = None  # (batch, step) of the last acceptance read
 
     @classmethod
     def analytic(

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Final, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from rlsched.atomic import write_text_atomic
 from rlsched.errors import UserError, describe_validation_error
 
-FORMAT = "rlsched-policy"
+FORMAT: Final = "rlsched-policy"
+PolicyKind = Literal["table", "twostate"]  # the policies a file holds
 VERSION = 1
 IDENTITY_KEYS = ("model", "hardware", "tp")
 SHAPE_KEYS = ("hidden", "layers", "heads", "kv_heads", "vocab")  # a model's architecture, for the executor
@@ -34,7 +35,7 @@ class PolicyFile(BaseModel):
 
     format: Literal["rlsched-policy"]
     version: int
-    kind: Literal["table", "twostate"]
+    kind: PolicyKind
     drafter: str
     params: dict
     realloc: ReallocSettings = ReallocSettings()

@@ -40,6 +40,7 @@ class Prober:
             self.off_run = 0
             return strategy
         self.off_run += 1
+        assert self.every is not None  # (active)
         if self.off_run <= self.every:
             return strategy
         self.off_run = 0
@@ -50,7 +51,7 @@ class Prober:
     def off_steps_left(self) -> int:
         """Off steps that may follow the current one before a probe (a run of steps priced at
         once must stop short of it)."""
-        return self.every - self.off_run if self.active else NEVER_CHANGES
+        return self.every - self.off_run if self.active and self.every is not None else NEVER_CHANGES
 
     def skip(self, n: int) -> None:
         """n more off steps passed without asking (the rest of such a run)."""

@@ -106,9 +106,9 @@ def tree_shape(k: int, width: int, nodes: int, a_ref: float, gain: float) -> Tre
     if not 1 <= k <= nodes <= max_nodes(k, width):
         raise ValueError(f"a tree of depth {k} and width {width} has {k}..{max_nodes(k, width)} nodes, not {nodes}")
     logp = np.log(np.maximum(rank_probs(a_ref, gain, width), 1e-300))
-    frontier = [(-logp[r - 1], (r,)) for r in range(1, width + 1)]
+    frontier: list[tuple[float, tuple[int, ...]]] = [(-logp[r - 1], (r,)) for r in range(1, width + 1)]
     heapq.heapify(frontier)
-    chosen = []
+    chosen: list[tuple[int, ...]] = []
     while len(chosen) < nodes:
         neg, path = heapq.heappop(frontier)
         chosen.append(path)

@@ -147,7 +147,7 @@ class GenerationStage:
         for i in self.instances:
             if not np.isnan(self.freed_at[i.idx]):
                 continue
-            sid, ctx, waiting = i.sid, i.ctx, i.waiting
+            sid, ctx = i.sid, i.ctx
             kv_free = self.kv_capacity - i.ctx_sum
             if i.outbox:  # leaving: neither running nor queued here any more
                 gone = {s for m in i.outbox for s in m.sample_ids}
@@ -155,9 +155,9 @@ class GenerationStage:
                 if leaving.any():
                     kv_free += int(ctx[leaving].sum())
                     sid, ctx = sid[~leaving], ctx[~leaving]
-                waiting = [s for s in waiting if s not in gone]
+                waiting = [s for s in i.waiting if s not in gone]
             else:
-                waiting = list(waiting)
+                waiting = list(i.waiting)
             incoming = self._incoming[i.idx]
             if incoming:  # arriving: queued here, ahead of the local queue
                 waiting = list(incoming) + waiting

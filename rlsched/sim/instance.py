@@ -29,6 +29,8 @@ from rlsched.policies.types import EngineState, StepOutcome
 from rlsched.sim.timeline import KIND_DECODE, KIND_PREFILL
 
 if TYPE_CHECKING:
+    import simpy
+
     from rlsched.sim.cluster import GenerationStage
 
 _EMPTY_I = np.zeros(0, dtype=np.int64)
@@ -52,7 +54,7 @@ class Instance:
         self.min_rem = 0
         self.waiting: deque[int] = deque()
         self.outbox: list = []  # migrations to carry out at the next step boundary
-        self.wake = None
+        self.wake: simpy.Event | None = None
         self.steps = 0
         self.busy = 0.0
         self._exp = np.zeros(0)
@@ -153,19 +155,19 @@ class Instance:
         st = self.stage
         room = st.max_batch - self.batch
         kv_free = st.kv_capacity - st.kv_watermark - self.ctx_sum
-        ids = []
+        admitted: list[int] = []
         while self.waiting and room > 0:
             sid = self.waiting[0]
             need = int(st.ctx_g[sid])
             if need > kv_free:
                 break
             self.waiting.popleft()
-            ids.append(sid)
+            admitted.append(sid)
             kv_free -= need
             room -= 1
-        if not ids:
+        if not admitted:
             return 0.0, 0
-        ids = np.asarray(ids, dtype=np.int64)
+        ids = np.asarray(admitted, dtype=np.int64)
         pre = st.prefill_g[ids]
         st.prefill_g[ids] = 0
         if st.share_prompts:

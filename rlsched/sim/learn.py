@@ -19,7 +19,15 @@ from rlsched import __version__
 from rlsched.config import SimConfig
 from rlsched.costs.choose import cost_model_for
 from rlsched.policies.lookup import TablePolicy, TwoStatePolicy, batch_grid
-from rlsched.policies.policyfile import FORMAT, SHAPE_KEYS, VERSION, PolicyFile, ReallocSettings, save_policy_file
+from rlsched.policies.policyfile import (
+    FORMAT,
+    SHAPE_KEYS,
+    VERSION,
+    PolicyFile,
+    PolicyKind,
+    ReallocSettings,
+    save_policy_file,
+)
 from rlsched.policies.tree import max_nodes
 from rlsched.sim.simulate import config_identity, policy_context
 
@@ -88,7 +96,7 @@ class Learner:
         self._n = 0
 
     # ------------------------------------------------------------------ scoring
-    def _policy_file(self, kind: str, params: dict, realloc: ReallocSettings | None = None) -> PolicyFile:
+    def _policy_file(self, kind: PolicyKind, params: dict, realloc: ReallocSettings | None = None) -> PolicyFile:
         return PolicyFile(
             format=FORMAT,
             version=VERSION,
@@ -110,7 +118,7 @@ class Learner:
             },
         )
 
-    def _spec(self, kind: str, params: dict) -> str:
+    def _spec(self, kind: PolicyKind, params: dict) -> str:
         self._n += 1
         path = self._dir / f"cand-{self._n}.json"
         save_policy_file(path, self._policy_file(kind, params))
@@ -202,7 +210,7 @@ class Learner:
         share = t["step_ms"].groupby([ctx_col, batch_col]).sum() / max(t["step_ms"].sum(), 1e-12)
         return sorted((c for c, v in share.items() if v >= min_share), key=lambda c: (-c[1], c[0]))
 
-    def learn_realloc(self, kind: str, params: dict) -> ReallocSettings:
+    def learn_realloc(self, kind: PolicyKind, params: dict) -> ReallocSettings:
         if self.realloc == "none" or self.cfg.cluster.instances < 2:
             return ReallocSettings(policy=self.realloc, threshold=self.cfg.cluster.realloc_threshold)
         spec = self._spec(kind, params)
@@ -211,7 +219,7 @@ class Learner:
         self.log(f"realloc {self.realloc}: threshold {thr} ({min(times):.2f} s)")
         return ReallocSettings(policy=self.realloc, threshold=thr)
 
-    def learn(self, kind: str = "table") -> tuple[PolicyFile, float]:
+    def learn(self, kind: PolicyKind = "table") -> tuple[PolicyFile, float]:
         params, t = self.learn_table() if kind == "table" else self.learn_twostate()
         realloc = self.learn_realloc(kind, params)
         return self._policy_file(kind, params, realloc), t

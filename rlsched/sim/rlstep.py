@@ -6,6 +6,7 @@ cluster (colocated) or on GPUs of their own (`rl.train_gpus`, split)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import simpy
@@ -55,7 +56,12 @@ class StageCosts:
         self.train_params = p + (p if rl.critic else 0)
         learned = [d for d in cfg.drafters if d.kind in ("model", "eagle")]
         self.drafter_params = sum(
-            (d.model.params if d.kind == "model" else eagle_head(cfg.model, d.draft_vocab).params) for d in learned
+            (
+                d.model.params
+                if d.kind == "model" and d.model is not None
+                else eagle_head(cfg.model, d.draft_vocab).params
+            )
+            for d in learned
         )
         self.target_params = p
         self.distill_fraction = rl.distill_fraction
@@ -84,7 +90,7 @@ class TrueAcceptance:
     """The oracle's window on the current rollout's true per-sample acceptance."""
 
     def __init__(self):
-        self.rollout = None
+        self.rollout: Any = None  # the Rollout, set before each rollout runs
 
     def __call__(self, drafter: str, ids: np.ndarray) -> np.ndarray:
         return self.rollout.acceptance[ids, self.rollout.drafters.index(drafter)]
@@ -98,7 +104,7 @@ class DrafterUpdates:
     def __init__(self, env: simpy.Environment, cfg: SimConfig, costs: StageCosts, drift: AcceptanceDrift):
         self.env, self.cfg, self.costs, self.drift = env, cfg, costs, drift
         self.schedule = DrafterSchedule(cfg.rl.drafter_update_schedule, cfg.rl.drafter_update_interval, cfg.rl.steps)
-        self.pending = None  # an overlapped drafter update still running
+        self.pending: simpy.Event | None = None  # an overlapped drafter update still running
 
     def land(self):
         """Wait for the overlapped update still running, if any; returns the seconds waited."""

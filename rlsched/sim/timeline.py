@@ -36,7 +36,7 @@ class Timeline:
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
         self._rows: list[tuple] = []
-        self._chunks: list[list[np.ndarray]] = []
+        self._chunks: list[tuple[int, tuple]] = []  # (rows, columns)
         self._n_packed = 0
 
     def append(self, row: tuple) -> None:

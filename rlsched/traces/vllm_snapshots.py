@@ -26,6 +26,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from rlsched.errors import UserError
 
@@ -284,6 +285,7 @@ def _read_json(doc, path) -> Source:
 
 def _read_prom(text: str, path) -> Source:
     blocks: list[tuple[dict, str, int]] = []
+    lines: list[str]
     meta, start, lines = None, 1, []
     for no, line in enumerate(text.splitlines(), 1):
         if line.startswith(MARKER):
@@ -389,6 +391,7 @@ def delta(cur: dict, prev: dict, path, where: str, engine: str) -> dict:
             d[key] = v
             continue
         p = prev.get(key)
+        diff: Any  # per position (a list), a histogram's (sum, count), or a number
         if key == "per_pos":
             p = p or [0.0] * len(v)
             if len(p) != len(v):
