@@ -6,9 +6,10 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, NamedTuple
 
 
-def rlsched(*args: str, cwd: Path, env_extra: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+def rlsched(*args: str, cwd: Path, env_extra: dict | None = None, timeout: float = 1800) -> subprocess.CompletedProcess:
     """Run the real entry point (`python -m rlsched`) with wide columns, so errors stay one line."""
     env = dict(os.environ, COLUMNS="400", **(env_extra or {}))
     return subprocess.run(
@@ -61,10 +62,16 @@ def snapshot(root: Path) -> set[str]:
     return found
 
 
-def tiny_pair(folder: Path, vocab: int):
-    """A tiny random Llama (written with transformers, loaded with ours) and a drafter: the
-    target with noise added to its weights. Weights are peaked enough that short joints of
-    tokens have few large cells."""
+class TinyPair(NamedTuple):
+    target: Any  # the Transformer
+    drafter: Any  # the target with noise added to its weights
+    folder: Path  # the target's files
+
+
+def tiny_pair(folder: Path, vocab: int) -> tuple[Any, Any]:
+    """A tiny random Llama (written with transformers to `folder`, loaded with ours) and a
+    drafter: the target with noise added to its weights. Weights are peaked enough that short
+    joints of tokens have few large cells."""
     import torch
     import transformers
 

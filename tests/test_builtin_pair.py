@@ -31,11 +31,6 @@ from rlsched.executor.model.transformer import ModelConfig, Transformer  # noqa:
 from rlsched.tasks.synthetic import TASKS, exact_match, make_examples  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def pair():
-    return builtin_pair()
-
-
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
 def test_saved_models_load_back_with_the_same_logits(tmp_path, model_type):
     c = ModelConfig(

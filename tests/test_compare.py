@@ -283,14 +283,14 @@ def test_real_ray_gives_the_serial_numbers(tmp_path):
         capture_output=True,
         text=True,
         cwd=tmp_path,
-        timeout=300,
+        timeout=1800,
     )
     serial = subprocess.run(
         [sys.executable, "-m", "rlsched", *args, "--workers", "1"],
         capture_output=True,
         text=True,
         cwd=tmp_path,
-        timeout=300,
+        timeout=1800,
     )
     assert ray_run.returncode == 0, ray_run.stderr
     a, b = json.loads(ray_run.stdout), json.loads(serial.stdout)

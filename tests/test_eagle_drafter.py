@@ -14,14 +14,14 @@ from rlsched.executor.decode.eagle_builtin import builtin_head  # noqa: E402
 from rlsched.executor.decode.eagle_drafter import EagleDrafter  # noqa: E402
 from rlsched.executor.decode.sampling import GREEDY, SamplingParams  # noqa: E402
 from rlsched.executor.engine.rollout import Request, RolloutEngine  # noqa: E402
-from rlsched.executor.model.builtin import EOS, builtin_pair, encode  # noqa: E402
+from rlsched.executor.model.builtin import EOS, encode  # noqa: E402
 from rlsched.executor.model.loading import load_model  # noqa: E402
 from rlsched.tasks.synthetic import make_examples  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def models():
-    target = load_model(builtin_pair().target, dtype="float32").model
+def models(pair):
+    target = load_model(pair.target, dtype="float32").model
     return target, load_head(builtin_head().folder, target)
 
 
@@ -103,7 +103,7 @@ def test_prepared_rows_draft_without_a_target_forward(models, monkeypatch):
     target.capture = None
 
 
-def test_one_engine_switches_among_the_head_the_draft_model_and_the_suffix_drafter(models, tmp_path):
+def test_one_engine_switches_among_the_head_the_draft_model_and_the_suffix_drafter(models, pair, tmp_path):
     """Several drafters in one engine: the policy (bandit, whose untried arms go first) drafts
     with each of them in turn; the head keeps its rows' states through the steps the others
     draft, and greedy output stays plain decoding's."""
@@ -116,7 +116,7 @@ def test_one_engine_switches_among_the_head_the_draft_model_and_the_suffix_draft
     reqs = requests()
     want = [s.tokens for s in engine(models, "off", drafter=False)[0].run(reqs).samples]
     gen = torch.Generator().manual_seed(0)
-    small = load_model(builtin_pair().drafter, dtype="float32").model
+    small = load_model(pair.drafter, dtype="float32").model
     drafters = [ModelDrafter(small, GREEDY, 4, 256, gen), EagleDrafter(head, target, GREEDY, gen), SuffixDrafter()]
     policy = build_policy("bandit", ("model", "eagle", "suffix"), k_max=4)
     eng = RolloutEngine(target, drafters, 4 * 200, 4, GREEDY, policy, k_max=4, generator=gen, trace_dir=tmp_path)

@@ -442,10 +442,7 @@ def _simulate_on(tmp_path, cm_path):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs the executor extra")
-def test_fit_a_real_profile_end_to_end(tmp_path):
-    from rlsched.executor.model.builtin import builtin_pair
-
-    builtin_pair()  # cached after the first build
+def test_fit_a_real_profile_end_to_end(tmp_path, pair):
     # one thread: on a shared 2-core machine two threads wait on each other (measured: 39 s against 5 s)
     ok(
         rlsched(
@@ -463,7 +460,7 @@ def test_fit_a_real_profile_end_to_end(tmp_path):
             "--out",
             "prof",
             cwd=tmp_path,
-            timeout=300,
+            timeout=1800,
         )
     )
     proc = ok(rlsched("fit", "prof", "--out", "cm.json", "--plot", "fit.pdf", cwd=tmp_path))

@@ -20,7 +20,7 @@ print("ok")
 
 
 def test_sim_policies_traces_analysis_cli_do_not_import_torch():
-    out = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
@@ -42,7 +42,7 @@ def test_executor_commands_without_torch_say_what_to_install(tmp_path):
         [sys.executable, "-c", code],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=1800,
         env={"COLUMNS": "300", "PATH": "/usr/bin:/bin"},
     )
     assert out.returncode == 2, out.stderr[-2000:]
@@ -75,7 +75,7 @@ def test_fit_and_simulate_on_its_file_without_torch(tmp_path):
         .replace("OUT", repr(str(tmp_path / "cm.json")))
         .replace("PLOT", repr(str(tmp_path / "fit.png")))
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stderr[-2000:]
     assert (tmp_path / "cm.json").is_file() and (tmp_path / "fit.png").is_file()
 
@@ -99,6 +99,6 @@ def test_plot_of_a_profile_without_torch(tmp_path):
     records = records[(records.ctx_tokens == records.batch * 64) & (records.k <= 3)]  # small: quick to fit and draw
     prof = write_steps(tmp_path / "prof", records)
     code = PLOT_NO_TORCH.replace("PROF", repr(str(prof))).replace("OUT", repr(str(tmp_path / "figs")))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stderr[-2000:]
     assert sorted(p.name for p in (tmp_path / "figs").iterdir()) == ["fit.pdf", "fit.png", "speedup.pdf", "speedup.png"]

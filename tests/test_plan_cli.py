@@ -41,7 +41,7 @@ SPACE = [
 def planned(tmp_path_factory):
     root = tmp_path_factory.mktemp("plan")
     out = root / "plan"
-    proc = ok(rlsched("plan", *SPACE, "--out", str(out), "--json", cwd=root, timeout=600))
+    proc = ok(rlsched("plan", *SPACE, "--out", str(out), "--json", cwd=root, timeout=1800))
     return root, out, json.loads(proc.stdout), json.loads((out / "plan.json").read_text())
 
 
@@ -160,7 +160,7 @@ def test_the_written_run_config_runs(planned):
             str(root / "run"),
             "--json",
             cwd=root,
-            timeout=600,
+            timeout=1800,
         )
     )
     assert json.loads(proc.stdout)["steps"] == 1
@@ -218,7 +218,7 @@ def test_a_plan_from_a_run_uses_its_fitted_costs_and_workload(tmp_path):
             "--out",
             str(tmp_path / "run"),
             cwd=tmp_path,
-            timeout=600,
+            timeout=1800,
         )
     )
     out = tmp_path / "plan"
@@ -242,7 +242,7 @@ def test_a_plan_from_a_run_uses_its_fitted_costs_and_workload(tmp_path):
             str(out),
             "--json",
             cwd=tmp_path,
-            timeout=600,
+            timeout=1800,
         )
     )
     summary = json.loads(proc.stdout)

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 ray = pytest.importorskip("ray")
 
-from support import ok, rlsched, tiny_pair  # noqa: E402
+from support import ok, rlsched  # noqa: E402
 
 from rlsched.executor.decode.drafters import ModelDrafter  # noqa: E402
 from rlsched.executor.decode.sampling import GREEDY  # noqa: E402
@@ -26,13 +26,6 @@ from rlsched.traces import read_trace  # noqa: E402
 
 V = 16
 MAX_BATCH = 8
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("pool") / "tiny"
-    target, drafter = tiny_pair(folder, V)
-    return folder, target, drafter
 
 
 def long_tail_requests(n_prompts: int = 8, group: int = 3, seed: int = 0, budgets=(6, 10, 40)) -> list[Request]:
@@ -47,8 +40,8 @@ def long_tail_requests(n_prompts: int = 8, group: int = 3, seed: int = 0, budget
     return out
 
 
-def spec_of(pair, trace_dir=None, policy="static:2") -> InstanceSpec:
-    folder, _, _ = pair
+def spec_of(tiny, trace_dir=None, policy="static:2") -> InstanceSpec:
+    folder = tiny.folder
     return InstanceSpec(
         str(folder),
         "model",
@@ -64,9 +57,9 @@ def spec_of(pair, trace_dir=None, policy="static:2") -> InstanceSpec:
     )
 
 
-def reference(pair, requests, model=None) -> list[list[int]]:
+def reference(tiny, requests, model=None) -> list[list[int]]:
     """What one engine that never moves a sequence emits (greedy: the plain greedy tokens)."""
-    _, target, drafter = pair
+    target, drafter = tiny.target, tiny.drafter
     eng = RolloutEngine(
         model or target,
         ModelDrafter(drafter, GREEDY, MAX_BATCH, 64),
@@ -101,8 +94,10 @@ class MoveHalf:
 
 
 @pytest.fixture(scope="module")
-def pool(pair):
-    p = InstancePool(2, spec_of(pair), target_state=pair[1].state_dict(), drafter_state=pair[2].state_dict(), seed=1)
+def pool(tiny):
+    p = InstancePool(
+        2, spec_of(tiny), target_state=tiny.target.state_dict(), drafter_state=tiny.drafter.state_dict(), seed=1
+    )
     yield p
     p.close()
 
@@ -122,17 +117,17 @@ def check_exactly_once(requests, result, expected):
 
 
 @pytest.mark.parametrize("mode", ["kv", "reprefill"])
-def test_migrated_sequences_lose_and_duplicate_no_token(pair, pool, mode):
+def test_migrated_sequences_lose_and_duplicate_no_token(tiny, pool, mode):
     requests = long_tail_requests()
     pool.realloc = MoveHalf(mode)
     result = pool.run(requests)
     st = result.stats
     assert st["migrated"] > 0, st
     assert st[f"migrated_{mode}"] > 0, st
-    check_exactly_once(requests, result, reference(pair, requests))
+    check_exactly_once(requests, result, reference(tiny, requests))
 
 
-def test_rebalance_on_live_states_is_lossless(pair, pool, tmp_path):
+def test_rebalance_on_live_states_is_lossless(tiny, pool, tmp_path):
     """The real ReallocPolicy (rebalance, priced by a measured cost model) on the live views."""
     from rlsched.costs.measured import MeasuredCostModel
     from rlsched.executor.pool.moves import HostCost
@@ -140,7 +135,7 @@ def test_rebalance_on_live_states_is_lossless(pair, pool, tmp_path):
     from rlsched.policies.realloc import make_realloc_policy
 
     base = MeasuredCostModel(
-        policy_profile(pair[1], None, policy="off", max_batch=MAX_BATCH, k_max=4, typical_ctx=16, sampling=GREEDY)
+        policy_profile(tiny.target, None, policy="off", max_batch=MAX_BATCH, k_max=4, typical_ctx=16, sampling=GREEDY)
     )
     pool.cost, pool.threshold = HostCost(base, 256, 1e-3, 1e9), 4
     pool.realloc = make_realloc_policy("rebalance")
@@ -148,12 +143,12 @@ def test_rebalance_on_live_states_is_lossless(pair, pool, tmp_path):
     requests = [Request([1 + p, 2, 3], p, p, 40 if p % 2 == 0 else 4, None) for p in range(12) for _ in range(2)]
     result = pool.run(requests)
     assert result.stats["migrated"] > 0, result.stats
-    check_exactly_once(requests, result, reference(pair, requests))
+    check_exactly_once(requests, result, reference(tiny, requests))
 
 
-def test_killed_instance_samples_finish_on_the_other(pair):
+def test_killed_instance_samples_finish_on_the_other(tiny):
     requests = long_tail_requests(seed=3)
-    p = InstancePool(2, spec_of(pair), target_state=pair[1].state_dict(), drafter_state=pair[2].state_dict())
+    p = InstancePool(2, spec_of(tiny), target_state=tiny.target.state_dict(), drafter_state=tiny.drafter.state_dict())
     killed = []
 
     def kill_one(i, report):  # instance 1 dies after its first answer, mid-rollout
@@ -171,14 +166,14 @@ def test_killed_instance_samples_finish_on_the_other(pair):
     assert killed and killed[0] > 0  # it held unfinished samples when it died
     st = result.stats
     assert st["instances_died"] == 1 and st["requeued"] >= killed[0] and p.restarts == [0, 1]
-    check_exactly_once(requests, result, reference(pair, requests))
+    check_exactly_once(requests, result, reference(tiny, requests))
     assert again.stats["instances_alive"] == 2 and again.stats["instances_died"] == 0
     assert set(again.stats["instance_finish_s"]) == {"0", "1"}
-    check_exactly_once(requests, again, reference(pair, requests))
+    check_exactly_once(requests, again, reference(tiny, requests))
 
 
-def test_new_weights_reach_every_instance(pair, pool):
-    _, target, _ = pair
+def test_new_weights_reach_every_instance(tiny, pool):
+    target = tiny.target
     changed = type(target)(target.config)
     changed.load_state_dict(target.state_dict())
     with torch.no_grad():
@@ -189,15 +184,18 @@ def test_new_weights_reach_every_instance(pair, pool):
     before = pool.run(requests)
     pool.sync_weights(changed)
     after = pool.run(requests)
-    want = reference(pair, requests, model=changed)
+    want = reference(tiny, requests, model=changed)
     assert [s.tokens for s in before.samples] != want
     check_exactly_once(requests, after, want)
     pool.sync_weights(target)
 
 
-def test_each_instance_writes_its_own_traces(pair, tmp_path):
+def test_each_instance_writes_its_own_traces(tiny, tmp_path):
     p = InstancePool(
-        2, spec_of(pair, tmp_path / "traces"), target_state=pair[1].state_dict(), drafter_state=pair[2].state_dict()
+        2,
+        spec_of(tiny, tmp_path / "traces"),
+        target_state=tiny.target.state_dict(),
+        drafter_state=tiny.drafter.state_dict(),
     )
     p.realloc = MoveHalf("reprefill")
     try:
@@ -233,7 +231,7 @@ def test_generate_with_instances_through_the_cli(tmp_path, ray_address):
             str(out),
             "--json",
             cwd=tmp_path,
-            timeout=300,
+            timeout=1800,
             env_extra=ray_address,
         )
     )
@@ -270,7 +268,7 @@ def test_a_ray_address_with_no_cluster_is_one_line_at_once(tmp_path, command):
         "--out",
         str(tmp_path / "o"),
         cwd=tmp_path,
-        timeout=60,
+        timeout=1800,
         env_extra={"RAY_ADDRESS": "127.0.0.1:1"},
     )
     assert proc.returncode == 2, proc.stderr
@@ -325,7 +323,7 @@ def test_rl_run_on_two_instances_through_the_cli(tmp_path, ray_address):
             "--out",
             str(out),
             cwd=tmp_path,
-            timeout=600,
+            timeout=1800,
             env_extra=ray_address,
         )
     )
@@ -337,26 +335,26 @@ def test_rl_run_on_two_instances_through_the_cli(tmp_path, ray_address):
     assert (out / "checkpoint.pt").is_file() and (out / "summary.json").is_file()
 
 
-def test_an_instance_dead_before_the_rollout_leaves_its_share_to_the_others(pair):
+def test_an_instance_dead_before_the_rollout_leaves_its_share_to_the_others(tiny):
     """Instance 0 dies between rollouts: its share is submitted to instance 1 once, not twice."""
     requests = long_tail_requests(seed=11)
-    p = InstancePool(2, spec_of(pair), target_state=pair[1].state_dict(), drafter_state=pair[2].state_dict())
+    p = InstancePool(2, spec_of(tiny), target_state=tiny.target.state_dict(), drafter_state=tiny.drafter.state_dict())
     try:
         p.kill(0)
         result = p.run(requests)
     finally:
         p.close()
     assert result.stats["instances_died"] == 1 and p.restarts == [1, 0]
-    check_exactly_once(requests, result, reference(pair, requests))
+    check_exactly_once(requests, result, reference(tiny, requests))
 
 
-def test_resize_makes_room_for_longer_prompts(pair, pool):
+def test_resize_makes_room_for_longer_prompts(tiny, pool):
     spec_capacity = pool.spec.cache_capacity
     requests = [Request([1 + (i % 9)] * 30, i, i, 30, None) for i in range(MAX_BATCH * 2)]  # 60 tokens each
     pool.realloc = MoveHalf("kv")
     pool.resize(MAX_BATCH * 64, 80)
     try:
-        check_exactly_once(requests, pool.run(requests), reference(pair, requests))
+        check_exactly_once(requests, pool.run(requests), reference(tiny, requests))
     finally:
         pool.resize(spec_capacity, 64)
 
@@ -393,23 +391,23 @@ def _rows_round_trip(model, drafter, requests, with_kv: bool, dtype=torch.float3
 
 
 @pytest.mark.parametrize("with_kv", [True, False])
-def test_a_row_that_leaves_and_comes_back_keeps_its_tokens_and_counts(pair, with_kv):
+def test_a_row_that_leaves_and_comes_back_keeps_its_tokens_and_counts(tiny, with_kv):
     requests = long_tail_requests(n_prompts=3, seed=2, budgets=(24, 40))
-    assert _rows_round_trip(pair[1], pair[2], requests, with_kv) == reference(pair, requests)
+    assert _rows_round_trip(tiny.target, tiny.drafter, requests, with_kv) == reference(tiny, requests)
 
 
-def test_bfloat16_kv_rows_travel(pair):
+def test_bfloat16_kv_rows_travel(tiny):
     """KV rows leave as CPU tensors of the cache's dtype (numpy has no bfloat16)."""
     from rlsched.executor.model.loading import load_model
 
-    model = load_model(pair[0], dtype="bfloat16").model
-    drafter = load_model(pair[0], dtype="bfloat16").model
+    model = load_model(tiny.folder, dtype="bfloat16").model
+    drafter = load_model(tiny.folder, dtype="bfloat16").model
     requests = long_tail_requests(n_prompts=3, seed=2, budgets=(24, 40))
     out = _rows_round_trip(model, drafter, requests, with_kv=True)
     assert [len(t) for t in out] == [r.max_new_tokens for r in requests]
 
 
-def test_instances_on_cuda_need_a_gpu_each(pair):
+def test_instances_on_cuda_need_a_gpu_each(tiny):
     """On a GPU machine each instance gets its own GPU; where Ray sees too few, one clear line."""
     from dataclasses import replace
 
@@ -419,4 +417,4 @@ def test_instances_on_cuda_need_a_gpu_each(pair):
     if gpus >= 2:
         pytest.skip("this machine has the GPUs")
     with pytest.raises(UserError, match=r"2 rollout instances on 'cuda' need 2 GPUs, Ray sees"):
-        InstancePool(2, replace(spec_of(pair), device="cuda"))
+        InstancePool(2, replace(spec_of(tiny), device="cuda"))

@@ -22,16 +22,13 @@ drafter_update: {every: 0}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    from rlsched.executor.model.builtin import builtin_pair
-
-    builtin_pair()
+def runs(tmp_path_factory, pair):
     root = tmp_path_factory.mktemp("replay")
     (root / "run.yaml").write_text(TINY)
     out = {}
     for label, extra in (("sd", ["--policy", "static:2"]), ("off", ["--policy", "off", "--set", "drafter=off"])):
         out[label] = root / label
-        ok(rlsched("run", "--config", str(root / "run.yaml"), *extra, "--out", str(out[label]), cwd=root, timeout=300))
+        ok(rlsched("run", "--config", str(root / "run.yaml"), *extra, "--out", str(out[label]), cwd=root, timeout=1800))
     return root, out
 
 
@@ -181,7 +178,7 @@ def test_a_run_that_profiled_at_its_start_borrows_its_plain_steps(runs, tmp_path
             "--out",
             str(tmp_path / "prof"),
             cwd=root,
-            timeout=300,
+            timeout=1800,
         )
     )
     profile = read_trace(tmp_path / "prof" / "traces", "steps")

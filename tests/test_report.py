@@ -26,11 +26,8 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tmp_path_factory, pair):
     """A 2-step GRPO run with the goodput policy (so it profiles its step costs first)."""
-    from rlsched.executor.model.builtin import builtin_pair
-
-    builtin_pair()
     root = tmp_path_factory.mktemp("report")
     (root / "run.yaml").write_text(TINY.format(steps=2))
     ok(
@@ -44,7 +41,7 @@ def run(tmp_path_factory):
             str(root / "run"),
             "--json",
             cwd=root,
-            timeout=300,
+            timeout=1800,
         )
     )
     return root / "run"
@@ -190,7 +187,7 @@ def test_a_run_priced_as_an_earlier_run_takes_its_profile_and_takes_none_itself(
                 str(again),
                 "--json",
                 cwd=tmp_path,
-                timeout=300,
+                timeout=1800,
             )
         ).stdout
     )

@@ -17,7 +17,6 @@ import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 from support import ok, rlsched, snapshot  # noqa: E402
 
-from rlsched.executor.model.builtin import builtin_pair  # noqa: E402
 from rlsched.traces.reader import read_trace  # noqa: E402
 
 TINY = """
@@ -31,11 +30,6 @@ drafter_update: {{every: 2, steps: 2, batch: 8, schedule: every}}
 """
 
 
-@pytest.fixture(scope="module")
-def pair():
-    return builtin_pair()
-
-
 def _config(tmp_path, steps=4, extra=""):
     path = tmp_path / "run.yaml"
     path.write_text(TINY.format(steps=steps) + extra)
@@ -46,7 +40,7 @@ def test_run_writes_traces_rollouts_checkpoint_plot_and_summary(pair, tmp_path):
     out = tmp_path / "run"
     proc = ok(
         rlsched(
-            "run", "--config", str(_config(tmp_path, steps=3)), "--out", str(out), "--json", cwd=tmp_path, timeout=300
+            "run", "--config", str(_config(tmp_path, steps=3)), "--out", str(out), "--json", cwd=tmp_path, timeout=1800
         )
     )
     summary = json.loads(proc.stdout)
@@ -77,7 +71,7 @@ def test_run_writes_traces_rollouts_checkpoint_plot_and_summary(pair, tmp_path):
     # a finished run's folder may be reused: it is replaced
     ok(
         rlsched(
-            "run", "--config", str(_config(tmp_path, steps=1)), "--out", str(out), "--json", cwd=tmp_path, timeout=300
+            "run", "--config", str(_config(tmp_path, steps=1)), "--out", str(out), "--json", cwd=tmp_path, timeout=1800
         )
     )
     assert read_trace(out / "traces", "rl_steps").rl_step.tolist() == [0]
@@ -101,7 +95,7 @@ def test_ppo_runs_with_a_critic(pair, tmp_path):
             str(out),
             "--json",
             cwd=tmp_path,
-            timeout=300,
+            timeout=1800,
         )
     )
     rl = read_trace(out / "traces", "rl_steps")
@@ -121,7 +115,7 @@ def _final(out):
 def test_kill_9_then_resume_loses_nothing_and_matches_an_uninterrupted_run(pair, tmp_path):
     config = _config(tmp_path, steps=5)
     whole = tmp_path / "whole"
-    ok(rlsched("run", "--config", str(config), "--out", str(whole), "--json", cwd=tmp_path, timeout=300))
+    ok(rlsched("run", "--config", str(config), "--out", str(whole), "--json", cwd=tmp_path, timeout=1800))
 
     cut = tmp_path / "cut"
     env = dict(os.environ, COLUMNS="400")
@@ -133,7 +127,7 @@ def test_kill_9_then_resume_loses_nothing_and_matches_an_uninterrupted_run(pair,
         stderr=subprocess.DEVNULL,
     )
     journal_dir = cut / "traces" / "rl_steps"
-    deadline = time.time() + 240
+    deadline = time.time() + 1800
     while time.time() < deadline:  # kill during the third step (two rl_steps records written)
         lines = sum(p.read_text().count("\n") for p in journal_dir.glob("*.jsonl")) if journal_dir.is_dir() else 0
         if lines >= 2:
@@ -146,7 +140,7 @@ def test_kill_9_then_resume_loses_nothing_and_matches_an_uninterrupted_run(pair,
     before = snapshot(cut)
     bad = rlsched("run", "--config", str(config), "--out", str(cut), cwd=tmp_path)
     assert bad.returncode == 2 and "--resume" in bad.stderr and snapshot(cut) == before
-    ok(rlsched("run", "--out", str(cut), "--resume", "--json", cwd=tmp_path, timeout=300))
+    ok(rlsched("run", "--out", str(cut), "--resume", "--json", cwd=tmp_path, timeout=1800))
 
     a, ck_a = _final(whole)
     b, ck_b = _final(cut)
@@ -186,7 +180,7 @@ def test_reward_failures_are_counted_then_stop_the_run_past_the_threshold(pair, 
             str(out),
             "--json",
             cwd=tmp_path,
-            timeout=300,
+            timeout=1800,
         )
     )
     rl = read_trace(out / "traces", "rl_steps")
@@ -204,7 +198,7 @@ def test_reward_failures_are_counted_then_stop_the_run_past_the_threshold(pair, 
         "--out",
         str(out),
         cwd=tmp_path,
-        timeout=300,
+        timeout=1800,
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "failed on 16 of 16 samples at step 0" in proc.stderr and "the reward server is down" in proc.stderr
@@ -282,7 +276,7 @@ def test_a_reward_model_folder_scores_the_samples(pair, tmp_path):
             str(out),
             "--json",
             cwd=tmp_path,
-            timeout=300,
+            timeout=1800,
         )
     )
     roll = pd.read_parquet(out / "rollouts" / "step-000000.parquet")
@@ -314,13 +308,13 @@ def test_a_policy_file_learned_for_another_model_is_refused(pair, tmp_path):
         "--out",
         str(out),
         cwd=tmp_path,
-        timeout=300,
+        timeout=1800,
     )
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "was learned for another model" in proc.stderr and "hidden 3584" in proc.stderr
     assert "Traceback" not in proc.stderr and not out.exists()
     mine = tmp_path / "mine.json"  # as if learned on costs fitted to the pair: its shape recorded
-    data["learned_on"]["model_shape"] = model_config(builtin_pair().target).shape
+    data["learned_on"]["model_shape"] = model_config(pair.target).shape
     mine.write_text(json.dumps(data))
     out = tmp_path / "good"
     ok(
@@ -334,7 +328,7 @@ def test_a_policy_file_learned_for_another_model_is_refused(pair, tmp_path):
             str(out),
             "--json",
             cwd=tmp_path,
-            timeout=300,
+            timeout=1800,
         )
     )
     summary = json.loads((out / "summary.json").read_text())

@@ -12,7 +12,6 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from support import tiny_pair  # noqa: E402
 
 from rlsched.errors import UserError  # noqa: E402
 from rlsched.executor.decode.drafters import ModelDrafter, NgramDrafter  # noqa: E402
@@ -28,11 +27,6 @@ V = 16
 PROMPTS = [[1, 2, 3], [4, 4, 4, 4], [7, 1, 7, 1, 7], [2], [5, 6, 5, 6, 5, 6], [3, 9, 12]]
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    return tiny_pair(tmp_path_factory.mktemp("engine") / "tiny", V)
-
-
 def requests(n_per_prompt: int = 2, max_new: int = 20, eos: int | None = None) -> list[Request]:
     out = []
     for pid, prompt in enumerate(PROMPTS):
@@ -41,27 +35,27 @@ def requests(n_per_prompt: int = 2, max_new: int = 20, eos: int | None = None) -
     return out
 
 
-def make_drafter(pair, kind: str, sampling=GREEDY, max_batch: int = 4):
+def make_drafter(tiny, kind: str, sampling=GREEDY, max_batch: int = 4):
     if kind == "ngram":
         return NgramDrafter(max_n=3)
     if kind == "suffix":
         return SuffixDrafter(depth=4)
-    return ModelDrafter(pair[1], sampling, max_batch=max_batch, max_len=64)
+    return ModelDrafter(tiny.drafter, sampling, max_batch=max_batch, max_len=64)
 
 
-def engine(pair, drafter_kind, policy, max_batch=4, capacity=1000, trace_dir=None, sampling=GREEDY, **kw):
-    drafter = None if drafter_kind is None else make_drafter(pair, drafter_kind, sampling, max_batch)
+def engine(tiny, drafter_kind, policy, max_batch=4, capacity=1000, trace_dir=None, sampling=GREEDY, **kw):
+    drafter = None if drafter_kind is None else make_drafter(tiny, drafter_kind, sampling, max_batch)
     names = () if drafter is None else (drafter.name,)
     if isinstance(policy, str):
         policy = build_policy(policy, names)
     return RolloutEngine(
-        pair[0], drafter, capacity, max_batch, sampling, policy, AcceptanceEstimator(names), trace_dir, **kw
+        tiny.target, drafter, capacity, max_batch, sampling, policy, AcceptanceEstimator(names), trace_dir, **kw
     )
 
 
-def test_continuous_batching_completes_every_request(pair):
+def test_continuous_batching_completes_every_request(tiny):
     reqs = requests(3, 15)  # 18 requests, 4 rows at a time
-    res = engine(pair, "ngram", "static:3").run(reqs)
+    res = engine(tiny, "ngram", "static:3").run(reqs)
     assert [s.sample_id for s in res.samples] == [r.sample_id for r in reqs]
     assert len({s.sample_id for s in res.samples}) == len(reqs)
     assert all(len(s.tokens) == 15 for s in res.samples)
@@ -69,40 +63,40 @@ def test_continuous_batching_completes_every_request(pair):
     assert res.stats["tokens"] == 15 * len(reqs) and res.stats["tokens_per_s"] > 0
 
 
-def test_kv_budget_limits_the_batch_and_eos_stops_a_sample(pair):
+def test_kv_budget_limits_the_batch_and_eos_stops_a_sample(tiny):
     reqs = requests(2, 12)
     need = max(len(r.prompt) + 12 for r in reqs)
-    e = engine(pair, "ngram", "static:2", max_batch=8, capacity=2 * need)  # at most 2 rows fit
+    e = engine(tiny, "ngram", "static:2", max_batch=8, capacity=2 * need)  # at most 2 rows fit
     ref = e.run(reqs)
     eos = ref.samples[0].tokens[4]
-    got = engine(pair, "ngram", "static:2", max_batch=8, capacity=2 * need).run(requests(2, 12, eos))
+    got = engine(tiny, "ngram", "static:2", max_batch=8, capacity=2 * need).run(requests(2, 12, eos))
     for a, b in zip(ref.samples, got.samples):
         if eos in a.tokens:
             assert b.tokens == a.tokens[: a.tokens.index(eos) + 1]
         else:
             assert b.tokens == a.tokens
     with pytest.raises(UserError, match="cache capacity"):
-        engine(pair, "ngram", "static:2", capacity=10).run(reqs)
+        engine(tiny, "ngram", "static:2", capacity=10).run(reqs)
 
 
 @pytest.mark.parametrize("kind", ["ngram", "model"])
-def test_greedy_static_equals_off_and_reference(pair, kind):
+def test_greedy_static_equals_off_and_reference(tiny, kind):
     reqs = requests(2, 20)
-    want, _, _ = generate(pair[0], [r.prompt for r in reqs], 20, GREEDY)
-    off = engine(pair, None, "off").run(reqs)
-    sd = engine(pair, kind, "static:3").run(reqs)
+    want, _, _ = generate(tiny.target, [r.prompt for r in reqs], 20, GREEDY)
+    off = engine(tiny, None, "off").run(reqs)
+    sd = engine(tiny, kind, "static:3").run(reqs)
     assert [s.tokens for s in off.samples] == want
     assert [s.tokens for s in sd.samples] == want
     assert sd.stats["accepted"] > 0 and sd.stats["mean_accept_len"] > 1.0
 
 
 @pytest.mark.parametrize("kind, policy", [("model", "tree:3:2:6"), ("model", "tree:2:3:6"), ("suffix", "tree:3:2:6")])
-def test_greedy_trees_equal_off(pair, kind, policy):
+def test_greedy_trees_equal_off(tiny, kind, policy):
     """Draft trees verified in the engine (continuous batching, rows joining and leaving) emit
     exactly greedy decoding's tokens."""
     reqs = requests(3, 20)  # 18 requests, 4 rows at a time
-    want, _, _ = generate(pair[0], [r.prompt for r in reqs], 20, GREEDY)
-    sd = engine(pair, kind, policy).run(reqs)
+    want, _, _ = generate(tiny.target, [r.prompt for r in reqs], 20, GREEDY)
+    sd = engine(tiny, kind, policy).run(reqs)
     assert [s.tokens for s in sd.samples] == want
     assert sd.stats["accepted"] > 0 and sd.stats["mean_accept_len"] > 1.0
 
@@ -132,18 +126,18 @@ class TreesPay:
 
 
 @pytest.mark.parametrize("kind", ["model", "suffix"])
-def test_goodput_chooses_draft_trees_where_they_pay_and_stays_lossless(pair, kind, tmp_path):
+def test_goodput_chooses_draft_trees_where_they_pay_and_stays_lossless(tiny, kind, tmp_path):
     """With width_max > 1 goodput prices trees beside chains every step; where trees pay it
     runs them (steps recorded with their width), and greedy output stays greedy decoding's.
     With width_max 1 the same policy drafts chains only."""
     reqs = requests(3, 20)
-    want, _, _ = generate(pair[0], [r.prompt for r in reqs], 20, GREEDY)
+    want, _, _ = generate(tiny.target, [r.prompt for r in reqs], 20, GREEDY)
     for width_max in (3, 1):
         policy = build_policy(
             "goodput", (kind,), TreesPay(), k_max=8, max_batch=4, width_max=width_max, nodes_max=8, calibrate=False
         )
         traces = tmp_path / f"w{width_max}"
-        sd = engine(pair, kind, policy, trace_dir=traces, k_max=8).run(reqs)
+        sd = engine(tiny, kind, policy, trace_dir=traces, k_max=8).run(reqs)
         assert [s.tokens for s in sd.samples] == want
         widths = read_trace(traces, "steps").query("kind == 'decode' and k > 0").width
         assert (widths > 1).any() if width_max > 1 else (widths == 1).all(), widths.value_counts()
@@ -162,17 +156,17 @@ def test_a_tree_step_shows_the_estimator_rank_1_trials():
     assert hits.tolist() == [2, 0, 0, 1, 1] and misses.tolist() == [0, 1, 1, 1, 0]
 
 
-def test_sampled_trees_run_and_a_chain_drafter_is_refused_a_tree(pair):
+def test_sampled_trees_run_and_a_chain_drafter_is_refused_a_tree(tiny):
     sampling = SamplingParams(temperature=1.0)
-    res = engine(pair, "model", "tree:3:2:6", sampling=sampling).run(requests(2, 16))
+    res = engine(tiny, "model", "tree:3:2:6", sampling=sampling).run(requests(2, 16))
     assert all(len(s.tokens) == 16 and max(s.logprobs) <= 0 for s in res.samples)
     with pytest.raises(UserError, match="drafter 'ngram' drafts chains only"):
-        engine(pair, "ngram", "tree:3:2:6").run(requests(1, 8))
+        engine(tiny, "ngram", "tree:3:2:6").run(requests(1, 8))
     with pytest.raises(UserError, match="verifies 6 drafts a row, more than the engine's k_max = 4"):
-        engine(pair, "model", "tree:3:2:6", k_max=4).run(requests(1, 8))
+        engine(tiny, "model", "tree:3:2:6", k_max=4).run(requests(1, 8))
 
 
-def test_compiled_engine_equals_eager_greedy(pair):
+def test_compiled_engine_equals_eager_greedy(tiny):
     """With the target's and the drafter's forwards of up to two rows compiled
     (`compile_decode`), a two-row engine's greedy SD gives the eager plain decoding's tokens,
     and the compiled graphs ran at two rows and at one (decode, verify, the drafter's drafts
@@ -180,8 +174,8 @@ def test_compiled_engine_equals_eager_greedy(pair):
     import copy
 
     reqs = [Request(r.prompt, r.prompt_id, r.sample_id, 16 + 8 * (i == 5)) for i, r in enumerate(requests(1, 16))]
-    want = [generate(pair[0], [r.prompt], r.max_new_tokens, GREEDY)[0][0] for r in reqs]  # the last runs alone
-    target, drafter = copy.deepcopy(pair[0]), copy.deepcopy(pair[1])
+    want = [generate(tiny.target, [r.prompt], r.max_new_tokens, GREEDY)[0][0] for r in reqs]  # the last runs alone
+    target, drafter = copy.deepcopy(tiny.target), copy.deepcopy(tiny.drafter)
     target.compile_decode(3, max_batch=2)  # static:2 verifies 3 tokens a row
     drafter.compile_decode(2, max_batch=2)
     rows = {"target": [], "drafter": []}
@@ -204,17 +198,17 @@ def test_compiled_engine_equals_eager_greedy(pair):
     assert {1, 2} <= set(rows["target"]) and {1, 2} <= set(rows["drafter"])
 
 
-def test_model_drafter_feeds_a_prompts_samples_once(pair):
+def test_model_drafter_feeds_a_prompts_samples_once(tiny):
     """Two fresh rows with the same tokens: one is fed, the other copies its KV and logits.
     Their greedy drafts, and the drafts after a further step, equal those of each row fed on
     its own, and both cache rows hold the same keys and values."""
     from rlsched.executor.decode.drafters import Seq
 
     prompt = [5, 6, 5, 6, 5]
-    shared = make_drafter(pair, "model")
+    shared = make_drafter(tiny, "model")
     rows = [Seq(list(prompt), 0, 0), Seq(list(prompt), 2, 0), Seq([1, 2, 3], 1, 1)]
     d_shared, _, _ = shared.propose(rows, 3)
-    alone = make_drafter(pair, "model")
+    alone = make_drafter(tiny, "model")
     d_alone = torch.cat([alone.propose([Seq(list(r.tokens), r.slot, r.prompt_id)], 3)[0] for r in rows])
     assert torch.equal(d_shared, d_alone)
     n = len(prompt) + 2  # the prompt and the first two drafts
@@ -224,18 +218,18 @@ def test_model_drafter_feeds_a_prompts_samples_once(pair):
     for r, d in zip(rows, d_shared):  # all drafts accepted, then a bonus token
         r.tokens += d.tolist() + [9]
     again, _, _ = shared.propose(rows, 2)
-    ref = make_drafter(pair, "model")
+    ref = make_drafter(tiny, "model")
     want = torch.cat([ref.propose([Seq(list(r.tokens), r.slot, r.prompt_id)], 2)[0] for r in rows])
     assert torch.equal(again, want)
 
 
-def test_model_drafter_feeds_a_joining_prompt_apart_from_the_running_rows(pair):
+def test_model_drafter_feeds_a_joining_prompt_apart_from_the_running_rows(tiny):
     """Two running rows feed one token each, a row that just joined its whole prompt: two
     forwards, not all three rows padded to the prompt's length, and the same greedy drafts as
     each row fed on its own."""
     from rlsched.executor.decode.drafters import Seq
 
-    d = make_drafter(pair, "model")
+    d = make_drafter(tiny, "model")
     running = [Seq(list(PROMPTS[0]), 0, 0), Seq(list(PROMPTS[1]), 1, 1)]
     d.propose(running, 2)
     for r in running:
@@ -255,7 +249,7 @@ def test_model_drafter_feeds_a_joining_prompt_apart_from_the_running_rows(pair):
     assert sum(b * q for b, q in feeds) <= 2 * len(fresh.tokens) + 1 < 3 * len(fresh.tokens), shapes
     want = torch.cat(
         [
-            make_drafter(pair, "model").propose([Seq(list(r.tokens), r.slot, r.prompt_id)], 3)[0]
+            make_drafter(tiny, "model").propose([Seq(list(r.tokens), r.slot, r.prompt_id)], 3)[0]
             for r in running + [fresh]
         ]
     )
@@ -263,7 +257,7 @@ def test_model_drafter_feeds_a_joining_prompt_apart_from_the_running_rows(pair):
 
 
 @pytest.mark.parametrize("probe_every", [None, 16])
-def test_a_policy_kept_off_by_its_acceptance_prior_probes_and_learns(pair, probe_every):
+def test_a_policy_kept_off_by_its_acceptance_prior_probes_and_learns(tiny, probe_every):
     """A table that drafts only above 0.7 estimated acceptance, an estimator whose prior is 0.6
     and a drafter that accepts nearly everything (the target plus noise, greedy): without
     probes the run never drafts, so it never learns better; with a probe every 16 off steps
@@ -274,9 +268,9 @@ def test_a_policy_kept_off_by_its_acceptance_prior_probes_and_learns(pair, probe
     table = TablePolicy(
         PolicyContext(cost=None, drafters=("model",), k_max=4), "model", [1], [0.0, 0.7, 1.0], [[0], [3]]
     )
-    drafter = ModelDrafter(pair[1], GREEDY, max_batch=1, max_len=256)
+    drafter = ModelDrafter(tiny.drafter, GREEDY, max_batch=1, max_len=256)
     e = RolloutEngine(
-        pair[0], drafter, 1000, 1, GREEDY, table, AcceptanceEstimator(("model",)), probe_every=probe_every
+        tiny.target, drafter, 1000, 1, GREEDY, table, AcceptanceEstimator(("model",)), probe_every=probe_every
     )
     res = e.run([Request(list(PROMPTS[0]), 0, 0, 120)])
     if probe_every is None:
@@ -285,7 +279,7 @@ def test_a_policy_kept_off_by_its_acceptance_prior_probes_and_learns(pair, probe
         assert e.probes >= 1 and res.stats["drafted"] > 2 * e.probes  # drafting went on beyond the probes
 
 
-def test_the_probe_count_runs_on_across_rollouts(pair):
+def test_the_probe_count_runs_on_across_rollouts(tiny):
     """RL rollouts are often shorter than probe_every steps: a count that restarted with each
     rollout would never probe. Two 20-token rollouts, a probe after 30 off steps: none in the
     first, one in the second."""
@@ -295,20 +289,20 @@ def test_the_probe_count_runs_on_across_rollouts(pair):
     table = TablePolicy(
         PolicyContext(cost=None, drafters=("model",), k_max=4), "model", [1], [0.0, 0.99, 1.0], [[0], [3]]
     )
-    drafter = ModelDrafter(pair[1], GREEDY, max_batch=1, max_len=256)
-    e = RolloutEngine(pair[0], drafter, 1000, 1, GREEDY, table, AcceptanceEstimator(("model",)), probe_every=30)
+    drafter = ModelDrafter(tiny.drafter, GREEDY, max_batch=1, max_len=256)
+    e = RolloutEngine(tiny.target, drafter, 1000, 1, GREEDY, table, AcceptanceEstimator(("model",)), probe_every=30)
     e.run([Request(list(PROMPTS[0]), 0, 0, 20)])
     assert e.probes == 0
     res = e.run([Request(list(PROMPTS[1]), 0, 0, 20)])
     assert e.probes == 1 and res.stats["drafted"] >= 1
 
 
-def test_model_drafter_reports_its_catch_up(pair):
+def test_model_drafter_reports_its_catch_up(tiny):
     """`catch_up`: tokens a propose fed beyond two a row. A fresh row feeds its prompt; a row
     one rejection on feeds one or two tokens; a row five tokens on (off steps) five or six."""
     from rlsched.executor.decode.drafters import Seq
 
-    d = make_drafter(pair, "model")
+    d = make_drafter(tiny, "model")
     row = Seq(list(PROMPTS[0]), 0, 0)
     d.propose([row], 2)
     assert d.catch_up == len(PROMPTS[0]) - 2
@@ -323,7 +317,7 @@ def test_model_drafter_reports_its_catch_up(pair):
 
 
 @pytest.mark.parametrize("kind", [None, "model"])
-def test_shared_prompt_prefill_changes_nothing_but_the_work(pair, kind, tmp_path):
+def test_shared_prompt_prefill_changes_nothing_but_the_work(tiny, kind, tmp_path):
     """Samples of a prompt copy its KV from a row that holds it: one joining with it, or one
     still running when it joins (max_batch 2: the third sample of prompt 0 joins when the
     first finishes, while the second runs). Greedy tokens and log-probs as without sharing."""
@@ -337,7 +331,7 @@ def test_shared_prompt_prefill_changes_nothing_but_the_work(pair, kind, tmp_path
     runs = {}
     for share in (False, True):
         e = engine(
-            pair, kind, "static:2" if kind else "off", max_batch=2, trace_dir=tmp_path / str(share), share_prompts=share
+            tiny, kind, "static:2" if kind else "off", max_batch=2, trace_dir=tmp_path / str(share), share_prompts=share
         )
         runs[share] = e.run(reqs)
         e.close()
@@ -353,9 +347,9 @@ def test_shared_prompt_prefill_changes_nothing_but_the_work(pair, kind, tmp_path
     assert int(prefilled[True]["ctx_tokens"].sum()) == len(PROMPTS[0]) + len(PROMPTS[1])
 
 
-def test_traces_read_back_and_count_tokens(pair, tmp_path):
+def test_traces_read_back_and_count_tokens(tiny, tmp_path):
     reqs = requests(2, 12)
-    e = engine(pair, "model", "static:3", trace_dir=tmp_path, rl_step=2)
+    e = engine(tiny, "model", "static:3", trace_dir=tmp_path, rl_step=2)
     res = e.run(reqs)
     e.close()
     steps = read_trace(tmp_path / "steps", "steps")
@@ -401,11 +395,11 @@ class ChangingK:
         self.outcomes.append(outcome)
 
 
-def test_policy_changing_k_every_step(pair):
+def test_policy_changing_k_every_step(tiny):
     reqs = requests(2, 16)
     pol = ChangingK()
-    res = engine(pair, "model", pol).run(reqs)
-    want, _, _ = generate(pair[0], [r.prompt for r in reqs], 16, GREEDY)
+    res = engine(tiny, "model", pol).run(reqs)
+    want, _, _ = generate(tiny.target, [r.prompt for r in reqs], 16, GREEDY)
     assert [s.tokens for s in res.samples] == want
     assert len(pol.outcomes) == res.stats["steps"] > 0
     assert all(o.accepted <= o.drafted for o in pol.outcomes)
@@ -415,28 +409,28 @@ def test_policy_changing_k_every_step(pair):
     assert all(s[0] <= 4 for s in pol.states) and pol.states[0][1] == len(reqs) - 4
 
 
-def test_logprobs_length_and_sign(pair):
+def test_logprobs_length_and_sign(tiny):
     sp = SamplingParams(temperature=1.0)
     reqs = requests(2, 10)
-    res = engine(pair, "model", "static:2", sampling=sp, generator=torch.Generator().manual_seed(0)).run(reqs)
+    res = engine(tiny, "model", "static:2", sampling=sp, generator=torch.Generator().manual_seed(0)).run(reqs)
     for s in res.samples:
         assert len(s.logprobs) == len(s.tokens) == 10
         assert all(lp <= 0 for lp in s.logprobs)
     assert any(lp < 0 for s in res.samples for lp in s.logprobs)
 
 
-def test_policy_needing_a_cost_model_is_refused(pair):
+def test_policy_needing_a_cost_model_is_refused(tiny):
     with pytest.raises(UserError, match="cost model"):
         build_policy("goodput", ("model",))
     with pytest.raises(UserError, match="cost model"):
-        engine(pair, "model", "goodput")
+        engine(tiny, "model", "goodput")
 
 
 @pytest.mark.parametrize("policy", ["bandit", "twostate:2:3"])
-def test_cost_free_adaptive_policies_run_losslessly(pair, policy):
+def test_cost_free_adaptive_policies_run_losslessly(tiny, policy):
     reqs = requests(1, 12)
-    want, _, _ = generate(pair[0], [r.prompt for r in reqs], 12, GREEDY)
-    res = engine(pair, "ngram", policy).run(reqs)
+    want, _, _ = generate(tiny.target, [r.prompt for r in reqs], 12, GREEDY)
+    res = engine(tiny, "ngram", policy).run(reqs)
     assert [s.tokens for s in res.samples] == want
 
 
@@ -460,25 +454,25 @@ class Crashing(ChangingK):
         return super().choose(state)
 
 
-def test_a_crash_keeps_the_steps_written_so_far(pair, tmp_path):
+def test_a_crash_keeps_the_steps_written_so_far(tiny, tmp_path):
     with pytest.raises(KeyboardInterrupt):
-        engine(pair, "model", Crashing(), trace_dir=tmp_path).run(requests(2, 12))
+        engine(tiny, "model", Crashing(), trace_dir=tmp_path).run(requests(2, 12))
     steps = read_trace(tmp_path / "steps", "steps")  # from the journal: the writer was never closed
     assert (steps["kind"] == "decode").sum() == 6 and (steps["kind"] == "prefill").sum() >= 1
     assert list((tmp_path / "steps").glob("part-*.jsonl"))
 
 
-def test_a_too_small_model_drafter_is_refused(pair):
-    small = ModelDrafter(pair[1], GREEDY, max_batch=2, max_len=64)
-    e = RolloutEngine(pair[0], small, 1000, 4, GREEDY, "static:2")
+def test_a_too_small_model_drafter_is_refused(tiny):
+    small = ModelDrafter(tiny.drafter, GREEDY, max_batch=2, max_len=64)
+    e = RolloutEngine(tiny.target, small, 1000, 4, GREEDY, "static:2")
     with pytest.raises(UserError, match="drafter 'model'"):
         e.run(requests(1, 8))
 
 
-def test_resize_makes_room_for_longer_requests(pair):
+def test_resize_makes_room_for_longer_requests(tiny):
     """A request past the KV budget and the model drafter's cache is refused; after resize
     (what the trainer does when a longer prompt comes) it runs."""
-    e = engine(pair, "model", "static:2", capacity=200)
+    e = engine(tiny, "model", "static:2", capacity=200)
     long = [Request([1 + i % 9 for i in range(40)], 0, 0, 80)]  # 120 tokens: over the drafter's 64
     with pytest.raises(UserError):
         e.run([Request(long[0].prompt, 0, 0, 180)])  # over the KV budget too

@@ -20,7 +20,6 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from support import tiny_pair  # noqa: E402
 
 from rlsched.executor.decode.drafters import ModelDrafter, NgramDrafter, OffDrafter, Seq, make_drafter  # noqa: E402
 from rlsched.executor.decode.sampling import GREEDY, SamplingParams, probs, sample  # noqa: E402
@@ -186,11 +185,6 @@ N_ROWS = 4000  # per prompt
 CASES = {"t1.0": SamplingParams(1.0), "t0.7-p0.9": SamplingParams(0.7, top_p=0.9)}
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    return tiny_pair(tmp_path_factory.mktemp("spec") / "tiny", V)
-
-
 @torch.no_grad()
 def exact_joint(model, prompt: list[int], sp: SamplingParams) -> torch.Tensor:
     """P(first 3 tokens = a, b, c) under plain sampling, (V, V, V), by enumeration."""
@@ -206,8 +200,8 @@ def _joint_counts(gen: list[list[int]]) -> torch.Tensor:
     return torch.bincount(t[:, 0] * V * V + t[:, 1] * V + t[:, 2], minlength=V**3)
 
 
-def _fit(pair, sp, gen, label):
-    target = pair[0]
+def _fit(tiny, sp, gen, label):
+    target = tiny.target
     ps = []
     for i, prompt in enumerate(PROMPTS):
         ps.append(chi2_gof(_joint_counts(gen[i * N_ROWS : (i + 1) * N_ROWS]), exact_joint(target, prompt, sp)))
@@ -215,11 +209,11 @@ def _fit(pair, sp, gen, label):
     return min(ps) * len(ps)  # Bonferroni over the prompts
 
 
-def _run(pair, sp, drafter, k, seed, k_per_row=None):
+def _run(tiny, sp, drafter, k, seed, k_per_row=None):
     prompts = [p for p in PROMPTS for _ in range(N_ROWS)]
     ids = [i for i in range(len(PROMPTS)) for _ in range(N_ROWS)]
     return generate(
-        pair[0],
+        tiny.target,
         prompts,
         3,
         sp,
@@ -231,73 +225,73 @@ def _run(pair, sp, drafter, k, seed, k_per_row=None):
     )
 
 
-def _ngram(pair, sp):
+def _ngram(tiny, sp):
     """An n-gram drafter that knows 8 earlier rollouts (24 tokens) of each prompt."""
     d = NgramDrafter(max_n=3)
     for i, prompt in enumerate(PROMPTS):
-        gen, _, _ = generate(pair[0], [prompt] * 8, 24, sp, generator=torch.Generator().manual_seed(100 + i))
+        gen, _, _ = generate(tiny.target, [prompt] * 8, 24, sp, generator=torch.Generator().manual_seed(100 + i))
         for g in gen:
             d.add_history(i, prompt + g)
     return d
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_plain_sampling_matches_exact_distribution(pair, case):
-    gen, lps, stats = _run(pair, CASES[case], None, 0, seed=1)
+def test_plain_sampling_matches_exact_distribution(tiny, case):
+    gen, lps, stats = _run(tiny, CASES[case], None, 0, seed=1)
     assert stats["steps"] == 3
-    assert _fit(pair, CASES[case], gen, f"plain {case}") > ALPHA
+    assert _fit(tiny, CASES[case], gen, f"plain {case}") > ALPHA
 
 
 @pytest.mark.parametrize("k", [1, 3, 6])
 @pytest.mark.parametrize("case", list(CASES))
-def test_ngram_sd_is_lossless(pair, case, k):
+def test_ngram_sd_is_lossless(tiny, case, k):
     sp = CASES[case]
-    gen, _, stats = _run(pair, sp, _ngram(pair, sp), k, seed=20 + k)
+    gen, _, stats = _run(tiny, sp, _ngram(tiny, sp), k, seed=20 + k)
     assert stats["accepted"] > 0.05 * stats["drafted"] > 0, stats
-    assert _fit(pair, sp, gen, f"ngram k={k} {case} (accepted {stats['accepted'] / stats['drafted']:.2f})") > ALPHA
+    assert _fit(tiny, sp, gen, f"ngram k={k} {case} (accepted {stats['accepted'] / stats['drafted']:.2f})") > ALPHA
 
 
 @pytest.mark.parametrize("k", [1, 3, 6])
 @pytest.mark.parametrize("case", list(CASES))
-def test_model_sd_is_lossless(pair, case, k):
+def test_model_sd_is_lossless(tiny, case, k):
     sp = CASES[case]
-    drafter = ModelDrafter(pair[1], sp, len(PROMPTS) * N_ROWS, 32, torch.Generator().manual_seed(7))
-    gen, _, stats = _run(pair, sp, drafter, k, seed=40 + k)
+    drafter = ModelDrafter(tiny.drafter, sp, len(PROMPTS) * N_ROWS, 32, torch.Generator().manual_seed(7))
+    gen, _, stats = _run(tiny, sp, drafter, k, seed=40 + k)
     assert stats["accepted"] > 0.3 * stats["drafted"] > 0, stats
-    assert _fit(pair, sp, gen, f"model k={k} {case} (accepted {stats['accepted'] / stats['drafted']:.2f})") > ALPHA
+    assert _fit(tiny, sp, gen, f"model k={k} {case} (accepted {stats['accepted'] / stats['drafted']:.2f})") > ALPHA
 
 
-def test_ragged_k_is_lossless(pair):
+def test_ragged_k_is_lossless(tiny):
     """Every row its own draft length 0..6 (a per-sequence policy's ragged verify)."""
     sp = CASES["t1.0"]
-    drafter = ModelDrafter(pair[1], sp, len(PROMPTS) * N_ROWS, 32, torch.Generator().manual_seed(8))
+    drafter = ModelDrafter(tiny.drafter, sp, len(PROMPTS) * N_ROWS, 32, torch.Generator().manual_seed(8))
     kr = torch.randint(0, 7, (len(PROMPTS) * N_ROWS,), generator=torch.Generator().manual_seed(9))
-    gen, _, stats = _run(pair, sp, drafter, 6, seed=60, k_per_row=kr)
+    gen, _, stats = _run(tiny, sp, drafter, 6, seed=60, k_per_row=kr)
     assert stats["accepted"] > 0
-    assert _fit(pair, sp, gen, "model ragged k=0..6 t1.0") > ALPHA
+    assert _fit(tiny, sp, gen, "model ragged k=0..6 t1.0") > ALPHA
 
 
 @pytest.mark.parametrize(
     "name, k", [("ngram", 1), ("ngram", 3), ("ngram", 6), ("model", 1), ("model", 3), ("model", 6), ("off", 4)]
 )
-def test_greedy_sd_equals_greedy_plain(pair, name, k):
+def test_greedy_sd_equals_greedy_plain(tiny, name, k):
     prompts = PROMPTS + [[4, 4, 4, 4], [7, 1, 7, 1, 7], [2]]
-    want, want_lp, _ = generate(pair[0], prompts, 30, GREEDY)
+    want, want_lp, _ = generate(tiny.target, prompts, 30, GREEDY)
     if name == "model":
-        drafter = make_drafter("model", model=pair[1], sampling=GREEDY, max_batch=len(prompts), max_len=64)
+        drafter = make_drafter("model", model=tiny.drafter, sampling=GREEDY, max_batch=len(prompts), max_len=64)
     else:
         drafter = make_drafter(name)
-    got, got_lp, stats = generate(pair[0], prompts, 30, GREEDY, drafter=drafter, k=k)
+    got, got_lp, stats = generate(tiny.target, prompts, 30, GREEDY, drafter=drafter, k=k)
     assert got == want
     assert got_lp == want_lp  # all 0: log 1 under the one-hot greedy distribution
     if name != "off":
         assert stats["accepted"] > 0 and stats["steps"] < 30
 
 
-def test_step_keeps_only_accepted_tokens_in_the_cache(pair):
+def test_step_keeps_only_accepted_tokens_in_the_cache(tiny):
     """After a speculative step each row's cache holds its context up to the newly emitted
     token, and its logits equal those of a fresh forward over that context."""
-    target = pair[0]
+    target = tiny.target
     sp = CASES["t1.0"]
     g = torch.Generator().manual_seed(3)
     cache = target.new_cache(4, 40)
@@ -320,10 +314,10 @@ def test_step_keeps_only_accepted_tokens_in_the_cache(pair):
             assert out.row_tokens(r) == [ref]
 
 
-def test_model_drafter_cache_stays_in_sync(pair):
+def test_model_drafter_cache_stays_in_sync(tiny):
     """With the target itself as drafter (q = p up to rounding) every draft is accepted: the
     drafter's cache rows follow their sequences through acceptances, ragged rows and reuse."""
-    target = pair[0]
+    target = tiny.target
     sp = CASES["t1.0"]
     drafter = ModelDrafter(target, sp, 64, 48, torch.Generator().manual_seed(4))
     prompts = [PROMPTS[i % 2][: 3 + i % 6] for i in range(64)]

@@ -49,7 +49,7 @@ def test_smoke_runs(tmp_path):
         env=dict(os.environ, OUT=str(tmp_path)),
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=1800,
         cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]

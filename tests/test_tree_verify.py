@@ -30,7 +30,7 @@ from rlsched.executor.decode.eagle_drafter import EagleDrafter, draft_tree  # no
 from rlsched.executor.decode.sampling import GREEDY, SamplingParams  # noqa: E402
 from rlsched.executor.decode.speculative import PAD, Seq, generate, prefill, tree_step  # noqa: E402
 from rlsched.executor.decode.tree_verify import DraftTree, draw_children, tree_of, tree_verify  # noqa: E402
-from rlsched.executor.model.builtin import builtin_pair, encode  # noqa: E402
+from rlsched.executor.model.builtin import encode  # noqa: E402
 from rlsched.executor.model.loading import load_model  # noqa: E402
 from rlsched.policies.tree import tree_shape  # noqa: E402
 from rlsched.tasks.synthetic import make_examples  # noqa: E402
@@ -234,23 +234,22 @@ def test_greedy_tree_verify_follows_the_argmax():
 
 
 @pytest.fixture(scope="module")
-def pair():
-    p = builtin_pair()
-    return load_model(p.target).model, load_model(p.drafter).model
+def models(pair):
+    return load_model(pair.target).model, load_model(pair.drafter).model
 
 
 @pytest.fixture(scope="module")
-def head(pair):
-    yield load_head(builtin_head().folder, pair[0])
-    pair[0].capture = None  # an EagleDrafter has the target keep its states
+def head(models):
+    yield load_head(builtin_head().folder, models[0])
+    models[0].capture = None  # an EagleDrafter has the target keep its states
 
 
 def _prompts(n: int, seed: int = 1) -> list[list[int]]:
     return [encode(e.prompt) for e in make_examples(n, seed=seed)]
 
 
-def test_tree_forward_logits_equal_plain_forwards_of_each_path(pair):
-    target = pair[0]
+def test_tree_forward_logits_equal_plain_forwards_of_each_path(models):
+    target = models[0]
     tree = tree_for("w3n8")
     prompts = _prompts(4)  # ragged
     cache = target.new_cache(6, 64)
@@ -271,8 +270,8 @@ def test_tree_forward_logits_equal_plain_forwards_of_each_path(pair):
                 torch.testing.assert_close(logits[b, i + 1], ref, atol=1e-4, rtol=0)
 
 
-def test_keep_path_moves_exactly_the_accepted_entries(pair):
-    cache = pair[0].new_cache(4, 16)
+def test_keep_path_moves_exactly_the_accepted_entries(models):
+    cache = models[0].new_cache(4, 16)
     cache.kv.copy_(torch.randn(cache.kv.shape, generator=torch.Generator().manual_seed(0)))
     before = cache.kv.clone()
     slots = torch.tensor([3, 0, 2])
@@ -312,10 +311,10 @@ def tree_generate(target, drafter, prompts, max_new, sp, tree, g=None):
     return [s.tokens[len(p) : len(p) + max_new] for s, p in zip(seqs, prompts)], steps
 
 
-def test_eagle_tree_nodes_get_the_distribution_of_their_path_as_a_chain(pair, head):
+def test_eagle_tree_nodes_get_the_distribution_of_their_path_as_a_chain(models, head):
     """`draft_tree`: every node's children are drawn from what the head gives when the node's
     path is fed to it as a chain (its tree attention sees the anchors and the ancestors)."""
-    target = pair[0]
+    target = models[0]
     sp = SamplingParams(1.3)  # flat enough that every node has three candidates
     tree = tree_for("w3n8")
     prompt = encode("count 3 9=")
@@ -347,8 +346,8 @@ def test_eagle_tree_nodes_get_the_distribution_of_their_path_as_a_chain(pair, he
 
 @pytest.mark.parametrize("drafter", ["model", "eagle"])
 @pytest.mark.parametrize("shape", [(3, 1, 3), (3, 2, 6), (4, 3, 12)])
-def test_greedy_tree_sd_equals_greedy_plain(pair, head, shape, drafter):
-    target, small = pair
+def test_greedy_tree_sd_equals_greedy_plain(models, head, shape, drafter):
+    target, small = models
     prompts = _prompts(5, seed=3)
     want, _, _ = generate(target, prompts, 24, GREEDY)
     tree = tree_of(*shape, 0.6, 0.25)
@@ -363,10 +362,10 @@ def test_greedy_tree_sd_equals_greedy_plain(pair, head, shape, drafter):
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("drafter", ["model", "eagle"])
-def test_sampled_tree_step_first_token_follows_the_target(pair, head, drafter, case):
+def test_sampled_tree_step_first_token_follows_the_target(models, head, drafter, case):
     """A width-2 tree of either drafter: the first emitted token of many rows with the same
     prompt against the target's exact next-token distribution."""
-    target, small = pair
+    target, small = models
     sp = CASES[case]
     tree = tree_of(2, 2, 4, 0.6, 0.25)
     # a prompt where the drafter's first candidate is often wrong and its second often right

@@ -221,7 +221,7 @@ def test_run_on_vllm_with_the_head_distils_it_every_step(tmp_path):
     cfg.write_text(RUN)
     out = tmp_path / "run"
     summary = json.loads(
-        ok(rlsched("run", "--config", str(cfg), "--out", str(out), "--json", cwd=tmp_path, timeout=600)).stdout
+        ok(rlsched("run", "--config", str(cfg), "--out", str(out), "--json", cwd=tmp_path, timeout=1800)).stdout
     )
     assert summary["steps"] == 2
     rl = read_trace(out / "traces", "rl_steps").sort_values("rl_step")

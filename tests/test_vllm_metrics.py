@@ -313,7 +313,7 @@ def test_real_vllm_run_imports(tmp_path):
         "--threads",
         "1",
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=dict(os.environ))
     assert proc.returncode == 0, proc.stderr[-3000:]
     a, b = build(read_source(tmp_path / "m.json")), build(read_source(tmp_path / "m.prom"))
     pd.testing.assert_frame_equal(a.steps, b.steps)

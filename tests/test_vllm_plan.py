@@ -24,10 +24,7 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def planned(tmp_path_factory):
-    from rlsched.executor.model.builtin import builtin_pair
-
-    pair = builtin_pair()
+def planned(tmp_path_factory, pair):
     root = tmp_path_factory.mktemp("plan")
     out = root / "plan"
     ok(
@@ -59,7 +56,7 @@ def planned(tmp_path_factory):
             "--out",
             str(out),
             cwd=root,
-            timeout=600,
+            timeout=1800,
         )
     )
     return root, out, pair
@@ -139,7 +136,7 @@ def test_the_written_run_config_trains_through_vllm(planned):
             str(root / "run"),
             "--json",
             cwd=root,
-            timeout=600,
+            timeout=1800,
         )
     )
     assert json.loads(proc.stdout)["steps"] == 1

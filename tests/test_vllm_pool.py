@@ -47,10 +47,7 @@ def check_exactly_once(requests, result) -> None:
 
 
 @pytest.fixture(scope="module")
-def vpool(tmp_path_factory):
-    from rlsched.executor.model.builtin import builtin_pair
-
-    pair = builtin_pair()
+def vpool(tmp_path_factory, pair):
     trace_dir = tmp_path_factory.mktemp("traces")
     spec = InstanceSpec(
         str(pair.target),
@@ -142,9 +139,9 @@ def test_run_on_two_vllm_instances_killed_and_resumed_loses_nothing(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text(RUN)
     out = tmp_path / "cut"
-    run_then_kill(config, out, tmp_path, steps_recorded=2, timeout=400)  # in its third step
+    run_then_kill(config, out, tmp_path, steps_recorded=2, timeout=1800)  # in its third step
     assert not (out / "summary.json").exists()
-    done = ok(rlsched("run", "--out", str(out), "--resume", cwd=tmp_path, timeout=600))
+    done = ok(rlsched("run", "--out", str(out), "--resume", cwd=tmp_path, timeout=1800))
     assert "resuming" in done.stderr
     rl = read_trace(out / "traces", "rl_steps")
     assert sorted(rl.rl_step) == [0, 1, 2, 3]  # no step lost or duplicated
