@@ -40,15 +40,8 @@ def run_profile(
     from rlsched.executor.folders import prepare_out, resolve_model_dir
     from rlsched.executor.model.loading import load_model
 
-    if k_max < 1 or repeats < 1 or passes < 1 or width_max < 1:
-        raise UserError(
-            f"--k-max, --repeats, --passes and --width-max must be >= 1 (got {k_max}, {repeats}, {passes}, {width_max})"
-        )
-    if statistic not in STATISTICS:
-        raise UserError(f"--statistic must be one of {', '.join(STATISTICS)} (got {statistic!r})")
+    _check_arguments(k_max, repeats, passes, width_max, statistic, threads)
     if threads is not None:
-        if threads < 1:
-            raise UserError(f"--threads must be >= 1 (got {threads})")
         torch.set_num_threads(threads)
     log = lambda msg: console.print(msg, highlight=False)  # noqa: E731
     target_dir = resolve_model_dir(model, "target", log)
@@ -101,6 +94,18 @@ def run_profile(
     _write_profile(out, records, about)
     table_console.print(_verify_table(pd.DataFrame(records), contexts, out))
     return out
+
+
+def _check_arguments(k_max: int, repeats: int, passes: int, width_max: int, statistic: str, threads: int | None):
+    """One UserError line for the first bad command-line value."""
+    if k_max < 1 or repeats < 1 or passes < 1 or width_max < 1:
+        raise UserError(
+            f"--k-max, --repeats, --passes and --width-max must be >= 1 (got {k_max}, {repeats}, {passes}, {width_max})"
+        )
+    if statistic not in STATISTICS:
+        raise UserError(f"--statistic must be one of {', '.join(STATISTICS)} (got {statistic!r})")
+    if threads is not None and threads < 1:
+        raise UserError(f"--threads must be >= 1 (got {threads})")
 
 
 def _drafters_to_time(
