@@ -114,7 +114,10 @@ def build(source: Source, k: int | None = None, drafter: str | None = None, *, r
             "run vLLM with a speculative_config and stats logging on (LLM(..., disable_log_stats=False))",
         )
     prev: dict[tuple, tuple] = {}  # (run, engine) -> (totals, snapshot)
-    rows, intervals, notes, varied = [], [], [], []
+    rows: list[dict] = []
+    intervals: list[dict] = []
+    notes: list[str] = []  # said to the user
+    varied: list[str] = []  # labels of the intervals whose batch shrank
     for idx, snap in enumerate(source.snapshots):
         meta = snap.meta
         run = meta.get("run", 0)
