@@ -1,7 +1,7 @@
 """`rlsched compare`: several drafting and reallocation policies side by side on the same seeds.
 
 Every (policy, realloc, seed) combination is one independent, deterministic simulation, so
-runs go to worker processes (or a Ray cluster) and come back as small dicts: the run's summary
+runs go to worker processes or a Ray cluster (`sim/runs.py`) and come back as small dicts: the run's summary
 and, for the plot, a compressed batch/k trace of one instance. Results do not depend on where
 or in which order the runs ran.
 
