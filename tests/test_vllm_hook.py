@@ -88,7 +88,7 @@ def folders(tmp_path_factory):
 @pytest.fixture(scope="module")
 def llm(folders):
     from rlsched.executor.vllm import hook as vllm_hook
-    from rlsched.executor.vllm.engine import start_llm
+    from rlsched.executor.vllm.shims import start_llm
 
     llm = start_llm(
         folders[0],

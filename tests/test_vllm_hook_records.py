@@ -1,4 +1,4 @@
-"""The hook's step records become profile records (no vLLM needed): `vllm_hook.cost_records`
+"""The hook's step records become profile records (no vLLM needed): `calibrate.cost_records`
 keeps the swept batch sizes' uniform steps and prices them as MeasuredCostModel reads them."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from rlsched.executor.vllm.hook import KSweep, cost_records
+from rlsched.executor.vllm.calibrate import KSweep, cost_records
 from rlsched.policies.types import EngineState
 
 

@@ -67,7 +67,8 @@ def test_the_written_vllm_arguments_start_an_engine_that_drafts_as_written(plann
     from vllm import SamplingParams, TokensPrompt
 
     from rlsched.executor.model.builtin import EOS, encode
-    from rlsched.executor.vllm.engine import TABLE_FIELD, start_llm
+    from rlsched.executor.vllm.shims import start_llm
+    from rlsched.policies.vllm_plan import TABLE_FIELD
     from rlsched.tasks.synthetic import make_examples
 
     _, out, pair = planned

@@ -36,11 +36,11 @@ from rlsched.executor.setup import (
     check_width_max,
     cost_model,
     drafter_kind,
-    drafter_names,
     load_models,
     make_drafter,
     needs_cost,
 )
+from rlsched.policies.drafters import drafter_names
 from rlsched.policies.registry import run_words
 
 
@@ -218,7 +218,7 @@ def check_policy_inputs(cfg: RunConfig) -> None:
     kind = drafter_kind(cfg.drafter)
     check_width_max(r.width_max, kind, r.backend, "rollout.width_max")
     if r.backend == "vllm":
-        from rlsched.executor.vllm.engine import check_vllm_backend
+        from rlsched.executor.vllm.spec import check_vllm_backend
 
         check_vllm_backend(cfg.policy, kind, k_max=r.k_max, max_batch=r.max_batch, cost_model=cfg.cost_model)
         return

