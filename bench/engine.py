@@ -54,7 +54,8 @@ from rlsched.costs.measured import MeasuredCostModel  # noqa: E402
 from rlsched.errors import UserError  # noqa: E402
 from rlsched.executor.decode.drafters import ModelDrafter, drafter_cache_len  # noqa: E402
 from rlsched.executor.decode.sampling import SamplingParams  # noqa: E402
-from rlsched.executor.engine.rollout import Request, RolloutEngine, build_policy, reserve  # noqa: E402
+from rlsched.executor.engine.rollout import RolloutEngine, build_policy  # noqa: E402
+from rlsched.executor.engine.rows import Request, reserve  # noqa: E402
 from rlsched.executor.gcfreeze import freeze_long_lived  # noqa: E402
 from rlsched.executor.model.builtin import WIDE, builtin_pair, encode  # noqa: E402
 from rlsched.executor.model.loading import load_model  # noqa: E402

@@ -59,7 +59,8 @@ from gpu_engine import QWEN_0_5B, QWEN_1_5B, build, table  # noqa: E402
 from rlsched.costs.measured import MeasuredCostModel  # noqa: E402
 from rlsched.executor.decode.drafters import ModelDrafter, drafter_cache_len  # noqa: E402
 from rlsched.executor.decode.sampling import GREEDY  # noqa: E402
-from rlsched.executor.engine.rollout import Request, RolloutEngine, build_policy, reserve  # noqa: E402
+from rlsched.executor.engine.rollout import RolloutEngine, build_policy  # noqa: E402
+from rlsched.executor.engine.rows import Request, reserve  # noqa: E402
 from rlsched.executor.profiler import profile  # noqa: E402
 
 K_MAX = 6

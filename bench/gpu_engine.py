@@ -31,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rlsched.executor.decode.drafters import ModelDrafter  # noqa: E402
 from rlsched.executor.decode.sampling import SamplingParams  # noqa: E402
-from rlsched.executor.engine.rollout import Request, RolloutEngine  # noqa: E402
+from rlsched.executor.engine.rollout import RolloutEngine  # noqa: E402
+from rlsched.executor.engine.rows import Request  # noqa: E402
 from rlsched.executor.model.transformer import ModelConfig, Transformer  # noqa: E402
 from rlsched.executor.profiler import profile, profile_cache_len  # noqa: E402
 

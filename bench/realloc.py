@@ -37,7 +37,7 @@ from _common import table, write_result  # noqa: E402
 
 
 def workload(tokenizer, prompts: int, group: int, seed: int, median: int, sigma: float, cap: int):
-    from rlsched.executor.engine.rollout import Request
+    from rlsched.executor.engine.rows import Request
     from rlsched.tasks.synthetic import make_examples
 
     rng = np.random.default_rng(seed)

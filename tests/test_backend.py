@@ -15,7 +15,8 @@ from support import tiny_pair  # noqa: E402
 from rlsched.executor.backends import RolloutBackend  # noqa: E402
 from rlsched.executor.decode.drafters import NgramDrafter  # noqa: E402
 from rlsched.executor.decode.sampling import GREEDY  # noqa: E402
-from rlsched.executor.engine.rollout import Request, RolloutEngine  # noqa: E402
+from rlsched.executor.engine.rollout import RolloutEngine  # noqa: E402
+from rlsched.executor.engine.rows import Request  # noqa: E402
 from rlsched.executor.pool.instances import InstancePool  # noqa: E402
 from rlsched.executor.vllm.engine import VllmRolloutEngine  # noqa: E402
 

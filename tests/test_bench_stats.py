@@ -79,7 +79,7 @@ def test_lockstep_gives_each_contender_the_samples_of_its_own_run(tmp_path):
     from engine import lockstep, make_engine, seeded, timed_run
     from support import tiny_pair
 
-    from rlsched.executor.engine.rollout import Request
+    from rlsched.executor.engine.rows import Request
     from rlsched.policies.draft import StaticPolicy
 
     target, drafter = tiny_pair(tmp_path / "tiny", 16)

@@ -75,7 +75,8 @@ def test_the_pair_is_a_pair_of_hf_folders(pair):
 
 def _rollout(pair, sampling, examples, k=4):
     from rlsched.executor.decode.drafters import ModelDrafter
-    from rlsched.executor.engine.rollout import Request, RolloutEngine
+    from rlsched.executor.engine.rollout import RolloutEngine
+    from rlsched.executor.engine.rows import Request
 
     target = load_model(pair.target).model
     drafter = load_model(pair.drafter).model

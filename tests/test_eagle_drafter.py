@@ -13,7 +13,8 @@ from rlsched.executor.decode.eagle import load_head, target_features  # noqa: E4
 from rlsched.executor.decode.eagle_builtin import builtin_head  # noqa: E402
 from rlsched.executor.decode.eagle_drafter import EagleDrafter  # noqa: E402
 from rlsched.executor.decode.sampling import GREEDY, SamplingParams  # noqa: E402
-from rlsched.executor.engine.rollout import Request, RolloutEngine  # noqa: E402
+from rlsched.executor.engine.rollout import RolloutEngine  # noqa: E402
+from rlsched.executor.engine.rows import Request  # noqa: E402
 from rlsched.executor.model.builtin import EOS, encode  # noqa: E402
 from rlsched.executor.model.loading import load_model  # noqa: E402
 from rlsched.tasks.synthetic import make_examples  # noqa: E402

@@ -19,7 +19,8 @@ from support import ok, rlsched  # noqa: E402
 
 from rlsched.executor.decode.drafters import ModelDrafter  # noqa: E402
 from rlsched.executor.decode.sampling import GREEDY  # noqa: E402
-from rlsched.executor.engine.rollout import Request, RolloutEngine  # noqa: E402
+from rlsched.executor.engine.rollout import RolloutEngine  # noqa: E402
+from rlsched.executor.engine.rows import Request  # noqa: E402
 from rlsched.executor.pool.instances import InstancePool, InstanceSpec  # noqa: E402
 from rlsched.policies.types import Migration  # noqa: E402
 from rlsched.traces import read_trace  # noqa: E402

@@ -18,7 +18,8 @@ from rlsched.executor.decode.drafters import ModelDrafter, NgramDrafter  # noqa:
 from rlsched.executor.decode.sampling import GREEDY, SamplingParams  # noqa: E402
 from rlsched.executor.decode.speculative import generate  # noqa: E402
 from rlsched.executor.decode.suffix import SuffixDrafter  # noqa: E402
-from rlsched.executor.engine.rollout import Request, RolloutEngine, build_policy  # noqa: E402
+from rlsched.executor.engine.rollout import RolloutEngine, build_policy  # noqa: E402
+from rlsched.executor.engine.rows import Request  # noqa: E402
 from rlsched.policies.acceptance import AcceptanceEstimator  # noqa: E402
 from rlsched.policies.types import OFF, Strategy  # noqa: E402
 from rlsched.traces import read_trace  # noqa: E402

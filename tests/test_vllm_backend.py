@@ -20,7 +20,8 @@ import torch  # noqa: E402
 from support import ok, rlsched  # noqa: E402
 
 from rlsched.errors import UserError  # noqa: E402
-from rlsched.executor.vllm.engine import TABLE_FIELD, check_vllm_backend, speculative_plan  # noqa: E402
+from rlsched.executor.vllm.spec import check_vllm_backend, speculative_plan  # noqa: E402
+from rlsched.policies.vllm_plan import TABLE_FIELD  # noqa: E402
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not importable here (make test-vllm sets up .venv-vllm)")
@@ -115,7 +116,7 @@ def test_without_vllm_the_engine_says_how_to_get_it(tmp_path):
 
 @pytest.fixture(scope="module")
 def requests_(pair):
-    from rlsched.executor.engine.rollout import Request
+    from rlsched.executor.engine.rows import Request
     from rlsched.executor.model.loading import load_model
     from rlsched.tasks.synthetic import make_examples
 
@@ -245,7 +246,7 @@ def test_traces_of_each_run(self_engine, requests_):
 @pytest.mark.vllm
 @needs_vllm
 def test_a_request_past_vllms_window_is_refused(self_engine):
-    from rlsched.executor.engine.rollout import Request
+    from rlsched.executor.engine.rows import Request
 
     with pytest.raises(
         UserError, match=r"sample 5: prompt \+ max_new_tokens \(1003 tokens\) exceed vLLM's max_model_len"

@@ -32,7 +32,7 @@ def served():
     weights."""
     from rlsched.executor.decode.eagle_builtin import builtin_head
     from rlsched.executor.model.builtin import EOS, encode
-    from rlsched.executor.vllm.engine import start_llm
+    from rlsched.executor.vllm.shims import start_llm
     from rlsched.tasks.synthetic import make_examples
 
     head = builtin_head()
@@ -145,7 +145,7 @@ def test_the_rollout_engine_serves_the_head_and_takes_its_updates_in_place(serve
     in place: a broken head's acceptance collapses, the trained one's comes back."""
     from rlsched.executor.decode.eagle import load_head
     from rlsched.executor.decode.sampling import SamplingParams
-    from rlsched.executor.engine.rollout import Request
+    from rlsched.executor.engine.rows import Request
     from rlsched.executor.model.builtin import EOS
     from rlsched.executor.model.loading import load_model
     from rlsched.executor.vllm.engine import VllmRolloutEngine

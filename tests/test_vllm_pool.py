@@ -20,7 +20,7 @@ pytestmark = [
 ]
 
 from rlsched.executor.decode.sampling import SamplingParams  # noqa: E402
-from rlsched.executor.engine.rollout import Request  # noqa: E402
+from rlsched.executor.engine.rows import Request  # noqa: E402
 from rlsched.executor.pool.instances import InstancePool, InstanceSpec  # noqa: E402
 from rlsched.traces.reader import read_trace  # noqa: E402
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from rlsched.policies.probe import PROBE_EVERY
 
 if TYPE_CHECKING:
-    from rlsched.executor.engine.rollout import Request, RolloutResult
+    from rlsched.executor.engine.rows import Request, RolloutResult
 
 
 @runtime_checkable

@@ -37,11 +37,11 @@ from rlsched.executor.setup import (
     check_width_max,
     cost_model,
     drafter_kind,
-    drafter_names,
     load_models,
     make_drafter,
     needs_cost,
 )
+from rlsched.policies.drafters import drafter_names
 from rlsched.policies.registry import GENERATE, PolicySpec, parse_policy
 
 MARKER = "summary.json"
@@ -155,7 +155,7 @@ def prepare(a: GenerateArgs, out: Path | None, log=None) -> Setup:
 def run(s: Setup, out: Path, log=None) -> dict:
     """Generate every prompt `n` times with the engine; write the folder; return the summary."""
     from rlsched.atomic import write_text_atomic
-    from rlsched.executor.engine.rollout import Request, check_requests
+    from rlsched.executor.engine.rows import Request, check_requests
     from rlsched.traces.writer import write_table
 
     a = s.args

@@ -116,7 +116,8 @@ def _drafters_to_time(
     from rlsched.executor.decode.drafters import ModelDrafter, make_drafter
     from rlsched.executor.folders import check_drafter_vocab, resolve_model_dir
     from rlsched.executor.model.loading import load_model
-    from rlsched.executor.setup import HOST_DRAFTERS, drafter_kind, eagle_head
+    from rlsched.executor.setup import drafter_kind, eagle_head
+    from rlsched.policies.drafters import HOST_DRAFTERS
 
     timed = {}
     for spec in specs:

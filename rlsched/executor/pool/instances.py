@@ -34,7 +34,7 @@ import numpy as np
 
 from rlsched.distributed import check_cluster_address, import_ray
 from rlsched.errors import UserError
-from rlsched.executor.engine.rollout import Request, RolloutResult, check_requests, reserve
+from rlsched.executor.engine.rows import Request, RolloutResult, check_requests, reserve
 from rlsched.executor.pool.moves import Move, measure_host_cost, view_with, view_without
 from rlsched.executor.pool.worker import MOVES, InstanceSpec, actor_class
 from rlsched.executor.seeds import derive_seed as _seed

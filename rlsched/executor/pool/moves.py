@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rlsched.executor.engine.rollout import Request, reserve
+from rlsched.executor.engine.rows import Request, reserve
 from rlsched.policies.types import InstanceView
 
 

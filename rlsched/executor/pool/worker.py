@@ -14,9 +14,10 @@ import numpy as np
 import torch
 
 from rlsched.errors import UserError
-from rlsched.executor.engine.rollout import Request
+from rlsched.executor.engine.rows import Request
 from rlsched.executor.gcfreeze import freeze_long_lived
-from rlsched.executor.setup import HOST_DRAFTERS, history_size
+from rlsched.executor.setup import history_size
+from rlsched.policies.drafters import HOST_DRAFTERS
 from rlsched.policies.probe import PROBE_EVERY
 
 MOVES = "moves"  # the actors' concurrency group of migrations

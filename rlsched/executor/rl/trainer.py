@@ -36,7 +36,7 @@ from rlsched.executor.rl.config import RunConfig
 from rlsched.executor.rl.data import prompt_key
 from rlsched.executor.rl.records import step_record, write_rollout, write_summary
 from rlsched.executor.seeds import derive_seed as _seed
-from rlsched.executor.setup import drafter_names
+from rlsched.policies.drafters import drafter_names
 
 
 class RewardFailures(UserError):
@@ -66,7 +66,7 @@ class Trainer:
     def _requests(self, s: int, items) -> list:
         """Step `s`'s requests: each prompt `group_size` times (the caches grown first when a
         prompt is longer than they were sized for)."""
-        from rlsched.executor.engine.rollout import Request
+        from rlsched.executor.engine.rows import Request
 
         r = self.cfg.rollout
         prompts = [encode(self.tokenizer, i.prompt) for i in items]
