@@ -19,13 +19,15 @@ No torch: the simulator may use it too.
 
 from __future__ import annotations
 
+from rlsched.policies import tree
+
 SCHEDULES = ("every", "pays")
 
 
 def chain_tokens(a: float, k: float) -> float:
     """Expected tokens of a chain step with k drafts at per-token acceptance a (k may be a mean)."""
     a = min(max(a, 0.0), 1.0)
-    return k + 1.0 if a >= 1.0 else (1.0 - a ** (k + 1.0)) / (1.0 - a)
+    return k + 1.0 if a >= 1.0 else tree.chain_tokens(a, k)
 
 
 class DrafterSchedule:
