@@ -135,7 +135,7 @@ def patch_rejection_sampler() -> None:
     """The backend's patch of the CPU shim of expand_batch_to_tokens
     (https://github.com/vllm-project/vllm/issues/55005)."""
     sys.path.insert(0, str(ROOT))
-    from rlsched.executor.vllm.engine import patch_cpu_rejection_sampler
+    from rlsched.executor.vllm.shims import patch_cpu_rejection_sampler
 
     patch_cpu_rejection_sampler()
 
