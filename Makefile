@@ -51,9 +51,9 @@ test: lint $(VLLM_STAMP)
 	echo "make test: main suite exit $$main, vLLM suite exit $$vllm (0: passed)"; \
 	[ $$main -eq 0 ] && [ $$vllm -eq 0 ]
 
-# The main suite without the slow and the vLLM tests: minutes, while working.
+# The main suite without the slow, the vLLM and the end-to-end (e2e) tests: minutes, while working.
 test-fast: $(ALL_STAMP)
-	$(PYTEST_MAIN) -m 'not slow and not vllm'
+	$(PYTEST_MAIN) -m 'not slow and not vllm and not e2e'
 
 # .venv-vllm: vLLM's CPU build (bench/peers/setup_vllm.sh, idempotent) plus rlsched installed
 # editable. Everything vLLM already installed (torch 2.13.0+cpu, transformers, tokenizers,

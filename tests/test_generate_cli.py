@@ -18,6 +18,8 @@ from support import ok, rlsched, snapshot  # noqa: E402
 from rlsched.traces.reader import read_trace  # noqa: E402
 from rlsched.traces.schema import SAMPLE_SCHEMA, STEP_SCHEMA  # noqa: E402
 
+pytestmark = pytest.mark.e2e  # minutes of end-to-end runs: `make test`, not `make test-fast`
+
 FAST = ["--n", "2", "--max-tokens", "24", "--max-batch", "8", "--k-max", "3"]
 
 

@@ -10,6 +10,8 @@ import pytest
 import yaml
 from support import ok, rlsched
 
+pytestmark = pytest.mark.e2e  # minutes of end-to-end runs: `make test`, not `make test-fast`
+
 # a small space: plain decoding, static:1, static:3, goodput and twostate over the default preset's
 # drafter on 2 GPUs (colocated, or 1 GPU), tp 1, two batch limits, with and without rebalance
 SPACE = [

@@ -25,6 +25,8 @@ from rlsched.executor.pool.instances import InstancePool, InstanceSpec  # noqa: 
 from rlsched.policies.types import Migration  # noqa: E402
 from rlsched.traces import read_trace  # noqa: E402
 
+pytestmark = pytest.mark.e2e  # minutes of end-to-end runs: `make test`, not `make test-fast`
+
 V = 16
 MAX_BATCH = 8
 

@@ -12,6 +12,8 @@ from support import ok, rlsched  # noqa: E402
 from rlsched.costs.fit import fit_path  # noqa: E402
 from rlsched.traces.reader import read_trace  # noqa: E402
 
+pytestmark = pytest.mark.e2e  # minutes of end-to-end runs: `make test`, not `make test-fast`
+
 TINY = """
 steps: 3
 checkpoint_every: 3

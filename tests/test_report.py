@@ -21,6 +21,8 @@ from rlsched.analysis.plots import batch_k_figure  # noqa: E402
 from rlsched.errors import UserError  # noqa: E402
 from rlsched.traces.reader import read_trace  # noqa: E402
 
+pytestmark = pytest.mark.e2e  # minutes of end-to-end runs: `make test`, not `make test-fast`
+
 FIGURES = ["fit", "speedup", "acceptance", "batch_k", "stages", "learning_curve"]
 PNG = b"\x89PNG\r\n\x1a\n"
 

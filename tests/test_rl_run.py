@@ -19,6 +19,8 @@ from support import ok, rlsched, snapshot  # noqa: E402
 
 from rlsched.traces.reader import read_trace  # noqa: E402
 
+pytestmark = pytest.mark.e2e  # minutes of end-to-end runs: `make test`, not `make test-fast`
+
 TINY = """
 steps: {steps}
 policy: static:2
