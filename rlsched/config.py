@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import tomllib
+from collections.abc import Sequence
 from functools import cached_property
 from importlib import resources
 from pathlib import Path
@@ -408,6 +409,7 @@ def apply_override(data: dict, assignment: str) -> None:
     except yaml.YAMLError:
         value = raw
     node: Any = data
+    key: str | int
     for i, key in enumerate(keys[:-1]):
         where = ".".join(keys[: i + 1])
         if isinstance(node, list):
@@ -437,7 +439,9 @@ def apply_override(data: dict, assignment: str) -> None:
         raise UserError(f"--set '{path}': '{'.'.join(keys[:-1])}' is a value, not a section")
 
 
-def build_config(data: dict, overrides: list[str] = (), source: str = "config", model: type[BaseModel] | None = None):
+def build_config(
+    data: dict, overrides: Sequence[str] = (), source: str = "config", model: type[BaseModel] | None = None
+):
     """`model` (default SimConfig) validated from raw data with `--set` overrides applied; one
     UserError line naming the field when it does not validate."""
     data = copy.deepcopy(data)
@@ -449,7 +453,7 @@ def build_config(data: dict, overrides: list[str] = (), source: str = "config", 
         raise UserError(f"{source}: {describe_validation_error(e)}") from None
 
 
-def load_config(preset: str | None = None, config: Path | None = None, overrides: list[str] = ()) -> SimConfig:
+def load_config(preset: str | None = None, config: Path | None = None, overrides: Sequence[str] = ()) -> SimConfig:
     """The config from a preset name or a file (not both), with overrides applied."""
     if preset and config:
         raise UserError("give either --preset or --config, not both")
