@@ -113,7 +113,7 @@ def test_wide_ragged_batch_equals_transformers(models, name, max_tokens, monkeyp
     from `BMM_MIN_BATCH` rows); then rows move to other slots (as the engine compacts) and a
     last step reads them there."""
     from rlsched.executor.decode.speculative import length_groups, prefill
-    from rlsched.executor.model.transformer import transformer as model_module
+    from rlsched.executor.model import transformer as model_module
 
     folder, hf = models[name]
     model = load_model(folder).model
