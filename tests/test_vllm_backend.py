@@ -1,4 +1,4 @@
-"""The vLLM rollout backend (`rollout.backend: vllm`, rlsched/executor/vllm/engine.py).
+"""The vLLM rollout backend (`rollout.backend: vllm`, rlsched/executor/vllm/engine.py and spec.py).
 
 The tests marked `vllm` run the real engine (vLLM's CPU build, in .venv-vllm: `make test-vllm`)
 and are skipped where vllm is not importable (the normal `make test`, in .venv). The policy
