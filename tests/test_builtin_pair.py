@@ -92,6 +92,7 @@ def _rollout(pair, sampling, examples, k=4):
     return engine.run([Request(encode(e.prompt), i, i, 160, EOS) for i, e in enumerate(examples)])
 
 
+@pytest.mark.e2e  # minutes of generation on a loaded machine: `make test`, not `make test-fast`
 def test_the_target_learned_some_tasks(pair):
     """Greedy answers on held-out prompts. A random model scores 0 on everything. Writing the
     right answer is learned well on the copying tasks (count, repeat); stopping right after it
