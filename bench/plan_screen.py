@@ -75,7 +75,8 @@ def main() -> None:
         [
             f"{args.preset}, {args.gpus} GPUs, seed {args.seed}: {summary['candidates']} candidates, "
             f"{len(dropped)} infeasible",
-            f"screen {screen_s:.1f} s, simulating all {sim_s:.1f} s; screen error mean {summary['mean_abs_error']:.2%}, "
+            f"screen {screen_s:.1f} s, simulating all {sim_s:.1f} s; "
+            f"screen error mean {summary['mean_abs_error']:.2%}, "
             f"worst {summary['worst_error']:+.2%}",
             f"Spearman all {rho_all:.3f}, top 10 {rho_top:.3f}; the screen's pick {summary['pick']} is "
             f"{gap:.2%} slower (simulated) than the best, {summary['best']}",

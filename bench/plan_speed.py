@@ -109,7 +109,8 @@ def main() -> None:
     )
     text = "\n".join(
         [
-            f"{args.preset}, {args.gpus} GPUs, seeds {seeds}, {args.workers} workers: {summary['candidates']} candidates "
+            f"{args.preset}, {args.gpus} GPUs, seeds {seeds}, {args.workers} workers: "
+            f"{summary['candidates']} candidates "
             f"({len(dropped)} cannot run)",
             f"rlsched plan: {plan_s:.1f} s ({summary['simulations']} simulations); simulating every distinct feasible "
             f"setup: {exhaustive_s:.1f} s ({len(setups) * len(seeds)} simulations)",

@@ -286,7 +286,7 @@ class SpeculationSpec(Strict):
     # `replay` sets what the run did.
     probe_every: Annotated[int, Field(ge=1)] | None = None
     # draft trees (policies/tree.py): policies that choose also consider trees up to this
-    # width (SGLang's topk; 1: chains only, as vLLM and the local engine draft) and up to
+    # width (SGLang's topk; 1: chains only, as vLLM drafts) and up to
     # nodes_max draft tokens (SGLang's num_draft_tokens - 1), k_max deep
     width_max: Annotated[int, Field(ge=1, le=16)] = 1
     nodes_max: Annotated[int, Field(ge=2, le=256)] = 32

@@ -1,7 +1,8 @@
 """What `rlsched generate` and `rlsched run` set up alike, from their own options or config.
 
-- the drafter's kind from its argument (`drafter_kind`, `drafter_names`), known before any
-  model is loaded, so the policy is checked first;
+- the drafter's kind from its argument (`drafter_kind`; its drafter names are
+  `policies.drafters.drafter_names`), known before any model is loaded, so the policy is
+  checked first;
 - the target and drafter models (`load_models`) and the in-process drafter (`make_drafter`);
 - the cost model that prices the policy or a pool's migrations (`cost_model`): a given
   folder's, or a short profile at start.

@@ -9,7 +9,6 @@ from typing import cast
 
 import numpy as np
 
-from rlsched.errors import UserError
 from rlsched.policies.tree import (
     TREE_GAIN,
     TreeShape,
@@ -466,35 +465,3 @@ class SeqGoodputPolicy(GoodputPolicy):
         if last is None or last[4] is not state.sample_ids:
             return 0
         return super().steady_steps(state, strategy, max_growth)
-
-
-class _Truth(GoodputPolicy):
-    """Mixin: the simulator's true acceptance instead of estimates, re-derived every step."""
-
-    needs_acceptance = False
-
-    def __init__(self, ctx: PolicyContext):
-        if ctx.true_acceptance is None:
-            raise UserError(
-                f"policy '{self.name}' needs the true acceptance of every sequence: only the simulator has it"
-            )
-        super().__init__(ctx, refresh=1, ctx_tolerance=0.0)
-        self._truth = ctx.true_acceptance
-
-    def _acceptance(self, state: EngineState, drafter: str) -> np.ndarray:
-        return self._truth(drafter, state.sample_ids)
-
-
-class OraclePolicy(_Truth, GoodputPolicy):
-    """The goodput rule (one k per step) with every sequence's true acceptance and the true
-    costs: the yardstick for reports (the best per-step greedy choice, not a strict bound on
-    makespan), never a product policy."""
-
-    name = "oracle"
-
-
-class SeqOraclePolicy(_Truth, SeqGoodputPolicy):
-    """The per-sequence rule with the true acceptance: a yardstick for per-sequence policies
-    (per-step greedy, so not a strict bound on the stage's makespan)."""
-
-    name = "oracle:seq"  # greedy per step like the others, so not a bound on makespan: a yardstick

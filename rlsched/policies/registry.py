@@ -247,7 +247,7 @@ def _build_file(p: PolicySpec, ctx, words: Words):
 
 
 def _build_oracle(p: PolicySpec, ctx, words: Words):
-    from rlsched.policies.draft import OraclePolicy, SeqOraclePolicy
+    from rlsched.policies.oracle import OraclePolicy, SeqOraclePolicy
 
     return SeqOraclePolicy(ctx) if p.per_row else OraclePolicy(ctx)
 
