@@ -53,7 +53,7 @@ from rlsched.executor.seeds import derive_seed
 from rlsched.executor.vllm import hook as vllm_hook
 from rlsched.executor.vllm.calibrate import measure_step_costs
 from rlsched.executor.vllm.shims import import_vllm, repack_cpu_linears, start_llm
-from rlsched.executor.vllm.spec import model_window, speculative_config, speculative_plan
+from rlsched.executor.vllm.spec import model_window, speculative_config, speculative_plan, vocab_size
 from rlsched.policies.acceptance import AcceptanceEstimator
 from rlsched.policies.probe import PROBE_EVERY, prober_for
 from rlsched.policies.registry import PolicySpec, as_spec, run_words
@@ -115,8 +115,9 @@ class VllmRolloutEngine:
         self.plan = speculative_plan(self.policy, drafter, k_max=k_max, max_batch=max_batch)
         if self.plan is not None and self.plan["drafter"] == "eagle" and isinstance(drafter, str):
             raise UserError("drafter eagle on vLLM needs the head's folder (`setup.eagle_head`), not its name")
-        self.max_model_len, self.vocab_size = model_window(self.target_dir, max_len)
+        self.max_model_len = model_window(self.target_dir, max_len)
         vllm = import_vllm()
+        self.vocab_size = vocab_size(self.target_dir)
         self.vllm_version = vllm.__version__
         from vllm.platforms import current_platform
 

@@ -59,11 +59,11 @@ def check_vllm_backend(
     return plan
 
 
-def model_window(target_dir: Path, max_len: int) -> tuple[int, int]:
-    """(vLLM's max_model_len, the vocabulary size) for a target in `target_dir` sized for
-    `max_len` tokens; UserError when the model's positions cannot hold that many. The window is
-    fixed at start-up (KV blocks are allocated on demand, so room to spare costs little): twice
-    what the trainer sized for, for prompts longer than its first sweep saw."""
+def model_window(target_dir: Path, max_len: int) -> int:
+    """vLLM's max_model_len for a target in `target_dir` sized for `max_len` tokens; UserError
+    when the model's positions cannot hold that many. The window is fixed at start-up (KV blocks
+    are allocated on demand, so room to spare costs little): twice what the trainer sized for,
+    for prompts longer than its first sweep saw."""
     raw = json.loads((target_dir / "config.json").read_text())
     limit = int(raw.get("max_position_embeddings") or max_len)
     if max_len > limit:
@@ -71,8 +71,12 @@ def model_window(target_dir: Path, max_len: int) -> tuple[int, int]:
             f"rollout: the longest prompt + max_tokens + k_max ({max_len} tokens) exceed the model's "
             f"max_position_embeddings ({limit}); lower rollout.max_tokens"
         )
-    # (vLLM refuses a config.json without vocab_size as it starts)
-    return min(limit, max(2 * max_len, 256)), int(raw["vocab_size"])
+    return min(limit, max(2 * max_len, 256))
+
+
+def vocab_size(target_dir: Path) -> int:
+    """The target's vocabulary size (vLLM refuses a config.json without it as it starts)."""
+    return int(json.loads((target_dir / "config.json").read_text())["vocab_size"])
 
 
 def speculative_config(plan: dict | None, policy, drafter, sampling: SamplingParams, vllm) -> dict | None:
