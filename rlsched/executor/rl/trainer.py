@@ -285,7 +285,7 @@ class Trainer:
     # --- the run -------------------------------------------------------------------------------
 
     def run(self, on_step=None) -> dict:
-        """Steps start_step..steps-1; then summary.json and the plots. Returns the summary."""
+        """Steps start_step..steps-1; then summary.json (the run command adds the plots). Returns the summary."""
         with self:
             for s in range(self.start_step, self.cfg.steps):
                 rec = self.step(s)
@@ -309,5 +309,5 @@ class Trainer:
         self.backend.close()
 
     def finish(self) -> dict:
-        """summary.json and the plots, from the RL-step trace. Returns the summary."""
+        """summary.json, from the RL-step trace. Returns the summary."""
         return write_summary(self.out, self.cfg, self.drafter_name, self.model_dir)
