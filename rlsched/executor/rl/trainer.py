@@ -247,23 +247,10 @@ class Trainer:
             return None
         gen = torch.Generator().manual_seed(_seed(self.cfg.seed, "distill", s))
         if self.drafter_name == "eagle":
-            from rlsched.executor.decode.eagle_train import distill_head
-
-            return distill_head(
-                state.actor,
-                state.drafter_model,
-                state.drafter_opt,
-                state.buffer,
-                steps=d.steps,
-                batch=d.batch,
-                weighting=d.weighting,
-                weight_min=d.weight_min,
-                weight_max=d.weight_max,
-                temperature=self.cfg.rollout.temperature,
-                generator=gen,
-                pad_id=self.pad_id,
-            )
-        return distill(
+            from rlsched.executor.decode.eagle_train import distill_head as train
+        else:
+            train = distill
+        return train(
             state.actor,
             state.drafter_model,
             state.drafter_opt,
