@@ -9,12 +9,56 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 
-def rlsched(*args: str, cwd: Path, env_extra: dict | None = None, timeout: float = 1800) -> subprocess.CompletedProcess:
-    """Run the real entry point (`python -m rlsched`) with wide columns, so errors stay one line."""
+def rlsched(
+    *args: str,
+    cwd: Path,
+    env_extra: dict | None = None,
+    timeout: float = 1800,
+    file_size_limit: int | None = None,
+) -> subprocess.CompletedProcess:
+    """Run the real entry point (`python -m rlsched`) with wide columns, so errors stay one line.
+    `file_size_limit` (bytes) caps every file the command writes (RLIMIT_FSIZE): a write past it
+    fails with EFBIG, as a full disk fails a write with ENOSPC."""
+
+    def limit_files() -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
+
     env = dict(os.environ, COLUMNS="400", **(env_extra or {}))
     return subprocess.run(
-        [sys.executable, "-m", "rlsched", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "rlsched", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        preexec_fn=limit_files if file_size_limit is not None else None,
     )
+
+
+def one_line_error(proc: subprocess.CompletedProcess, *names: str) -> str:
+    """Assert the tool's own refusal: exit 2, no traceback, exactly one line on stderr that
+    names each of `names`; return that line."""
+    detail = f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert proc.returncode == 2, detail
+    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout, detail
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, detail
+    for name in names:
+        assert name in lines[0], f"{name!r} not in the error line: {lines[0]!r}"
+    return lines[0]
+
+
+def unwritable_folder(tmp_path: Path) -> Path:
+    """A folder no one may create anything in, root included: a read-only folder for a normal
+    user, a path under /proc (which refuses new entries) for root, who ignores permissions."""
+    if os.geteuid() == 0:
+        return Path("/proc/rlsched-cannot-write-here")
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o555)
+    return folder
 
 
 def run_then_kill(
