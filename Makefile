@@ -8,7 +8,7 @@ ALL_STAMP := $(VENV)/.installed-all
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed-rlsched
 
-.PHONY: demo lint test test-fast test-vllm bench bench-rl clean
+.PHONY: demo lint test test-fast test-vllm fuzz bench bench-rl clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -54,6 +54,13 @@ test: lint $(VLLM_STAMP)
 # The main suite without the slow, the vLLM and the end-to-end (e2e) tests: minutes, while working.
 test-fast: $(ALL_STAMP)
 	$(PYTEST_MAIN) -m 'not slow and not vllm and not e2e'
+
+# The input fuzzer (tests/test_fuzz.py, docs/testing.md) at 20,000 random examples a property
+# (the main suite runs it derandomized, at RLSCHED_FUZZ_EXAMPLES's default); a failure prints
+# hypothesis's seed and a reproduction blob.
+FUZZ_EXAMPLES ?= 20000
+fuzz: $(ALL_STAMP)
+	RLSCHED_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/python -m pytest tests/test_fuzz.py
 
 # .venv-vllm: vLLM's CPU build (bench/peers/setup_vllm.sh, idempotent) plus rlsched installed
 # editable. Everything vLLM already installed (torch 2.13.0+cpu, transformers, tokenizers,

@@ -12,10 +12,11 @@ import json
 from pathlib import Path
 from typing import Final, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from rlsched.atomic import write_text_atomic
 from rlsched.errors import UserError, describe_validation_error
+from rlsched.policies.tree import max_nodes
 
 FORMAT: Final = "rlsched-policy"
 PolicyKind = Literal["table", "twostate"]  # the policies a file holds
@@ -42,14 +43,25 @@ class PolicyFile(BaseModel):
     learned_on: dict = {}
     created: dict = {}
 
+    @field_validator("drafter")
+    @classmethod
+    def _printable(cls, v: str) -> str:
+        if not v or not v.isprintable():
+            raise ValueError("the drafter's name must be printable text on one line")
+        return v
+
     @model_validator(mode="after")
     def _params(self):
         p = self.params
         if self.kind == "twostate":
             if not (_whole(p.get("max_batch_on"), 0) and _whole(p.get("k"), 1, 32)):
                 raise ValueError("twostate params need whole numbers max_batch_on >= 0 and k in 1..32")
-            if "width" in p and not (_whole(p["width"], 2, 16) and _whole(p.get("nodes"), p["k"], 256)):
-                raise ValueError("a twostate tree needs whole numbers width in 2..16 and nodes in k..256")
+            tree = "width" in p or "nodes" in p
+            if tree and not (_whole(p.get("width"), 2, 16) and _tree_nodes(p["k"], p["width"], p.get("nodes"))):
+                raise ValueError(
+                    "a twostate tree needs whole numbers width in 2..16 and nodes in k..256, "
+                    "at most the full tree's (width + width^2 + ... + width^k)"
+                )
         else:
             be, ae, k = p.get("batch_edges"), p.get("accept_edges"), p.get("k")
             if not (
@@ -79,7 +91,7 @@ class PolicyFile(BaseModel):
                 ):
                     raise ValueError(
                         f"table params.k must be {len(ae) - 1} rows of {len(be)} cells: whole numbers "
-                        "in 0..32 (a chain's k) or [k, width, nodes] (a tree)"
+                        "in 0..32 (a chain's k) or [k, width, nodes] (a tree, nodes at most the full tree's)"
                     )
             else:
                 if not (
@@ -100,16 +112,24 @@ class PolicyFile(BaseModel):
                     raise ValueError(
                         f"table params.k must be {len(ae) - 1} x {len(ce)} rows of {len(be)} "
                         "cells (acceptance x context x batch): whole numbers in 0..32 (a chain's k) "
-                        "or [k, width, nodes] (a tree)"
+                        "or [k, width, nodes] (a tree, nodes at most the full tree's)"
                     )
         return self
+
+
+_FIELDS = {"": PolicyFile.model_fields, "realloc.": ReallocSettings.model_fields}
 
 
 def _cell(x) -> bool:
     """A table cell: a chain's k (0: off) or a tree [k, width, nodes]."""
     if isinstance(x, list):
-        return len(x) == 3 and _whole(x[0], 1, 32) and _whole(x[1], 2, 16) and _whole(x[2], x[0], 256)
+        return len(x) == 3 and _whole(x[0], 1, 32) and _whole(x[1], 2, 16) and _tree_nodes(x[0], x[1], x[2])
     return _whole(x, 0, 32)
+
+
+def _tree_nodes(k: int, width: int, nodes) -> bool:
+    """Whether a tree k deep and width wide can verify `nodes` drafts (k up to the full tree's, at most 256)."""
+    return _whole(nodes, k, min(256, max_nodes(k, width)))
 
 
 def _whole(x, lo: int, hi: int | None = None) -> bool:
@@ -133,8 +153,11 @@ def load_policy_file(path, identity: dict | None = None, kinds=("table", "twosta
         raise UserError(f"policy file '{path}' does not exist; write one with `rlsched learn --out {path}`")
     try:
         data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"policy file '{path}' is not valid JSON ({e}); re-create it with `rlsched learn`") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        why = "nested too deep" if isinstance(e, RecursionError) else str(e)
+        raise UserError(f"policy file '{path}' is not valid JSON ({why}); re-create it with `rlsched learn`") from None
+    except OSError as e:
+        raise UserError(f"policy file '{path}' cannot be read ({e.strerror or e}); check its permissions") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise UserError(f'policy file \'{path}\' is not an rlsched policy file (no "format": "{FORMAT}")')
     if data.get("version") != VERSION:
@@ -142,6 +165,12 @@ def load_policy_file(path, identity: dict | None = None, kinds=("table", "twosta
             f"policy file '{path}' has format version {data.get('version')!r}, this rlsched reads "
             f"version {VERSION}; re-learn it with `rlsched learn`"
         )
+    for fields, where in ((data, ""), (data.get("realloc"), "realloc.")):
+        unknown = [k for k in fields if k not in _FIELDS[where]] if isinstance(fields, dict) else []
+        if unknown:
+            name = f"{where}{unknown[0]}"
+            name = f"'{name}'" if name.isprintable() else repr(name)
+            raise UserError(f"policy file '{path}' has an unknown field {name}; re-create it with `rlsched learn`")
     try:
         pf = PolicyFile.model_validate(data)
     except ValidationError as e:
@@ -169,8 +198,9 @@ def learned_shape(pf: PolicyFile) -> dict | None:
     """The architecture of the model a policy file was learned for: with a fitted cost model,
     the one it was measured on (a profile or a run records it), else the simulated model's;
     None where the file does not say."""
-    cost = pf.learned_on.get("cost_model") or {}
-    shape = cost.get("model_shape") if cost.get("kind") == "fitted" else pf.learned_on.get("model_shape")
+    cost = pf.learned_on.get("cost_model")
+    fitted = isinstance(cost, dict) and cost.get("kind") == "fitted"
+    shape = cost.get("model_shape") if fitted else pf.learned_on.get("model_shape")
     return {k: shape.get(k) for k in SHAPE_KEYS} if isinstance(shape, dict) else None
 
 
@@ -183,14 +213,19 @@ def check_model_shape(pf: PolicyFile, path, shape: dict, model: str) -> None:
         name = pf.learned_on.get("model")
         raise UserError(
             f"policy file '{path}' was learned for another model ({_shape(theirs)}"
-            f"{f', {name}' if name else ''}) than {model} ({_shape(mine)}); re-learn it with "
+            f"{f', {_shown(name)}' if name else ''}) than {model} ({_shape(mine)}); re-learn it with "
             "`rlsched learn --cost` on costs fitted to this model (`rlsched fit`)"
         )
 
 
+def _shown(value) -> str:
+    """A value read from a file, for a one-line message: printable text as it is, else its repr."""
+    return value if isinstance(value, str) and value.isprintable() else repr(value)
+
+
 def _shape(shape: dict) -> str:
-    return " ".join(f"{k} {shape.get(k)}" for k in SHAPE_KEYS)
+    return " ".join(f"{k} {_shown(shape.get(k))}" for k in SHAPE_KEYS)
 
 
 def _describe(ident: dict) -> str:
-    return ", ".join(f"{k} {ident.get(k)}" for k in IDENTITY_KEYS if k in ident)
+    return ", ".join(f"{k} {_shown(ident.get(k))}" for k in IDENTITY_KEYS if k in ident)

@@ -122,10 +122,39 @@ class PolicySpec:
 # --- each family's grammar: (the whole text, what follows NAME:) -> its spec, or None -----------
 
 
-def _whole(text: str, spec: str, what: str, example: str, least: int = 0) -> int:
-    if not text.isdigit() or int(text) < least:
-        raise UserError(f"policy '{spec}': {what} must be a whole number >= {least}, as in {example}")
+MAX_DIGITS = 18  # a number in a policy name fits 64 bits
+
+
+def _digits(text: str) -> int | None:
+    """The whole number an ASCII digit string of at most MAX_DIGITS spells; None for anything
+    else (a sign, a space, a digit of another script such as '²')."""
+    if not (text.isascii() and text.isdigit()) or len(text) > MAX_DIGITS:
+        return None
     return int(text)
+
+
+def _whole(text: str, spec: str, what: str, example: str, least: int = 0) -> int:
+    n = _digits(text)
+    if n is None or n < least:
+        raise UserError(f"policy '{spec}': {what} must be a whole number >= {least}, as in {example}{_long(text)}")
+    return n
+
+
+def _long(text: str) -> str:
+    """A note for a number past MAX_DIGITS, for the messages that refuse it."""
+    return f" (at most {MAX_DIGITS} digits)" if len(text) > MAX_DIGITS else ""
+
+
+def _full_tree(k: int, w: int, n: int) -> int:
+    """The drafts of a full tree k deep and w wide (w + w^2 + ... + w^k), counted up to the
+    first level past n (a deep tree's count would take time and memory for nothing)."""
+    total, level = 0, 1
+    for _ in range(k):
+        level *= w
+        total += level
+        if total > n:
+            break
+    return total
 
 
 def _parse_off(spec: str, arg: str) -> PolicySpec | None:
@@ -146,8 +175,8 @@ def _parse_tree(spec: str, arg: str) -> PolicySpec:
         )
     k = _whole(parts[0], spec, "K (the depth)", example, 1)
     w = _whole(parts[1], spec, "W (candidates a branch)", example, 2)
-    most = w * (w**k - 1) // (w - 1)  # the full tree
     n = _whole(parts[2], spec, "N (drafts verified)", example, k)
+    most = _full_tree(k, w, n)
     if n > most:
         raise UserError(f"policy '{spec}': a tree {k} deep and {w} wide holds at most {most} drafts; lower N")
     return PolicySpec(spec, "tree", k=k, width=w, nodes=n, drafter=parts[3] if len(parts) == 4 else None)
@@ -159,10 +188,13 @@ def _parse_refresh(name: str) -> Callable[[str, str], PolicySpec]:
     def parse(spec: str, arg: str) -> PolicySpec:
         if name == "goodput" and arg == "drain":
             return PolicySpec(spec, name, drain=True)
-        if arg and (not arg.isdigit() or int(arg) < 1):
+        refresh = _digits(arg) if arg else 32
+        if refresh is None or refresh < 1:
             also = " or 'drain' (goodput:drain)" if name == "goodput" else ""
-            raise UserError(f"policy '{spec}': the refresh interval must be a whole number >= 1{also}, as in {name}:1")
-        return PolicySpec(spec, name, refresh=int(arg) if arg else 32)
+            raise UserError(
+                f"policy '{spec}': the refresh interval must be a whole number >= 1{also}, as in {name}:1{_long(arg)}"
+            )
+        return PolicySpec(spec, name, refresh=refresh)
 
     return parse
 
@@ -173,9 +205,13 @@ def _parse_twostate(spec: str, arg: str) -> PolicySpec:
     if arg.endswith(".json"):
         return PolicySpec(spec, "twostate", file=arg)
     t, _, k = arg.partition(":")
-    if not (t.isdigit() and k.isdigit() and int(k) >= 1):
-        raise UserError(f"policy '{spec}': expected twostate:MAX_BATCH:K with whole numbers, as in twostate:32:4")
-    return PolicySpec(spec, "twostate", k=int(k), max_batch=int(t))
+    max_batch, k_n = _digits(t), _digits(k)
+    if max_batch is None or k_n is None or k_n < 1:
+        raise UserError(
+            f"policy '{spec}': expected twostate:MAX_BATCH:K with whole numbers (K >= 1), as in twostate:32:4"
+            f"{_long(max(t, k, key=len))}"
+        )
+    return PolicySpec(spec, "twostate", k=k_n, max_batch=max_batch)
 
 
 def _parse_bandit(spec: str, arg: str) -> PolicySpec:
@@ -361,6 +397,8 @@ def parse_policy(text, engine: str = "simulator") -> PolicySpec:
     """The spec a policy name stands for; UserError, one line naming it (and the names
     `engine` runs), for a malformed one."""
     spec = str(text).strip()
+    if not spec.isprintable():
+        raise UserError(f"policy {spec!r} holds a line break or control character; give a name such as goodput")
     if spec.endswith(".json") and ":" not in spec:
         return PolicySpec(spec, None, file=spec)
     name, _, arg = spec.partition(":")
