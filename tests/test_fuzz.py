@@ -22,7 +22,7 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from support import one_line_error, rlsched
+from support import ok, one_line_error, rlsched
 
 from rlsched.config import apply_override, build_config, load_preset_data, preset_names, read_config_file
 from rlsched.errors import UserError
@@ -38,7 +38,7 @@ FUZZ = settings(
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
 )
-FEW = settings(FUZZ, max_examples=max(EXAMPLES // 8, 10))  # properties that draw figures or run the CLI
+FEW = settings(FUZZ, max_examples=max(EXAMPLES // 8, 10))  # properties that draw figures
 JOBS = preset_names("jobs")
 
 
@@ -196,7 +196,6 @@ def test_mutated_preset_as_file(work, data, name):
 def test_mutated_run_config_as_file(work, data):
     from rlsched.executor.rl.config import load_run_config
 
-    pytest.importorskip("torch")
     path = work / "run.yaml"
     path.write_text(yaml_text(data.draw(mutated(_run_config_base()))), encoding="utf-8")
     holds(load_run_config, path)
@@ -404,16 +403,20 @@ SMALL = ["--set", "rl.steps=1", "--set", "workload.prompts=8"]
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    """A real `rlsched run` folder (2 tiny RL steps on the built-in pair) and a simulate folder."""
+def run_folder(tmp_path_factory):
+    """A real `rlsched run` folder: 2 tiny RL steps on the built-in pair."""
     pytest.importorskip("torch")
-    from support import ok
-
-    root = tmp_path_factory.mktemp("fuzz-folders")
+    root = tmp_path_factory.mktemp("fuzz-run")
     (root / "run.yaml").write_text(TINY_RUN)
     ok(rlsched("run", "--config", "run.yaml", "--policy", "static:2", "--out", "run", cwd=root, timeout=600))
+    return root / "run"
+
+
+@pytest.fixture(scope="module")
+def sim_folder(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fuzz-sim")
     ok(rlsched("simulate", *SMALL, "--out", "sim", cwd=root, timeout=600))
-    return {"run": root / "run", "sim": root / "sim"}
+    return root / "sim"
 
 
 @st.composite
@@ -438,7 +441,9 @@ def _damaged_copy(data, src: Path, work: Path) -> Path:
     dst = work / "folder"
     shutil.rmtree(dst, ignore_errors=True)
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("checkpoint.pt", "plots"))
-    files = sorted(p for p in dst.rglob("*") if p.is_file() and p.suffix in (".yaml", ".json", ".parquet"))
+    files = sorted(
+        p for p in dst.rglob("*") if p.suffix in (".yaml", ".json", ".parquet") and "rollouts" not in p.parts
+    )
     target = data.draw(st.sampled_from(files))
     body = data.draw(damaged(target))
     if target.suffix == ".parquet" and "traces" in target.parts and data.draw(st.booleans()):
@@ -463,18 +468,18 @@ def _figures(folder: Path) -> None:
 
 @FEW
 @given(data=st.data())
-def test_damaged_run_folder(folders, work, data):
+def test_damaged_run_folder(run_folder, work, data):
     from rlsched.analysis.replay import read_run
 
-    folder = _damaged_copy(data, folders["run"], work)
+    folder = _damaged_copy(data, run_folder, work)
     holds(read_run, folder)
     _figures(folder)
 
 
 @FEW
 @given(data=st.data())
-def test_damaged_simulate_folder(folders, work, data):
-    _figures(_damaged_copy(data, folders["sim"], work))
+def test_damaged_simulate_folder(sim_folder, work, data):
+    _figures(_damaged_copy(data, sim_folder, work))
 
 
 # ----------------------------------------------------------------------------- the CLI
@@ -485,7 +490,7 @@ CLI_VALUES = st.sampled_from(
 )
 
 
-@settings(FUZZ, max_examples=min(EXAMPLES, 15))
+@settings(FUZZ, max_examples=max(10, min(EXAMPLES // 100, 200)))  # seconds a run
 @given(st.lists(st.tuples(st.sampled_from(CLI_PATHS) | junk_path(CLI_PATHS), CLI_VALUES).map("=".join), max_size=2))
 def test_simulate_with_generated_sets(work, sets):
     args = [a for s in sets for a in ("--set", s)]

@@ -199,8 +199,10 @@ def learned_shape(pf: PolicyFile) -> dict | None:
     the one it was measured on (a profile or a run records it), else the simulated model's;
     None where the file does not say."""
     cost = pf.learned_on.get("cost_model")
-    fitted = isinstance(cost, dict) and cost.get("kind") == "fitted"
-    shape = cost.get("model_shape") if fitted else pf.learned_on.get("model_shape")
+    if isinstance(cost, dict) and cost.get("kind") == "fitted":
+        shape = cost.get("model_shape")
+    else:
+        shape = pf.learned_on.get("model_shape")
     return {k: shape.get(k) for k in SHAPE_KEYS} if isinstance(shape, dict) else None
 
 
