@@ -17,6 +17,7 @@ import string
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import yaml
@@ -285,9 +286,11 @@ def _policy_files() -> list[dict]:
 
 
 def _check_policy_file(path: Path, identity: dict | None) -> None:
+    from rlsched.policies.acceptance import AcceptanceEstimator
     from rlsched.policies.draft import PolicyContext
     from rlsched.policies.policyfile import check_model_shape, learned_shape, load_policy_file
     from rlsched.policies.registry import PolicySpec, make_draft_policy
+    from rlsched.policies.types import EngineState
 
     pf = holds(load_policy_file, path, identity)
     if pf is None:
@@ -295,7 +298,14 @@ def _check_policy_file(path: Path, identity: dict | None) -> None:
     holds(learned_shape, pf)
     holds(check_model_shape, pf, path, {"hidden": 8, "layers": 2}, "the model")
     ctx = PolicyContext(cost=None, drafters=("model", "ngram"), identity=identity or {}, width_max=4)
-    holds(make_draft_policy, PolicySpec(str(path), None, file=str(path)), ctx)
+    policy = holds(make_draft_policy, PolicySpec(str(path), None, file=str(path)), ctx)
+    if policy is not None:  # it chooses for any batch, context and acceptance
+        for batch, ctx_len in ((1, 0), (3, 700), (300, 10**6)):
+            est = AcceptanceEstimator(["model", "ngram"], prior_mean=0.6)
+            ids = np.arange(batch)
+            est.begin_rollout(batch, ids)
+            ctx_lens = np.full(batch, ctx_len)
+            policy.choose(EngineState(0, 0, 0.0, ids, ctx_lens, int(ctx_lens.sum()), 0, 10**6, est))
 
 
 def _json(base: dict, **fields) -> bytes:
