@@ -338,6 +338,28 @@ def test_policy_file_bytes(work, body, identity):
     _check_policy_file(path, identity)
 
 
+VLLM_TABLE = {"num_speculative_tokens_per_batch_size": [[1, 4, 3], [5, 16, 2], [17, 64, 0]]}
+
+
+@FUZZ
+@given(
+    data=st.data(),
+    base=st.sampled_from([VLLM_TABLE, VLLM_TABLE["num_speculative_tokens_per_batch_size"], *_policy_files()]),
+    raw=st.none() | st.binary(max_size=100),
+    have=st.sampled_from(["model", "eagle", "ngram", "off"]),
+)
+@example(data=None, base=VLLM_TABLE, raw=b"[" * 5000, have="model")
+def test_vllm_table_files(work, data, base, raw, have):
+    from rlsched.policies.registry import PolicySpec
+    from rlsched.policies.vllm_plan import speculative_plan
+
+    path = work / "vllm.json"
+    body = raw if raw is not None else json.dumps(data.draw(mutated(base)), allow_nan=True).encode()
+    path.write_bytes(body)
+    spec = PolicySpec(str(path), None, file=str(path))
+    holds(speculative_plan, spec, have, k_max=4, max_batch=64)
+
+
 # ----------------------------------------------------------------------------- 5. trace journals
 
 

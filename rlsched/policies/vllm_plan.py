@@ -56,8 +56,9 @@ def _table_from_file(policy: str, path: str, max_batch: int) -> list[list[int]] 
         )
     try:
         data = json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"policy '{policy}': '{path}' is not valid JSON ({e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        why = "nested too deep" if isinstance(e, RecursionError) else e
+        raise UserError(f"policy '{policy}': '{path}' is not valid JSON ({why})") from None
     if isinstance(data, dict) and data.get("format") == "rlsched-policy":
         from rlsched.policies.policyfile import load_policy_file
 
