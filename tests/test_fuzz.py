@@ -125,6 +125,25 @@ def yaml_text(data) -> str:
     return yaml.safe_dump(data, allow_unicode=True, sort_keys=False)
 
 
+def _toml_value(v) -> str:
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {_toml_value(x)}" for k, x in v.items() if x is not None) + "}"
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v if x is not None) + "]"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float) and v != v:
+        return "nan"
+    if isinstance(v, float) and v in (float("inf"), float("-inf")):
+        return "inf" if v > 0 else "-inf"
+    return json.dumps(v, ensure_ascii=False)
+
+
+def toml_text(data: dict) -> str:
+    """`data` as TOML, one `key = value` a top-level field (TOML has no null: those are left out)."""
+    return "".join(f"{json.dumps(str(k))} = {_toml_value(v)}\n" for k, v in data.items() if v is not None)
+
+
 # YAML scalars and flows as a --set value, or a policy name's parts, are written
 yaml_scalars = st.sampled_from(
     [".inf", "-.inf", ".nan", "-1", "0", "1", "1.5", "1e400", str(10**30), "-" + str(10**30), "abc", "", "off", "on"]
@@ -182,23 +201,24 @@ def test_config_file_text(work, text, suffix):
 
 
 @FUZZ
-@given(data=st.data(), name=st.sampled_from(JOBS))
-def test_mutated_preset_as_file(work, data, name):
+@given(data=st.data(), name=st.sampled_from(JOBS), suffix=st.sampled_from([".yaml", ".toml"]))
+def test_mutated_preset_as_file(work, data, name, suffix):
     cfg = data.draw(mutated(load_preset_data("jobs", name)))
-    path = work / "preset.yaml"
-    path.write_text(yaml_text(cfg), encoding="utf-8")
+    path = work / f"preset{suffix}"
+    path.write_text(yaml_text(cfg) if suffix == ".yaml" else toml_text(cfg), encoding="utf-8")
     data_back = holds(read_config_file, path)
     if data_back is not None:
         holds(build_config, data_back, source=str(path))
 
 
 @FUZZ
-@given(data=st.data())
-def test_mutated_run_config_as_file(work, data):
+@given(data=st.data(), suffix=st.sampled_from([".yaml", ".toml"]))
+def test_mutated_run_config_as_file(work, data, suffix):
     from rlsched.executor.rl.config import load_run_config
 
-    path = work / "run.yaml"
-    path.write_text(yaml_text(data.draw(mutated(_run_config_base()))), encoding="utf-8")
+    cfg = data.draw(mutated(_run_config_base()))
+    path = work / f"run{suffix}"
+    path.write_text(yaml_text(cfg) if suffix == ".yaml" else toml_text(cfg), encoding="utf-8")
     holds(load_run_config, path)
 
 
