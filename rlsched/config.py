@@ -43,7 +43,10 @@ def policy_spec(value, engine: str = "simulator") -> PolicySpec:
     if value is False:
         value = "off"
     if not isinstance(value, (str, PolicySpec)):
-        raise ValueError("Input should be a valid string")
+        hint = "; YAML reads a name ending in ':' as a mapping: quote it" if isinstance(value, dict) else ""
+        raise ValueError(
+            f"a policy is a name given as text, such as goodput, static:4 or table:FILE (got {value!r}){hint}"
+        )
     return as_spec(value, engine)
 
 
@@ -52,7 +55,9 @@ Policy = Annotated[PolicySpec, PlainValidator(policy_spec), PlainSerializer(str)
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # numbers must be finite: an infinite peak or a NaN floor has no meaning and would reach
+    # the outputs as NaN
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 # ----------------------------------------------------------------------------- presets
@@ -86,9 +91,10 @@ class HardwareSpec(Strict):
 
     name: str
     description: str = ""
-    peak_tflops: Positive
-    mem_bw_gbs: Positive
-    memory_gib: Positive
+    # bounds far above any accelerator: a typo's 1e30 fails here, not as an overflow inside
+    peak_tflops: Annotated[float, Field(gt=0.0, le=1e6)]
+    mem_bw_gbs: Annotated[float, Field(gt=0.0, le=1e6)]
+    memory_gib: Annotated[float, Field(gt=0.0, le=1e6)]
     compute_efficiency: OpenFraction = 0.74  # of peak, large matmuls
     memory_efficiency: OpenFraction = 0.94  # of peak bandwidth, matmuls reading their weights
     linear_floor_us: NonNeg = 4.2  # per matmul kernel
@@ -269,7 +275,7 @@ class ClusterSpec(Strict):
     max_batch: PosInt = 256
     kv_capacity_tokens: PosInt | None = None  # None: derived from memory, weights and KV size
     gpu_memory_utilization: OpenFraction = 0.9
-    activation_reserve_gib: NonNeg = 2.0
+    activation_reserve_gib: Annotated[float, Field(ge=0.0, le=1e6)] = 2.0
     assignment: Literal["round_robin", "by_prompt"] = "round_robin"
     realloc: str = "none"
     realloc_threshold: PosInt = 16  # an instance whose batch falls below this asks for work
@@ -382,9 +388,19 @@ _PRESET_KEYS = {"hardware": "hardware", "model": "models", "reward_model": "mode
 
 def read_config_file(path: Path) -> dict:
     """Raw data of a YAML or TOML config file; one clear line when it cannot be read."""
+    if path.is_dir():
+        raise UserError(f"config file '{path}' is a folder; pass a .yaml/.toml file in it or --preset NAME")
     if not path.is_file():
         raise UserError(f"config file '{path}' does not exist; pass an existing .yaml/.toml file or --preset NAME")
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(
+            f"config file '{path}' is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); "
+            "give a YAML or TOML file saved as UTF-8"
+        ) from None
+    except OSError as e:
+        raise UserError(f"config file '{path}' cannot be read ({e.strerror}); check its permissions") from None
     try:
         data = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
     except (yaml.YAMLError, tomllib.TOMLDecodeError) as e:
@@ -450,7 +466,7 @@ def build_config(
     try:
         return (model or SimConfig).model_validate(data)
     except ValidationError as e:
-        raise UserError(f"{source}: {describe_validation_error(e)}") from None
+        raise UserError(f"{source}: {describe_validation_error(e, data=data)}") from None
 
 
 def load_config(preset: str | None = None, config: Path | None = None, overrides: Sequence[str] = ()) -> SimConfig:

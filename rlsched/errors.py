@@ -17,23 +17,47 @@ class UserError(Exception):
     and the fix, in one line."""
 
 
-def _loc(loc: tuple) -> str:
-    return ".".join(str(p) for p in loc if not (isinstance(p, str) and p.startswith("function-")))
+def _loc(loc: tuple, data=None) -> str:
+    """The dotted path of a field as the user spells it (--set takes it): without pydantic's
+    validator names, and, where the data is given, without the tags of a union (a length's
+    `lognormal`), which are no keys of the data."""
+    parts = []
+    node = data
+    for i, p in enumerate(loc):
+        if isinstance(p, str) and p.startswith("function-"):
+            continue
+        if isinstance(node, dict):
+            if p not in node and i < len(loc) - 1:
+                continue  # a union's tag (a missing field is the last part)
+            node = node.get(p)
+        elif isinstance(node, list) and isinstance(p, int) and 0 <= p < len(node):
+            node = node[p]
+        else:
+            node = None
+        parts.append(str(p))
+    return ".".join(parts)
 
 
-def describe_validation_error(err: ValidationError, prefix: str = "") -> str:
-    """The first problem of a pydantic error as one line: field, what is wrong, the value."""
+def describe_validation_error(err: ValidationError, prefix: str = "", data=None) -> str:
+    """The first problem of a pydantic error as one line: field, what is wrong, the value.
+    `data` (what was validated) lets the field be named as the user spells it."""
     first = err.errors()[0]
-    loc = _loc(tuple(prefix.split(".")) + tuple(first["loc"]) if prefix else tuple(first["loc"]))
+    loc = tuple(first["loc"])
+    if prefix:
+        loc = tuple(prefix.split(".")) + loc
+        data = None
+    where = _loc(loc, data)
     if first["type"] == "extra_forbidden":
-        return f"unknown field '{loc}'; check its spelling (`rlsched presets --show NAME` prints a full config)"
+        return f"unknown field '{where}'; check its spelling (`rlsched presets --show NAME` prints a full config)"
     if first["type"] == "missing":
-        return f"missing field '{loc}'; add it to the config or pass --set {loc}=VALUE"
+        return f"missing field '{where}'; add it to the config or pass --set {where}=VALUE"
     msg = first["msg"]
     for lead in ("Value error, ", "Assertion failed, "):
         msg = msg.removeprefix(lead)
+    if first["type"] == "finite_number":
+        msg = "give a finite number (NaN and infinity have no meaning here)"
     value = first.get("input")
     shown = "" if isinstance(value, (dict, list)) or value is None else f" (got {value!r})"
     more = len(err.errors()) - 1
     tail = f"; {more} more problem(s) after this one" if more > 0 else ""
-    return f"invalid field '{loc}': {msg}{shown}{tail}"
+    return f"invalid field '{where}': {msg}{shown}{tail}"

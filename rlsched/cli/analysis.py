@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
 from rich.table import Table
 
+from rlsched.atomic import check_writable, json_text
 from rlsched.cli.common import JsonOpt, _print_unwrapped, app, err_console, out_console
 from rlsched.errors import UserError
 
@@ -58,8 +58,11 @@ def fit(
         raise UserError(f"--out '{out}' is a folder; give a file name ending in .json")
     if plot is not None and plot.suffix.lower() not in (".png", ".pdf"):
         raise UserError(f"--plot '{plot}' must end in .png or .pdf")
-    if not max_mape > 0:
-        raise UserError(f"--max-mape must be > 0 (a percentage; got {max_mape})")
+    if not 0 < max_mape <= 1e6:  # NaN included
+        raise UserError(f"--max-mape must be a percentage above 0 and at most 1e6 (got {max_mape})")
+    check_writable(out, "--out", folder=False)
+    if plot is not None:
+        check_writable(plot, "--plot", folder=False)
     with err_console.status(f"fitting {profile_or_rundir}"):
         result = fit_path(profile_or_rundir, max_mape / 100)
         figure = None
@@ -67,7 +70,7 @@ def fit(
             from rlsched.analysis.plots import fit_figure
 
             figure = fit_figure(result)
-    write_text_atomic(out, json.dumps(result.to_json(), indent=2) + "\n")
+    write_text_atomic(out, json_text(result.to_json()) + "\n")
     if figure is not None:
         from rlsched.analysis.plots import save_figure
 
@@ -80,7 +83,7 @@ def fit(
     if plot is not None:
         console.print(f"plot: {plot}", highlight=False)
     if as_json:
-        print(json.dumps({"out": str(out), "plot": str(plot) if plot else None, **result.summary()}, indent=2))
+        print(json_text({"out": str(out), "plot": str(plot) if plot else None, **result.summary()}))
 
 
 def _fit_table(result, out: Path) -> Table:
@@ -153,8 +156,10 @@ def plot(
 ):
     if out is not None and out.exists() and not out.is_dir():
         raise UserError(f"--out {out}: exists and is not a folder")
-    if acceptance is not None and not 0 < acceptance < 1:
+    if acceptance is not None and not 0 < acceptance < 1:  # NaN included
         raise UserError(f"--acceptance must be between 0 and 1 (got {acceptance})")
+    if out is not None or folder.is_dir():  # a folder that is not there is load_folder's to name
+        check_writable(out if out is not None else folder / "plots", "--out")
     from rlsched.analysis.folder import figures_for, load_folder, write_figures
 
     cost_data = _read_cost(cost)
@@ -169,7 +174,7 @@ def plot(
         err_console.print(f"not drawn: {name} ({why})", highlight=False, soft_wrap=True)
     if as_json:
         print(
-            json.dumps(
+            json_text(
                 {
                     "folder": str(folder),
                     "kind": data.kind,
@@ -177,8 +182,7 @@ def plot(
                     "files": [str(p) for p in paths],
                     "figures": list(figs),
                     "skipped": skipped,
-                },
-                indent=2,
+                }
             )
         )
     else:
@@ -211,6 +215,8 @@ def report(
 ):
     if out is not None and (out.suffix.lower() not in (".html", ".htm") or out.is_dir()):
         raise UserError(f"--out {out}: give a file name ending in .html")
+    if out is not None or rundir.is_dir():  # a run folder that is not there is build_report's to name
+        check_writable(out if out is not None else rundir / "report.html", "--out", folder=False)
     from rlsched.analysis.report import build_report
     from rlsched.atomic import write_text_atomic
 
@@ -221,7 +227,7 @@ def report(
         write_text_atomic(out, page)
     info["out"] = str(out)
     if as_json:
-        print(json.dumps(info, indent=2))
+        print(json_text(info))
     else:
         print(f"report: {out} ({len(info['figures'])} figures: {', '.join(info['figures'])})")
 
@@ -255,6 +261,8 @@ def replay(
 
     if plot is not None and plot.suffix.lower() not in (".png", ".pdf"):
         raise UserError(f"--plot {plot}: the file name must end in .png or .pdf")
+    if plot is not None:
+        check_writable(plot, "--plot", folder=False)
     result = replay_run(rundir, cost, policy)
     summary = result.summary()
     if baseline is not None:
@@ -271,7 +279,7 @@ def replay(
         save_figure(replay_figure(result), plot)
         summary["plot"] = str(plot)
     if as_json:
-        print(json.dumps(summary, indent=2))
+        print(json_text(summary))
         return
     t = Table(title=f"rlsched replay {rundir}: policy={result.policy} drafter={result.drafter or 'off'}")
     t.add_column("metric", style="bold")
@@ -325,9 +333,10 @@ def import_vllm(
     from rlsched.traces.vllm_metrics import import_vllm as run_import
     from rlsched.traces.vllm_metrics import report
 
+    check_writable(out, "--out")
     summary = run_import(metrics, out, k, drafter)
     if as_json:
-        print(json.dumps(summary, indent=2))
+        print(json_text(summary))
         return
     cols, rows, lines = report(summary)
     t = Table(title=f"rlsched import-vllm: {metrics} -> {out}")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
-from rich.markup import escape
+from rich.text import Text
 
 from rlsched import __version__
 from rlsched.errors import UserError
@@ -21,8 +21,10 @@ app = typer.Typer(
     "and learn policies; generate, profile and train (run) with the real engine; fit, replay, plot "
     "and report from what it measured.",
 )
-out_console = Console()
-err_console = Console(stderr=True)
+# what is printed is plain text: a policy such as twostate:a:b or a path with [brackets] is shown
+# as written, never read as an emoji code or as markup
+out_console = Console(emoji=False, markup=False)
+err_console = Console(stderr=True, emoji=False, markup=False)
 
 
 def _version(value: bool):
@@ -108,11 +110,44 @@ def _print_unwrapped(console: Console, renderable) -> None:
     console.print(renderable)
 
 
+def _os_error_line(e: OSError) -> str:
+    """A file that could not be written or read, in one line: the path, why, what to do."""
+    import errno
+
+    from rlsched.atomic import NO_ROOM
+
+    path = e.filename
+    why = e.strerror or str(e)
+    if e.errno in NO_ROOM:
+        fix = "free disk space, or give an --out on a disk with room"
+    elif e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        fix = "check its permissions, or give an --out in a folder you may write to"
+    elif e.errno in (errno.ENOENT, errno.ENOTDIR):
+        fix = "check that the path and every folder above it exist (and are folders)"
+    elif e.errno == errno.EISDIR:
+        fix = "it is a folder; give a file"
+    else:
+        fix = "check the path, or give another --out"
+    return f"cannot use '{path}': {why}; {fix}"
+
+
+def _error(message: str) -> None:
+    err_console.print(Text.assemble(("error:", "bold red"), " ", message), highlight=False, soft_wrap=True)
+
+
 def main() -> None:
+    """Run the command; bad input (a UserError) and a file that cannot be written or read (an
+    OSError naming it) end as one line on stderr and exit code 2. Anything else is a bug and
+    keeps its traceback."""
     try:
         app()
     except UserError as e:
-        err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+        _error(str(e))
+        sys.exit(2)
+    except OSError as e:
+        if e.filename is None:
+            raise
+        _error(_os_error_line(e))
         sys.exit(2)
     except KeyboardInterrupt:
         err_console.print("interrupted; nothing written")

@@ -8,7 +8,16 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from rlsched.cli.common import JsonOpt, _int_list, _need_executor, _print_unwrapped, app, err_console, out_console
+from rlsched.atomic import check_writable, json_text
+from rlsched.cli.common import (
+    JsonOpt,
+    _int_list,
+    _need_executor,
+    _print_unwrapped,
+    app,
+    err_console,
+    out_console,
+)
 from rlsched.errors import UserError
 from rlsched.policies.registry import usage as policy_usage
 
@@ -113,6 +122,11 @@ def generate(
     out: Path = _GENERATE_OUT,
     as_json: bool = JsonOpt,
 ):
+    if not 0.0 <= temperature <= 100.0:  # NaN included
+        raise UserError(f"--temperature: temperature must be >= 0 (0: greedy) and at most 100 (got {temperature})")
+    if not 0.0 < top_p <= 1.0:
+        raise UserError(f"--top-p: top_p must lie in (0, 1] (1: off; got {top_p})")
+    check_writable(out, "--out")
     _need_executor("generate")
     from rlsched.executor.generate import GenerateArgs, prepare, run
 
@@ -147,7 +161,7 @@ def generate(
     with err_console.status(f"generating {len(setup.prompts)} prompts x {n} samples ({policy})"):
         summary = run(setup, out, log)
     if as_json:
-        print(json.dumps(summary, indent=2))
+        print(json_text(summary))
         return
     _print_generated(summary, f"policy={policy} drafter={setup.drafter_name}", out)
 
@@ -221,6 +235,7 @@ def profile(
     draft record of its width) and profile.json;
     `rlsched generate --cost-model FOLDER` and the cost-model fit read it.
     """
+    check_writable(out, "--out")
     _need_executor("profile")
     from rlsched.executor.profile_run import run_profile
 
@@ -285,6 +300,7 @@ def run(
     ),
     as_json: bool = JsonOpt,
 ):
+    check_writable(out, "--out")
     _need_executor("run")
     from rlsched.executor.rl.config import load_run_config
     from rlsched.executor.rl.trainer import Trainer
@@ -299,8 +315,8 @@ def run(
         if cfg is None:
             raise UserError(f"--resume: {out} holds no run (no config.yaml); give the --out of an earlier run")
     else:
-        flags = [
-            f"{k}={v}"
+        flags = [  # a name as a YAML string: `static:` stays the text given, for the parser to judge
+            f"{k}={json.dumps(v) if isinstance(v, str) else v}"
             for k, v in (
                 ("policy", policy),
                 ("rollout.backend", backend),
@@ -314,7 +330,7 @@ def run(
     trainer = Trainer(cfg, out, resume=resume, log=log)
     summary = _run_with_progress(trainer, cfg)
     if as_json:
-        print(json.dumps(summary, indent=2))
+        print(json_text(summary))
         return
     t = Table(title=f"rlsched run: {cfg.algorithm.name}, policy={cfg.policy}, drafter={trainer.drafter_name}")
     t.add_column("metric", style="bold")

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import typer
 from rich.table import Table
 
+from rlsched.atomic import check_writable, json_text
 from rlsched.cli.common import (
     ConfigOpt,
     CostOpt,
@@ -104,9 +104,10 @@ def simulate(
     make_draft_policy(pol, policy_context(cfg, true_acceptance=lambda d, ids: None))
     make_realloc_policy(realloc or cfg.cluster.realloc)
     out = out or _default_out(cfg.name, pol.text, cfg.seed)
+    check_writable(out, "--out")
     summary = run_and_write(cfg, pol, realloc, out, baseline, err_console)
     if as_json:
-        print(json.dumps(summary, indent=2))
+        print(json_text(summary))
     else:
         _print_summary(summary)
 
@@ -214,6 +215,9 @@ def compare(
     if seeds < 1:
         raise UserError(f"--seeds must be >= 1 (got {seeds})")
     cmp.check_out_path(out, plot)
+    for path, option, folder in ((out, "--out", True), (plot, "--plot", False)):
+        if path is not None:
+            check_writable(path, option, folder=folder)
     if ray is not None:
         if not ray.strip():
             raise UserError("--ray needs an address (host:port) or 'auto'")
@@ -231,7 +235,7 @@ def compare(
     table = cmp.rich_table(report)
     if as_json:
         _print_unwrapped(err_console, table)
-        print(json.dumps(report, indent=2))
+        print(json_text(report))
     else:
         _print_unwrapped(out_console, table)
         for label, path in (("output", out), ("plot", plot)):

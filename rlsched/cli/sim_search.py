@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
+from rlsched.atomic import check_writable, json_text, write_text_atomic
 from rlsched.cli.common import (
     ConfigOpt,
     CostOpt,
@@ -126,6 +127,8 @@ def plan(
     from rlsched.sim.runs import default_workers
 
     _check_plan_options(gpus, objective, workers, from_run is not None and bool(workload or config), ray)
+    if out is not None:  # before a run folder is fitted (the default place needs the workload's name)
+        check_writable(out, "--out")
     overrides = [f"model={model}"] * (model is not None) + [f"hardware={hardware}"] * (hardware is not None)
     overrides += list(set_) + ["record_timeline=false"]
     with tempfile.TemporaryDirectory() as work:
@@ -135,6 +138,7 @@ def plan(
             base = base_for_plan(load_config(workload, config, overrides), None, None, [], drafters)
         budget, space = _plan_space(base, gpus, from_run is not None, tps, max_batches)
         out = out or Path("runs/plan") / f"{base.name}-{budget}g{base.hardware.name}"
+        check_writable(out, "--out")
         done = [0]
 
         with err_console.status(f"planning {base.model.name} on {budget} x {base.hardware.name}") as status:
@@ -160,7 +164,7 @@ def plan(
             )
     summary["out"] = str(out)
     if as_json:
-        print(json.dumps(summary, indent=2))
+        print(json_text(summary))
         return
     _print_plan(result, summary, f"{base.model.name} on {budget} x {base.hardware.name}, {base.name}", objective, out)
 
@@ -327,12 +331,11 @@ def learn(
     }
     if vllm_table is not None:
         table = to_vllm(pf, cfg.cluster.max_batch, cfg.drafters[0].acceptance.mean, learner.ctx.typical_ctx)
-        vllm_table.parent.mkdir(parents=True, exist_ok=True)
-        vllm_table.write_text(json.dumps(table, indent=2))
+        write_text_atomic(vllm_table, json_text(table) + "\n")
         summary["vllm_table"] = str(vllm_table)
         summary["num_speculative_tokens_per_batch_size"] = table["num_speculative_tokens_per_batch_size"]
     if as_json:
-        print(json.dumps(summary, indent=2))
+        print(json_text(summary))
         return
     out_console.print(f"learned {kind} policy: {json.dumps(pf.params)}", highlight=False)
     out_console.print(
@@ -353,5 +356,7 @@ def _check_learn_options(kind: str, seeds: int, workers: int | None, out: Path, 
     for path, opt in ((out, "--out"), (vllm_table, "--vllm-table")):
         if path is not None and path.suffix != ".json":
             raise UserError(f"{opt} '{path}' must end in .json")
+        if path is not None:
+            check_writable(path, opt, folder=False)
     if ray is not None:
         import_ray("--ray")

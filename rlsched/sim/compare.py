@@ -358,13 +358,11 @@ def check_out_path(out: Path | None, plot: Path | None) -> None:
 def write_report(report: dict, out: Path) -> None:
     """compare.json and compare.parquet in `out`, atomically: written to a temporary sibling
     that is renamed into place (a previous folder of the same name is replaced)."""
-    import json
-
     import pyarrow as pa
 
-    from rlsched.atomic import atomic_folder
+    from rlsched.atomic import atomic_folder, json_text
     from rlsched.traces.writer import write_table
 
     with atomic_folder(out) as tmp:
-        (tmp / "compare.json").write_text(json.dumps(report, indent=2))
+        (tmp / "compare.json").write_text(json_text(report))
         write_table(tmp / "compare.parquet", pa.Table.from_pandas(run_rows(report), preserve_index=False))

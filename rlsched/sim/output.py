@@ -6,7 +6,6 @@ renamed into place at the end (a previous folder of the same name is replaced).
 
 from __future__ import annotations
 
-import json
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from rlsched import __version__
-from rlsched.atomic import atomic_folder
+from rlsched.atomic import atomic_folder, json_text
 from rlsched.config import SimConfig
 from rlsched.policies.registry import OFF_SPEC, PolicySpec
 from rlsched.sim.simulate import SimResult, simulate
@@ -46,8 +45,8 @@ def write_result(result: SimResult, out: Path, summary: dict, meta: dict) -> Non
         write_table(tmp / "samples.parquet", to_table("samples", result.samples_frame()))
         write_table(tmp / "rl_steps.parquet", to_table("rl_steps", result.steps_frame()))
         (tmp / "config.yaml").write_text(yaml.safe_dump(result.config.model_dump(mode="json"), sort_keys=False))
-        (tmp / "summary.json").write_text(json.dumps(summary, indent=2))
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))  # creation info: kept out of the summary
+        (tmp / "summary.json").write_text(json_text(summary))
+        (tmp / "meta.json").write_text(json_text(meta))  # creation info: kept out of the summary
 
 
 def run_and_write(

@@ -16,7 +16,8 @@ from rlsched.policies.registry import as_spec
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # numbers must be finite: an infinite learning rate or a NaN temperature has no meaning
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class RolloutConfig(_Strict):
@@ -25,7 +26,7 @@ class RolloutConfig(_Strict):
     prompts_per_step: int = Field(16, ge=1)
     group_size: int = Field(8, ge=1, description="samples per prompt (GRPO's G)")
     max_tokens: int = Field(48, ge=1)
-    temperature: float = Field(1.0, gt=0.0, description="RL samples: > 0 (greedy would have no exploration)")
+    temperature: float = Field(1.0, gt=0.0, le=100.0, description="RL samples: > 0 (greedy would have no exploration)")
     max_batch: int = Field(64, ge=1)
     k_max: int = Field(6, ge=1)
     width_max: int = Field(
