@@ -2,13 +2,18 @@
 
 Everything the user gives is checked before anything is written (the policy and its cost model
 folder first, before any model is loaded; then model and drafter folders, vocabularies, prompts,
-sampling), so bad input leaves no folder behind. The run then writes, under `out/`:
+sampling), so bad input leaves no folder behind. Then `out` is locked (`rlsched.locks`: one
+command at a time per folder) before it is looked at, and held until the run ends. The run then
+writes, under `out/`:
 
 - `traces/steps/`, `traces/samples/`: the engine's trace parts, journaled every record (a run
   killed mid-way keeps every completed step readable);
 - `samples.parquet`: per sample the prompt id, the token ids, the text and the per-token
   target log-probs (what an RL update needs);
 - `summary.json`: tokens/s, mean accepted length and the run's settings.
+
+A write that fails for want of room or permission removes the folder and ends the command in
+one line naming the file.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import torch
 
 from rlsched.errors import UserError
 from rlsched.executor.backends import BackendConfig, make_backend
-from rlsched.executor.folders import prepare_out
+from rlsched.executor.folders import WriteFailed, prepare_out, remove_leftovers, writing
 from rlsched.executor.gcfreeze import freeze_long_lived
 from rlsched.executor.prompts import Prompt, load_prompts
 from rlsched.executor.setup import (
@@ -41,6 +46,7 @@ from rlsched.executor.setup import (
     make_drafter,
     needs_cost,
 )
+from rlsched.locks import FolderLock, hold
 from rlsched.policies.drafters import drafter_names
 from rlsched.policies.registry import GENERATE, PolicySpec, parse_policy
 
@@ -116,7 +122,7 @@ def _check_numbers(a: GenerateArgs) -> None:
 
 @dataclass
 class Setup:
-    """Everything checked and loaded; nothing written yet."""
+    """Everything checked and loaded, the out folder locked; nothing written to it yet."""
 
     args: GenerateArgs
     policy: PolicySpec  # --policy, parsed
@@ -124,6 +130,7 @@ class Setup:
     prompts: list[Prompt]
     sampling: object
     eos: int | None
+    lock: FolderLock | None = None  # on the out folder, from `prepare` to the end of `run`
 
     @property
     def drafter_name(self) -> str:
@@ -143,17 +150,50 @@ def prepare(a: GenerateArgs, out: Path | None, log=None) -> Setup:
     m = load_models(a.model, a.drafter, device=a.device, dtype=a.dtype, log=log)
     check_policy_model(policy, m.target_dir, m.target.config)
     prompts = load_prompts(a.prompts, m.tokenizer)
-    if a.compile:  # after every check: compiling takes a while
-        from rlsched.executor.model.compiled import compile_for_engine
+    lock = None if out is None else _lock_out(out)
+    try:
+        if a.compile:  # after every check: compiling takes a while
+            from rlsched.executor.model.compiled import compile_for_engine
 
-        compile_for_engine(m.target, [] if m.drafter_model is None else [m.drafter_model], a.k_max, a.max_batch, log)
-    if out is not None:
+            compile_for_engine(
+                m.target, [] if m.drafter_model is None else [m.drafter_model], a.k_max, a.max_batch, log
+            )
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return Setup(a, policy, m, prompts, sampling, None if a.ignore_eos else m.eos, lock)
+
+
+def _lock_out(out: Path) -> FolderLock:
+    """Lock `out`, then check it and clear what killed writes left beside it."""
+    lock = hold(out, "generate")
+    try:
         prepare_out(out)
-    return Setup(a, policy, m, prompts, sampling, None if a.ignore_eos else m.eos)
+        remove_leftovers(out, siblings=True)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
 
 
 def run(s: Setup, out: Path, log=None) -> dict:
-    """Generate every prompt `n` times with the engine; write the folder; return the summary."""
+    """Generate every prompt `n` times with the engine; write the folder; return the summary.
+    The lock `prepare` took is given back at the end."""
+    try:
+        with writing(out):
+            return _generate(s, out, log)
+    except WriteFailed as e:
+        shutil.rmtree(out, ignore_errors=True)
+        raise UserError(
+            f"writing {e.path} failed ({e.reason}); {out} was removed: {e.fix}, then generate again"
+        ) from None
+    finally:
+        if s.lock is not None:
+            s.lock.release()
+
+
+def _generate(s: Setup, out: Path, log) -> dict:
     from rlsched.atomic import write_text_atomic
     from rlsched.executor.engine.rows import Request, check_requests
     from rlsched.traces.writer import write_table

@@ -1,5 +1,7 @@
-"""`rlsched profile`: load the target and its drafters, measure the grid (`profiler.profile`),
-write the step records and profile.json, and print the verify times."""
+"""`rlsched profile`: load the target and its drafters, lock and check the out folder
+(`rlsched.locks`: one command at a time per folder), measure the grid (`profiler.profile`),
+write the step records and profile.json (whole, or nothing: a write failing for want of room
+ends the command in one line), and print the verify times."""
 
 from __future__ import annotations
 
@@ -36,9 +38,9 @@ def run_profile(
     width_max: int = 1,
 ) -> Path:
     """`rlsched profile`: load, check, measure, write `out/traces/steps/` and `out/profile.json`."""
-    from rlsched.executor.decode.drafters import ModelDrafter
-    from rlsched.executor.folders import prepare_out, resolve_model_dir
+    from rlsched.executor.folders import prepare_out, remove_leftovers, resolve_model_dir
     from rlsched.executor.model.loading import load_model
+    from rlsched.locks import FolderLock
 
     _check_arguments(k_max, repeats, passes, width_max, statistic, threads)
     if threads is not None:
@@ -51,49 +53,56 @@ def run_profile(
     timed = _drafters_to_time(
         drafters, model, target, target_dir, sampling, max(batch_sizes), max_len, device, dtype, log
     )
-    if compile:  # after every check: compiling takes a while
-        from rlsched.executor.model.compiled import compile_for_engine
-
-        compile_for_engine(
-            target.model, [d.model for d in timed.values() if isinstance(d, ModelDrafter)], k_max, max(batch_sizes), log
-        )
-    prepare_out(out, "profile.json", "profile")
-    with console.status("profiling") as status:
-        records = profile(
-            target.model,
-            timed,
-            batch_sizes=batch_sizes,
-            k_max=k_max,
-            contexts=contexts,
-            repeats=repeats,
-            passes=passes,
-            sampling=sampling,
-            statistic=STATISTICS[statistic],
-            width_max=width_max,
-            progress=lambda i, n, b, c: status.update(f"profiling: point {i}/{n} (batch {b}, context {c})"),
-        )
-    about = {
-        "model": str(target_dir),
-        "model_shape": target.model.config.shape,
-        "drafters": list(timed),
-        "batch_sizes": batch_sizes,
-        "k_max": k_max,
-        "width_max": width_max,
-        "contexts": contexts,
-        "prefill_contexts": sorted({*contexts, *prefill_midpoints(contexts)}),
-        "repeats": repeats,
-        "passes": passes,
-        "statistic": statistic,
-        "device": device,
-        "dtype": dtype,
-        "compiled": compile,
-        "threads": torch.get_num_threads(),
-        "machine": platform.node(),
-        "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-    _write_profile(out, records, about)
+    with FolderLock(out, "profile"):  # given back at the end: the folder is written whole by then
+        prepare_out(out, "profile.json", "profile")
+        remove_leftovers(out, siblings=True)
+        if compile:  # after every check: compiling takes a while
+            _compile(target, timed, k_max, max(batch_sizes), log)
+        with console.status("profiling") as status:
+            records = profile(
+                target.model,
+                timed,
+                batch_sizes=batch_sizes,
+                k_max=k_max,
+                contexts=contexts,
+                repeats=repeats,
+                passes=passes,
+                sampling=sampling,
+                statistic=STATISTICS[statistic],
+                width_max=width_max,
+                progress=lambda i, n, b, c: status.update(f"profiling: point {i}/{n} (batch {b}, context {c})"),
+            )
+        about = {
+            "model": str(target_dir),
+            "model_shape": target.model.config.shape,
+            "drafters": list(timed),
+            "batch_sizes": batch_sizes,
+            "k_max": k_max,
+            "width_max": width_max,
+            "contexts": contexts,
+            "prefill_contexts": sorted({*contexts, *prefill_midpoints(contexts)}),
+            "repeats": repeats,
+            "passes": passes,
+            "statistic": statistic,
+            "device": device,
+            "dtype": dtype,
+            "compiled": compile,
+            "threads": torch.get_num_threads(),
+            "machine": platform.node(),
+            "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        _write_profile(out, records, about)
     table_console.print(_verify_table(pd.DataFrame(records), contexts, out))
     return out
+
+
+def _compile(target, timed: dict, k_max: int, max_batch: int, log) -> None:
+    """The target's and the model drafters' forwards compiled for the grid (`--compile`)."""
+    from rlsched.executor.decode.drafters import ModelDrafter
+    from rlsched.executor.model.compiled import compile_for_engine
+
+    drafters = [d.model for d in timed.values() if isinstance(d, ModelDrafter)]
+    compile_for_engine(target.model, drafters, k_max, max_batch, log)
 
 
 def _check_arguments(k_max: int, repeats: int, passes: int, width_max: int, statistic: str, threads: int | None):
@@ -140,16 +149,23 @@ def _drafters_to_time(
 
 
 def _write_profile(out: Path, records: list[dict], about: dict) -> None:
-    """The step records under `out/traces/steps/` and `about` as `out/profile.json`, whole."""
+    """The step records under `out/traces/steps/` and `about` as `out/profile.json`, whole (a
+    write failing for want of room or permission: one UserError line, nothing written)."""
     from rlsched.atomic import atomic_folder, write_text_atomic
+    from rlsched.executor.folders import WriteFailed, writing
     from rlsched.traces.writer import TraceWriter
 
-    with atomic_folder(out) as tmp:
-        w = TraceWriter(tmp / "traces", "steps", flush_every=len(records))
-        for r in records:
-            w.append(r)
-        w.close()
-        write_text_atomic(tmp / "profile.json", json.dumps(about, indent=2) + "\n")
+    try:
+        with writing(out), atomic_folder(out) as tmp:
+            w = TraceWriter(tmp / "traces", "steps", flush_every=len(records))
+            for r in records:
+                w.append(r)
+            w.close()
+            write_text_atomic(tmp / "profile.json", json.dumps(about, indent=2) + "\n")
+    except WriteFailed as e:
+        raise UserError(
+            f"writing {e.path} failed ({e.reason}); nothing was written: {e.fix}, then profile again"
+        ) from None
 
 
 def _verify_table(df: pd.DataFrame, contexts: list[int], out: Path):

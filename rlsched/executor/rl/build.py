@@ -1,11 +1,14 @@
 """Everything an RL run needs, built from its RunConfig: `build(cfg, out)`.
 
-Every input is checked before anything is written (the out folder; the policy and its cost
-model folder, before any model is loaded; the data, the reward, the model and drafter folders),
-then the run's state is restored from its checkpoint (on resume), the drafter and the draft
-policy are made (profiling step costs first when the policy prices them and no profile is
-given), the out folder is prepared and the rollout backend started: rlsched's own engine in
-this process, a Ray pool of them, or vLLM.
+The out folder is locked first (`rlsched.locks`: one command at a time per folder, held until
+the process ends). Every input is checked before anything is written (the out folder, whose
+temporaries left by killed writes are then removed; the policy and its cost model folder,
+before any model is loaded; the data, the reward, the model and drafter folders), then the
+run's state is restored from its checkpoint (on resume), the drafter and the draft policy are
+made (profiling step costs first when the policy prices them and no profile is given), the out
+folder is prepared and the rollout backend started: rlsched's own engine in this process, a Ray
+pool of them, or vLLM. A write that fails there for want of room or permission ends the run in
+one line (`write_failed`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import yaml
 from rlsched.errors import UserError
 from rlsched.executor.backends import BackendConfig, RolloutBackend, make_backend
 from rlsched.executor.decode.drafters import drafter_cache_len
+from rlsched.executor.folders import WriteFailed, is_leftover, remove_leftovers, writing
 from rlsched.executor.prompts import encode
 from rlsched.executor.rl.checkpoint import SUMMARY, TrainState, restore, rewind_out
 from rlsched.executor.rl.config import RunConfig
@@ -40,6 +44,7 @@ from rlsched.executor.setup import (
     make_drafter,
     needs_cost,
 )
+from rlsched.locks import hold
 from rlsched.policies.drafters import drafter_names
 from rlsched.policies.registry import run_words
 
@@ -60,17 +65,27 @@ class Setup:
     start_step: int
     longest: int  # the longest prompt the caches are sized for, in tokens
     backend: RolloutBackend
+    out_existed: bool = False  # `out` was there before the run: empty, or an earlier finished run
 
 
 def build(cfg: RunConfig, out: Path, *, resume: bool = False, log=None) -> Setup:
-    """Check, load, restore, profile, then prepare `out` and start the rollout backend."""
+    """Lock `out` (until the process ends; at once again if building fails), check, load,
+    restore, profile, then prepare `out` and start the rollout backend."""
+    lock = hold(out, "run")
+    try:
+        return _build(cfg, Path(out), resume, log or (lambda msg: None))
+    except BaseException:
+        lock.release()
+        raise
+
+
+def _build(cfg: RunConfig, out: Path, resume: bool, log) -> Setup:
     from rlsched.executor.decode.sampling import SamplingParams
     from rlsched.executor.rl.data import make_source
     from rlsched.executor.rl.rewards import resolve_reward
 
-    log = log or (lambda msg: None)
-    out, r = Path(out), cfg.rollout
-    check_out(out, resume)
+    r = cfg.rollout
+    existed = check_out(out, resume)
     check_policy_inputs(cfg)  # from the config alone, before anything is loaded
     if r.instances > 1:
         from rlsched.executor.pool.instances import require_ray
@@ -102,28 +117,33 @@ def build(cfg: RunConfig, out: Path, *, resume: bool = False, log=None) -> Setup
     typical = typical_context(cfg, source, m.tokenizer)
     if restored is None:
         policy, cost, profile = make_policy(cfg, m, drafter, sampling, typical, out, log)
-    if resume:
-        rewind_out(out, start_step)
-        log(f"resuming {out} at step {start_step}")
-    else:
-        new_out(out, cfg)
-    if profile is not None:
-        from rlsched.traces.writer import write_table
+    try:
+        with writing(out):
+            if resume:
+                remove_leftovers(out)  # of writes killed mid-way: under the lock, no live writer owns them
+                rewind_out(out, start_step)
+                log(f"resuming {out} at step {start_step}")
+            else:
+                new_out(out, cfg)
+            if profile is not None:
+                from rlsched.traces.writer import write_table
 
-        write_table(out / PROFILE, pa.Table.from_pandas(profile, preserve_index=False))
-    backend = make_backend(
-        backend_config(cfg, longest, out, typical),
-        m,
-        drafter,
-        sampling,
-        policy,
-        cost=cost,
-        generator=state.generator,
-        estimator=estimator,
-        send_weights=True,
-        states=None if one else saved,
-        log=log,
-    )
+                write_table(out / PROFILE, pa.Table.from_pandas(profile, preserve_index=False))
+            backend = make_backend(
+                backend_config(cfg, longest, out, typical),
+                m,
+                drafter,
+                sampling,
+                policy,
+                cost=cost,
+                generator=state.generator,
+                estimator=estimator,
+                send_weights=True,
+                states=None if one else saved,
+                log=log,
+            )
+    except WriteFailed as e:
+        raise write_failed(e, out, resumable=resume, existed=existed) from None
     return Setup(
         source,
         reward_fn,
@@ -137,23 +157,25 @@ def build(cfg: RunConfig, out: Path, *, resume: bool = False, log=None) -> Setup
         start_step,
         longest,
         backend,
+        existed,
     )
 
 
 # --- the out folder ----------------------------------------------------------------------------
 
 
-def check_out(out: Path, resume: bool) -> None:
+def check_out(out: Path, resume: bool) -> bool:
     """Refuse an --out that holds no run to resume, is a file, holds an unfinished run (without
-    --resume) or is a non-empty folder that is not an earlier run."""
+    --resume) or is a non-empty folder that is not an earlier run (temporaries left by killed
+    writes do not count). Whether `out` is there."""
     if resume:
         if not (out / "config.yaml").is_file():
             raise UserError(f"--resume: {out} holds no run (no config.yaml); give the --out of an earlier run")
-        return
+        return True
     if out.exists():
         if not out.is_dir():
             raise UserError(f"--out {out} is a file; give a folder")
-        if any(out.iterdir()):
+        if any(not is_leftover(p) for p in out.iterdir()):
             if (out / "config.yaml").is_file() and not (out / SUMMARY).is_file():
                 raise UserError(
                     f"--out {out} holds an unfinished run; pass --resume to continue it, or give another --out"
@@ -162,6 +184,7 @@ def check_out(out: Path, resume: bool) -> None:
                 raise UserError(
                     f"--out {out} is a non-empty folder that is not an earlier run; give a new or empty folder"
                 )
+    return out.exists()
 
 
 def new_out(out: Path, cfg: RunConfig) -> None:
@@ -172,6 +195,34 @@ def new_out(out: Path, cfg: RunConfig) -> None:
         shutil.rmtree(out)
     out.mkdir(parents=True)
     write_text_atomic(out / "config.yaml", yaml.safe_dump(cfg.model_dump(), sort_keys=False))
+
+
+def write_failed(e: WriteFailed, out: Path, resumable: bool, existed: bool) -> UserError:
+    """The one line ending a run whose write failed for want of room or permission. A run that
+    can continue (it has a checkpoint, or was resumed) keeps its folder for --resume; one that
+    failed before its first checkpoint leaves nothing: its folder is removed (emptied, when it
+    was there before the run)."""
+    if resumable:
+        return UserError(
+            f"writing {e.path} failed ({e.reason}); {e.fix}, then continue with `rlsched run --resume --out {out}`"
+        )
+    discard_out(out, existed)
+    return UserError(
+        f"writing {e.path} failed ({e.reason}) before the run's first checkpoint; {out} was "
+        f"{'emptied' if existed else 'removed'}: {e.fix}, then run again"
+    )
+
+
+def discard_out(out: Path, keep_folder: bool) -> None:
+    """Remove what the run wrote to `out`, and `out` itself unless `keep_folder`."""
+    if not keep_folder:
+        shutil.rmtree(out, ignore_errors=True)
+        return
+    for p in out.iterdir() if out.is_dir() else []:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
 
 
 # --- the trainer's state -----------------------------------------------------------------------

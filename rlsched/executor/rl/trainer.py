@@ -16,7 +16,12 @@ Every step appends one `rl_steps` record (stage times, tokens, acceptance, rewar
 `checkpoint.pt` atomically (`checkpoint.py`). Randomness is a pure function of (seed, step),
 so resuming from a checkpoint gives the numbers an uninterrupted run gives (except where
 choices read wall-clock times: `bandit`, a calibrating `goodput`, the `pays` schedule of
-drafter updates). Everything the loop runs on is built by `build.py`.
+drafter updates). Everything the loop runs on is built by `build.py`, which locks the out
+folder for the rest of the process.
+
+A write that fails for want of room or permission (a full disk, a file-size limit, a read-only
+folder) ends the run in one line naming the file: to free space and continue with --resume
+when a checkpoint was written (or the run was resumed), else the run's folder is removed.
 """
 
 from __future__ import annotations
@@ -29,8 +34,9 @@ import torch
 
 from rlsched.errors import UserError
 from rlsched.executor.decode.drafters import drafter_cache_len
+from rlsched.executor.folders import WriteFailed, writing
 from rlsched.executor.prompts import encode
-from rlsched.executor.rl.build import build
+from rlsched.executor.rl.build import build, write_failed
 from rlsched.executor.rl.checkpoint import CHECKPOINT, save_checkpoint
 from rlsched.executor.rl.config import RunConfig
 from rlsched.executor.rl.data import prompt_key
@@ -60,6 +66,7 @@ class Trainer:
         self.drafter_names = drafter_names(b.drafter_name)
         self.state, self.reference, self.backend = b.state, b.reference, b.backend
         self.start_step, self._longest = b.start_step, b.longest
+        self._resumed, self._out_existed = resume, b.out_existed
 
     # --- one RL step -------------------------------------------------------------------------
 
@@ -159,8 +166,14 @@ class Trainer:
         record.update(reward_s=reward_s, reference_s=update["reference_s"], critic_s=update["critic_s"])
         self._rl_writer.append(record)
         if (s + 1) % c.checkpoint_every == 0 or s + 1 == c.steps:
-            save_checkpoint(self.out / CHECKPOINT, state.state_dict(c.model_dump(), s + 1, self.backend.policy_state()))
+            self._checkpoint(s + 1)
         return record
+
+    def _checkpoint(self, next_step: int) -> None:
+        """The whole state to checkpoint.pt, atomically (a failed write: WriteFailed naming it)."""
+        path = self.out / CHECKPOINT
+        with writing(path):  # torch's writer turns a failed write's OSError into its own error
+            save_checkpoint(path, self.state.state_dict(self.cfg.model_dump(), next_step, self.backend.policy_state()))
 
     def _prepare_update(self, requests, group, result, rb) -> dict:
         """The padded batch, old log-probs, advantages (and the critic's values for PPO)."""
@@ -272,13 +285,19 @@ class Trainer:
     # --- the run -------------------------------------------------------------------------------
 
     def run(self, on_step=None) -> dict:
-        """Steps start_step..steps-1; then summary.json (the run command adds the plots). Returns the summary."""
-        with self:
-            for s in range(self.start_step, self.cfg.steps):
-                rec = self.step(s)
-                if on_step is not None:
-                    on_step(rec)
-        return self.finish()
+        """Steps start_step..steps-1; then summary.json (the run command adds the plots). Returns
+        the summary. A write failing for want of room or permission raises a one-line UserError."""
+        try:
+            with writing(self.out):
+                with self:
+                    for s in range(self.start_step, self.cfg.steps):
+                        rec = self.step(s)
+                        if on_step is not None:
+                            on_step(rec)
+                return self.finish()
+        except WriteFailed as e:
+            resumable = self._resumed or (self.out / CHECKPOINT).is_file()
+            raise write_failed(e, self.out, resumable, self._out_existed) from None
 
     def __enter__(self) -> Trainer:
         """Open the RL-step trace, for `step` calls made by the caller: runs stepped in lockstep
@@ -292,8 +311,16 @@ class Trainer:
         return self
 
     def __exit__(self, *exc) -> None:
-        self._rl_writer.close()
-        self.backend.close()
+        """Close the RL-step trace and the backend, both; when the steps failed, their error is
+        the one raised (closing after a full disk fails too)."""
+        first = None
+        for close in (self._rl_writer.close, self.backend.close):
+            try:
+                close()
+            except Exception as e:
+                first = first or e
+        if first is not None and exc[0] is None:
+            raise first
 
     def finish(self) -> dict:
         """summary.json, from the RL-step trace. Returns the summary."""
