@@ -528,6 +528,18 @@ def test_damaged_run_folder(run_folder, work, data):
     _figures(folder)
 
 
+@settings(FUZZ, max_examples=max(8, EXAMPLES // 50))  # a second a replay
+@given(data=st.data())
+def test_replay_of_a_run_with_a_damaged_config(run_folder, work, data):
+    from rlsched.analysis.replay import replay_run
+
+    folder = work / "replayed"
+    shutil.rmtree(folder, ignore_errors=True)
+    shutil.copytree(run_folder, folder, ignore=shutil.ignore_patterns("checkpoint.pt", "plots", "rollouts"))
+    (folder / "config.yaml").write_bytes(data.draw(damaged(folder / "config.yaml")))
+    holds(replay_run, folder)
+
+
 @FEW
 @given(data=st.data())
 def test_damaged_simulate_folder(sim_folder, work, data):
