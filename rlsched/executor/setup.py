@@ -209,9 +209,11 @@ def cost_model(
     width_max: int = 1,
 ):
     """(MeasuredCostModel, profile records to save) when the run prices steps (`needs_cost`),
-    else (None, None): the `given` folder's (an earlier run's start-up profile, so a rerun
-    decides alike, or a `rlsched profile` folder's traces), the `saved` profile of a resumed
-    run, or a short profile now ('auto')."""
+    else (None, None): the `given` folder's (an earlier run's start-up profile, or a `rlsched
+    profile` folder's traces), the `saved` profile of a resumed run, or a short profile now
+    ('auto'). A profile's prices are wall-clock times: given the same folder, a rerun is priced
+    alike, and a policy that reads no step times as they run (`twostate`, `seqgoodput`) decides
+    alike; `goodput` also scales its prices by each step's measured time, so its choices vary."""
     import pandas as pd
 
     from rlsched.costs.measured import MeasuredCostModel
