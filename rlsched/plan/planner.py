@@ -32,6 +32,7 @@ from rlsched.plan.search import Ranked, run_seed, search, signature
 from rlsched.plan.space import Candidate, Space, candidates, from_config, to_config
 from rlsched.policies.registry import parse_policy
 from rlsched.policies.vllm_plan import TABLE_FIELD
+from rlsched.sim.sizes import check_fits
 
 KNOBS = ("placement", "tp", "max_batch", "memory", "policy", "realloc", "update_schedule")
 
@@ -133,6 +134,16 @@ class Plan:
         return self.ranked[0]
 
 
+def check_plan_fits(base: SimConfig, space: Space, workers: int, ray_address: str | None) -> None:
+    """Refuse a plan this machine's memory cannot hold, before any work: the screen draws each
+    setup's rollout and solves the two-state rule over the space's batch limits (and the
+    workload's own); the search runs `workers` simulations side by side."""
+    most = max(*space.max_batches, base.cluster.max_batch)
+    side = workers if ray_address is None else 1
+    largest = base.model_copy(update={"cluster": base.cluster.model_copy(update={"max_batch": most})})
+    check_fits(largest, grid=True, workers=side, processes=side > 1)
+
+
 def make_plan(
     base: SimConfig,
     space: Space,
@@ -153,6 +164,7 @@ def make_plan(
         raise UserError(f"--seeds must be >= 1 (got {seeds})")
     if survivors < 1:
         raise UserError(f"--survivors must be >= 1 (got {survivors})")
+    check_plan_fits(base, space, workers, ray_address)
     t = time.perf_counter()
     cands = candidates(base, space)
     scored, dropped = screen(base, cands, objective)

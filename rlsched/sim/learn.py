@@ -30,6 +30,7 @@ from rlsched.policies.policyfile import (
 )
 from rlsched.policies.tree import max_nodes
 from rlsched.sim.simulate import config_identity, policy_context
+from rlsched.sim.sizes import check_fits
 
 ACCEPT_EDGES = [0.0, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
 # context-bucket edges, in units of the workload's typical context per sequence: half-octave steps
@@ -85,6 +86,8 @@ def parallel_evaluator(workers: int, ray_address: str | None = None) -> Evaluato
 class Learner:
     def __init__(self, cfg: SimConfig, seeds: list[int], evaluate: Evaluator = serial_evaluator, log=print):
         self.cfg, self.seeds, self.evaluate, self.log = cfg, seeds, evaluate, log
+        # its table and two-state rule price every batch up to max_batch; its runs are checked where they run
+        check_fits(cfg, grid=True)
         self.cost = cost_model_for(cfg)
         self.ctx = policy_context(cfg, self.cost)
         self.drafter = cfg.drafters[0].name

@@ -14,6 +14,7 @@ from rlsched.config import SimConfig
 from rlsched.distributed import check_cluster_address, import_ray
 from rlsched.errors import UserError
 from rlsched.policies.registry import PolicySpec
+from rlsched.sim.sizes import check_fits, estimate, prices_grid
 
 
 def default_workers() -> int:
@@ -81,9 +82,13 @@ def run_jobs(
     on_done: Callable[[dict], None] | None = None,
 ) -> list[dict]:
     """Run every job on `cfg` (or on its own config: a list, one a job); results come back in
-    the order of `jobs` whatever the order of completion."""
+    the order of `jobs` whatever the order of completion. Runs this machine's memory cannot
+    hold side by side are refused before any starts (`sim/sizes.py`; on Ray, each node checks
+    its own)."""
     on_done = on_done or (lambda r: None)
     cfgs = cfg if isinstance(cfg, list) else [cfg] * len(jobs)
+    if ray_address is None and jobs:
+        check_jobs_fit(cfgs, jobs, 1 if workers <= 1 else min(workers, len(jobs)))
     if ray_address is not None:
         results = _run_ray(cfgs, jobs, ray_address, on_done)
     elif workers <= 1 or len(jobs) <= 1:
@@ -100,6 +105,18 @@ def run_jobs(
                 "install the same version on every node"
             )
     return results
+
+
+def check_jobs_fit(cfgs: list[SimConfig], jobs: list[Job], workers: int) -> None:
+    """Refuse jobs whose largest simulation, `workers` at a time (each in a worker process when
+    more than one), does not fit in this machine's memory."""
+    largest: dict[tuple[int, bool], tuple[float, SimConfig, PolicySpec | str]] = {}
+    for c, (policy, *_) in zip(cfgs, jobs):
+        key = (id(c), prices_grid(policy))
+        if key not in largest:
+            largest[key] = (estimate(c, policy).memory, c, policy)
+    _, c, policy = max(largest.values(), key=lambda x: x[0])
+    check_fits(c, policy=policy, workers=workers, processes=workers > 1)
 
 
 def _run_processes(cfgs: list[SimConfig], jobs: list[Job], workers: int, on_done) -> list[dict]:

@@ -15,6 +15,7 @@ from rlsched.policies.realloc import make_realloc_policy
 from rlsched.policies.registry import PolicySpec, as_spec, make_draft_policy
 from rlsched.sim.cluster import kv_capacity
 from rlsched.sim.rlstep import StepRecord, TrueAcceptance, rl_run
+from rlsched.sim.sizes import check_fits
 from rlsched.sim.timeline import KINDS, Timeline
 from rlsched.sim.workload import sample_lengths
 
@@ -182,9 +183,11 @@ def simulate(
     """Simulate cfg.rl.steps RL steps with a drafting policy (default: the config's) and a
     reallocation policy.
 
-    `cost` defaults to the config's: its analytic roofline, or its fitted `cost_file`.
+    `cost` defaults to the config's: its analytic roofline, or its fitted `cost_file`. A run this
+    machine's memory cannot hold is refused before any work (`sim/sizes.py`).
     """
     policy = as_spec(policy) if policy else cfg.speculation.policy
+    check_fits(cfg, policy=policy)
     realloc_name = realloc or cfg.cluster.realloc
     cost = cost or cost_model_for(cfg)
     truth = TrueAcceptance()
