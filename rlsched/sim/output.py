@@ -26,7 +26,7 @@ def run_with_progress(
 ) -> SimResult:
     with Progress(
         SpinnerColumn(),
-        TextColumn("{task.description}"),
+        TextColumn("{task.description}", markup=False),  # a config name as written
         BarColumn(),
         TextColumn("{task.completed}/{task.total} RL steps"),
         TimeElapsedColumn(),
