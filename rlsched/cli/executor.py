@@ -270,7 +270,9 @@ RUN_HELP = (
     "acceptance, rewards), rollouts/ (every sample's text and reward), checkpoint.pt (every "
     "checkpoint_every steps, atomically), plots/learning_curve.png and summary.json. A killed run continues "
     "with --resume (same --out) from its last checkpoint (the same numbers unless choices read wall-clock "
-    "times: bandit, goodput's calibration, the pays schedule).\n\n"
+    "times: bandit, goodput's calibration, the pays schedule). The same seed repeats a run's samples only "
+    "where no choice reads a clock, e.g. --policy static:3 --set drafter_update.schedule=every "
+    "(docs/rl.md, Reproducibility).\n\n"
     "Example: rlsched run --policy static:3 --set steps=20 --set algorithm.name=ppo --out runs/run/ppo"
 )
 

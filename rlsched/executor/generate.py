@@ -18,7 +18,6 @@ one line naming the file.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import shutil
@@ -194,7 +193,7 @@ def run(s: Setup, out: Path, log=None) -> dict:
 
 
 def _generate(s: Setup, out: Path, log) -> dict:
-    from rlsched.atomic import write_text_atomic
+    from rlsched.atomic import json_text, write_text_atomic
     from rlsched.executor.engine.rows import Request, check_requests
     from rlsched.traces.writer import write_table
 
@@ -212,7 +211,7 @@ def _generate(s: Setup, out: Path, log) -> dict:
     df = _samples_frame(s, requests, result.samples)
     write_table(out / "samples.parquet", pa.Table.from_pandas(df, preserve_index=False))
     summary = _summary(s, result.stats, df, budget, out)
-    write_text_atomic(out / MARKER, json.dumps(summary, indent=2) + "\n")
+    write_text_atomic(out / MARKER, json_text(summary) + "\n")
     return summary
 
 

@@ -18,6 +18,7 @@ from rlsched.atomic import atomic_folder, json_text
 from rlsched.config import SimConfig
 from rlsched.policies.registry import OFF_SPEC, PolicySpec
 from rlsched.sim.simulate import SimResult, simulate
+from rlsched.sim.sizes import check_fits
 from rlsched.traces.writer import to_table, write_table
 
 
@@ -53,6 +54,7 @@ def run_and_write(
     cfg: SimConfig, policy: PolicySpec, realloc: str | None, out: Path, baseline: bool, console: Console
 ) -> dict:
     """Simulate, optionally simulate `off` on the same seed for the speedup, write the folder."""
+    check_fits(cfg, policy=policy, out=out)  # memory and the output's disk, before any work
     result = run_with_progress(cfg, policy, realloc, console, f"simulating {cfg.name} ({policy})")
     summary = result.summary()
     if baseline and policy.family != "off":

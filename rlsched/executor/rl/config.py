@@ -125,7 +125,8 @@ class RunConfig(_Strict):
     cost_model: str = Field(
         "auto",
         description="auto (profile at start), a `rlsched profile` folder, or an earlier "
-        "run's folder (its start-up profile: the same pricing, so a rerun decides alike)",
+        "run's folder (its start-up profile: the same prices; a rerun then decides alike with twostate or "
+        "seqgoodput, not with goodput, which also calibrates to measured step times)",
     )
     steps: int = Field(40, ge=1)
     seed: int = Field(0, ge=0)
