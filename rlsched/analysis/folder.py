@@ -42,8 +42,7 @@ from rlsched.analysis.plots import (
 )
 from rlsched.errors import UserError
 from rlsched.policies.tree import chain_tokens
-from rlsched.traces.reader import read_trace
-from rlsched.traces.schema import STEP_SCHEMA
+from rlsched.traces.reader import read_profile, read_trace
 
 ORDER = ("fit", "speedup", "acceptance", "batch_k", "stages", "learning_curve", "compare", "pareto")
 ASSUMED_ACCEPTANCE = 0.7
@@ -72,6 +71,8 @@ def _json(path: Path) -> dict | None:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"'{path}' is not valid JSON ({e}); re-run the command that wrote it") from None
+    except OSError as e:
+        raise UserError(f"'{path}' cannot be read ({e.strerror or e}); check the file") from None
     if not isinstance(data, dict):
         raise UserError(f"'{path}' does not hold a JSON object; re-run the command that wrote it")
     return data
@@ -82,28 +83,21 @@ def _yaml(path: Path) -> dict | None:
 
     if not path.is_file():
         return None
+    fix = "restore the folder's own config.yaml or delete it"
     try:
         data = yaml.safe_load(path.read_text())
     except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise UserError(f"'{path}' is not valid YAML ({str(e).splitlines()[0]})") from None
-    return data if isinstance(data, dict) else None
-
-
-def _profile_records(path: Path) -> pd.DataFrame:
-    """A run's profile.parquet (step-cost records written without the trace metadata)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        df = pq.read_table(path).to_pandas()
-    except (pa.ArrowInvalid, OSError) as e:
-        raise UserError(
-            f"profile file '{path}' is corrupt or truncated ({str(e).splitlines()[0]}); delete it or re-run"
-        ) from None
-    missing = [n for n in STEP_SCHEMA.names if n not in df.columns]
-    if missing:
-        raise UserError(f"profile file '{path}' lacks columns {', '.join(missing)}")
-    return df
+        raise UserError(f"'{path}' is not valid YAML ({str(e).splitlines()[0]}); {fix}") from None
+    except OSError as e:
+        raise UserError(f"'{path}' cannot be read ({e.strerror or e}); {fix}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"'{path}' does not hold a config (a YAML mapping); {fix}")
+    if not isinstance(data.get("algorithm", {}), dict):
+        raise UserError(f"'{path}': algorithm is not a mapping; {fix}")
+    for key in ("policy", "drafter", "cost_model"):
+        if isinstance(data.get(key), (dict, list)):
+            raise UserError(f"'{path}': {key} is not a name; {fix}")
+    return data
 
 
 def _nonempty(df: pd.DataFrame | None) -> pd.DataFrame | None:
@@ -150,7 +144,7 @@ def load_folder(path) -> FolderData:
             d.kind = "run" if d.rl_steps is not None or (path / "rollouts").is_dir() else "generate"
             d.config = _yaml(path / "config.yaml")
             if (path / "profile.parquet").is_file():
-                d.profile = _nonempty(_profile_records(path / "profile.parquet"))
+                d.profile = _nonempty(read_profile(path / "profile.parquet"))
                 d.profile_path = path / "profile.parquet"
             elif d.config and isinstance(d.config.get("cost_model"), str) and d.config["cost_model"] != "auto":
                 prof = Path(d.config["cost_model"])

@@ -33,7 +33,7 @@ from rlsched.errors import UserError
 from rlsched.policies.acceptance import AcceptanceEstimator
 from rlsched.policies.drafters import HOST_DRAFTERS
 from rlsched.policies.registry import OFF_SPEC, PolicySpec, parse_policy
-from rlsched.traces.reader import read_trace
+from rlsched.traces.reader import read_profile, read_trace
 
 
 @dataclass
@@ -123,6 +123,41 @@ def mean_calibration(fit, tables: dict | None = None) -> dict[str, float]:
     return out
 
 
+_ROLLOUT_COUNTS = ("prompts_per_step", "group_size", "max_tokens", "max_batch", "k_max")  # required, >= 1
+
+
+def _check_run_config(cfg, cfg_file: Path) -> dict:
+    """The fields of a run's config.yaml that a replay reads, checked: one UserError naming the
+    file and the field."""
+    from rlsched.policies.realloc import REALLOC_POLICIES
+
+    fix = "restore the run's own config.yaml"
+    if not isinstance(cfg, dict) or "rollout" not in cfg or "policy" not in cfg:
+        raise UserError(f"{cfg_file} is not a run config (no 'rollout' or 'policy'); {fix}")
+    r = cfg["rollout"]
+    if not isinstance(r, dict):
+        raise UserError(f"{cfg_file}: rollout is not a mapping; {fix}")
+
+    def whole(v, least: int) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= least
+
+    for key in (*_ROLLOUT_COUNTS, "instances", "realloc_threshold", "probe_every"):
+        if key not in r and key in _ROLLOUT_COUNTS:
+            raise UserError(f"{cfg_file}: rollout.{key} is missing; {fix}")
+        if key in r and not whole(r[key], 1) and not (key == "probe_every" and r[key] is None):
+            raise UserError(f"{cfg_file}: rollout.{key} is {r[key]!r}, not a whole number >= 1; {fix}")
+    realloc = str(r.get("realloc", "none"))
+    if realloc not in [n.strip() for n in REALLOC_POLICIES.split(",")]:
+        raise UserError(f"{cfg_file}: rollout.realloc is {realloc!r}, not one of {REALLOC_POLICIES}; {fix}")
+    if r.get("backend", "local") not in ("local", "vllm") or not isinstance(r.get("share_prompts", False), bool):
+        raise UserError(f"{cfg_file}: rollout.backend or rollout.share_prompts is not a run's value; {fix}")
+    if not isinstance(cfg["policy"], str) or not isinstance(cfg.get("drafter", "off"), str):
+        raise UserError(f"{cfg_file}: policy and drafter must be names (text); {fix}")
+    if not whole(cfg.get("seed", 0), 0):
+        raise UserError(f"{cfg_file}: seed is {cfg.get('seed')!r}, not a whole number >= 0; {fix}")
+    return cfg
+
+
 def read_run(rundir: Path) -> tuple[dict, pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """(config, rl_steps, samples, steps) of a `rlsched run` folder, with one clear error."""
     rundir = Path(rundir)
@@ -133,16 +168,26 @@ def read_run(rundir: Path) -> tuple[dict, pd.DataFrame, pd.DataFrame, pd.DataFra
         raise UserError(f"{rundir} is not a `rlsched run` folder (no config.yaml)")
     try:
         cfg = yaml.safe_load(cfg_file.read_text())
-    except yaml.YAMLError as e:
-        raise UserError(f"{cfg_file} is not valid YAML: {str(e).splitlines()[0]}") from None
-    if not isinstance(cfg, dict) or "rollout" not in cfg or "policy" not in cfg:
-        raise UserError(f"{cfg_file} is not a run config (no 'rollout' or 'policy')")
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise UserError(
+            f"{cfg_file} is not valid YAML ({str(e).splitlines()[0]}); restore the run's own config.yaml"
+        ) from None
+    except OSError as e:
+        raise UserError(f"{cfg_file} cannot be read ({e.strerror or e}); check the file") from None
+    cfg = _check_run_config(cfg, cfg_file)
     traces = rundir / "traces"
     if not traces.is_dir():
         raise UserError(f"{rundir} has no traces/ folder; the run wrote nothing to replay")
+    if not (traces / "samples").is_dir():
+        raise UserError(
+            f"{traces / 'samples'} is missing: a replay rebuilds each RL step's rollout from the run's sample "
+            "records; restore that folder or replay another run"
+        )
     rl, samples, steps = (read_trace(traces, kind) for kind in ("rl_steps", "samples", "steps"))
     if rl.empty:
         raise UserError(f"{traces}: no rl_steps records; the run finished no RL step")
+    if samples.empty:
+        raise UserError(f"{traces / 'samples'} holds no sample records; restore it from the run or replay another run")
     return cfg, rl, samples, steps
 
 
@@ -281,7 +326,7 @@ def _costs(rundir: Path, cost_file, drafter, steps: pd.DataFrame | None = None):
         own = None  # the run's own op tables, where the fit also takes the profile's
         if drafter is not None and steps is not None and profile.is_file() and _plain_steps_uncovered(steps):
             own, _ = op_tables(df)
-            prof = pd.read_parquet(profile)
+            prof = read_profile(profile)
             plain = prof[(prof["kind"] == "verify") & (prof["k"] == 0) & (prof["batch"] >= 2)]
             df, borrowed = pd.concat([df, plain], ignore_index=True), len(plain)
         fit = fit_records(df, source)
@@ -290,7 +335,7 @@ def _costs(rundir: Path, cost_file, drafter, steps: pd.DataFrame | None = None):
         what = {"source": f"fitted from {rundir}/traces", "calibration": factors, **fit.summary()}
         if borrowed:
             what["borrowed_plain_steps"] = borrowed
-    policy_cost = MeasuredCostModel(pd.read_parquet(profile)) if profile.is_file() else cost
+    policy_cost = MeasuredCostModel(read_profile(profile)) if profile.is_file() else cost
     return cost, what, policy_cost, factors
 
 
@@ -304,6 +349,10 @@ def replay_run(rundir, cost_file=None, policy: str | None = None) -> ReplayResul
     overhead = step_overhead_s(steps)
     sim_cost = _AsRun(cost, overhead, factors)
     rl = rl.sort_values("rl_step")
+    lacking = sorted(set(rl["rl_step"]) - set(samples["rl_step"]))  # their sample records were lost
+    rl = rl[~rl["rl_step"].isin(lacking)]
+    if rl.empty:
+        raise UserError(f"{rundir / 'traces' / 'samples'} holds no sample records of the run's RL steps")
     done = rl["rl_step"].tolist()
     rollouts = [_rollout(samples[samples["rl_step"] == s], drafter) for s in done]
     parsed = parse_policy(spec)
@@ -312,7 +361,7 @@ def replay_run(rundir, cost_file=None, policy: str | None = None) -> ReplayResul
     measured = rl["generation_s"].to_numpy(dtype=float)
     df = pd.DataFrame(dict(rl_step=done, measured_s=measured, predicted_s=predicted, predicted_off_s=predicted_off))
     df["error"] = (df["predicted_s"] - df["measured_s"]) / df["measured_s"]
-    notes = []
+    notes = [f"RL step(s) {', '.join(map(str, lacking))} left out: no sample records"] if lacking else []
     if spec != str(cfg["policy"]):
         notes.append(f"replayed with policy {spec}; the run used {cfg['policy']}")
     if parsed.family == "bandit":

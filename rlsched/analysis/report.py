@@ -46,6 +46,9 @@ figcaption { color: #555; font-size: 0.9rem; margin-top: 0.3rem; }
 """
 
 
+RUN_COLUMNS = ("reward_mean", "mean_accept_len")  # besides the schema's: a run's rl_steps records
+
+
 def _windows(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     """The first and last 20% of the RL steps (at least one each), as the run's summary takes them."""
     n = max(1, len(df) // 5)
@@ -102,7 +105,7 @@ def _num(v) -> str:
 
 def number_rows(d: FolderData) -> tuple[list[tuple[str, str]], dict]:
     """(label, value) rows for the page, and the raw numbers (for --json)."""
-    if d.kind == "run" and d.rl_steps is not None and "reward_mean" in d.rl_steps.columns:
+    if d.kind == "run" and d.rl_steps is not None and set(RUN_COLUMNS) <= set(d.rl_steps.columns):
         n = run_numbers(d)
         st, total = n["stage_s"], sum(n["stage_s"].values())
         rows = [

@@ -1,8 +1,15 @@
-"""Reading traces back, with one clear error naming the file and what is wrong."""
+"""Reading traces back, with one clear error naming the file and what is wrong.
+
+A journal (`part-NNNNNN.jsonl`, see writer.TraceWriter) holds one JSON object per line. Its
+last line may be cut short by a writer killed mid-write: that line (the record in flight) is
+dropped with one warning line on stderr. Any other line that is not a record is refused with
+the file and the line number.
+"""
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -12,19 +19,49 @@ import pyarrow.parquet as pq
 from rlsched.errors import UserError
 from rlsched.traces.schema import SCHEMAS, TRACE_SCHEMA_VERSION
 
+_warned: set[Path] = set()  # journals whose dropped last line was already reported
+
+
+def _first_line(e: BaseException) -> str:
+    """The first line of an exception's message (pyarrow's conversion errors hold several)."""
+    text = "; ".join(a for a in e.args if isinstance(a, str)) or str(e)
+    text = text.strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _conform(path: Path, table: pa.Table, kind: str) -> pa.Table:
+    """The table with the schema's columns as the schema types them (extra columns kept)."""
+    schema = SCHEMAS[kind]
+    for name in schema.names:
+        want, have = schema.field(name).type, table.schema.field(name).type
+        if have == want:
+            continue
+        try:
+            table = table.set_column(table.schema.get_field_index(name), name, table.column(name).cast(want))
+        except (pa.ArrowException, ValueError, TypeError) as e:
+            raise UserError(
+                f"'{path}': column {name} holds {have} values where {want} is expected "
+                f"({_first_line(e)}); re-create the file with rlsched"
+            ) from None
+    return table
+
 
 def _read_one(path: Path, kind: str) -> pa.Table:
     try:
         table = pq.read_table(path)
-    except (pa.ArrowInvalid, OSError) as e:
+    except (pa.ArrowException, OSError) as e:
         raise UserError(
-            f"trace file '{path}' is corrupt or truncated ({str(e).splitlines()[0]}); "
-            "delete it or re-run the job that wrote it"
+            f"trace file '{path}' is corrupt or truncated ({_first_line(e)}); delete it or re-run the job that wrote it"
         ) from None
     meta = (table.schema.metadata or {}).get(b"rlsched.trace")
     if meta is None:
         raise UserError(f"trace file '{path}' is not an rlsched trace (no rlsched.trace metadata)")
-    info = json.loads(meta)
+    try:
+        info = json.loads(meta)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        info = None
+    if not isinstance(info, dict):
+        raise UserError(f"trace file '{path}' has unreadable rlsched.trace metadata; re-create it with rlsched")
     if info.get("kind") != kind:
         raise UserError(f"trace file '{path}' holds '{info.get('kind')}' records, expected '{kind}'")
     if info.get("version") != TRACE_SCHEMA_VERSION:
@@ -35,24 +72,88 @@ def _read_one(path: Path, kind: str) -> pa.Table:
     missing = [n for n in SCHEMAS[kind].names if n not in table.column_names]
     if missing:
         raise UserError(f"trace file '{path}' lacks columns {', '.join(missing)}")
-    return table
+    return _conform(path, table, kind)
+
+
+def read_profile(path: Path) -> pd.DataFrame:
+    """Step-cost records of a run's profile.parquet (step records without the trace metadata)."""
+    path = Path(path)
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as e:
+        raise UserError(
+            f"profile file '{path}' is corrupt or truncated ({_first_line(e)}); delete it or re-run"
+        ) from None
+    missing = [n for n in SCHEMAS["steps"].names if n not in table.column_names]
+    if missing:
+        raise UserError(f"profile file '{path}' lacks columns {', '.join(missing)}; delete it or re-run")
+    return _conform(path, table, "steps").to_pandas()
+
+
+def _record(raw: bytes) -> tuple[dict | None, str]:
+    """A journal line as a record, or (None, why it is not one)."""
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        return None, "not UTF-8 text"
+    except json.JSONDecodeError as e:
+        return None, f"not JSON: {e.msg} at column {e.colno}"
+    if not isinstance(record, dict):
+        return None, f"a JSON {type(record).__name__}, not an object"
+    return record, ""
+
+
+def _journal_rows(path: Path, kind: str) -> list[dict]:
+    """The records of a journal's lines; a last line that is no record is dropped, with a warning."""
+    try:
+        lines = path.read_bytes().split(b"\n")
+    except OSError as e:
+        raise UserError(f"trace journal '{path}' cannot be read ({e.strerror or e}); check the file") from None
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    names = SCHEMAS[kind].names
+    rows = []
+    for i, raw in enumerate(lines):
+        if not raw.strip():
+            continue
+        record, why = _record(raw)
+        if record is None and i == last:
+            if path not in _warned:
+                _warned.add(path)
+                print(
+                    f"warning: trace journal '{path}' ends in an incomplete line {i + 1} ({why}): "
+                    "dropped it, the record in flight when its writer stopped",
+                    file=sys.stderr,
+                )
+            continue
+        if record is None:
+            raise UserError(
+                f"trace journal '{path}' is corrupt at line {i + 1} ({why}); only a last line may be cut short: "
+                "remove that line (its record is lost) or re-run the job that wrote the file"
+            )
+        missing = [n for n in names if n not in record]
+        if missing:
+            raise UserError(
+                f"trace journal '{path}' line {i + 1}: the record lacks columns {', '.join(missing)}; "
+                f"it is not a '{kind}' trace journal"
+            )
+        rows.append(record)
+    return rows
 
 
 def _read_journal(path: Path, kind: str) -> pa.Table | None:
     """The complete records of a part's journal (a line cut short by a crash is dropped)."""
     from rlsched.traces.writer import to_table
 
-    rows = []
-    lines = path.read_text().split("\n")
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            if i < len(lines) - 1:  # only the last line may be cut short
-                raise UserError(f"trace journal '{path}' is corrupt at line {i + 1}") from None
-    return to_table(kind, pd.DataFrame(rows)) if rows else None
+    rows = _journal_rows(path, kind)
+    if not rows:
+        return None
+    try:
+        return to_table(kind, pd.DataFrame(rows))
+    except (pa.ArrowException, ValueError, TypeError, OverflowError) as e:
+        raise UserError(
+            f"trace journal '{path}' holds values of the wrong type ({_first_line(e)}); "
+            "re-run the job that wrote the file"
+        ) from None
 
 
 def read_trace(path: Path, kind: str) -> pd.DataFrame:
@@ -78,4 +179,10 @@ def read_trace(path: Path, kind: str) -> pd.DataFrame:
         return pd.DataFrame(
             {n: pd.Series(dtype=t.to_pandas_dtype()) for n, t in zip(SCHEMAS[kind].names, SCHEMAS[kind].types)}
         )
-    return pa.concat_tables(tables, promote_options="default").to_pandas()
+    try:
+        return pa.concat_tables(tables, promote_options="permissive").to_pandas()
+    except (pa.ArrowException, ValueError, TypeError) as e:
+        raise UserError(
+            f"the trace parts in '{path}' disagree on a column's type ({_first_line(e)}); "
+            "re-create them with one rlsched"
+        ) from None

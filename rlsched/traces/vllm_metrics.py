@@ -58,6 +58,8 @@ from rlsched.traces.vllm_snapshots import (
     bad_input,
     delta,
     engine_totals,
+    finite,
+    json_ready,
     read_source,
 )
 
@@ -88,10 +90,6 @@ NOT_AVAILABLE = (
     "and prefill, and no drafter (its note counts the speculative intervals among the decode steps "
     "it leaves out)"
 )
-
-
-def _num(x, default=None):
-    return x if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else default
 
 
 @dataclass
@@ -128,7 +126,11 @@ def build(source: Source, k: int | None = None, drafter: str | None = None, *, r
             prev[(run_key, engine)] = (tot, snap)
             if meta.get("record", True) is False:
                 continue
-            rec = _interval(d, tot, meta, snap, idx, engine, path, k, drafter, notes, varied)
+            try:
+                rec = _interval(d, tot, meta, snap, idx, engine, path, k, drafter, notes, varied)
+            except (OverflowError, ValueError) as e:  # numbers past float's range, or NaN, in its arithmetic
+                what = f"{snap.where}: engine {engine}'s numbers are out of range ({e})"
+                raise bad_input(path, what, "re-record the metrics") from None
             if rec is None:
                 continue
             rows.extend(rec["records"])
@@ -199,7 +201,7 @@ def _interval(d, tot, meta, snap, idx, engine, path, k_cli, drafter_cli, notes, 
     prefill_steps = 1 if first > 0 else 0
     decode_steps = steps_all - prefill_steps
     instance = int(engine) if str(engine).isdigit() else 0
-    t = _num(meta.get("time_s"), float(idx))
+    t = finite(meta.get("time_s"), float(idx))
     gen = d.get("generation_tokens", 0.0)
     base = dict(
         rl_step=0, instance=instance, time_s=t, width=1, source="vllm", run=str(meta.get("run", 0)), label=str(label)
@@ -219,7 +221,7 @@ def _interval(d, tot, meta, snap, idx, engine, path, k_cli, drafter_cli, notes, 
     )
     if meta.get("batch") is not None:
         interval["batch_requested"] = meta["batch"]
-    gs = _num(meta.get("generate_s"))
+    gs = finite(meta.get("generate_s"))
     if gs and gs > 0:
         interval.update(generate_s=gs, tokens_per_s=gen / gs)
     if first > 0:
@@ -276,7 +278,7 @@ def _decode_record(d: dict, tot: dict, first: int, decode_steps: int, k: int, dr
     drafted = int(round(d.get("draft_tokens", 0.0)))
     accepted = int(round(d.get("accepted", 0.0)))
     # the mean prompt and generated length of this interval's requests (else of the run so far)
-    n_req = first if first > 0 else _num(tot.get("ttft", (0, 0))[0], 0)
+    n_req = first if first > 0 else finite(tot.get("ttft", (0, 0))[0], 0)
     mean_prompt = (prompt if first > 0 else tot.get("prompt_tokens", 0.0)) / n_req if n_req else 0.0
     mean_gen = (gen if first > 0 else tot.get("generation_tokens", 0.0)) / n_req if n_req else 0.0
     batch_mean = row_steps / decode_steps
@@ -412,6 +414,8 @@ def check_out(out: Path) -> None:
 def import_vllm(path, out, k: int | None = None, drafter: str | None = None) -> dict:
     """Read METRICS (.json or Prometheus text), write OUT/traces/steps/ and OUT/vllm.json whole
     (nothing is written when the input is bad); returns the summary."""
+    import pyarrow as pa
+
     from rlsched.atomic import atomic_folder, write_text_atomic
     from rlsched.traces.writer import to_table, write_table
 
@@ -419,9 +423,12 @@ def import_vllm(path, out, k: int | None = None, drafter: str | None = None) -> 
         raise UserError(f"import-vllm: --k must be >= 0 (got {k})")
     check_out(Path(out))
     imported = build(read_source(path), k, drafter)
-    table = to_table("steps", imported.steps)
+    try:
+        table = to_table("steps", imported.steps)
+    except (pa.ArrowException, OverflowError, ValueError, TypeError) as e:
+        raise UserError(f"import-vllm: '{path}' gives step records out of the traces' range ({e})") from None
     summary = {**imported.summary, "records": int(len(imported.steps)), "out": str(Path(out))}
-    summary = _clean(summary)
+    summary = json_ready(summary)
     with atomic_folder(Path(out)) as tmp:
         write_table(tmp / "traces" / "steps" / "part-000000.parquet", table)
         write_text_atomic(tmp / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
@@ -480,16 +487,3 @@ def report(summary: dict) -> tuple[list[str], list[list[str]], list[str]]:
         f"wrote {summary['records']} step records to {summary['out']}/traces/steps and {summary['out']}/{SUMMARY_FILE}"
     )
     return cols, rows, lines
-
-
-def _clean(x):
-    """JSON-ready: NaN and infinities as null, numpy scalars as Python numbers."""
-    if isinstance(x, dict):
-        return {str(k): _clean(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
-    if hasattr(x, "item"):
-        x = x.item()
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    return x

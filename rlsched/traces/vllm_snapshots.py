@@ -23,6 +23,7 @@ a run (a restarted engine not marked as a new run) are an error.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -196,6 +197,22 @@ class Source:
     info: dict = field(default_factory=dict)  # vllm version, config
 
 
+def _real(v) -> bool:
+    """A JSON number that a float holds (not a bool, not an int past float's range)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        float(v)
+    except OverflowError:
+        return False
+    return True
+
+
+def finite(x, default=None):
+    """x as a finite float, else `default`."""
+    return float(x) if _real(x) and math.isfinite(float(x)) else default
+
+
 def _check_metric(m, path, where: str) -> dict:
     if not isinstance(m, dict) or not isinstance(m.get("name"), str):
         raise bad_input(
@@ -206,7 +223,6 @@ def _check_metric(m, path, where: str) -> dict:
     labels = m.get("labels") or {}
     if not isinstance(labels, dict):
         raise bad_input(path, f"{where}: metric {m['name']} has labels that are not an object", "labels: {name: value}")
-    num = (int, float)
     kind = m.get("type")
     if kind not in ("counter", "gauge", "vector", "histogram"):
         kind = (
@@ -219,9 +235,9 @@ def _check_metric(m, path, where: str) -> dict:
             else "gauge"
         )
     ok = {
-        "vector": lambda: isinstance(m.get("values"), list) and all(isinstance(v, num) for v in m["values"]),
-        "histogram": lambda: isinstance(m.get("count"), num) and isinstance(m.get("sum"), num),
-    }.get(kind, lambda: isinstance(m.get("value"), num) and not isinstance(m.get("value"), bool))
+        "vector": lambda: isinstance(m.get("values"), list) and all(_real(v) for v in m["values"]),
+        "histogram": lambda: _real(m.get("count")) and _real(m.get("sum")),
+    }.get(kind, lambda: _real(m.get("value")))
     if not ok():
         raise bad_input(
             path,
@@ -229,6 +245,18 @@ def _check_metric(m, path, where: str) -> dict:
             "a counter or gauge needs 'value', a vector 'values', a histogram 'count' and 'sum'",
         )
     return {**m, "type": kind, "labels": {str(k): str(v) for k, v in labels.items()}}
+
+
+def check_meta(meta: dict, path, where: str) -> dict:
+    """A snapshot's own fields that become step records: k (a draft length the traces hold),
+    batch and drafter; one UserError naming the file and the snapshot."""
+    for key, least, most in (("k", 0, 2**15 - 1), ("batch", 1, 2**31 - 1)):
+        v = meta.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not least <= v <= most):
+            raise bad_input(path, f"{where}: {key} = {v!r} is not a whole number >= {least}", f'fix its "{key}"')
+    if not isinstance(meta.get("drafter", ""), str):
+        raise bad_input(path, f"{where}: drafter = {meta['drafter']!r} is not a name", 'fix its "drafter"')
+    return meta
 
 
 def _snapshot(item, i: int, path) -> Snapshot:
@@ -244,7 +272,7 @@ def _snapshot(item, i: int, path) -> Snapshot:
             'write {"snapshots": [{"metrics": LLM.get_metrics() as JSON, ...}, ...]}',
         )
     where = f"snapshot {i}" + (f" ('{meta['label']}')" if meta.get("label") is not None else "")
-    return Snapshot(meta, [_check_metric(m, path, where) for m in metrics], where)
+    return Snapshot(check_meta(meta, path, where), [_check_metric(m, path, where) for m in metrics], where)
 
 
 def _read_json(doc, path) -> Source:
@@ -316,7 +344,7 @@ def _read_prom(text: str, path) -> Source:
             ) from None
         if not metrics and not meta:
             continue
-        snaps.append(Snapshot(meta, metrics, where))
+        snaps.append(Snapshot(check_meta(meta, path, where), metrics, where))
     if not snaps:
         raise bad_input(
             path, "holds no vllm:* metrics", "give a scrape of vLLM's /metrics (vLLM run with stats logging on)"
@@ -337,6 +365,8 @@ def read_source(path) -> Source:
         text = path.read_text()
     except UnicodeDecodeError:
         raise bad_input(path, "is not text", "give METRICS.json or Prometheus text") from None
+    except OSError as e:
+        raise bad_input(path, f"cannot be read ({e.strerror or e})", "check the file's permissions") from None
     head = text.lstrip()[:1]
     if head in ("{", "["):
         try:
@@ -390,6 +420,13 @@ def delta(cur: dict, prev: dict, path, where: str, engine: str) -> dict:
         if key in GAUGES:
             d[key] = v
             continue
+        if not all(math.isfinite(x) for x in (v if isinstance(v, (list, tuple)) else (v,))):
+            name = {**COUNTERS, **HISTOGRAMS, "per_pos": PER_POS}[key]
+            raise bad_input(
+                path,
+                f"{where}: {name} of engine {engine} is not a finite number ({v})",
+                "re-record the metrics (counters and histogram counts and sums are finite)",
+            )
         p = prev.get(key)
         diff: Any  # per position (a list), a histogram's (sum, count), or a number
         if key == "per_pos":
@@ -401,7 +438,7 @@ def delta(cur: dict, prev: dict, path, where: str, engine: str) -> dict:
                     'an engine with another num_speculative_tokens is a new run: give its snapshots their own "run"',
                 )
             diff = [a - b for a, b in zip(v, p)]
-            bad = min(diff) < -1e-9
+            bad = min(diff, default=0.0) < -1e-9
         elif isinstance(v, tuple):
             p = p or (0.0, 0.0)
             diff = (v[0] - p[0], v[1] - p[1])
@@ -419,3 +456,16 @@ def delta(cur: dict, prev: dict, path, where: str, engine: str) -> dict:
             )
         d[key] = diff
     return d
+
+
+def json_ready(x):
+    """JSON-ready: NaN and infinities as null, numpy scalars as Python numbers."""
+    if isinstance(x, dict):
+        return {str(k): json_ready(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_ready(v) for v in x]
+    if hasattr(x, "item"):
+        x = x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x

@@ -10,6 +10,7 @@ traces and rollouts first.
 
 from __future__ import annotations
 
+import pickle
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,15 +83,38 @@ def save_checkpoint(path: Path, state: dict) -> None:
         torch.save(state, f)
 
 
+# what torch.load raises on a file that is not a whole checkpoint (truncated, overwritten, foreign)
+_UNREADABLE = (
+    pickle.UnpicklingError,
+    RuntimeError,  # a damaged zip archive
+    EOFError,
+    ValueError,
+    OSError,
+    MemoryError,  # a garbage length field
+    ImportError,  # a pickle of classes this install lacks
+    AttributeError,
+    KeyError,
+    IndexError,
+    TypeError,
+    OverflowError,
+)
+_START_AGAIN = "delete it to restart the run from step 0 with --resume, or start a new run with another --out"
+
+
+def _reason(e: BaseException) -> str:
+    text = (str(e).strip().splitlines() or [""])[0].split(". ")[0]
+    return f"{type(e).__name__}: {text[:120]}" if text else type(e).__name__
+
+
 def load_checkpoint(path: Path) -> dict:
     """The checkpoint's state (it holds pickled policy objects: load only your own runs)."""
     try:
-        return torch.load(Path(path), weights_only=False)
-    except Exception as e:  # a foreign or damaged file: say which and why
-        raise UserError(
-            f"checkpoint {path} cannot be read ({type(e).__name__}: {str(e).splitlines()[0]}); "
-            "start a new run with another --out"
-        ) from None
+        state = torch.load(Path(path), weights_only=False)
+    except _UNREADABLE as e:  # a foreign or damaged file: say which and why
+        raise UserError(f"checkpoint {path} cannot be read ({_reason(e)}); {_START_AGAIN}") from None
+    if not isinstance(state, dict):
+        raise UserError(f"checkpoint {path} holds a {type(state).__name__}, not a run's state; {_START_AGAIN}")
+    return state
 
 
 def restore(out: Path, config: dict, state: TrainState) -> tuple[int, Any]:
@@ -110,39 +134,51 @@ def restore(out: Path, config: dict, state: TrainState) -> tuple[int, Any]:
             f"--resume: {path} was written with another config; resume with "
             "the run's own config.yaml (no --config, --policy or --set)"
         )
-    state.load_state_dict(s)
-    return int(s["next_step"]), s["backend"]
+    try:
+        state.load_state_dict(s)
+        next_step = int(s["next_step"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:  # a hand-made or damaged state
+        raise UserError(f"--resume: {path} is not a whole run state ({_reason(e)}); {_START_AGAIN}") from None
+    return next_step, s.get("backend")
 
 
 def rewind_out(out: Path, next_step: int) -> None:
     """Drop what a killed run wrote past its checkpoint: trace records and rollouts of steps
-    from `next_step` on, and the summary."""
+    from `next_step` on, and the summary. A trace that cannot be read is one UserError naming
+    its file, raised before any trace or rollout is rewritten or removed."""
     out = Path(out)
     truncate_traces(out / "traces", next_step)
     for f in (out / "rollouts").glob("step-*.parquet"):
-        if int(f.stem.split("-")[1]) >= next_step:
+        number = f.stem.split("-", 1)[1]
+        if number.isdigit() and int(number) >= next_step:
             f.unlink()
     (out / SUMMARY).unlink(missing_ok=True)
 
 
+KINDS = ("steps", "samples", "rl_steps")
+
+
 def truncate_traces(root: Path, next_step: int) -> None:
     """Keep only the records of steps before `next_step` (those the checkpoint covers): one
-    part per kind, swapped in as a whole folder (a crash mid-way is repaired on the next call)."""
+    part per kind, swapped in as a whole folder (a crash mid-way is repaired on the next call).
+    Every kind is read before any is rewritten."""
     from rlsched.traces.reader import read_trace
     from rlsched.traces.writer import to_table, write_table
 
     if not root.is_dir():
         return
-    for kind in ("steps", "samples", "rl_steps"):
+    kept = {}
+    for kind in KINDS:
         folder, new, old = root / kind, root / f".{kind}.new", root / f".{kind}.old"
         if not folder.exists() and new.exists():  # a crash between the two renames below
             new.rename(folder)
         shutil.rmtree(old, ignore_errors=True)
         shutil.rmtree(new, ignore_errors=True)
-        if not folder.is_dir():
-            continue
-        df = read_trace(folder, kind) if any(folder.iterdir()) else pd.DataFrame()
-        keep = df[df["rl_step"] < next_step] if len(df) else df
+        if folder.is_dir():
+            df = read_trace(folder, kind) if any(folder.iterdir()) else pd.DataFrame()
+            kept[kind] = df[df["rl_step"] < next_step] if len(df) else df
+    for kind, keep in kept.items():
+        folder, new, old = root / kind, root / f".{kind}.new", root / f".{kind}.old"
         new.mkdir()
         if len(keep):
             write_table(new / "part-000000.parquet", to_table(kind, keep.reset_index(drop=True)))
