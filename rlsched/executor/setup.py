@@ -214,21 +214,20 @@ def cost_model(
     ('auto'). A profile's prices are wall-clock times: given the same folder, a rerun is priced
     alike, and a policy that reads no step times as they run (`twostate`, `seqgoodput`) decides
     alike; `goodput` also scales its prices by each step's measured time, so its choices vary."""
-    import pandas as pd
 
     from rlsched.costs.measured import MeasuredCostModel
 
     if not needs_cost(policy, instances, realloc):
         return None, None
-    if given != "auto":
-        from rlsched.traces.reader import read_trace
+    from rlsched.traces.reader import read_profile, read_trace
 
+    if given != "auto":
         folder = Path(given)
         if priced_from(folder) == "run":
-            return MeasuredCostModel(pd.read_parquet(folder / PROFILE)), None
+            return MeasuredCostModel(read_profile(folder / PROFILE)), None
         return MeasuredCostModel(read_trace(folder / "traces", "steps")), None
     if saved is not None and saved.is_file():
-        return MeasuredCostModel(pd.read_parquet(saved)), None
+        return MeasuredCostModel(read_profile(saved)), None
     from rlsched.executor.profiler import policy_profile
 
     records = policy_profile(
