@@ -9,6 +9,7 @@ override is checked exactly like a file.
 from __future__ import annotations
 
 import copy
+import re
 import tomllib
 from collections.abc import Sequence
 from functools import cached_property
@@ -63,6 +64,9 @@ class Strict(BaseModel):
 # ----------------------------------------------------------------------------- presets
 
 
+_PRESET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # a file name in the presets folder, never a path
+
+
 def _preset_dir(kind: str):
     return resources.files("rlsched.presets").joinpath(kind)
 
@@ -73,8 +77,9 @@ def preset_names(kind: str) -> list[str]:
 
 
 def load_preset_data(kind: str, name: str) -> dict:
-    path = _preset_dir(kind).joinpath(f"{name}.yaml")
-    if not path.is_file():
+    """The raw fields of the shipped preset `name` of `kind` (jobs, hardware, models, ...)."""
+    path = _preset_dir(kind).joinpath(f"{name}.yaml") if _PRESET_NAME.fullmatch(name) else None
+    if path is None or not path.is_file():
         raise ValueError(f"unknown {kind} preset '{name}'; known: {', '.join(preset_names(kind))}")
     return yaml.safe_load(path.read_text())
 

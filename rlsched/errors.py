@@ -12,9 +12,18 @@ if TYPE_CHECKING:  # a type only: the engine runs where pydantic is not installe
     from pydantic import ValidationError
 
 
+def printable(text: str) -> str:
+    """`text` with every character that does not print (a newline, a control character, a lone
+    surrogate) written as its escape, so that a name taken from the user stays on one line."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape", "backslashreplace").decode() for c in text)
+
+
 class UserError(Exception):
     """Bad input from the user: a config, a CLI value, a file. The message names the field
-    and the fix, in one line."""
+    and the fix, in one line (whatever the user's names hold, see `printable`)."""
+
+    def __init__(self, message: str = ""):
+        super().__init__(printable(str(message)))
 
 
 def _loc(loc: tuple, data=None) -> str:
