@@ -29,7 +29,7 @@ from pydantic import (
     model_validator,
 )
 
-from rlsched.errors import UserError, describe_validation_error
+from rlsched.errors import UserError, describe_validation_error, printable
 from rlsched.policies.registry import PolicySpec, as_spec
 
 Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
@@ -80,7 +80,7 @@ def load_preset_data(kind: str, name: str) -> dict:
     """The raw fields of the shipped preset `name` of `kind` (jobs, hardware, models, ...)."""
     path = _preset_dir(kind).joinpath(f"{name}.yaml") if _PRESET_NAME.fullmatch(name) else None
     if path is None or not path.is_file():
-        raise ValueError(f"unknown {kind} preset '{name}'; known: {', '.join(preset_names(kind))}")
+        raise ValueError(f"unknown {kind} preset '{printable(name)}'; known: {', '.join(preset_names(kind))}")
     return yaml.safe_load(path.read_text())
 
 
