@@ -187,6 +187,7 @@ def test_the_report_page_draws_the_plan(planned):
         (["--objective", "cheapest"], "--objective must be one of step-time, tokens-per-gpu-s"),
         (["--from", "runs/x", "--workload", "default"], "--from plans from a run's own workload"),
         (["--tp", "0"], "--tp must be comma-separated whole numbers >= 1"),
+        (["--tp", "16", "--gpus", "4"], "no --tp in 16 divides the rollout GPUs of --gpus 4"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):

@@ -167,6 +167,11 @@ def make_plan(
     check_plan_fits(base, space, workers, ray_address)
     t = time.perf_counter()
     cands = candidates(base, space)
+    if not cands:
+        raise UserError(
+            f"no setup to search: no --tp in {','.join(map(str, space.tps))} divides the rollout GPUs of "
+            f"--gpus {space.gpus}; give a --tp of at most the GPUs that divides them (for example --tp 1,2,4)"
+        )
     scored, dropped = screen(base, cands, objective)
     if not scored:
         reasons = sorted({d.reason for d in dropped})
