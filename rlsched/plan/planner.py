@@ -144,6 +144,24 @@ def check_plan_fits(base: SimConfig, space: Space, workers: int, ray_address: st
     check_fits(largest, grid=True, workers=side, processes=side > 1)
 
 
+def screened(base: SimConfig, space: Space, objective: str):
+    """(scored, dropped): every candidate of `space` screened; one line when none can run."""
+    cands = candidates(base, space)
+    if not cands:
+        raise UserError(
+            f"no setup to search: no --tp in {','.join(map(str, space.tps))} divides the rollout GPUs of "
+            f"--gpus {space.gpus}; give a --tp of at most the GPUs that divides them (for example --tp 1,2,4)"
+        )
+    scored, dropped = screen(base, cands, objective)
+    if not scored:
+        reasons = sorted({d.reason for d in dropped})
+        raise UserError(
+            f"no setup of {base.model.name} fits on {space.gpus} x {base.hardware.name}: {reasons[0]}"
+            + (f" (and {len(reasons) - 1} other reasons)" if len(reasons) > 1 else "")
+        )
+    return scored, dropped
+
+
 def make_plan(
     base: SimConfig,
     space: Space,
@@ -166,19 +184,7 @@ def make_plan(
         raise UserError(f"--survivors must be >= 1 (got {survivors})")
     check_plan_fits(base, space, workers, ray_address)
     t = time.perf_counter()
-    cands = candidates(base, space)
-    if not cands:
-        raise UserError(
-            f"no setup to search: no --tp in {','.join(map(str, space.tps))} divides the rollout GPUs of "
-            f"--gpus {space.gpus}; give a --tp of at most the GPUs that divides them (for example --tp 1,2,4)"
-        )
-    scored, dropped = screen(base, cands, objective)
-    if not scored:
-        reasons = sorted({d.reason for d in dropped})
-        raise UserError(
-            f"no setup of {base.model.name} fits on {space.gpus} x {base.hardware.name}: {reasons[0]}"
-            + (f" (and {len(reasons) - 1} other reasons)" if len(reasons) > 1 else "")
-        )
+    scored, dropped = screened(base, space, objective)
     pinned = []
     offs = [s for s in scored if s.candidate.policy.family == "off"]
     if offs:
@@ -209,7 +215,7 @@ def make_plan(
         base,
         objective,
         space.gpus,
-        len(cands),
+        len(scored) + len(dropped),
         scored,
         dropped,
         result.ranked,
