@@ -9,8 +9,8 @@ instances. The folder `simulate` writes grows with the same samples and timeline
 `check_fits` compares the estimate, times the simulations running side by side, with the memory
 this machine has available (and the free space where the folder goes) and refuses with one line
 before any work when it does not fit. The per-unit costs below are peak resident memory of
-`rlsched simulate` measured on CPython 3.11 with numpy 2 and pandas 2 (`/usr/bin/time`-style
-`ru_maxrss` of the command), fitted between runs that differ in one size only.
+`rlsched simulate` (the `ru_maxrss` of the command), fitted between runs that differ in one size
+only; `bench/sizes.py` measures them and checks each constant against its measurement.
 """
 
 from __future__ import annotations
@@ -28,38 +28,34 @@ from rlsched.errors import UserError
 from rlsched.policies.registry import PolicySpec, as_spec
 
 # --- memory (bytes) ---------------------------------------------------------------------------------
-# Per sample of a rollout and RL step: its rollout and generation-stage arrays, kept for the
-# tables, the samples table and its Arrow copy. Peak RSS of `simulate --no-baseline` with one
-# drafter, one sample a prompt, 32-token responses and no timeline: 1e4 -> 1e5 prompts adds
-# 401 B a sample at 1 RL step and 974 B at 3 (1e5 -> 1e6 at 1 step: 265 B); fitted as
-# SAMPLE_BYTES + rl.steps x SAMPLE_STEP_BYTES, rounded up.
+# Each is the peak resident memory of `rlsched simulate` a unit adds, fitted between two runs that
+# differ in that size only, rounded up to an upper bound; measured by bench/sizes.py
+# (docs/benchmarks.md, Simulation sizes).
+# Per sample of a rollout (SAMPLE_BYTES) and per sample and RL step (SAMPLE_STEP_BYTES): its rollout
+# and generation-stage arrays, kept for the tables, the samples table and its Arrow copy.
 SAMPLE_BYTES = 100
 SAMPLE_STEP_BYTES = 340
 # Per further drafter, sample and RL step: its acceptance, taken-in context and log-acceptance
-# columns and its column of the samples table. 1e5 samples, 1 RL step, 3 drafters over 1:
-# 186 -> 204 MiB, 93 B a drafter and sample.
+# columns and its column of the samples table.
 DRAFTER_SAMPLE_STEP_BYTES = 96
 # Per timeline row (engine step): packed columns, their joined arrays, the timeline frame and its
-# Arrow table. Peak RSS of `simulate --no-baseline` on one instance, max_batch 1, 1000 prompts of
-# fixed 3000 vs 30000 tokens: 796 -> 4524 MiB for 1.31e6 -> 1.30e7 rows, 334 B a row.
-TIMELINE_ROW_BYTES = 340
-# Per row of the largest batch priced up front (the largest power of two <= cluster.max_batch),
-# per draft length 0..k_max: the expected-tokens table of that batch. `--policy twostate` with
-# max_batch 2^20 -> 2^22: 207 -> 432 MiB, 74.7 B a row at k_max 8 (8.3 B per draft length).
+# Arrow table.
+TIMELINE_ROW_BYTES = 360
+# Per row of the largest batch priced up front (the largest power of two <= cluster.max_batch)
+# and per draft length 0..k_max: the expected-tokens table of that batch.
 GRID_ROW_K_BYTES = 9
-# Per instance and RL step: the instance, its policy, random stream and queues. 64 samples on
-# 1000 -> 10000 instances: 243 -> 305 MiB, 7.2 KB an instance.
+# Per instance and RL step: the instance, its policy, random stream and queues.
 INSTANCE_BYTES = 8 * 1024
 # A worker process of `run_jobs` before it simulates: the interpreter with numpy, pandas and SimPy
-# (peak RSS of `simulate` at 8 prompts is 151 MiB, the arrays of those prompts included).
+# (bounded by the whole peak of a `simulate` of a few prompts).
 WORKER_BYTES = 160 * 1024**2
 
 # --- disk (bytes written by `simulate`) -----------------------------------------------------------
-# samples.parquet per sample and RL step (19-26 B measured at 1e5 samples), plus a column a
-# drafter (10 B measured)
+# The folder's bytes a unit adds, fitted and rounded up as above (bench/sizes.py).
+# samples.parquet per sample and RL step, plus a column a drafter
 SAMPLE_DISK_BYTES = 32
 DRAFTER_DISK_BYTES = 16
-# timeline.parquet per row (22-30 B measured at 1.3e6-1.3e7 rows)
+# timeline.parquet per row
 TIMELINE_DISK_BYTES = 32
 
 
