@@ -258,7 +258,6 @@ def _one_refused(procs: list[subprocess.CompletedProcess], out: Path) -> subproc
 
 
 @pytest.mark.e2e
-@pytest.mark.slow
 def test_two_runs_started_together_on_one_folder_one_is_refused_the_other_intact(pair, tmp_path):
     import pandas as pd
 
