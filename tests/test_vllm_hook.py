@@ -87,7 +87,7 @@ def folders(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(folders):
-    from rlsched.executor.vllm import hook as vllm_hook
+    from rlsched.executor.vllm.scheduler import PolicyScheduler
     from rlsched.executor.vllm.shims import start_llm
 
     llm = start_llm(
@@ -102,7 +102,7 @@ def llm(folders):
         max_model_len=64,
         seed=0,
         dtype="float32",
-        scheduler_cls=vllm_hook.scheduler_class(),
+        scheduler_cls=PolicyScheduler,
     )
     yield llm
 
@@ -125,10 +125,10 @@ def _generate(llm, hook, sp: SamplingParams, seed: int):
     from vllm import SamplingParams as VP
     from vllm.inputs import TokensPrompt
 
-    from rlsched.executor.vllm import hook as vllm_hook
+    from rlsched.executor.vllm.scheduler import attach
 
     prompts = [p for p in PROMPTS for _ in range(N_ROWS)]
-    vllm_hook.attach(llm, hook)
+    attach(llm, hook)
     hook.begin(np.repeat(np.arange(len(PROMPTS)), N_ROWS))
     params = VP(
         temperature=sp.temperature,

@@ -68,6 +68,22 @@ class AcceptanceEstimator:
             self._stats[d] = _DrafterStats(n_samples, n_prompts, g_succ, g_n, self.sample_decay < 1.0)
             self._refresh_prompts(self._stats[d])
 
+    def add_samples(self, prompt_of: np.ndarray) -> None:
+        """More samples join the rollout (a server's requests as they arrive), of these
+        prompts (ids dense from 0, new ones one past the highest so far)."""
+        self._flush()
+        new = np.asarray(prompt_of, dtype=np.int64)
+        self.prompt_of = np.concatenate([self.prompt_of, new])
+        n_prompts = int(self.prompt_of.max()) + 1 if len(self.prompt_of) else 0
+        for s in self._stats.values():
+            grow, more = len(new), n_prompts - len(s.p_succ)
+            recent = s.r_succ is not s.succ
+            s.succ, s.fail = np.pad(s.succ, (0, grow)), np.pad(s.fail, (0, grow))
+            s.r_succ = np.pad(s.r_succ, (0, grow)) if recent else s.succ
+            s.r_fail = np.pad(s.r_fail, (0, grow)) if recent else s.fail
+            s.p_succ, s.p_fail, s.p_mean = (np.pad(a, (0, max(more, 0))) for a in (s.p_succ, s.p_fail, s.p_mean))
+            self._refresh_prompts(s)
+
     def mean(self, drafter: str) -> float:
         self._flush()
         s = self._stats[drafter]

@@ -9,6 +9,7 @@ import numpy as np
 
 from rlsched.executor.seeds import derive_seed
 from rlsched.executor.vllm import hook as vllm_hook
+from rlsched.executor.vllm.scheduler import attach
 from rlsched.policies.types import EngineState, StepOutcome, Strategy
 
 
@@ -65,7 +66,7 @@ def measure_step_costs(engine, typical_ctx: int):
     sizes = sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < engine.max_batch} | {engine.max_batch})
     records: list[dict] = []
     hook = vllm_hook.StepHook(KSweep(drafter, k), engine.estimator, drafter, k, record=records.append)
-    vllm_hook.attach(engine.llm, hook)
+    attach(engine.llm, hook)
     rng = np.random.default_rng(engine.seed)
     vocab = int(json.loads((engine.target_dir / "config.json").read_text())["vocab_size"])
     params = VP(temperature=1.0, max_tokens=new, ignore_eos=True, detokenize=False, seed=None)
@@ -77,5 +78,5 @@ def measure_step_costs(engine, typical_ctx: int):
             engine.llm.generate(prompts, [params] * b, use_tqdm=False)
             hook.end()
     if getattr(engine, "hook", None) is not None:  # the engine's own hook back in place
-        vllm_hook.attach(engine.llm, engine.hook)
+        attach(engine.llm, engine.hook)
     return MeasuredCostModel(pd.DataFrame(cost_records(records, prompt_len + new // 2, sizes)))

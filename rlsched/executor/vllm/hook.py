@@ -19,12 +19,14 @@ shared `AcceptanceEstimator`, fed after every verify with each request's drafted
 counts (`update_from_output`). `StepOutcome`s reach `policy.observe`.
 
 Step records: the hook times the model step (from `schedule()` returning to
-`update_from_output()`) and the runner's propose call (`install_draft_clock`, a wrapper on
-the runner reached through `LLM.collective_rpc`; the engine runs in-process), and writes one
+`update_from_output()`) and the runner's propose calls (`plugin.py`: the seconds travel with
+the runner's output, from whichever process runs it), and writes one
 record per engine step in the shared step schema. A record pairs a verify with the drafting
 that produced its drafts (in the previous step), as rlsched's engine does: `k` is the longest
-chain verified, `draft_ms` the propose call that drafted it (with k = 0, the drafter's feed),
-`verify_ms` the rest of the step.
+chain verified, `draft_ms` the propose calls that drafted it (with k = 0, the drafter's feed;
+NaN where the runner's drafting was not timed), `verify_ms`
+the rest of the step. What a step chose is kept by its scheduler output, so the pairing holds
+with async scheduling too, where the next step is scheduled before this one's output is in.
 Steps that prefill prompt tokens are recorded as `prefill` (nothing verified) or `mixed`.
 """
 
@@ -35,6 +37,7 @@ import time
 import numpy as np
 
 from rlsched.executor.engine.recorder import step_record
+from rlsched.executor.vllm.plugin import draft_seconds
 from rlsched.policies.types import EngineState, StepOutcome, Strategy
 
 
@@ -52,10 +55,9 @@ class StepHook:
         self._expect: int | None = None
         self.counts: dict[int, list[int]] = {}  # per sample: drafted, accepted, rejected, verify steps
         self.step = 0
-        self.draft_s = 0.0  # the runner's propose call of the current step (install_draft_clock)
         self._ids = np.zeros(0, dtype=np.int64)
         self._k_of: dict[str, int] = {}  # the chain length chosen for each request's next drafts
-        self._next = (None, Strategy())  # (state, strategy) of the drafts proposed in this step
+        self._chosen: dict[int, tuple] = {}  # id(scheduler output) -> (state, strategy, time scheduled)
         self._pending = None  # (state, strategy, draft seconds) of the drafts the next step verifies
         self._t_step = 0.0
         self._t0 = time.perf_counter()
@@ -72,7 +74,7 @@ class StepHook:
         self.index_of.clear()
         self.counts.clear()
         self._ids = np.zeros(0, dtype=np.int64)
-        self._k_of, self._pending = {}, None
+        self._k_of, self._pending, self._chosen = {}, None, {}
         self.rl_step, self.step, self.hook_s, self._t0 = rl_step, 0, 0.0, time.perf_counter()
 
     def end(self) -> None:
@@ -130,14 +132,14 @@ class StepHook:
             pool.get_num_free_blocks() * scheduler.block_size,
             self.estimator,
         )
-        self._next = (state, None)
-        self.draft_s = 0.0
+        strategy = None
         if self.policy is not None:  # else vLLM's own choice (num_speculative_tokens or its batch-size table)
-            self._choose(state, rows, room, out)
+            strategy = self._choose(state, rows, room, out)
         self._t_step = time.perf_counter()
+        self._chosen[id(out)] = (state, strategy, self._t_step)
         self.hook_s += self._t_step - t_in
 
-    def _choose(self, state: EngineState, rows: list[str], room: list[int], out) -> None:
+    def _choose(self, state: EngineState, rows: list[str], room: list[int], out) -> Strategy:
         strategy = self.policy.choose(state) if len(rows) else Strategy()
         if self.prober is not None and len(rows):
             strategy = self.prober(strategy)
@@ -148,7 +150,7 @@ class StepHook:
         k = int(ks.max(initial=0))
         out.num_spec_tokens_to_schedule = k
         self.chosen.append(k)
-        self._next = (state, strategy)
+        return strategy
 
     def trim(self, draft) -> None:
         """Cut each request's drafts to the length chosen for it."""
@@ -160,7 +162,9 @@ class StepHook:
     def after_step(self, scheduler_output, runner_output) -> None:
         """The step ran: feed the estimator and the policy, write the step record."""
         t_in = time.perf_counter()
-        step_s = t_in - self._t_step
+        state, strategy, t_step = self._chosen.pop(id(scheduler_output), (None, None, t_in))
+        timed = draft_seconds(runner_output)  # this step's drafting (None: not timed where the runner runs)
+        step_s, draft_s = t_in - t_step, timed or 0.0
         spec = scheduler_output.scheduled_spec_decode_tokens
         index = runner_output.req_id_to_index
         sampled = runner_output.sampled_token_ids
@@ -170,27 +174,30 @@ class StepHook:
         acc = np.array([max(0, len(sampled[index[q]]) - 1) for q in verified], dtype=np.int64)
         acc = np.minimum(acc, dk)
         emitted = sum(len(sampled[index[q]]) for q in rows)
-        prev, self._pending = self._pending, (*self._next, self.draft_s)
+        prev, self._pending = self._pending, (state, strategy, None if timed is None else draft_s)
         for q, d, a in zip(verified, dk.tolist(), acc.tolist()):
             self.add_counts(self.index_of[q], (d, a, int(a < d), 1))
-        if prev is not None:
-            self._learn(prev, verified, rows, dk, acc, emitted, step_s)
+        if prev is not None and prev[0] is not None:
+            self._learn(prev, verified, rows, dk, acc, emitted, step_s, draft_s)
         if self.record is not None:
-            self._record(scheduler_output, prev, rows, dk, acc, emitted, step_s)
+            split = timed is not None and (prev is None or prev[2] is not None)  # both drafts timed
+            draft = draft_s if split else None
+            self._record(scheduler_output, prev, state, rows, dk, acc, emitted, step_s, draft, t_step)
         self.step += 1
         self.hook_s += time.perf_counter() - t_in
 
-    def _learn(self, prev, verified, rows, dk, acc, emitted: int, step_s: float) -> None:
+    def _learn(self, prev, verified, rows, dk, acc, emitted: int, step_s: float, now_draft_s: float) -> None:
         """Feed the estimator and the policy what the step verified of the drafts chosen before
-        it (`prev`: their state, strategy and draft seconds)."""
+        it (`prev`: their state, strategy and draft seconds; `now_draft_s`: this step's drafting)."""
         state, strategy, draft_s = prev
+        draft_s = draft_s or 0.0
         drafted, n_acc = int(dk.sum()), int(acc.sum())
         if drafted:
             ids = np.array([self.index_of[q] for q in verified], dtype=np.int64)
             if self.needs_acceptance:
                 self.estimator.update(self.drafter, ids, acc, dk)
             if self.observes:
-                verify_s = step_s - self.draft_s
+                verify_s = step_s - now_draft_s
                 self.policy.observe(
                     StepOutcome(
                         self.instance,
@@ -218,86 +225,30 @@ class StepHook:
                     0,
                     emitted,
                     step_s,
-                    self.draft_s,
-                    step_s - self.draft_s,
+                    now_draft_s,
+                    step_s - now_draft_s,
                 )
             )
 
-    def _record(self, scheduler_output, prev, rows, dk, acc, emitted: int, step_s: float) -> None:
+    def _record(self, scheduler_output, prev, state, rows, dk, acc, emitted, step_s, draft_s, t_step) -> None:
         """The step record: a verify paired with the drafting that produced its drafts."""
         spec = scheduler_output.scheduled_spec_decode_tokens
         scheduled = scheduler_output.num_scheduled_tokens
         prefill = sum(1 for q, n in scheduled.items() if n > 1 + len(spec.get(q, ())))
         kind = "decode" if not prefill else ("prefill" if prefill == len(scheduled) else "mixed")
-        draft_ms = (prev[2] if prev is not None else 0.0) * 1e3  # with k = 0: the drafter's feed
-        verify_ms = (step_s - self.draft_s) * 1e3
-        ctx = int(sum(scheduled.values())) if kind == "prefill" else int(self._next[0].ctx_tokens)
+        if draft_s is None:  # drafting not timed where the runner runs: the step is not split
+            draft_ms = verify_ms = float("nan")
+            step_ms = step_s * 1e3
+        else:
+            draft_ms = (prev[2] if prev is not None else 0.0) * 1e3  # with k = 0: the drafter's feed
+            verify_ms = (step_s - draft_s) * 1e3
+            step_ms = draft_ms + verify_ms
+        ctx = int(sum(scheduled.values())) if kind == "prefill" or state is None else int(state.ctx_tokens)
         drafted = int(dk.sum())
         # fmt: off
         self.record(step_record(
-            self.rl_step, self.instance, self.step, self._t_step - self._t0, kind, len(rows),
+            self.rl_step, self.instance, self.step, t_step - self._t0, kind, len(rows),
             self.drafter if drafted else "off", int(dk.max(initial=0)), 1, drafted, int(acc.sum()), emitted,
-            draft_ms, verify_ms, draft_ms + verify_ms, ctx,
+            draft_ms, verify_ms, step_ms, ctx,
         ))
         # fmt: on
-
-
-def scheduler_class():
-    """vLLM's scheduler with a `hook` (a StepHook, attached after start-up; None: vLLM as is)."""
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    class PolicyScheduler(Scheduler):
-        hook: StepHook | None = None
-
-        def add_request(self, request) -> None:
-            if self.hook is not None:
-                self.hook.admit(request)
-            super().add_request(request)
-
-        def schedule(self, *args, **kwargs):
-            out = super().schedule(*args, **kwargs)
-            if self.hook is not None and out.total_num_scheduled_tokens > 0:
-                self.hook.before_step(self, out)
-            return out
-
-        def update_from_output(self, scheduler_output, model_runner_output):
-            if self.hook is not None and scheduler_output.total_num_scheduled_tokens > 0:
-                self.hook.after_step(scheduler_output, model_runner_output)
-            return super().update_from_output(scheduler_output, model_runner_output)
-
-        def update_draft_token_ids(self, draft_token_ids) -> None:
-            if self.hook is not None:
-                self.hook.trim(draft_token_ids)
-            super().update_draft_token_ids(draft_token_ids)
-
-    return PolicyScheduler
-
-
-def install_draft_clock(llm, hook: StepHook) -> None:
-    """Time the model runner's propose call into `hook.draft_s` (in-process engine only)."""
-
-    def wrap(worker, hook):
-        runner = worker.model_runner
-        propose = getattr(runner, "_rlsched_propose", None) or runner.propose_draft_token_ids
-        runner._rlsched_propose = propose
-
-        def timed(*args, **kwargs):
-            t = time.perf_counter()
-            try:
-                return propose(*args, **kwargs)
-            finally:
-                hook.draft_s += time.perf_counter() - t
-
-        runner.propose_draft_token_ids = timed
-
-    llm.collective_rpc(wrap, args=(hook,))
-
-
-def attach(llm, hook: StepHook) -> None:
-    """Give `llm`'s PolicyScheduler its hook and time its drafting."""
-    core = llm.llm_engine.engine_core
-    scheduler = getattr(core, "engine_core", core).scheduler
-    if not hasattr(type(scheduler), "hook"):
-        raise RuntimeError("the vLLM engine was not started with rlsched's scheduler_class()")
-    scheduler.hook = hook
-    install_draft_clock(llm, hook)

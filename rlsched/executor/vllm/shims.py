@@ -163,7 +163,7 @@ def start_llm(
     log_stats: bool = True,
 ):
     """vLLM's offline engine for `target_dir`, in this process, on token ids, with `spec` as its
-    speculative_config and `scheduler_cls` as its scheduler (vllm_hook.scheduler_class() lets
+    speculative_config and `scheduler_cls` as its scheduler (scheduler.PolicyScheduler lets
     rlsched's policies choose the draft length). The CPU build's problems are patched first;
     torch's thread setter and the global RNG states are left as they were. UserError (one
     line) when vLLM refuses the config."""
