@@ -51,6 +51,7 @@ from types import SimpleNamespace
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from rlsched.atomic import check_writable, json_text, write_text_atomic
 from rlsched.errors import UserError, describe_validation_error
 from rlsched.executor.engine.recorder import Recorder, sample_record
 from rlsched.executor.vllm.hook import StepHook
@@ -121,6 +122,33 @@ def engine_facts(vllm_config) -> dict:
         max_len=int(vllm_config.model_config.max_model_len),
         world=int(parallel.world_size),
     )
+
+
+def write_engine_file(folder: Path, tag: str, cfg: EngineHookConfig, vllm_config, facts: dict) -> None:
+    """`engine-<tag>.json` in the trace folder: what this engine ran (rlsched's settings and
+    vLLM's own scheduling arguments), for `replay` and `report`. The folder's parent must exist."""
+    import vllm
+
+    where = f"additional_config.{KEY}.trace_dir"
+    if not folder.absolute().parent.is_dir():
+        raise UserError(f"{where} '{folder}': its parent folder does not exist; create it or name another")
+    check_writable(folder, where)
+    sched = vllm_config.scheduler_config
+    record = dict(
+        format="rlsched-engine",
+        version=1,
+        rlsched=cfg.model_dump(),
+        **{k: facts[k] for k in ("drafter", "k_max", "max_batch", "tp", "rank", "model", "max_len")},
+        vllm=vllm.__version__,
+        max_num_batched_tokens=int(sched.max_num_batched_tokens),
+        enable_chunked_prefill=bool(sched.enable_chunked_prefill),
+        enable_prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
+        async_scheduling=bool(sched.async_scheduling),
+        pid=os.getpid(),
+        started=time.time(),
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(folder / f"engine-{tag}.json", json_text(record) + "\n")
 
 
 def model_spec(hf_config, name: str):
@@ -222,7 +250,9 @@ class EngineHook(StepHook):
         names = () if facts["drafter"] == "off" else (facts["drafter"],)
         self.recorder = Recorder(None)
         if cfg.trace_dir is not None:
-            self.recorder = Recorder(Path(cfg.trace_dir), f"e{facts['rank']}-{os.getpid()}")
+            tag = f"e{facts['rank']}-{os.getpid()}"
+            write_engine_file(Path(cfg.trace_dir), tag, cfg, vllm_config, facts)
+            self.recorder = Recorder(Path(cfg.trace_dir), tag)
         prober = None if policy is None else prober_for(policy, names, cfg.probe_every)
         super().__init__(
             policy,
