@@ -18,6 +18,7 @@ EXAMPLES = {
     "table": "table:p.json",
     "oracle": "oracle:seq",
     "tree": "tree:6:4:24",
+    "plugin": "plugin:plugin_policies.cycling",
 }
 
 
@@ -26,6 +27,20 @@ def test_every_family_has_an_example_and_parses_to_itself():
     for family, text in EXAMPLES.items():
         assert parse_policy(text).family == family
         assert FAMILIES[family].usage.partition(":")[0].partition("[")[0] == family
+
+
+def test_a_plugin_is_the_users_own_policy_by_qualified_name():
+    ctx = PolicyContext(None, ("model",), k_max=6)
+    policy = make_draft_policy("plugin:plugin_policies.cycling", ctx)
+    assert type(policy).__name__ == "Cycling" and policy.drafter == "model"
+    for text, message in (
+        ("plugin:no_such_module.make", "cannot import no_such_module.make"),
+        ("plugin:plugin_policies.NOT_A_POLICY", "must return a DraftPolicy"),
+    ):
+        with pytest.raises(UserError, match=message):
+            make_draft_policy(text, ctx)
+    with pytest.raises(UserError, match="unknown policy"):
+        parse_policy("plugin:not a name")
 
 
 def test_arguments_are_parsed_once():

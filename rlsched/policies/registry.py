@@ -72,6 +72,7 @@ class PolicySpec:
     per_row: bool = False  # oracle:seq
     width: int = 1  # tree's
     nodes: int = 0  # tree's
+    target: str | None = None  # plugin's: the qualified name of a callable (PolicyContext) -> DraftPolicy
 
     def __str__(self) -> str:
         return self.text
@@ -282,6 +283,29 @@ def _build_file(p: PolicySpec, ctx, words: Words):
     return (TablePolicy if pf.kind == "table" else TwoStatePolicy).from_file(pf, ctx, words.k_max)
 
 
+def _parse_plugin(spec: str, arg: str) -> PolicySpec | None:
+    parts = arg.split(".")
+    if len(parts) < 2 or not all(part.isidentifier() for part in parts):
+        return None
+    return PolicySpec(spec, "plugin", target=arg)
+
+
+def _build_plugin(p: PolicySpec, ctx, words: Words):
+    """The user's own DraftPolicy: the callable `p.target` names, called with the PolicyContext."""
+    import importlib
+
+    assert p.target is not None
+    module, _, name = p.target.rpartition(".")
+    try:
+        make = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise UserError(f"policy '{p}': cannot import {p.target} ({e}); put its module on PYTHONPATH") from None
+    policy = make(ctx) if callable(make) else None
+    if not (hasattr(policy, "choose") and hasattr(policy, "observe")):
+        raise UserError(f"policy '{p}': {p.target}(PolicyContext) must return a DraftPolicy (choose and observe)")
+    return policy
+
+
 def _build_oracle(p: PolicySpec, ctx, words: Words):
     from rlsched.policies.oracle import OraclePolicy, SeqOraclePolicy
 
@@ -370,6 +394,13 @@ FAMILIES: dict[str, Family] = {
             _parse_table,
             _build_file,
             native=True,
+        ),
+        Family(
+            "plugin",
+            "plugin:MODULE.NAME",
+            "your own DraftPolicy: MODULE.NAME(PolicyContext) returns it (the module on PYTHONPATH)",
+            _parse_plugin,
+            _build_plugin,
         ),
         Family(
             "oracle",
