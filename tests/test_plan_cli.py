@@ -134,6 +134,11 @@ def test_the_written_run_config_runs(planned):
     run = yaml.safe_load((out / "run.yaml").read_text())
     assert run["rollout"]["backend"] == "vllm" and run["model"] == "builtin"
     assert run["rollout"]["max_batch"] == plan["rows"][0]["max_batch"]
+    assert (run["rollout"]["tp"], run["rollout"]["gpu_memory_utilization"]) == (
+        plan["rows"][0]["tp"],
+        plan["rows"][0]["memory"],
+    )
+    assert (run["device"], run["dtype"], run["algorithm"]["name"]) == ("cuda", "bfloat16", "grpo")
     # the built-in pair on this CPU: the local engine, one instance, a few short prompts
     proc = ok(
         rlsched(
@@ -158,6 +163,10 @@ def test_the_written_run_config_runs(planned):
             "rollout.max_batch=8",
             "--set",
             "threads=1",
+            "--set",
+            "device=cpu",
+            "--set",
+            "dtype=float32",
             "--out",
             str(root / "run"),
             "--json",
@@ -255,6 +264,8 @@ def test_a_plan_from_a_run_uses_its_fitted_costs_and_workload(tmp_path):
     assert sim["workload"]["prompts"] == 4 and sim["workload"]["samples_per_prompt"] == 4
     assert sim["workload"]["response_len"]["dist"] == "empirical"  # the lengths the run produced
     assert {r["tp"] for r in json.loads((out / "plan.json").read_text())["rows"]} == {1}  # one device's costs
+    run = yaml.safe_load((out / "run.yaml").read_text())
+    assert (run["device"], run["dtype"]) == ("cpu", "float32")  # the run's own machine
     ok(
         rlsched(
             "simulate", "--config", str(out / "sim.yaml"), "--no-baseline", "--out", str(tmp_path / "sim"), cwd=tmp_path
@@ -290,7 +301,9 @@ def test_the_terminal_output_names_the_winner_and_its_comparisons(tmp_path):
     )
     summary = json.loads((tmp_path / "p" / "summary.json").read_text())
     assert f"winner: {summary['winner']}" in proc.stdout
-    assert "over the best plain decoding" in proc.stdout and "over the workload's own setup" in proc.stdout
+    assert summary["own_gpus"] == summary["baseline_gpus"] == summary["winner_gpus"]
+    assert f"over the best plain decoding on {summary['winner_gpus']} GPUs" in proc.stdout
+    assert f"over the workload's own setup on {summary['winner_gpus']} GPUs" in proc.stdout
 
 
 def test_on_a_ray_cluster_the_plan_is_the_same(tmp_path):

@@ -123,11 +123,17 @@ def plan(
     import tempfile
 
     from rlsched.config import load_config
-    from rlsched.plan.planner import base_for_plan, make_plan, write_plan
+    from rlsched.plan.planner import base_for_plan, check_plan_out, make_plan, run_device_of, write_plan
     from rlsched.sim.runs import default_workers
 
     _check_plan_options(gpus, objective, workers, from_run is not None and bool(workload or config), ray)
+    if drafter_path == "eagle" and model_path != "builtin":
+        raise UserError(
+            "--drafter-path eagle is the built-in actor's EAGLE-3 head; with another --model-path give the folder "
+            "of an EAGLE-3 head for that model (or leave --drafter-path out for a marked placeholder)"
+        )
     if out is not None:  # before a run folder is fitted (the default place needs the workload's name)
+        check_plan_out(out)
         check_writable(out, "--out")
     overrides = [f"model={model}"] * (model is not None) + [f"hardware={hardware}"] * (hardware is not None)
     overrides += list(set_) + ["record_timeline=false"]
@@ -138,6 +144,7 @@ def plan(
             base = base_for_plan(load_config(workload, config, overrides), None, None, [], drafters)
         budget, space = _plan_space(base, gpus, from_run is not None, tps, max_batches)
         out = out or Path("runs/plan") / f"{base.name}-{budget}g{base.hardware.name}"
+        check_plan_out(out)
         check_writable(out, "--out")
         done = [0]
 
@@ -159,9 +166,8 @@ def plan(
                 learn_in=Path(work) if learn else None,
                 on_done=tick,
             )
-            summary = write_plan(
-                result, out, model_path or base.model.name, drafter_path or (result.winner.candidate.drafter or "off")
-            )
+            device = run_device_of(from_run) if from_run is not None else None
+            summary = write_plan(result, out, model_path or base.model.name, drafter_path, device)
     summary["out"] = str(out)
     if as_json:
         print(json_text(summary))
@@ -235,19 +241,44 @@ def _print_plan(result, summary: dict, title: str, objective: str, out: Path) ->
     _print_unwrapped(out_console, t)
     split = " / ".join(f"{k.replace('_', ' ')} {v:.0%}" for k, v in summary["winner_split"].items())
     lines = [f"winner: {summary['winner']}, {summary['winner_step_s']:.2f} s a step ({split})"]
-    if "baseline" in summary:
-        lines.append(f"over the best plain decoding ({summary['baseline']}): {summary['speedup_over_baseline']:.2f}x")
-    if "own_setup" in summary:
-        lines.append(
-            f"over the workload's own setup ({summary['own_setup']}, {summary['own_step_s']:.2f} s): "
-            f"{summary['gain_over_own']:+.1%}"
-            + (f"; the knob that moved most: {summary['knob']}" if "knob" in summary else "")
-        )
-    if "engine_note" in summary:
-        lines.append(f"note: {summary['engine_note']}")
+    lines += _plan_comparisons(summary)
+    for note in ("engine_note", "drafter_note"):
+        if note in summary:
+            lines.append(f"note: {summary[note]}")
     lines.append(f"output: {out} (rlsched report {out} for its page)")
     for line in lines:
         out_console.print(line, highlight=False, soft_wrap=True)
+
+
+def _plan_comparisons(summary: dict) -> list[str]:
+    """The winner's ties and comparisons as lines, each on the winner's GPU count or saying why not."""
+    lines = []
+    ties = summary["ties"]
+    if ties:
+        shown = ", ".join(f"{t['setup']} ({t['gap']:+.1%})" for t in ties[:3])
+        more = f" and {len(ties) - 3} more" if len(ties) > 3 else ""
+        lines.append(
+            f"a tie: over {summary['seeds']} seeds the winner is not told apart from {shown}{more} "
+            "(as good on a seed, or a gap within the seeds' spread)"
+        )
+    tie = " (a tie within the seeds' spread)"
+    if "baseline" in summary:
+        lines.append(
+            f"over the best plain decoding on {summary['baseline_gpus']} GPUs ({summary['baseline']}): "
+            f"{summary['speedup_over_baseline']:.2f}x" + (tie if summary["baseline_tie"] else "")
+        )
+    else:
+        lines.append(f"note: {summary['baseline_note']}")
+    if "own_setup" in summary:
+        lines.append(
+            f"over the workload's own setup on {summary['own_gpus']} GPUs ({summary['own_setup']}, "
+            f"{summary['own_step_s']:.2f} s): {summary['gain_over_own']:+.1%}"
+            + (tie if summary["own_tie"] else "")
+            + (f"; the knob that moved most: {summary['knob']}" if "knob" in summary else "")
+        )
+    if "own_note" in summary:
+        lines.append(f"note: {summary['own_note']}")
+    return lines
 
 
 _LEARN_OUT = typer.Option(..., "--out", "-o", help="Where to write the policy file (JSON).")

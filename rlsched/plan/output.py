@@ -1,8 +1,12 @@
 """A plan's winner written as files people run, and the plan's record.
 
 - `sim.yaml`: the winner as a simulator config (`rlsched simulate --config`);
-- `run.yaml`: an `rlsched run` config: vLLM rollouts with the winner's instances, batch limit,
-  draft policy and reallocation (model and drafter: the folders given to the planner);
+- `run.yaml`: an `rlsched run` config: the job's algorithm (PPO where the RL step has a critic,
+  else GRPO; no KL term where it has no reference), bf16 on CUDA for a GPU (the run's own
+  device and dtype for a plan from a run), vLLM rollouts with the winner's instances, tp,
+  memory fraction, batch limit, draft policy and reallocation, and the drafter's update
+  schedule (model and drafter: the folders given to the planner; an EAGLE-3 head not given is
+  a placeholder, `EAGLE_PLACEHOLDER`, the user replaces);
 - `vllm_engine.json`: vLLM engine arguments of one rollout instance (`vllm.LLM(**args)`):
   tensor parallelism, `max_num_seqs`, `gpu_memory_utilization` and the `speculative_config`,
   whose draft length is native to vLLM: `num_speculative_tokens` for a fixed K, and a
@@ -31,6 +35,28 @@ from rlsched.policies.vllm_plan import NGRAM, TABLE_FIELD, speculative_plan
 from rlsched.sim.simulate import policy_context
 
 METHODS = {"model": "draft_model", "eagle": "eagle3"}
+# the drafter written where the winner drafts with an EAGLE-3 head and no --drafter-path names its folder
+# (`eagle` alone is the built-in tiny actor's head, for no other model)
+EAGLE_PLACEHOLDER = "REPLACE-ME/eagle3-head-of-{model}"
+DTYPES = {2: "bfloat16", 4: "float32"}  # the run config's dtype by the model's bytes a weight
+
+
+def default_drafter_path(cfg: SimConfig, c: Candidate) -> str:
+    """The drafter written where none is given: a draft model's preset name (as the actor's),
+    a marked placeholder for an EAGLE-3 head's folder, or the kind (ngram, off)."""
+    if c.drafter is None:
+        return "off"
+    d = cfg.drafter(c.drafter)
+    if d.kind == "eagle":
+        return EAGLE_PLACEHOLDER.format(model=cfg.model.name)
+    return d.model.name if d.kind == "model" and d.model is not None else d.kind
+
+
+def run_device(cfg: SimConfig) -> dict:
+    """{device, dtype} of a run on the config's hardware (a GPU) and model."""
+    return {"device": "cuda", "dtype": DTYPES.get(cfg.model.dtype_bytes, "bfloat16")}
+
+
 TIE = 0.01  # a draft length within this share of the best rate's is as good
 
 
@@ -76,6 +102,7 @@ def vllm_engine_args(cfg: SimConfig, c: Candidate, cost, model: str, drafter: st
         "max_num_seqs": c.max_batch,
         "gpu_memory_utilization": c.memory,
         "max_model_len": length_max(cfg.workload.prompt_len) + length_max(cfg.workload.response_len),
+        "dtype": run_device(cfg)["dtype"],
     }
     if c.drafter is None:
         return args
@@ -118,6 +145,7 @@ def verl_rollout(cfg: SimConfig, c: Candidate, engine: dict) -> dict:
         "gpu_memory_utilization": c.memory,
         "max_num_seqs": c.max_batch,
         "max_model_len": engine["max_model_len"],
+        "dtype": engine["dtype"],
         "n": w.samples_per_prompt,
         "temperature": 1.0,
         "prompt_length": length_max(w.prompt_len),
@@ -129,6 +157,7 @@ def verl_rollout(cfg: SimConfig, c: Candidate, engine: dict) -> dict:
     if c.offload:  # training's states leave the GPUs for the rollout
         section["actor"] = {"fsdp_config": {"param_offload": True, "optimizer_offload": True}}
     return {
+        "algorithm": {"adv_estimator": "gae" if cfg.rl.critic else "grpo"},
         "actor_rollout_ref": section,
         "data": {
             "train_batch_size": w.prompts,
@@ -139,17 +168,24 @@ def verl_rollout(cfg: SimConfig, c: Candidate, engine: dict) -> dict:
     }
 
 
-def run_config(cfg: SimConfig, c: Candidate, cost, model: str, drafter: str) -> dict:
-    """An `rlsched run` config: vLLM rollouts set as the candidate."""
-    w = cfg.workload
+def run_config(cfg: SimConfig, c: Candidate, cost, model: str, drafter: str, device: dict | None = None) -> dict:
+    """An `rlsched run` config of the job, its rollouts on vLLM set as the candidate; `device`:
+    {device, dtype} (default: `run_device`)."""
+    w, rl = cfg.workload, cfg.rl
     kind = cfg.drafter(c.drafter).kind if c.drafter is not None else "off"
-    return {
+    algorithm: dict = {"name": "ppo" if rl.critic else "grpo"}
+    if not rl.reference:
+        algorithm["kl_coef"] = 0.0
+    out = {
         "model": model,
         "drafter": drafter if kind in ("model", "eagle") else kind,
         "policy": engine_policy(cfg, c, cost).text,
+        **(device or run_device(cfg)),
         "rollout": {
             "backend": "vllm",
             "instances": c.instances,
+            "tp": c.tp,
+            "gpu_memory_utilization": c.memory,
             "max_batch": c.max_batch,
             "k_max": cfg.speculation.k_max,
             "realloc": c.realloc,
@@ -157,4 +193,11 @@ def run_config(cfg: SimConfig, c: Candidate, cost, model: str, drafter: str) -> 
             "prompts_per_step": w.prompts,
             "max_tokens": length_max(w.response_len),
         },
+        "algorithm": algorithm,
     }
+    if kind in ("model", "eagle"):  # a learned drafter: its update schedule
+        out["drafter_update"] = {
+            "every": rl.drafter_update_interval,
+            "schedule": "pays" if (c.update_schedule or rl.drafter_update_schedule) == "pays" else "every",
+        }
+    return out

@@ -1,37 +1,30 @@
-"""`rlsched plan`: the screen, the search and the explanation of one plan, and its files.
+"""`rlsched plan`: the screen, the search and the explanation of one plan (its record and
+files: `plan/record.py`).
 
 The winner is the search's best setup. It is compared on the same seeds with the best plain
-decoding setup (the speedup), the screen's best on each smaller GPU count (the Pareto front of
-step time against GPUs) and the workload's own setup (the config as written), and
-explained: each knob where the two differ (placement, tp, batch limit, memory fraction,
-policy, reallocation, the drafter's update schedule) is moved alone from the workload's setup to the winner's value and
-simulated on the same seeds; the knob that gains most is named.
-"""
+decoding setup on its GPU count (the speedup), the screen's best on each smaller GPU count (the
+Pareto front of step time against GPUs) and the workload's own setup scaled to its GPU count
+(`plan/compare.py`: like with like; the setups the seeds cannot tell from it are its ties),
+and explained: each knob where the two differ (placement, tp, batch limit, memory fraction,
+policy, reallocation, the drafter's update schedule) is moved alone from the own setup to the
+winner's value and simulated on the same seeds; the knob that gains most is named."""
 
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
-import numpy as np
-import pandas as pd
-import yaml
-
-from rlsched.atomic import atomic_folder
 from rlsched.config import SimConfig
-from rlsched.costs.choose import cost_model_for
 from rlsched.errors import UserError
+from rlsched.plan.compare import own_at
 from rlsched.plan.feasible import infeasible
-from rlsched.plan.output import run_config, verl_rollout, vllm_engine_args
+from rlsched.plan.record import check_plan_out, plan_rows, summary, write_plan  # noqa: F401 (the plan's API)
 from rlsched.plan.screen import Dropped, Scored, screen
-from rlsched.plan.search import Ranked, run_seed, search, signature
-from rlsched.plan.space import Candidate, Space, candidates, from_config, to_config
+from rlsched.plan.search import Ranked, run_seed, search
+from rlsched.plan.space import Candidate, Space, candidates, to_config
 from rlsched.policies.registry import parse_policy
-from rlsched.policies.vllm_plan import TABLE_FIELD
 from rlsched.sim.sizes import check_fits
 
 KNOBS = ("placement", "tp", "max_batch", "memory", "policy", "realloc", "update_schedule")
@@ -69,6 +62,14 @@ def base_for_plan(
     return cfg
 
 
+def run_device_of(from_run: Path) -> dict:
+    """{device, dtype} of a run folder's config (read and checked by `base_for_plan` before)."""
+    import yaml
+
+    cfg = yaml.safe_load((Path(from_run) / "config.yaml").read_text()) or {}
+    return {"device": str(cfg.get("device", "cpu")), "dtype": str(cfg.get("dtype", "float32"))}
+
+
 def with_knob(own: Candidate, winner: Candidate, knob: str) -> Candidate | None:
     """`own` with one knob set as the winner has it (None where that knob alone cannot be set:
     its tp does not divide the GPUs, or its policy is a table learned for the winner's setup)."""
@@ -102,7 +103,7 @@ def with_knob(own: Candidate, winner: Candidate, knob: str) -> Candidate | None:
 
 def knob_value(c: Candidate, knob: str) -> str:
     return {
-        "placement": c.placement,
+        "placement": f"{c.placement} on {c.gpus} GPUs",
         "tp": f"tp{c.tp}x{c.instances}",
         "max_batch": str(c.max_batch),
         "memory": f"{c.memory:g}" + (" offloaded" if c.offload else ""),
@@ -121,8 +122,8 @@ class Plan:
     scored: list[Scored]
     dropped: list[Dropped]
     ranked: list[Ranked]
-    baseline: Ranked | None  # the best plain decoding setup
-    own: Ranked | None  # the workload's own setup
+    owns: dict[int, Ranked] = field(default_factory=dict)  # the workload's own setup on each GPU count
+    own_reasons: dict[int, str] = field(default_factory=dict)  # why it cannot be made on a GPU count
     knobs: list[dict] = field(default_factory=list)  # one knob at a time from the own setup to the winner's
     seeds: list[int] = field(default_factory=list)
     simulations: int = 0
@@ -132,6 +133,26 @@ class Plan:
     @property
     def winner(self) -> Ranked:
         return self.ranked[0]
+
+    @property
+    def baseline(self) -> Ranked | None:
+        """The best plain decoding setup on the winner's GPUs that ran every seed."""
+        return next(
+            (
+                x
+                for x in self.ranked
+                if x.candidate.policy.family == "off"
+                and x.candidate.gpus == self.winner.candidate.gpus
+                and len(x.runs) == len(self.seeds)
+            ),
+            None,
+        )
+
+    @property
+    def own(self) -> Ranked | None:
+        """The workload's own setup on the winner's GPUs (`compare.own_at`), where it ran every seed."""
+        x = self.owns.get(self.winner.candidate.gpus)
+        return x if x is not None and len(x.runs) == len(self.seeds) else None
 
 
 def check_plan_fits(base: SimConfig, space: Space, workers: int, ray_address: str | None) -> None:
@@ -162,6 +183,29 @@ def screened(base: SimConfig, space: Space, objective: str):
     return scored, dropped
 
 
+def pins(base: SimConfig, scored: list[Scored], objective: str) -> tuple[list[Scored], dict[int, int], dict[int, str]]:
+    """(the setups simulated on every seed whatever their rank, {GPU count: the own setup's index
+    among them}, {GPU count: why the own setup cannot be made there}): on each GPU count of the
+    screened setups, the best plain decoding setup, the workload's own setup scaled to it
+    (`compare.own_at`) and, on the smaller ones, the screen's best (the Pareto front)."""
+    counts = sorted({s.candidate.gpus for s in scored})
+    pinned: list[Scored] = []
+    for g in counts:
+        offs = [s for s in scored if s.candidate.policy.family == "off" and s.candidate.gpus == g]
+        pinned += offs[:1]
+    for g in counts[:-1]:
+        pinned.append(next(s for s in scored if s.candidate.gpus == g))
+    owns, reasons = {}, {}
+    for g in counts:
+        c, reasons_g = own_at(base, g)
+        if c is None:
+            reasons[g] = reasons_g or ""
+            continue
+        owns[g] = len(pinned)
+        pinned.append(screen(base, [c], objective)[0][0])
+    return pinned, owns, reasons
+
+
 def make_plan(
     base: SimConfig,
     space: Space,
@@ -185,17 +229,7 @@ def make_plan(
     check_plan_fits(base, space, workers, ray_address)
     t = time.perf_counter()
     scored, dropped = screened(base, space, objective)
-    pinned = []
-    offs = [s for s in scored if s.candidate.policy.family == "off"]
-    if offs:
-        pinned.append(offs[0])
-    for g in sorted({s.candidate.gpus for s in scored})[:-1]:  # the front: the best on fewer GPUs
-        pinned.append(next(s for s in scored if s.candidate.gpus == g))
-    own = from_config(base)
-    own_scored = None
-    if own.gpus <= space.gpus and infeasible(to_config(base, own)) is None:
-        own_scored = screen(base, [own], objective)[0][0]
-        pinned.append(own_scored)
+    pinned, owns, own_reasons = pins(base, scored, objective)
     screen_s = time.perf_counter() - t
     t = time.perf_counter()
     seed_list = list(range(base.seed, base.seed + seeds))
@@ -209,8 +243,6 @@ def make_plan(
         ray_address=ray_address,
         on_done=on_done,
     )
-    # the baseline: the best plain decoding setup simulated on every seed (the pinned one at least)
-    baseline = next((x for x in result.ranked if x.candidate.policy.family == "off" and len(x.runs) == seeds), None)
     plan = Plan(
         base,
         objective,
@@ -219,8 +251,8 @@ def make_plan(
         scored,
         dropped,
         result.ranked,
-        baseline,
-        result.pinned[pinned.index(own_scored)] if own_scored else None,
+        {g: result.pinned[i] for g, i in owns.items()},
+        own_reasons,
         seeds=seed_list,
         simulations=result.simulations,
         screen_s=screen_s,
@@ -301,180 +333,3 @@ def explain_knobs(base: SimConfig, plan: Plan, *, workers: int = 1, ray_address:
         for k, c in moved
     ]
     return sorted(out, key=lambda r: -r["gain"])
-
-
-# ----------------------------------------------------------------------------- the record
-
-
-def _row(x: Scored | Ranked, objective: str, rank: int | None) -> dict:
-    s = x.scored if isinstance(x, Ranked) else x
-    c = s.candidate
-    row: dict[str, Any] = {
-        "rank": rank,
-        "setup": c.label,
-        "placement": c.placement,
-        "gpus": c.gpus,
-        "rollout_gpus": c.rollout_gpus,
-        "train_gpus": c.train_gpus,
-        "tp": c.tp,
-        "instances": c.instances,
-        "max_batch": c.max_batch,
-        "memory": c.memory,
-        "offload": c.offload,
-        "policy": "table" if c.policy.family == "table" else c.policy.text,
-        "drafter": c.drafter,
-        "width_max": c.width_max,
-        "realloc": c.realloc,
-        "update_schedule": c.update_schedule,
-        "screen_step_s": s.step_s,
-        "screen_generation_s": s.generation_s,
-        "step_s": None,
-        "generation_s": None,
-        "seeds": 0,
-        "score": s.score,
-        "tokens": s.tokens,
-    }
-    if isinstance(x, Ranked) and x.runs:
-        row.update(
-            step_s=x.mean("step_s"),
-            generation_s=x.mean("generation_s"),
-            seeds=len(x.runs),
-            step_s_by_seed={r["seed"]: r["step_s"] for r in x.runs},
-            score=x.score(objective),
-            tokens=x.mean("tokens"),
-            split={k: float(np.mean([r["split"][k] for r in x.runs])) for k in x.runs[0]["split"]},
-        )
-    return row
-
-
-def plan_rows(plan: Plan) -> list[dict]:
-    """Every feasible candidate: the simulated ones in the search's order, each followed by the
-    setups identical to it (batch limits no instance reaches: its numbers, its rank), then the
-    rest by the screen."""
-    twins: dict = {}
-    for s in plan.scored:
-        twins.setdefault(signature(s), []).append(s)
-    rows, done = [], set()
-    for i, x in enumerate(plan.ranked):
-        for s in [x.scored] + [t for t in twins.get(signature(x.scored), []) if t.candidate != x.candidate]:
-            if s.candidate not in done:
-                done.add(s.candidate)
-                row = _row(Ranked(s, x.runs), plan.objective, i + 1)
-                if s is not x.scored:
-                    row["same_as"] = x.candidate.label
-                rows.append(row)
-    rows += [_row(s, plan.objective, None) for s in plan.scored if s.candidate not in done]
-    return rows
-
-
-def summary(plan: Plan) -> dict:
-    """The key numbers: the winner, its step and its split, and the comparisons."""
-    w = _row(plan.winner, plan.objective, 1)
-    out = {
-        "model": plan.base.model.name,
-        "hardware": plan.base.hardware.name,
-        "gpus": plan.gpus,
-        "workload": plan.base.name,
-        "objective": plan.objective,
-        "candidates": plan.candidates,
-        "feasible": len(plan.scored),
-        "dropped": len(plan.dropped),
-        "simulations": plan.simulations,
-        "seeds": len(plan.seeds),
-        "screen_s": plan.screen_s,
-        "search_s": plan.search_s,
-        "winner": w["setup"],
-        "winner_step_s": w["step_s"],
-        "winner_gpus": w["gpus"],
-        "winner_split": w.get("split"),
-        "winner_tokens_per_gpu_s": w["tokens"] / (w["step_s"] * w["gpus"]),
-    }
-    if plan.baseline is not None:
-        out.update(
-            baseline=plan.baseline.candidate.label,
-            baseline_step_s=plan.baseline.mean("step_s"),
-            speedup_over_baseline=plan.baseline.mean("step_s") / plan.winner.mean("step_s"),
-        )
-    if plan.own is not None:
-        out.update(
-            own_setup=plan.own.candidate.label,
-            own_step_s=plan.own.mean("step_s"),
-            own_gpus=plan.own.candidate.gpus,
-            gain_over_own=plan.own.score(plan.objective) / plan.winner.score(plan.objective) - 1,
-        )
-    if plan.winner.candidate.width_max > 1:
-        out["engine_note"] = (
-            "the winner drafts trees; vLLM drafts chains, so vllm_engine.json, run.yaml and "
-            "verl_rollout.yaml set its chains (trees need an engine that drafts them: SGLang's "
-            "EAGLE, or rlsched's own engine)"
-        )
-    if plan.knobs:
-        top = plan.knobs[0]
-        out["knob"] = f"{top['knob']}: {top['from']} -> {top['to']} ({top['gain']:+.1%} alone)"
-    return out
-
-
-def write_plan(plan: Plan, out: Path, model_path: str, drafter_path: str) -> dict:
-    """Write the plan's folder (atomically: whole or not at all); returns its summary."""
-    from rlsched.analysis.plots import plan_figure, save_figure
-
-    base, win = plan.base, plan.winner
-    cfg = to_config(base, win.candidate)
-    cost = cost_model_for(cfg)
-    engine = vllm_engine_args(cfg, win.candidate, cost, model_path, drafter_path)
-    cost_file = Path(base.cost_file) if base.cost_file else None
-    if cost_file is not None:  # the plan's copy, where sim.yaml names it
-        cfg = cfg.model_copy(update={"cost_file": str((Path(out) / "cost.json").resolve())})
-    winner, run_winner = win.candidate, win.candidate
-    policy_file = Path(winner.policy.file) if winner.policy.family == "table" and winner.policy.file else None
-    vllm_table = None
-    if policy_file is not None:
-        # sim.yaml names the plan's copy of the learned policy file; run.yaml its draft lengths by batch size in
-        # vLLM's own form (the policy file holds the simulated model's and drafter's names)
-        winner = replace(winner, policy=parse_policy(f"table:{(Path(out) / 'policy.json').resolve()}"))
-        cfg = cfg.model_copy(update={"speculation": cfg.speculation.model_copy(update={"policy": winner.policy})})
-        spec = engine.get("speculative_config", {})
-        if TABLE_FIELD in spec:
-            vllm_table = {TABLE_FIELD: spec[TABLE_FIELD]}
-            run_policy = f"table:{(Path(out) / 'vllm_table.json').resolve()}"
-        else:
-            run_policy = f"static:{spec['num_speculative_tokens']}" if spec else "off"
-        run_winner = replace(winner, policy=parse_policy(run_policy))
-    rows = plan_rows(plan)
-    record: dict[str, Any] = {
-        "format": "rlsched-plan",
-        "summary": summary(plan),
-        "rows": rows,
-        "knobs": plan.knobs,
-        "dropped": [{"setup": d.candidate.label, "reason": d.reason} for d in plan.dropped],
-        "seeds": plan.seeds,
-        "baseline": plan.baseline.candidate.label if plan.baseline else None,
-        "own": plan.own.candidate.label if plan.own else None,
-    }
-    with atomic_folder(out) as tmp:
-        (tmp / "plan.json").write_text(json.dumps(record, indent=2))
-        (tmp / "summary.json").write_text(json.dumps(record["summary"], indent=2))
-        flat = [{k: v for k, v in r.items() if k not in ("split", "step_s_by_seed")} for r in rows]
-        pd.DataFrame(flat + [{"setup": d["setup"], "dropped": d["reason"]} for d in record["dropped"]]).to_csv(
-            tmp / "candidates.csv", index=False
-        )
-        (tmp / "sim.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-        (tmp / "run.yaml").write_text(
-            f"# rlsched run config of the plan's winner ({win.candidate.label}) for {base.model.name}; "
-            "model and drafter: your folders\n"
-            + yaml.safe_dump(run_config(cfg, run_winner, cost, model_path, drafter_path), sort_keys=False)
-        )
-        (tmp / "vllm_engine.json").write_text(json.dumps(engine, indent=2))
-        (tmp / "verl_rollout.yaml").write_text(
-            "# verl rollout settings of the plan's winner (one rollout instance's vLLM engine; the speculative "
-            "config passes through engine_kwargs)\n"
-            + yaml.safe_dump(verl_rollout(cfg, winner, engine), sort_keys=False)
-        )
-        save_figure(plan_figure(record), tmp / "pareto.png")
-        if cost_file is not None:
-            shutil.copyfile(cost_file, tmp / "cost.json")
-        if policy_file is not None:
-            shutil.copyfile(policy_file, tmp / "policy.json")
-        if vllm_table is not None:
-            (tmp / "vllm_table.json").write_text(json.dumps(vllm_table, indent=2))
-    return record["summary"]

