@@ -297,6 +297,21 @@ _VLLM_TABLE = typer.Option(
 _LEARN_WORKERS = typer.Option(
     None, "--workers", "-j", help="Worker processes (default: the number of CPUs); 1 runs serially in this process."
 )
+_LEARN_MODEL_PATH = typer.Option(
+    None, "--model-path", help="The target's folder (or HF id) in the framework files (default: the model's name)."
+)
+_LEARN_DRAFTER_PATH = typer.Option(
+    None,
+    "--drafter-path",
+    help="The drafter's folder in the framework files (default: a draft model's name; a marked placeholder for "
+    "an EAGLE-3 head).",
+)
+_LEARN_TRACE_DIR = typer.Option(
+    None,
+    "--trace-dir",
+    help="Where the engines running the policy write their traces, as the framework files say "
+    "(default: OUT's folder/STEM-run/traces).",
+)
 _LEARN_RAY = typer.Option(
     None,
     "--ray",
@@ -317,6 +332,9 @@ def learn(
     workers: int | None = _LEARN_WORKERS,
     ray: str | None = _LEARN_RAY,
     cost: Path | None = CostOpt,
+    model_path: str | None = _LEARN_MODEL_PATH,
+    drafter_path: str | None = _LEARN_DRAFTER_PATH,
+    trace_dir: Path | None = _LEARN_TRACE_DIR,
     as_json: bool = JsonOpt,
 ):
     """Learn a drafting policy (and reallocation threshold) in the simulator; write a policy file.
@@ -326,7 +344,9 @@ def learn(
     cuts the stage time by 0.25% (smaller gains are the learning seed's luck), or a grid over the
     two-state threshold and k; then a sweep of cluster.realloc_threshold when the config
     reallocates. Use the file with `--policy table:FILE` (or twostate) in simulate, compare and
-    the executor.
+    the executor. Beside OUT, for a chain policy, the files that run it inside vLLM's scheduler:
+    STEM.vllm_engine.json (vllm.LLM's arguments), STEM.vllm_serve.sh, STEM.verl_rollout.yaml
+    (verl's actor_rollout_ref.rollout) and STEM.openrlhf_launch.py (OpenRLHF's trainer).
     """
     from rlsched.config import load_config
     from rlsched.policies.policyfile import save_policy_file
@@ -343,6 +363,7 @@ def learn(
             "--vllm-table: vLLM's table holds chain lengths, and this config lets the policy draft trees "
             "(speculation.width_max > 1); add --set speculation.width_max=1"
         )
+    facts = _framework_facts(cfg, model_path, drafter_path)
     learner = Learner(
         cfg,
         list(range(cfg.seed, cfg.seed + seeds)),
@@ -365,16 +386,55 @@ def learn(
         write_text_atomic(vllm_table, json_text(table) + "\n")
         summary["vllm_table"] = str(vllm_table)
         summary["num_speculative_tokens_per_batch_size"] = table["num_speculative_tokens_per_batch_size"]
+    summary.update(_write_frameworks(facts, kind, out, trace_dir))
     if as_json:
         print(json_text(summary))
         return
-    out_console.print(f"learned {kind} policy: {json.dumps(pf.params)}", highlight=False)
+    _print_learned(summary, vllm_table)
+
+
+def _print_learned(summary: dict, vllm_table: Path | None) -> None:
+    out_console.print(f"learned {summary['kind']} policy: {json.dumps(summary['params'])}", highlight=False)
     out_console.print(
-        f"realloc: {pf.realloc.policy} threshold {pf.realloc.threshold}; "
-        f"{learner.evaluations} simulations; mean generation stage {score:.2f} s",
+        f"realloc: {summary['realloc']['policy']} threshold {summary['realloc']['threshold']}; "
+        f"{summary['evaluations']} simulations; mean generation stage {summary['generation_s']:.2f} s",
         highlight=False,
     )
+    out = summary["policy_file"]
     out_console.print(f"policy file: {out}" + (f"\nvLLM table: {vllm_table}" if vllm_table else ""), highlight=False)
+    if "frameworks" in summary:
+        files = ", ".join(summary["frameworks"])
+        out_console.print(f"vLLM, verl and OpenRLHF: {files}", highlight=False, soft_wrap=True)
+    else:
+        out_console.print(f"note: {summary['frameworks_note']}", highlight=False, soft_wrap=True)
+
+
+def _write_frameworks(facts, kind: str, out: Path, trace_dir: Path | None) -> dict:
+    """The framework files beside the policy file (`sim.learn.framework_snippets`), as summary fields."""
+    from rlsched.sim.learn import default_trace_dir, framework_snippets
+
+    if facts is None:
+        return {
+            "frameworks_note": "no vLLM, verl or OpenRLHF files: the policy may draft trees and vLLM drafts "
+            "chains (learn with --set speculation.width_max=1 for them)"
+        }
+    snippets = framework_snippets(facts, kind, out, trace_dir or default_trace_dir(out))
+    for path, text in snippets.items():
+        write_text_atomic(path, text)
+    return {"frameworks": [str(p) for p in snippets]}
+
+
+def _framework_facts(cfg, model_path: str | None, drafter_path: str | None):
+    """The engine the learned policy runs in, its files checked before learning; None where the
+    config lets the policy draft trees (vLLM drafts chains)."""
+    from rlsched.policies.engine_args import HookSettings, vllm_engine_kwargs
+    from rlsched.sim.learn import engine_facts
+
+    if cfg.speculation.width_max > 1:
+        return None
+    facts = engine_facts(cfg, model_path, drafter_path)
+    vllm_engine_kwargs(facts, HookSettings("off"))  # UserError for a field the files cannot hold
+    return facts
 
 
 def _check_learn_options(kind: str, seeds: int, workers: int | None, out: Path, vllm_table: Path | None, ray) -> None:
@@ -389,5 +449,8 @@ def _check_learn_options(kind: str, seeds: int, workers: int | None, out: Path, 
             raise UserError(f"{opt} '{path}' must end in .json")
         if path is not None:
             check_writable(path, opt, folder=False)
+    engine = out.with_name(f"{out.stem}.vllm_engine.json")
+    if vllm_table is not None and vllm_table.resolve() == engine.resolve():
+        raise UserError(f"--vllm-table '{vllm_table}' is where learn writes vLLM's engine arguments; name another file")
     if ray is not None:
         import_ray("--ray")

@@ -18,6 +18,7 @@ import numpy as np
 from rlsched import __version__
 from rlsched.config import SimConfig
 from rlsched.costs.choose import cost_model_for
+from rlsched.policies.engine_args import EAGLE_PLACEHOLDER, EngineFacts, HookSettings, framework_files
 from rlsched.policies.lookup import TablePolicy, TwoStatePolicy, batch_grid
 from rlsched.policies.policyfile import (
     FORMAT,
@@ -254,3 +255,40 @@ def vllm_table(pf: PolicyFile, max_batch: int, acceptance: float, context: int =
             else:
                 ranges.append([lo, hi, ks[i]])
     return {"num_speculative_tokens_per_batch_size": ranges}
+
+
+def engine_facts(cfg: SimConfig, model_path: str | None = None, drafter_path: str | None = None) -> EngineFacts:
+    """The vLLM engine a policy learned on `cfg` runs in: its first drafter, longest draft, batch
+    limit, tensor parallelism and memory. The target is `model_path` (default: the model's
+    name); a draft model or an EAGLE-3 head is `drafter_path` (default: a draft model's preset
+    name, a marked placeholder for a head's folder)."""
+    d = cfg.drafters[0]
+    if d.kind == "ngram":
+        drafter_path = None
+    elif not drafter_path:
+        model = d.model.name if d.model is not None else d.name
+        drafter_path = model if d.kind == "model" else EAGLE_PLACEHOLDER.format(model=cfg.model.name)
+    return EngineFacts(
+        model=model_path or cfg.model.name,
+        drafter=d.kind,
+        drafter_path=drafter_path,
+        k_max=cfg.speculation.k_max,
+        max_num_seqs=cfg.cluster.max_batch,
+        tensor_parallel_size=cfg.cluster.tp,
+        gpu_memory_utilization=cfg.cluster.gpu_memory_utilization,
+    )
+
+
+def default_trace_dir(policy_file: Path) -> Path:
+    """Where a learned policy's engines write their traces by default: `STEM-run/traces` beside
+    the policy file, so that `STEM-run` reads as a run folder (fit, plot, report)."""
+    return policy_file.resolve().parent / f"{policy_file.stem}-run" / "traces"
+
+
+def framework_snippets(facts: EngineFacts, kind: PolicyKind, policy_file: Path, trace_dir: Path) -> dict[Path, str]:
+    """The files that run the learned policy file in vLLM, verl and OpenRLHF (`engine_args.
+    framework_files`), {path beside the policy file: text}; the policy and the trace folder as
+    absolute paths, for engines started elsewhere. The policy file must be written."""
+    hook = HookSettings(f"{kind}:{policy_file.resolve()}", trace_dir=str(trace_dir.resolve()))
+    files = framework_files(facts, hook, policy_file.stem)
+    return {policy_file.parent / name: text for name, text in files.items()}
