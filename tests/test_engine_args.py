@@ -372,3 +372,17 @@ def test_learn_refuses_a_vllm_table_where_the_engine_file_goes(tmp_path):
     proc = rlsched("learn", *SMALL, "--out", "p.json", "--vllm-table", "p.vllm_engine.json", cwd=tmp_path)
     one_line_error(proc, "--vllm-table", "p.vllm_engine.json")
     assert snapshot(tmp_path) == set()
+
+
+def test_a_learned_policys_engine_comes_from_its_config(tmp_path):
+    from rlsched.config import load_config
+    from rlsched.sim.learn import default_trace_dir, engine_facts
+
+    cfg = load_config("default", overrides=["cluster.tp=2", "cluster.max_batch=96"])
+    facts = engine_facts(cfg)
+    assert (facts.model, facts.drafter, facts.drafter_path) == ("qwen2.5-7b", "model", "qwen2.5-0.5b")
+    assert (facts.k_max, facts.max_num_seqs, facts.tensor_parallel_size) == (8, 96, 2)
+    eagle = engine_facts(load_config("default", overrides=["drafters.0.kind=eagle"]), "/m/q")
+    assert eagle.model == "/m/q" and eagle.drafter_path == "REPLACE-ME/eagle3-head-of-qwen2.5-7b"
+    assert engine_facts(load_config("default", overrides=["drafters.0.kind=ngram"]), None, "/x").drafter_path is None
+    assert default_trace_dir(tmp_path / "a" / "p.json") == tmp_path / "a" / "p-traces"

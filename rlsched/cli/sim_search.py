@@ -310,7 +310,7 @@ _LEARN_TRACE_DIR = typer.Option(
     None,
     "--trace-dir",
     help="Where the engines running the policy write their traces, as the framework files say "
-    "(default: OUT's folder/STEM-run/traces).",
+    "(default: STEM-traces in OUT's folder).",
 )
 _LEARN_RAY = typer.Option(
     None,

@@ -280,9 +280,9 @@ def engine_facts(cfg: SimConfig, model_path: str | None = None, drafter_path: st
 
 
 def default_trace_dir(policy_file: Path) -> Path:
-    """Where a learned policy's engines write their traces by default: `STEM-run/traces` beside
-    the policy file, so that `STEM-run` reads as a run folder (fit, plot, report)."""
-    return policy_file.resolve().parent / f"{policy_file.stem}-run" / "traces"
+    """Where a learned policy's engines write their traces by default: `STEM-traces` beside
+    the policy file (an engine-core trace folder: fit, replay, plot and report read it)."""
+    return policy_file.resolve().parent / f"{policy_file.stem}-traces"
 
 
 def framework_snippets(facts: EngineFacts, kind: PolicyKind, policy_file: Path, trace_dir: Path) -> dict[Path, str]:
