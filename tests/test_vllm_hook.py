@@ -19,11 +19,11 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("vllm")
 
+from plugin_policies import Cycling  # noqa: E402
 from test_speculative import chi2_gof  # noqa: E402
 
 from rlsched.executor.decode.sampling import SamplingParams  # noqa: E402
 from rlsched.policies.acceptance import AcceptanceEstimator  # noqa: E402
-from rlsched.policies.types import Strategy  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -32,28 +32,6 @@ ALPHA = 1e-3
 PROMPTS = [[3, 5, 7, 3, 5, 7, 3, 5], [1, 2, 9, 1, 2, 9, 1, 2, 9, 1]]
 N_ROWS = 1500  # per prompt
 CASES = {"t1.0": SamplingParams(1.0), "t0.7-p0.9": SamplingParams(0.7, top_p=0.9)}
-CYCLE = (0, 1, 3, 6)
-
-
-class Cycling:
-    """k = 0, 1, 3, 6, 0, ... by engine step; or, per_request, each row its own k from the cycle."""
-
-    name, needs_acceptance, observes = "cycling", True, True
-
-    def __init__(self, per_request: bool = False):
-        self.per_request, self.ks = per_request, []
-
-    def choose(self, state):
-        if self.per_request:
-            ks = np.array([CYCLE[(i + state.step) % len(CYCLE)] for i in state.sample_ids], dtype=np.int64)
-            self.ks.append(tuple(np.unique(ks)))
-            return Strategy("model", int(ks.max()), k_per_row=ks) if ks.max() else Strategy()
-        k = CYCLE[state.step % len(CYCLE)]
-        self.ks.append(k)
-        return Strategy("model", k) if k else Strategy()
-
-    def observe(self, outcome):
-        pass
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +143,7 @@ def _hook(policy, hook_cls=None, records=None):
 @pytest.mark.parametrize("per_request", [False, True], ids=["k-per-step", "k-per-request"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_policy_chosen_k_is_lossless(llm, folders, case, per_request):
-    policy, records = Cycling(per_request), []
+    policy, records = Cycling(per_request=per_request), []
     hook = _hook(policy, records=records)
     gen = _generate(llm, hook, CASES[case], seed=11 + per_request)
     decode = [r for r in records if r["kind"] == "decode"]
