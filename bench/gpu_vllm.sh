@@ -15,5 +15,5 @@ python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; pr
 python3 -c "import vllm; print('vllm', vllm.__version__)" || {
     echo "gpu_vllm: vLLM is not importable; install its GPU build first (pip install vllm==0.32.0)" >&2; exit 2; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-export PYTHONUNBUFFERED=1 RLSCHED_VLLM_GPU_MEMORY_UTILIZATION=${RLSCHED_VLLM_GPU_MEMORY_UTILIZATION:-0.08}
+export PYTHONUNBUFFERED=1
 PYTHONPATH=. timeout 560 python3 bench/vllm_adaptive.py --models planted --reps 3 --max-batch 64 "$@"

@@ -104,6 +104,9 @@ def main() -> None:
     ap.add_argument("--adaptive", default="goodput,seqgoodput,bandit")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.08, help="each engine's GPU share (several run at once)"
+    )
     ap.add_argument("--models", choices=("builtin", "planted"), default="builtin")
     ap.add_argument("--smoke", action="store_true", help="planted models at the built-in pair's shapes")
     args = ap.parse_args()
@@ -145,6 +148,7 @@ def main() -> None:
             cost=cost,
             typical_ctx=typical,
             dtype=dtype,
+            gpu_memory_utilization=args.gpu_memory_utilization,
         )
 
     arms: dict[str, VllmRolloutEngine] = {"off": engine("off")}

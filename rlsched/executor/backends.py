@@ -72,6 +72,8 @@ class BackendConfig:
     probe_every: int | None = PROBE_EVERY
     max_len: int = 0  # vLLM: the longest prompt + max_tokens + k_max + 1 it is sized for
     typical_ctx: int | None = None
+    tp: int = 1  # vLLM: each instance's tensor_parallel_size
+    gpu_memory_utilization: float = 0.9  # vLLM on a GPU: the share of its memory an instance takes
 
 
 def make_backend(
@@ -120,6 +122,8 @@ def make_backend(
             typical_ctx=c.typical_ctx,
             probe_every=c.probe_every,
             state=restored,
+            tp=c.tp,
+            gpu_memory_utilization=c.gpu_memory_utilization,
             log=log,
         )
     from rlsched.executor.engine.rollout import RolloutEngine
@@ -165,7 +169,16 @@ def _pool(c: BackendConfig, m, sampling, policy, cost, send_weights: bool, state
         c.probe_every,
     )
     if vllm:
-        spec = replace(spec, backend="vllm", max_len=c.max_len, seed=c.seed, typical_ctx=c.typical_ctx, cost=cost)
+        spec = replace(
+            spec,
+            backend="vllm",
+            max_len=c.max_len,
+            seed=c.seed,
+            typical_ctx=c.typical_ctx,
+            cost=cost,
+            tp=c.tp,
+            gpu_memory_utilization=c.gpu_memory_utilization,
+        )
     weights = {}
     if send_weights:
         weights = dict(

@@ -50,6 +50,8 @@ class InstanceSpec:
     seed: int = 0
     typical_ctx: int | None = None
     cost: object = None  # vLLM: the cost model a priced policy runs on (None: measured at start-up)
+    tp: int = 1  # vLLM: tensor_parallel_size
+    gpu_memory_utilization: float = 0.9  # vLLM on a GPU
 
 
 class InstanceWorker:
@@ -141,6 +143,8 @@ class InstanceWorker:
             probe_every=spec.probe_every,
             state=state,
             trace_tag=f"i{idx}",
+            tp=spec.tp,
+            gpu_memory_utilization=spec.gpu_memory_utilization,
         )
         self._load_vllm_weights(target_state, drafter_state)
 

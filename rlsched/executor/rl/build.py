@@ -379,4 +379,6 @@ def backend_config(cfg: RunConfig, longest: int, out: Path, typical_ctx: int | N
         probe_every=r.probe_every,
         max_len=longest + r.max_tokens + r.k_max + 1,
         typical_ctx=typical_ctx,
+        tp=r.tp,
+        gpu_memory_utilization=r.gpu_memory_utilization,
     )

@@ -106,6 +106,8 @@ class VllmRolloutEngine:
         state=None,
         trace_tag: str = "",
         log=None,
+        tp: int = 1,
+        gpu_memory_utilization: float = 0.9,
     ):
         self.policy, self.drafters = as_spec(policy, "vllm"), {}
         self.rl_step, self.instance = 0, instance
@@ -140,6 +142,8 @@ class VllmRolloutEngine:
                 threads=threads,
                 served_name=self.served_name,
                 scheduler_cls=PolicyScheduler,
+                tp=tp,
+                gpu_memory_utilization=gpu_memory_utilization,
             )
         except UserError as e:
             raise UserError(f"{e}; policy '{policy}', drafter {drafter}") from e.__cause__

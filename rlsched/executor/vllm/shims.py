@@ -161,10 +161,14 @@ def start_llm(
     served_name: str | None = None,
     scheduler_cls=None,
     log_stats: bool = True,
+    tp: int = 1,
+    gpu_memory_utilization: float = 0.9,
 ):
     """vLLM's offline engine for `target_dir`, in this process, on token ids, with `spec` as its
     speculative_config and `scheduler_cls` as its scheduler (scheduler.PolicyScheduler lets
-    rlsched's policies choose the draft length). The CPU build's problems are patched first;
+    rlsched's policies choose the draft length), over `tp` tensor-parallel devices (its workers
+    in processes of their own from 2 on), taking `gpu_memory_utilization` of a GPU's memory.
+    The CPU build's problems are patched first;
     torch's thread setter and the global RNG states are left as they were. UserError (one
     line) when vLLM refuses the config."""
     import_vllm()
@@ -178,7 +182,7 @@ def start_llm(
         patch_cpu_rejection_sampler()
         keep_cpu_linear_weights()
     else:
-        kwargs["gpu_memory_utilization"] = float(os.environ.get("RLSCHED_VLLM_GPU_MEMORY_UTILIZATION", "0.4"))
+        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
     if served_name is not None:
         kwargs["served_model_name"] = served_name
     if scheduler_cls is not None:  # the hook reads drafts as the engine core hands them over
@@ -195,7 +199,8 @@ def start_llm(
             max_num_seqs=max_batch,
             max_model_len=max_model_len,
             max_num_batched_tokens=max(2048, min(max_batch * max_model_len, 16384)),
-            distributed_executor_backend="uni",
+            tensor_parallel_size=tp,
+            distributed_executor_backend="uni" if tp == 1 else "mp",
             skip_tokenizer_init=True,
             seed=seed,
             enable_prefix_caching=True,
