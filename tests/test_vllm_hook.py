@@ -36,7 +36,11 @@ CASES = {"t1.0": SamplingParams(1.0), "t0.7-p0.9": SamplingParams(0.7, top_p=0.9
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vllm-hook")
+    return noisy_pair(tmp_path_factory.mktemp("vllm-hook"))
+
+
+def noisy_pair(root):
+    """A tiny random Llama target and its drafter (the target with noise on its weights)."""
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=V,

@@ -136,7 +136,7 @@ class StepHook:
         if self.policy is not None:  # else vLLM's own choice (num_speculative_tokens or its batch-size table)
             strategy = self._choose(state, rows, room, out)
         self._t_step = time.perf_counter()
-        self._chosen[id(out)] = (state, strategy, self._t_step)
+        self._chosen[id(out)] = (state, strategy, self._t_step, self._t_step - t_in)
         self.hook_s += self._t_step - t_in
 
     def _choose(self, state: EngineState, rows: list[str], room: list[int], out) -> Strategy:
@@ -162,7 +162,7 @@ class StepHook:
     def after_step(self, scheduler_output, runner_output) -> None:
         """The step ran: feed the estimator and the policy, write the step record."""
         t_in = time.perf_counter()
-        state, strategy, t_step = self._chosen.pop(id(scheduler_output), (None, None, t_in))
+        state, strategy, t_step, before_s = self._chosen.pop(id(scheduler_output), (None, None, t_in, 0.0))
         timed = draft_seconds(runner_output)  # this step's drafting (None: not timed where the runner runs)
         step_s, draft_s = t_in - t_step, timed or 0.0
         spec = scheduler_output.scheduled_spec_decode_tokens
@@ -182,7 +182,8 @@ class StepHook:
         if self.record is not None:
             split = timed is not None and (prev is None or prev[2] is not None)  # both drafts timed
             draft = draft_s if split else None
-            self._record(scheduler_output, prev, state, rows, dk, acc, emitted, step_s, draft, t_step)
+            hook_ms = (before_s + time.perf_counter() - t_in) * 1e3  # choosing and learning, this step
+            self._record(scheduler_output, prev, state, rows, dk, acc, emitted, step_s, draft, t_step, hook_ms)
         self.step += 1
         self.hook_s += time.perf_counter() - t_in
 
@@ -230,8 +231,9 @@ class StepHook:
                 )
             )
 
-    def _record(self, scheduler_output, prev, state, rows, dk, acc, emitted, step_s, draft_s, t_step) -> None:
-        """The step record: a verify paired with the drafting that produced its drafts."""
+    def _record(self, scheduler_output, prev, state, rows, dk, acc, emitted, step_s, draft_s, t_step, hook_ms):
+        """The step record: a verify paired with the drafting that produced its drafts, and
+        `hook_ms`, the host time this hook took in the step (beside the schema's columns)."""
         spec = scheduler_output.scheduled_spec_decode_tokens
         scheduled = scheduler_output.num_scheduled_tokens
         prefill = sum(1 for q, n in scheduled.items() if n > 1 + len(spec.get(q, ())))
@@ -246,9 +248,11 @@ class StepHook:
         ctx = int(sum(scheduled.values())) if kind == "prefill" or state is None else int(state.ctx_tokens)
         drafted = int(dk.sum())
         # fmt: off
-        self.record(step_record(
+        record = step_record(
             self.rl_step, self.instance, self.step, t_step - self._t0, kind, len(rows),
             self.drafter if drafted else "off", int(dk.max(initial=0)), 1, drafted, int(acc.sum()), emitted,
             draft_ms, verify_ms, step_ms, ctx,
-        ))
+        )
         # fmt: on
+        record["hook_ms"] = hook_ms
+        self.record(record)
