@@ -106,6 +106,7 @@ def test_async_llm_with_the_verl_engine_kwargs_drafts_under_the_policy(pair, mul
     from vllm import SamplingParams as VP
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from rlsched.policies.engine_args import EngineFacts, HookSettings, verl_rollout_section, vllm_engine_kwargs
@@ -126,22 +127,29 @@ def test_async_llm_with_the_verl_engine_kwargs_drafts_under_the_policy(pair, mul
         **{k: kw[k] for k in ("max_model_len", "dtype") if k in kw},
     )
     llm = AsyncLLM.from_engine_args(args)
+    FINAL_ONLY = RequestOutputKind.FINAL_ONLY  # one output a group, its 16 samples whole
 
-    async def group(i: int, prompt: list[int]):
-        params = VP(n=16, temperature=1.0, max_tokens=24 + 8 * i, ignore_eos=True)
-        async for out in llm.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id=f"g{i}"):
+    async def group(step: int, i: int, prompt: list[int]):
+        params = VP(n=16, temperature=1.0, max_tokens=24 + 8 * i, ignore_eos=True, output_kind=FINAL_ONLY)
+        async for out in llm.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id=f"s{step}g{i}"):
             last = out
         return last
 
     async def rollout():
-        return await asyncio.gather(*(group(i, p) for i, p in enumerate([[1, 5, 9, 13], [3, 4, 5, 6, 7]])))
+        """Two RL steps' rollouts, the framework's weight update between them (verl resets the
+        prefix cache once the new weights are in)."""
+        first = await asyncio.gather(*(group(0, i, p) for i, p in enumerate([[1, 5, 9, 13], [3, 4, 5, 6, 7]])))
+        await llm.reset_prefix_cache()
+        second = await asyncio.gather(group(1, 0, [2, 6, 10]))
+        return first + second
 
     try:
         outs = asyncio.run(rollout())
     finally:
         llm.shutdown()
-    assert [len(o.outputs) for o in outs] == [16, 16]
+    assert [len(o.outputs) for o in outs] == [16, 16, 16]
     steps = _steps(traces)
+    assert sorted(steps.rl_step.unique()) == [0, 1]  # the trace marks the weight update
     decode = steps[steps.kind == "decode"]
     assert decode.drafted.sum() > 0 and np.isfinite(decode.draft_ms).all()
     engine = json.loads(next(traces.glob("engine-*.json")).read_text())

@@ -54,7 +54,8 @@ class StepHook:
         self.index_of: dict[str, int] = {}  # vLLM's request id -> the sample's index in the rollout
         self._expect: int | None = None
         self.counts: dict[int, list[int]] = {}  # per sample: drafted, accepted, rejected, verify steps
-        self.step = 0
+        self.step = 0  # engine steps whose output came back
+        self.scheduled = 0  # engine steps scheduled (one ahead of `step` under async scheduling)
         self._ids = np.zeros(0, dtype=np.int64)
         self._k_of: dict[str, int] = {}  # the chain length chosen for each request's next drafts
         self._chosen: dict[int, tuple] = {}  # id(scheduler output) -> (state, strategy, time scheduled)
@@ -75,7 +76,8 @@ class StepHook:
         self.counts.clear()
         self._ids = np.zeros(0, dtype=np.int64)
         self._k_of, self._pending, self._chosen = {}, None, {}
-        self.rl_step, self.step, self.hook_s, self._t0 = rl_step, 0, 0.0, time.perf_counter()
+        self.rl_step, self.step, self.scheduled, self.hook_s = rl_step, 0, 0, 0.0
+        self._t0 = time.perf_counter()
 
     def end(self) -> None:
         self.estimator.retire(self._ids)
@@ -123,7 +125,7 @@ class StepHook:
         pool = scheduler.kv_cache_manager.block_pool
         state = EngineState(
             self.instance,
-            self.step,
+            self.scheduled,
             time.perf_counter() - self._t0,
             self._ids,
             ctx,
@@ -135,6 +137,7 @@ class StepHook:
         strategy = None
         if self.policy is not None:  # else vLLM's own choice (num_speculative_tokens or its batch-size table)
             strategy = self._choose(state, rows, room, out)
+        self.scheduled += 1
         self._t_step = time.perf_counter()
         self._chosen[id(out)] = (state, strategy, self._t_step, self._t_step - t_in)
         self.hook_s += self._t_step - t_in

@@ -22,8 +22,16 @@ ATTR = "rlsched_draft_s"
 
 
 def register() -> None:
-    """vLLM's general-plugin entry point: time the model runner's drafting in this process."""
+    """vLLM's general-plugin entry point: time the model runner's drafting in this process; on
+    vLLM's CPU build, also mend its sampled rejection sampler (`shims.patch_cpu_rejection_sampler`),
+    without which sampled speculative decoding verifies against garbage in every process."""
     patch_runner()
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        from rlsched.executor.vllm.shims import patch_cpu_rejection_sampler
+
+        patch_cpu_rejection_sampler()
 
 
 def draft_seconds(output) -> float | None:

@@ -354,13 +354,11 @@ def _mixin(base):
                 self.hook.admit(request)
             super().add_request(request)
 
-        def schedule(self, *args, **kwargs):
-            out = super().schedule(*args, **kwargs)
-            if self.hook is not None and out.total_num_scheduled_tokens > 0:
-                self.hook.before_step(self, out)
-            return out
-
         def _update_after_schedule(self, scheduler_output) -> None:
+            # the step is scheduled and its requests' counts not yet advanced: the policy
+            # chooses here, before the async base sizes its draft placeholders from the choice
+            if self.hook is not None and scheduler_output.total_num_scheduled_tokens > 0:
+                self.hook.before_step(self, scheduler_output)
             super()._update_after_schedule(scheduler_output)
             if self.hook is not None and self.hook._k_of and hasattr(self, "_spec_token_placeholders"):
                 for req_id, k in self.hook._k_of.items():  # async: each request's placeholders, its own k

@@ -1,0 +1,107 @@
+"""rlsched's scheduler over vLLM's AsyncScheduler, driven step by step without a model.
+
+vLLM's CPU platform turns async scheduling off, so no engine here runs it; this test builds the
+scheduler vLLM would build on a GPU (`PolicyScheduler` with `async_scheduling` on: vLLM's own
+AsyncScheduler as the base) from a real engine config of the built-in pair, adds requests and
+feeds it model-runner outputs as an engine core does. Under async scheduling the drafts never
+reach the scheduler: each request gets draft placeholders, and the next step verifies as many
+as it holds. The policy's per-step k must size those placeholders, and its per-request k cut
+each request's.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm")
+
+from plugin_policies import CYCLE  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+K = 6
+
+
+def _scheduler(pair, policy: str, monkeypatch):
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from rlsched.executor.vllm.scheduler import PolicyScheduler, scheduler_for
+
+    monkeypatch.setenv("PYTHONPATH", os.path.dirname(__file__))
+    config = EngineArgs(
+        model=str(pair.target),
+        dtype="float32",
+        max_model_len=256,
+        max_num_seqs=16,
+        skip_tokenizer_init=True,
+        enable_prefix_caching=False,
+        speculative_config={"method": "draft_model", "model": str(pair.drafter), "num_speculative_tokens": K},
+        scheduler_cls="rlsched.vllm.PolicyScheduler",
+        additional_config={"rlsched": {"policy": policy, "probe_every": None}},
+    ).create_engine_config()
+    config.scheduler_config.async_scheduling = True  # as vLLM sets it on a GPU with this drafter
+    config.cache_config.num_gpu_blocks = 512  # (what the engine core sets once it sized the cache)
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    kv = KVCacheConfig(num_blocks=512, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
+    sched = PolicyScheduler(
+        vllm_config=config, kv_cache_config=kv, structured_output_manager=StructuredOutputManager(config), block_size=16
+    )
+    assert type(sched) is scheduler_for(True)
+    return sched
+
+
+def _requests(sched, n: int):
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    for i in range(n):
+        params = SamplingParams(max_tokens=40, ignore_eos=True)
+        sched.add_request(Request(f"r{i}", [1 + i, 5, 9, 13, 2, 7], params, None))
+
+
+def _output(sched, out, accepted: int = 1):
+    """What a model runner returns for `out`: each request's bonus token plus `accepted` drafts."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    ids = list(out.num_scheduled_tokens)
+    sampled = [[7] * (1 + min(accepted, len(out.scheduled_spec_decode_tokens.get(q, ())))) for q in ids]
+    return ModelRunnerOutput(req_ids=ids, req_id_to_index={q: i for i, q in enumerate(ids)}, sampled_token_ids=sampled)
+
+
+def test_async_base_sizes_its_placeholders_from_the_policys_step_k(pair, monkeypatch):
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    sched = _scheduler(pair, "plugin:plugin_policies.cycling", monkeypatch)
+    assert isinstance(sched, AsyncScheduler)
+    _requests(sched, 4)
+    seen = []
+    prev = sched.schedule()  # the prompts
+    for _ in range(6):
+        seen.append(prev.num_spec_tokens_to_schedule)
+        nxt = sched.schedule()  # async: the next step is scheduled before this one's output is in
+        held = {len(t) for t in nxt.scheduled_spec_decode_tokens.values()}
+        assert held <= {prev.num_spec_tokens_to_schedule}, (held, prev.num_spec_tokens_to_schedule)
+        sched.update_from_output(prev, _output(sched, prev))
+        prev = nxt
+    assert seen == [CYCLE[s % len(CYCLE)] for s in range(6)]
+
+
+def test_async_base_cuts_each_requests_placeholders_to_its_own_k(pair, monkeypatch):
+    sched = _scheduler(pair, "plugin:plugin_policies.cycling_per_request", monkeypatch)
+    _requests(sched, 4)
+    prev = sched.schedule()
+    cut = 0
+    for step in range(5):
+        nxt = sched.schedule()
+        index = sched.hook.index_of
+        for q, toks in nxt.scheduled_spec_decode_tokens.items():
+            assert len(toks) == CYCLE[(index[q] + step) % len(CYCLE)], (step, q, toks)
+            cut += len(toks) < prev.num_spec_tokens_to_schedule
+        sched.update_from_output(prev, _output(sched, prev))
+        prev = nxt
+    assert cut > 0  # rows did hold fewer placeholders than the step's longest chain
