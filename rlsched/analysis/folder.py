@@ -1,6 +1,6 @@
 """What an output folder holds (a `rlsched run`, `generate`, `profile` or `simulate` folder,
-or a `compare --out` folder), and which of the figures people read (drawn by plots.py) its
-data supports. Headless and torch-free.
+a `compare --out` folder, or an engine-core trace folder: analysis/engine.py), and which of
+the figures people read (drawn by plots.py) its data supports. Headless and torch-free.
 
 Figures (each a function returning a `matplotlib.figure.Figure`; `figures_for` picks those the
 folder's data supports and says why it left the others out):
@@ -13,6 +13,7 @@ folder's data supports and says why it left the others out):
   its steps allow one);
 - acceptance: acceptance rate and mean accepted length over RL steps;
 - batch_k: batch size and chosen k over time, one panel per instance, in one RL step;
+- step_times: each engine step's time over the trace, per engine (engine-core traces);
 - stages: seconds per stage of each RL step (generation, inference, training, drafter update);
 - learning_curve: a run's reward, speculation and stages side by side (plots.run_figure);
 - compare: a `compare --out` folder's speedups (plots.compare_figure);
@@ -21,13 +22,13 @@ folder's data supports and says why it left the others out):
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from rlsched.analysis.engine import UNKNOWN, is_engine_trace, read_engine_trace, window_acceptance
 from rlsched.analysis.plots import (
     Figure,
     acceptance_figure,
@@ -39,12 +40,13 @@ from rlsched.analysis.plots import (
     save_figure,
     speedup_figure,
     stage_figure,
+    step_time_figure,
 )
 from rlsched.errors import UserError
 from rlsched.policies.tree import chain_tokens
-from rlsched.traces.reader import read_profile, read_trace
+from rlsched.traces.reader import read_json, read_profile, read_trace
 
-ORDER = ("fit", "speedup", "acceptance", "batch_k", "stages", "learning_curve", "compare", "pareto")
+ORDER = ("fit", "speedup", "acceptance", "batch_k", "step_times", "stages", "learning_curve", "compare", "pareto")
 ASSUMED_ACCEPTANCE = 0.7
 
 
@@ -53,7 +55,7 @@ class FolderData:
     """What a folder holds that the figures draw on; None where it holds nothing of that kind."""
 
     path: Path
-    kind: str  # run | generate | profile | simulate | compare | plan
+    kind: str  # run | generate | profile | simulate | compare | plan | engine
     steps: pd.DataFrame | None = None  # engine step records (kind decode | prefill)
     rl_steps: pd.DataFrame | None = None
     profile: pd.DataFrame | None = None  # step-cost records (kind verify | draft | prefill)
@@ -62,17 +64,15 @@ class FolderData:
     config: dict | None = None
     compare: dict | None = None
     plan: dict | None = None  # plan.json of an `rlsched plan` folder
+    samples: pd.DataFrame | None = None  # an engine-core trace's sample records
+    engines: list[dict] | None = None  # an engine-core trace's engine files
+    notes: list[str] | None = None
 
 
 def _json(path: Path) -> dict | None:
     if not path.is_file():
         return None
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"'{path}' is not valid JSON ({e}); re-run the command that wrote it") from None
-    except OSError as e:
-        raise UserError(f"'{path}' cannot be read ({e.strerror or e}); check the file") from None
+    data = read_json(path)
     if not isinstance(data, dict):
         raise UserError(f"'{path}' does not hold a JSON object; re-run the command that wrote it")
     return data
@@ -104,14 +104,22 @@ def _nonempty(df: pd.DataFrame | None) -> pd.DataFrame | None:
     return df if df is not None and len(df) else None
 
 
+GIVE = "give a run, generate, profile or simulate output folder, or an engine-core trace folder"
+
+
 def load_folder(path) -> FolderData:
-    """Read a run, generate, profile, simulate or compare output folder. A missing folder, one
-    holding nothing to plot, and a corrupt or mismatched file are one UserError naming it."""
+    """Read a run, generate, profile, simulate or compare output folder, or an engine-core
+    trace folder. A missing folder, one holding nothing to plot, and a corrupt or mismatched
+    file are one UserError naming it."""
     path = Path(path)
     if not path.exists():
-        raise UserError(f"'{path}' does not exist; give a run, generate, profile or simulate output folder")
+        raise UserError(f"'{path}' does not exist; {GIVE}")
     if not path.is_dir():
-        raise UserError(f"'{path}' is not a folder; give a run, generate, profile or simulate output folder")
+        raise UserError(f"'{path}' is not a folder; {GIVE}")
+    if is_engine_trace(path):
+        tr = read_engine_trace(path)
+        steps, samples = _nonempty(tr.steps), _nonempty(tr.samples)
+        return FolderData(path, "engine", steps=steps, samples=samples, engines=tr.engines, notes=tr.notes)
     d = FolderData(path, "unknown", summary=_json(path / "summary.json"))
     traces = path / "traces"
     if (path / "plan.json").is_file():
@@ -154,8 +162,7 @@ def load_folder(path) -> FolderData:
         what = "its traces hold no records" if traces.is_dir() or d.kind == "simulate" else "no traces"
         raise UserError(
             f"'{path}' has nothing to plot ({what}: no traces/steps, traces/rl_steps, timeline.parquet, "
-            "rl_steps.parquet, compare.json or profile); give a run, generate, profile or simulate output "
-            "folder"
+            f"rl_steps.parquet, compare.json, profile or engine-*.json); {GIVE}"
         )
     return d
 
@@ -222,6 +229,8 @@ def per_step_acceptance(d: FolderData) -> pd.DataFrame | None:
     if rl is not None:
         extra = [c for c in rl.columns if c.startswith("accept_mean_")]
         out = out.merge(rl[["rl_step", *extra]], on="rl_step", how="left")
+    elif (estimates := window_acceptance(d.steps, d.samples)) is not None:
+        out = out.merge(estimates, on="rl_step", how="left")  # an engine's per-sample estimates
     return out.sort_values("rl_step").reset_index(drop=True)
 
 
@@ -239,7 +248,9 @@ def fit_result_for(d: FolderData, cost: dict | None = None, cost_path: Path | No
     if records is None:
         raise UserError(f"'{d.path}' holds no measured step times to draw a fit against")
     if cost is None:
-        return fit_records(records, {"path": str(d.profile_path), "kind": "profile"})
+        return fit_records(
+            records, {"path": str(d.profile_path or d.path), "kind": "profile" if d.profile is not None else d.kind}
+        )
     tables, notes = op_tables(records)
     entries = {
         "verify": cost["ops"]["verify"],
@@ -255,7 +266,7 @@ def fit_result_for(d: FolderData, cost: dict | None = None, cost_path: Path | No
         pred = op.predict_ms(t["batch"], t["tokens"], t["per_row"])
         op.quality = {"r2": r_squared(pred, t["ms"]), "mape": mape(pred, t["ms"]), "mape_heldout": None}
         ops[key] = op
-    src = d.profile_path if d.profile is not None else d.path / "traces" / "steps"
+    src = d.profile_path if d.profile is not None else d.path / ("steps" if d.kind == "engine" else "traces/steps")
     return FitResult(ops, {"path": f"{cost_path} over {src}"}, cost.get("max_mape", 0.05), notes)
 
 
@@ -418,7 +429,7 @@ def figures_for(
         return {"compare": compare_figure(d.compare, [])}, {}
     if d.kind == "plan" and d.plan is not None:
         return {"pareto": plan_figure(d.plan)}, {}
-    if d.profile is not None or cost is not None:
+    if d.profile is not None or cost is not None or (d.kind == "engine" and d.steps is not None):
         try:
             figs["fit"] = fit_figure_for(d, cost, cost_path)
         except UserError as e:
@@ -434,7 +445,7 @@ def figures_for(
     else:
         skipped["speedup"] = why
     per_step = per_step_acceptance(d)
-    if per_step is not None and d.kind in ("run", "simulate"):
+    if per_step is not None and d.kind in ("run", "simulate", "engine"):
         figs["acceptance"] = acceptance_figure(per_step)
     else:
         skipped["acceptance"] = "no RL steps with speculative decode steps"
@@ -442,10 +453,12 @@ def figures_for(
         figs["batch_k"] = batch_k_figure(d.steps, rl_step)
     else:
         skipped["batch_k"] = "no decode step records"
+    if d.kind == "engine" and d.steps is not None:
+        figs["step_times"] = step_time_figure(d.steps)
     if d.rl_steps is not None:
         figs["stages"] = stage_figure(d.rl_steps)
     else:
-        skipped["stages"] = "no RL step records"
+        skipped["stages"] = UNKNOWN if d.kind == "engine" else "no RL step records"
     if d.rl_steps is not None and {"reward_mean", "reward_std", "samples", "mean_accept_len", "accept_rate"} <= set(
         d.rl_steps.columns
     ):

@@ -343,6 +343,36 @@ def batch_k_figure(steps: pd.DataFrame, rl_step: int | None = None) -> Figure:
     return fig
 
 
+def step_time_figure(steps: pd.DataFrame) -> Figure:
+    """Each engine step's time over the trace, one panel per engine (the first MAX_PANELS;
+    column `engine`, else `instance`): decode steps coloured by k (0 = off), prefill and mixed
+    steps as crosses, dashed lines where a window (rl_step) begins. Times are each engine's
+    own clock (seconds since it started)."""
+    key = "engine" if "engine" in steps else "instance"
+    engines = sorted(steps[key].unique(), key=str)
+    shown = engines[:MAX_PANELS]
+    fig = Figure(figsize=(8, 2.3 * len(shown) + 0.6), layout="constrained")
+    axes = fig.subplots(len(shown), 1, squeeze=False)[:, 0]
+    for ax, name in zip(axes, shown):
+        g = steps[steps[key] == name].sort_values("time_s")
+        dec = g[g["kind"] == "decode"]
+        for k, gk in dec.groupby("k"):
+            ax.plot(gk["time_s"], gk["step_ms"], ".", ms=4, color=f"C{int(k) % 10}", label=f"k={int(k)}")
+        other = g[g["kind"] != "decode"]
+        if len(other):
+            ax.plot(other["time_s"], other["step_ms"], "x", ms=5, color="k", label="prefill / mixed")
+        for t in g.groupby("rl_step")["time_s"].min().iloc[1:]:
+            ax.axvline(t, color="grey", ls="--", lw=0.8)
+        ax.set_ylabel("step (ms)")
+        ax.set_ylim(bottom=0)
+        ax.set_title(f"engine {name}", fontsize=9, loc="left")
+        ax.legend(fontsize="x-small", ncol=3, loc="upper right")
+    axes[-1].set_xlabel("time since the engine started (s); dashed: a window (rl_step) begins")
+    more = f" (first {len(shown)} of {len(engines)} engines)" if len(engines) > len(shown) else ""
+    fig.suptitle(f"time of each engine step{more}", fontsize=10)
+    return fig
+
+
 # ----------------------------------------------------------------------------- the cost-model fit
 
 MARKERS = "os^Dv<>"

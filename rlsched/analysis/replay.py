@@ -15,6 +15,9 @@ between one step's end and the next one's start. The drafting policy is priced a
 priced it: with the run's own profile (`profile.parquet`) when the run took one, so that the
 simulated policy makes the run's choices; the simulator charges the fitted costs.
 
+An engine-core trace folder (rlsched's scheduler inside vLLM) is replayed window by window
+by analysis/engine_replay.py; `replay_run` and `measured_generation_s` take either folder.
+
 No torch: analysis/ runs without the executor.
 """
 
@@ -26,13 +29,13 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-import simpy
 import yaml
 
+from rlsched.analysis.engine import is_engine_trace
+from rlsched.analysis.stage import simulate_stage
 from rlsched.errors import UserError
-from rlsched.policies.acceptance import AcceptanceEstimator
 from rlsched.policies.drafters import HOST_DRAFTERS
-from rlsched.policies.registry import OFF_SPEC, PolicySpec, parse_policy
+from rlsched.policies.registry import OFF_SPEC, parse_policy
 from rlsched.traces.reader import read_profile, read_trace
 
 
@@ -44,6 +47,7 @@ class ReplayResult:
     overhead_ms: float
     cost: dict
     notes: list[str] = field(default_factory=list)
+    kind: str = "run"  # run: a `rlsched run` folder's RL steps; engine: an engine-core trace's windows
 
     @property
     def mape(self) -> float:
@@ -62,6 +66,7 @@ class ReplayResult:
     def summary(self) -> dict:
         step, err = self.worst
         return dict(
+            kind=self.kind,
             policy=self.policy,
             drafter=self.drafter,
             rl_steps=len(self.steps),
@@ -162,10 +167,16 @@ def read_run(rundir: Path) -> tuple[dict, pd.DataFrame, pd.DataFrame, pd.DataFra
     """(config, rl_steps, samples, steps) of a `rlsched run` folder, with one clear error."""
     rundir = Path(rundir)
     if not rundir.is_dir():
-        raise UserError(f"run folder {rundir} does not exist; give the --out folder of a `rlsched run`")
+        raise UserError(
+            f"run folder {rundir} does not exist; give the --out folder of a `rlsched run` or an engine-core "
+            "trace folder"
+        )
     cfg_file = rundir / "config.yaml"
     if not cfg_file.is_file():
-        raise UserError(f"{rundir} is not a `rlsched run` folder (no config.yaml)")
+        raise UserError(
+            f"{rundir} is neither a `rlsched run` folder (no config.yaml) nor an engine-core trace folder "
+            "(no engine-*.json)"
+        )
     try:
         cfg = yaml.safe_load(cfg_file.read_text())
     except (yaml.YAMLError, UnicodeDecodeError) as e:
@@ -189,6 +200,19 @@ def read_run(rundir: Path) -> tuple[dict, pd.DataFrame, pd.DataFrame, pd.DataFra
     if samples.empty:
         raise UserError(f"{traces / 'samples'} holds no sample records; restore it from the run or replay another run")
     return cfg, rl, samples, steps
+
+
+def measured_generation_s(folder) -> float:
+    """Measured generation seconds of a run folder's RL steps, or of an engine-core trace's
+    windows (each as long as its slowest engine's span of step records)."""
+    folder = Path(folder)
+    if is_engine_trace(folder):
+        from rlsched.analysis.engine import read_engine_trace, windows
+
+        tr = read_engine_trace(folder)
+        return float(windows(tr.steps, tr.samples).groupby("rl_step")["measured_s"].max().sum())
+    _, rl, _, _ = read_run(folder)
+    return float(rl["generation_s"].sum())
 
 
 def step_overhead_s(steps: pd.DataFrame) -> float:
@@ -233,58 +257,27 @@ def _drafter_name(cfg: dict) -> str | None:
     return None if d == "off" else (d if d in HOST_DRAFTERS + ("eagle",) else "model")
 
 
-def _simulate(rollouts, policy: PolicySpec, drafter, sim_cost, policy_cost, run_cfg: dict, seed: int) -> list[float]:
-    """Generation-stage seconds of each rollout with the run's limits: on one instance, or on
-    the run's `rollout.instances` (prompts assigned round-robin, as the pool does) with its
-    reallocation policy and threshold."""
-    from rlsched.config import load_config
-    from rlsched.policies.draft import PolicyContext
-    from rlsched.policies.realloc import make_realloc_policy
-    from rlsched.policies.registry import make_draft_policy
-    from rlsched.sim.cluster import GenerationStage
-    from rlsched.sim.timeline import Timeline
-
+def run_limits(run_cfg: dict, rollouts) -> dict:
+    """What `simulate_stage` takes of a run's config: its instances, reallocation, batch limit,
+    k_max, prompt sharing, probing, the longest response and the typical context the policy
+    was built for."""
     r = run_cfg["rollout"]
-    n_inst, realloc_name = int(r.get("instances", 1)), str(r.get("realloc", "none"))
-    cfg = load_config(
-        "default",
-        overrides=[
-            f"cluster.instances={n_inst}",
-            f"cluster.max_batch={r['max_batch']}",
-            f"speculation.k_max={r['k_max']}",
-            f"cluster.realloc={realloc_name}",
-            f"cluster.realloc_threshold={int(r.get('realloc_threshold', 8))}",
-            "cluster.assignment=by_prompt",
-            f"cluster.share_prompts={shares_prompts(run_cfg)}",
-            f"speculation.probe_every={probes_every(run_cfg) or 'null'}",
-        ],
+    return dict(
+        instances=int(r.get("instances", 1)),
+        realloc=str(r.get("realloc", "none")),
+        realloc_threshold=int(r.get("realloc_threshold", 8)),
+        max_batch=int(r["max_batch"]),
+        k_max=int(r["k_max"]),
+        max_tokens=int(r["max_tokens"]),
+        share_prompts=shares_prompts(run_cfg),
+        probe_every=probes_every(run_cfg),
+        typical_ctx=int(np.mean([ro.prompt_len.mean() for ro in rollouts]) + r["max_tokens"] / 2),
     )
-    names = () if drafter is None else (drafter,)
-    typical = int(np.mean([ro.prompt_len.mean() for ro in rollouts]) + r["max_tokens"] / 2)
-    ctx = PolicyContext(
-        cost=policy_cost, drafters=names, k_max=r["k_max"], max_batch=r["max_batch"], typical_ctx=typical
-    )
-    policies = [make_draft_policy(policy, ctx) for _ in range(n_inst)]  # one per instance, as in the pool
-    estimator = AcceptanceEstimator(names)
-    capacity = r["max_batch"] * (max(int(ro.prompt_len.max()) for ro in rollouts) + r["max_tokens"] + r["k_max"]) * 2
-    env = simpy.Environment()
-    timeline = Timeline(enabled=False)
-    realloc = make_realloc_policy(realloc_name)
-    times: list[float] = []
-    root = np.random.SeedSequence(seed)
 
-    def run():
-        for i, ro in enumerate(rollouts):
-            stage = GenerationStage(
-                env, cfg, sim_cost, ro, policies, realloc, estimator, timeline, i, root.spawn(1)[0], capacity
-            )
-            t0 = env.now
-            yield env.process(stage.run())
-            times.append(env.now - t0)
 
-    env.process(run())
-    env.run()
-    return times
+def _simulate(rollouts, policy, drafter, sim_cost, policy_cost, run_cfg: dict, seed: int) -> list[float]:
+    """Generation-stage seconds of each rollout with the run's limits (`run_limits`)."""
+    return simulate_stage(rollouts, policy, drafter, sim_cost, policy_cost, run_limits(run_cfg, rollouts), seed)
 
 
 def probes_every(run_cfg: dict) -> int | None:
@@ -340,8 +333,13 @@ def _costs(rundir: Path, cost_file, drafter, steps: pd.DataFrame | None = None):
 
 
 def replay_run(rundir, cost_file=None, policy: str | None = None) -> ReplayResult:
-    """Predicted against measured generation time of every RL step of a run."""
+    """Predicted against measured generation time of every RL step of a run, or of every
+    window of an engine-core trace folder (analysis/engine_replay.py)."""
     rundir = Path(rundir)
+    if is_engine_trace(rundir):
+        from rlsched.analysis.engine_replay import replay_engine
+
+        return replay_engine(rundir, cost_file, policy)
     cfg, rl, samples, steps = read_run(rundir)
     drafter = _drafter_name(cfg)
     spec = policy or str(cfg["policy"])
@@ -355,9 +353,9 @@ def replay_run(rundir, cost_file=None, policy: str | None = None) -> ReplayResul
         raise UserError(f"{rundir / 'traces' / 'samples'} holds no sample records of the run's RL steps")
     done = rl["rl_step"].tolist()
     rollouts = [_rollout(samples[samples["rl_step"] == s], drafter) for s in done]
-    parsed = parse_policy(spec)
-    predicted = _simulate(rollouts, parsed, drafter, sim_cost, policy_cost, cfg, int(cfg.get("seed", 0)))
-    predicted_off = _simulate(rollouts, OFF_SPEC, drafter, sim_cost, policy_cost, cfg, int(cfg.get("seed", 0)))
+    parsed, limits, seed = parse_policy(spec), run_limits(cfg, rollouts), int(cfg.get("seed", 0))
+    predicted = simulate_stage(rollouts, parsed, drafter, sim_cost, policy_cost, limits, seed)
+    predicted_off = simulate_stage(rollouts, OFF_SPEC, drafter, sim_cost, policy_cost, limits, seed)
     measured = rl["generation_s"].to_numpy(dtype=float)
     df = pd.DataFrame(dict(rl_step=done, measured_s=measured, predicted_s=predicted, predicted_off_s=predicted_off))
     df["error"] = (df["predicted_s"] - df["measured_s"]) / df["measured_s"]
@@ -393,16 +391,17 @@ def replay_figure(result: ReplayResult):
     from rlsched.analysis.plots import Figure
 
     df = result.steps
+    x = "window (rl_step)" if result.kind == "engine" else "RL step"
     fig = Figure(figsize=(10, 3.6))
     ax = fig.add_subplot(1, 2, 1)
     ax.plot(df["rl_step"], df["measured_s"], marker=".", label="measured")
     ax.plot(df["rl_step"], df["predicted_s"], marker=".", label=f"simulated ({result.policy})")
-    ax.set(xlabel="RL step", ylabel="generation stage (s)", title=f"replay: MAPE {result.mape:.1f}%")
+    ax.set(xlabel=x, ylabel="generation stage (s)", title=f"replay: MAPE {result.mape:.1f}%")
     ax.legend()
     ax = fig.add_subplot(1, 2, 2)
     ax.bar(df["rl_step"], df["error"] * 100)
     ax.axhline(0, color="k", linewidth=0.8)
-    ax.set(xlabel="RL step", ylabel="(predicted - measured) / measured, %", title="error per step")
+    ax.set(xlabel=x, ylabel="(predicted - measured) / measured, %", title="error per step")
     fig.tight_layout()
     return fig
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pandas as pd
 
 from rlsched import __version__
+from rlsched.analysis.engine import UNKNOWN, engine_numbers
 from rlsched.analysis.folder import FolderData, figures_for, load_folder
 from rlsched.analysis.plots import STAGES, figure_png
 
@@ -23,6 +24,8 @@ CAPTIONS = {
     "acceptance": "Acceptance over RL steps: tokens per speculative step and acceptance rate (accepted / drafted); "
     "dashed: the drafter's per-token acceptance estimate.",
     "batch_k": "Batch size and chosen draft length k of every decode step over one RL step's rollout, per instance.",
+    "step_times": "Time of each engine step over the trace, per engine: decode steps by draft length k, prefill and "
+    "mixed steps as crosses; dashed lines where a window (a weight update) begins.",
     "stages": "Seconds per stage of each RL step.",
     "learning_curve": "Learning curve: reward (band: +-1 standard error), speculation and time per stage.",
     "compare": "Generation-stage speedup over off per policy (mean over seeds, whiskers min-max).",
@@ -103,8 +106,34 @@ def _num(v) -> str:
     return str(v)
 
 
+def engine_rows(d: FolderData) -> tuple[list[tuple[str, str]], dict]:
+    """An engine-core trace's rows: what the engines ran, windows, tokens/s, acceptance, and
+    what such a trace does not hold."""
+    n = engine_numbers(d.engines or [], d.steps, d.samples)
+    rows = [
+        ("engines / policy / cost model", f"{n['engines']} / {n['policy']} / {n['cost_model']}"),
+        ("drafter / k_max / max_num_seqs / tp", f"{n['drafter']} / {n['k_max']} / {n['max_batch']} / {n['tp']}"),
+        ("model (vLLM)", f"{n['model']} ({n['vllm']})"),
+        ("windows (weight updates) / engine steps / samples", f"{n['windows']} / {n['steps']:,} / {n['samples']:,}"),
+        (
+            "generation s (span of each window's steps) / tokens/s",
+            f"{_num(n['generation_s'])} / {_num(n['tokens_per_s'])}",
+        ),
+        (
+            "acceptance rate (accepted / drafted) / tokens per SD step",
+            f"{_num(n['accept_rate'])} / {_num(n['mean_accept_len'])}",
+        ),
+        ("steps without a draft/verify split", str(n["untimed_steps"])),
+        ("not in this trace", UNKNOWN.removeprefix("an engine-core trace holds no ")),
+    ]
+    rows += [("note", note) for note in d.notes or []]
+    return rows, n
+
+
 def number_rows(d: FolderData) -> tuple[list[tuple[str, str]], dict]:
     """(label, value) rows for the page, and the raw numbers (for --json)."""
+    if d.kind == "engine":
+        return engine_rows(d)
     if d.kind == "run" and d.rl_steps is not None and set(RUN_COLUMNS) <= set(d.rl_steps.columns):
         n = run_numbers(d)
         st, total = n["stage_s"], sum(n["stage_s"].values())

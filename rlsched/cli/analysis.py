@@ -13,8 +13,10 @@ from rlsched.errors import UserError
 
 FIT_HELP = (
     "Fit the cost model to measured step times and write a cost-model file for --cost.\n\n"
-    "PROFILE_OR_RUNDIR is a `rlsched profile` folder or a run folder (`generate`, `run`): anything holding "
-    "traces/steps/. Verify, prefill and each drafter's draft time (and a model drafter's feed, where "
+    "PROFILE_OR_RUNDIR is a `rlsched profile` folder, a run folder (`generate`, `run`): anything holding "
+    "traces/steps/, or an engine-core trace folder (engine-*.json, steps/: the trace_dir of rlsched's scheduler "
+    "inside vLLM; steps whose drafting was not timed, draft_ms NaN, and mixed prefill/decode steps are left out, "
+    "with a note). Verify, prefill and each drafter's draft time (and a model drafter's feed, where "
     "profiled) are fitted as functions of batch size, tokens per row and context per row (roofline-shaped "
     "forms, rlsched/costs/costfile.py) with scipy. Quality is "
     "R^2 and MAPE; held-out MAPE comes from a fit without every other batch size (or without a random 25% of a "
@@ -32,7 +34,7 @@ def fit(
     profile_or_rundir: Path = typer.Argument(
         ...,
         metavar="PROFILE_OR_RUNDIR",
-        help="A `rlsched profile` folder or a run folder (holding traces/steps/).",
+        help="A `rlsched profile` folder, a run folder (holding traces/steps/) or an engine-core trace folder.",
         show_default=False,
     ),
     out: Path = typer.Option(..., "--out", "-o", help="Where to write the cost-model file (.json)."),
@@ -49,8 +51,8 @@ def fit(
     ),
     as_json: bool = JsonOpt,
 ):
+    from rlsched.analysis.engine import fit_folder
     from rlsched.atomic import write_text_atomic
-    from rlsched.costs.fit import fit_path
 
     if out.suffix != ".json":
         raise UserError(f"--out '{out}' must end in .json")
@@ -64,14 +66,14 @@ def fit(
     if plot is not None:
         check_writable(plot, "--plot", folder=False)
     with err_console.status(f"fitting {profile_or_rundir}"):
-        result = fit_path(profile_or_rundir, max_mape / 100)
+        result = fit_folder(profile_or_rundir, max_mape / 100)
         figure = None
         if plot is not None:
             from rlsched.analysis.plots import fit_figure
 
             figure = fit_figure(result)
     write_text_atomic(out, json_text(result.to_json()) + "\n")
-    if figure is not None:
+    if figure is not None and plot is not None:
         from rlsched.analysis.plots import save_figure
 
         save_figure(figure, plot)
@@ -233,31 +235,40 @@ def report(
 
 
 REPLAY_HELP = (
-    "Replay a `rlsched run` in the simulator: each RL step's rollout is rebuilt from the run's traces (prompt "
-    "and response lengths, each sample's acceptance) and its generation stage simulated with the run's policy, "
-    "batch limit and k_max; predicted against measured seconds per step (MAPE, worst step), and the predicted "
-    "speedup of the run's SD over SD off.\n\n"
-    "Step costs: --cost (a `rlsched fit` file), or fitted from the run's own step records; the executor's time "
-    "between steps is charged per step as measured in the run. --baseline RUNDIR (the same run with SD off) adds "
-    "the measured speedup beside the predicted one.\n\n"
+    "Replay a `rlsched run`, or an engine-core trace folder, in the simulator: each RL step's rollout is rebuilt "
+    "from the traces (prompt and response lengths, each sample's acceptance) and its generation stage simulated "
+    "with the run's policy, batch limit and k_max; predicted against measured seconds per step (MAPE, worst step), "
+    "and the predicted speedup of the run's SD over SD off.\n\n"
+    "An engine-core trace folder (the trace_dir of rlsched's scheduler inside vLLM: engine-*.json, steps/, "
+    "samples/) is replayed per window (rl_step: what an engine ran between two weight updates) with each engine's "
+    "policy, max_num_seqs and num_speculative_tokens, each engine an instance; a window's measured time is the span "
+    "of its step records. Such a trace holds no RL stage times or request arrivals: the notes say what the replay "
+    "could not know.\n\n"
+    "Step costs: --cost (a `rlsched fit` file), or fitted from the folder's own step records; the engine's time "
+    "between steps is charged per step as measured. --baseline FOLDER (the same job with SD off) adds the measured "
+    "speedup beside the predicted one.\n\n"
     "Example: rlsched replay runs/run/latest --plot replay.png"
 )
 
 
 @app.command(help=REPLAY_HELP)
 def replay(
-    rundir: Path = typer.Argument(..., metavar="RUNDIR", help="A `rlsched run` output folder."),
+    rundir: Path = typer.Argument(
+        ..., metavar="FOLDER", help="A `rlsched run` output folder or an engine-core trace folder."
+    ),
     cost: Path | None = typer.Option(
-        None, "--cost", help="Cost-model file from `rlsched fit` (default: fit the run's own step records)."
+        None, "--cost", help="Cost-model file from `rlsched fit` (default: fit the folder's own step records)."
     ),
     policy: str | None = typer.Option(None, "--policy", help="Replay with another drafting policy (what-if)."),
-    baseline: Path | None = typer.Option(None, "--baseline", help="The same run with SD off: measured speedup."),
+    baseline: Path | None = typer.Option(
+        None, "--baseline", help="The same job with SD off (a run or engine-core trace folder): measured speedup."
+    ),
     plot: Path | None = typer.Option(
         None, "--plot", help="Figure of measured and predicted time per step (.png or .pdf)."
     ),
     as_json: bool = JsonOpt,
 ):
-    from rlsched.analysis.replay import read_run, replay_figure, replay_run
+    from rlsched.analysis.replay import measured_generation_s, replay_figure, replay_run
 
     if plot is not None and plot.suffix.lower() not in (".png", ".pdf"):
         raise UserError(f"--plot {plot}: the file name must end in .png or .pdf")
@@ -266,8 +277,7 @@ def replay(
     result = replay_run(rundir, cost, policy)
     summary = result.summary()
     if baseline is not None:
-        _, base_rl, _, _ = read_run(baseline)
-        measured = float(base_rl["generation_s"].sum() / result.steps["measured_s"].sum())
+        measured = measured_generation_s(baseline) / float(result.steps["measured_s"].sum())
         summary.update(
             measured_sd_speedup=measured,
             baseline=str(baseline),
@@ -278,31 +288,59 @@ def replay(
 
         save_figure(replay_figure(result), plot)
         summary["plot"] = str(plot)
+    if result.kind == "engine":
+        summary["windows"] = result.steps.to_dict(orient="records")
     if as_json:
         print(json_text(summary))
         return
+    if result.kind == "engine":
+        _print_unwrapped(out_console, _window_table(result, rundir))
+    _print_unwrapped(out_console, _replay_table(result, summary, rundir, baseline, plot))
+    for note in result.notes:
+        err_console.print(f"note: {note}", highlight=False, soft_wrap=True)
+
+
+def _window_table(result, folder: Path) -> Table:
+    """Measured against predicted seconds of each window of an engine-core trace."""
+    t = Table(title=f"rlsched replay {folder}: windows (rl_step = weight updates), slowest engine each")
+    for col in ("window", "engines", "samples", "measured s", "predicted s", "error", "predicted off s"):
+        t.add_column(col, justify="right")
+    for r in result.steps.itertuples(index=False):
+        t.add_row(
+            str(r.rl_step),
+            str(r.engines),
+            str(r.samples),
+            f"{r.measured_s:.3f}",
+            f"{r.predicted_s:.3f}",
+            f"{r.error * 100:+.1f}%",
+            f"{r.predicted_off_s:.3f}",
+        )
+    return t
+
+
+def _replay_table(result, summary: dict, rundir: Path, baseline: Path | None, plot: Path | None) -> Table:
+    what, one = ("windows", "window") if result.kind == "engine" else ("RL steps", "step")
     t = Table(title=f"rlsched replay {rundir}: policy={result.policy} drafter={result.drafter or 'off'}")
     t.add_column("metric", style="bold")
     t.add_column("value", justify="right")
-    t.add_row("RL steps", str(summary["rl_steps"]))
+    t.add_row(what, str(summary["rl_steps"]))
     t.add_row(
         "generation s: measured / predicted",
         f"{summary['measured_generation_s']:.2f} / {summary['predicted_generation_s']:.2f}",
     )
-    t.add_row("per-step MAPE", f"{summary['mape_pct']:.1f}%")
-    t.add_row("worst step", f"{summary['worst_step']} ({summary['worst_error_pct']:+.1f}%)")
+    t.add_row(f"per-{one} MAPE", f"{summary['mape_pct']:.1f}%")
+    t.add_row(f"worst {one}", f"{summary['worst_step']} ({summary['worst_error_pct']:+.1f}%)")
     t.add_row("predicted SD speedup over off", f"{summary['predicted_sd_speedup']:.3f}x")
     if baseline is not None:
         t.add_row(
-            "measured SD speedup (baseline run)",
+            "measured SD speedup (baseline)",
             f"{summary['measured_sd_speedup']:.3f}x ({summary['speedup_error_pct']:+.1f}% off)",
         )
-    t.add_row("executor time between steps", f"{summary['overhead_ms_per_step']:.2f} ms per step")
+    who = "engine" if result.kind == "engine" else "executor"
+    t.add_row(f"{who} time between steps", f"{summary['overhead_ms_per_step']:.2f} ms per step")
     if plot is not None:
         t.add_row("plot", str(plot))
-    _print_unwrapped(out_console, t)
-    for note in result.notes:
-        err_console.print(f"note: {note}", highlight=False)
+    return t
 
 
 IMPORT_VLLM_HELP = (

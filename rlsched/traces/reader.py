@@ -4,6 +4,11 @@ A journal (`part-NNNNNN.jsonl`, see writer.TraceWriter) holds one JSON object pe
 last line may be cut short by a writer killed mid-write: that line (the record in flight) is
 dropped with one warning line on stderr. Any other line that is not a record is refused with
 the file and the line number.
+
+An engine-core trace folder (the `trace_dir` of rlsched's scheduler inside vLLM) holds
+`engine-<tag>.json` (what each engine process ran), `steps/` and `samples/` parts named
+`part-NNNNNN-<tag>`; `read_engine_files` reads and checks the engine files, `read_trace(...,
+tag=)` one engine's parts.
 """
 
 from __future__ import annotations
@@ -156,19 +161,32 @@ def _read_journal(path: Path, kind: str) -> pa.Table | None:
         ) from None
 
 
-def read_trace(path: Path, kind: str) -> pd.DataFrame:
-    """Records of `kind` from a Parquet file, a folder of parts (in order), or the folder
-    holding that one (`traces/` for `traces/<kind>/`). Journals of parts a killed writer
-    never wrote are read too."""
+def part_tag(path: Path) -> str:
+    """The writer's tag of a part (`part-000003-e0-123.parquet` -> `e0-123`; untagged: "")."""
+    return Path(path).name.split(".")[0][len("part-") :].partition("-")[2]
+
+
+def part_files(folder: Path, tag: str | None = None) -> list[Path]:
+    """A folder's parts in order (a journal only where its part was never written), those of
+    writer `tag` alone where given."""
+    return sorted(
+        p
+        for p in Path(folder).glob("part-*.*")
+        if p.suffix in (".parquet", ".jsonl")
+        and not (p.suffix == ".jsonl" and p.with_suffix(".parquet").exists())
+        and (tag is None or part_tag(p) == tag)
+    )
+
+
+def read_trace(path: Path, kind: str, tag: str | None = None) -> pd.DataFrame:
+    """Records of `kind` from a Parquet file, a folder of parts (in order; of writer `tag`
+    alone where given), or the folder holding that one (`traces/` for `traces/<kind>/`).
+    Journals of parts a killed writer never wrote are read too."""
     path = Path(path)
     if path.is_dir() and (path / kind).is_dir():
         path = path / kind
     if path.is_dir():
-        files = sorted(
-            p
-            for p in path.glob("part-*.*")
-            if p.suffix in (".parquet", ".jsonl") and not (p.suffix == ".jsonl" and p.with_suffix(".parquet").exists())
-        )
+        files = part_files(path, tag)
     elif path.is_file():
         files = [path]
     else:
@@ -186,3 +204,69 @@ def read_trace(path: Path, kind: str) -> pd.DataFrame:
             f"the trace parts in '{path}' disagree on a column's type ({_first_line(e)}); "
             "re-create them with one rlsched"
         ) from None
+
+
+# ----------------------------------------------------------------------------- engine-core trace folders
+
+ENGINE_FORMAT = "rlsched-engine"
+ENGINE_VERSION = 1
+# whole-number fields and their least values; besides, drafter is a name; the rest is kept as written
+_ENGINE_COUNTS = {"k_max": 0, "max_batch": 1, "tp": 1, "rank": 0}
+
+
+def read_json(path: Path, label: str = "", fix: str = "re-run the command that wrote it"):
+    """A JSON file's content; one UserError naming it (`label` before its path) where it is
+    not JSON or cannot be read."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{label}'{path}' is not valid JSON ({_first_line(e)}); {fix}") from None
+    except OSError as e:
+        raise UserError(f"{label}'{path}' cannot be read ({e.strerror or e}); check the file") from None
+
+
+def engine_file_paths(folder: Path) -> list[Path]:
+    """The `engine-<tag>.json` files of an engine-core trace folder (none: not such a folder)."""
+    folder = Path(folder)
+    return sorted(folder.glob("engine-*.json")) if folder.is_dir() else []
+
+
+def _engine_fault(data) -> str | None:
+    """What is wrong with an engine file's content, or None."""
+    if not isinstance(data, dict):
+        return f"holds a JSON {type(data).__name__}, not an object"
+    if data.get("format") != ENGINE_FORMAT:
+        return f"format is {data.get('format')!r}, not {ENGINE_FORMAT!r}"
+    if data.get("version") != ENGINE_VERSION:
+        return f"version is {data.get('version')!r}; this rlsched reads version {ENGINE_VERSION}"
+    block = data.get("rlsched")
+    if not isinstance(block, dict) or not isinstance(block.get("policy"), str):
+        return "rlsched.policy is missing or not a name"
+    for key in ("cost_model", "trace_dir"):
+        if block.get(key) is not None and not isinstance(block[key], str):
+            return f"rlsched.{key} is {block[key]!r}, not a path or name"
+    for key in ("seed", "probe_every"):
+        v = block.get(key)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            return f"rlsched.{key} is {v!r}, not a whole number >= 0"
+    if not isinstance(data.get("drafter"), str):
+        return f"drafter is {data.get('drafter')!r}, not a name"
+    for key, least in _ENGINE_COUNTS.items():
+        v = data.get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or v < least:
+            return f"{key} is {v!r}, not a whole number >= {least}"
+    return None
+
+
+def read_engine_files(folder: Path) -> list[dict]:
+    """Each engine file of an engine-core trace folder, checked, with `tag` (its name's) and
+    `file` added; a damaged one is one UserError naming it and the field."""
+    out = []
+    for path in engine_file_paths(folder):
+        fix = "restore the file the engine wrote, or delete it and the parts of its tag"
+        data = read_json(path, "engine file ", fix)
+        fault = _engine_fault(data)
+        if fault is not None:
+            raise UserError(f"engine file '{path}': {fault}; {fix}")
+        out.append({**data, "tag": path.name[len("engine-") : -len(".json")], "file": str(path)})
+    return out

@@ -1,0 +1,194 @@
+"""Engine-core trace folders: what rlsched's scheduler inside vLLM wrote (its `trace_dir`).
+
+Such a folder holds one `engine-<tag>.json` per engine process (rlsched's settings, the
+drafter, k_max, batch limit, tensor parallelism, model and vLLM's scheduling arguments; tag
+= e<data-parallel rank>-<pid>), `steps/` (one record per engine step) and `samples/` (one
+record per finished request), in parts of each engine's tag. `rl_step` counts weight updates:
+a window is what an engine ran between two of them. What such a trace does not hold: request
+arrival times, RL stage times (inference, training, drafter updates), rewards.
+
+`read_engine_trace` reads one (each engine's parts by its tag, column `engine`);
+`windows` measures each engine's window as the span of its step records; `engine_numbers`
+are the key numbers `rlsched report` shows. No torch, no matplotlib.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from rlsched.errors import UserError
+from rlsched.traces.reader import engine_file_paths, part_files, part_tag, read_engine_files, read_trace
+from rlsched.traces.schema import SCHEMAS
+
+UNKNOWN = (
+    "an engine-core trace holds no RL stage times (inference, training, drafter update), rewards or "
+    "request arrival times"
+)
+
+
+@dataclass
+class EngineTrace:
+    path: Path
+    engines: list[dict]  # the engine files, checked, with tag and file
+    steps: pd.DataFrame  # step records, column engine: the tag of the engine that wrote each
+    samples: pd.DataFrame  # sample records, likewise
+    notes: list[str] = field(default_factory=list)
+
+
+def is_engine_trace(path) -> bool:
+    """Whether `path` is an engine-core trace folder (it holds engine-*.json)."""
+    return bool(engine_file_paths(Path(path)))
+
+
+def _read(path: Path, kind: str, tags: list[str]) -> pd.DataFrame:
+    """The records of `kind` of each engine's parts (none: the schema's columns, empty)."""
+    folder = path / kind
+    schema = SCHEMAS[kind]
+    empty = pd.DataFrame({n: pd.Series(dtype=t.to_pandas_dtype()) for n, t in zip(schema.names, schema.types)})
+    parts = [read_trace(folder, kind, tag).assign(engine=tag) for tag in tags] if folder.is_dir() else []
+    parts = [p for p in parts if len(p)]
+    return pd.concat(parts, ignore_index=True) if parts else empty.assign(engine=pd.Series(dtype=str))
+
+
+def read_engine_trace(path) -> EngineTrace:
+    """An engine-core trace folder's engine files and records; one UserError for a folder that
+    is none, a damaged engine file or part, or a folder without records."""
+    path = Path(path)
+    if not path.is_dir():
+        raise UserError(f"'{path}' is not a folder; give an engine-core trace folder (the rlsched trace_dir)")
+    engines = read_engine_files(path)
+    if not engines:
+        raise UserError(f"'{path}' is not an engine-core trace folder (no engine-*.json)")
+    tags = [e["tag"] for e in engines]
+    steps, samples = _read(path, "steps", tags), _read(path, "samples", tags)
+    if steps.empty and samples.empty:
+        raise UserError(
+            f"engine-core trace '{path}' holds no step or sample records (steps/, samples/ of tags "
+            f"{', '.join(tags)}); the engine wrote none yet, or they were moved"
+        )
+    notes = []
+    found = {part_tag(p) for kind in ("steps", "samples") if (path / kind).is_dir() for p in part_files(path / kind)}
+    orphans = sorted(found - set(tags))
+    if orphans:
+        notes.append(f"parts of tag(s) {', '.join(t or '(none)' for t in orphans)} have no engine file: left out")
+    ranks = [e["rank"] for e in engines]
+    if len(set(ranks)) < len(ranks):
+        notes.append(
+            "several engine processes share a data-parallel rank (a restarted engine): each counts "
+            "its windows from its own start"
+        )
+    return EngineTrace(path, engines, steps, samples, notes)
+
+
+def untimed_notes(steps: pd.DataFrame) -> list[str]:
+    """What the cost fit leaves out of engine step records: decode steps whose drafting was
+    not timed (draft_ms, verify_ms NaN: the step is timed as a whole) and mixed steps."""
+    if steps is None or steps.empty:
+        return []
+    notes = []
+    dec = steps[steps["kind"] == "decode"]
+    untimed = dec["draft_ms"].isna() | dec["verify_ms"].isna()
+    if untimed.any():
+        notes.append(
+            f"{int(untimed.sum())} of {len(dec)} decode steps have no draft/verify split (drafting was not "
+            "timed where vLLM's runner ran: draft_ms is NaN): left out of the verify and draft fits"
+        )
+    mixed = int((steps["kind"] == "mixed").sum())
+    if mixed:
+        notes.append(f"{mixed} mixed steps (prompt chunks beside decoding rows) left out: no form prices them")
+    return notes
+
+
+def windows(steps: pd.DataFrame, samples: pd.DataFrame) -> pd.DataFrame:
+    """Per engine and window (rl_step): start_s, end_s (engine clock: seconds since that
+    engine started), measured_s (the span of its step records), steps, samples and
+    response tokens."""
+    cols = ["engine", "rl_step", "start_s", "end_s", "measured_s", "steps", "samples", "response_tokens"]
+    if steps is None or steps.empty:
+        return pd.DataFrame(columns=cols)
+    end = steps["time_s"] + steps["step_ms"].fillna(0) / 1e3
+    g = steps.assign(end_s=end).groupby(["engine", "rl_step"])
+    out = g.agg(start_s=("time_s", "min"), end_s=("end_s", "max"), steps=("step", "size")).reset_index()
+    out["measured_s"] = out["end_s"] - out["start_s"]
+    if samples is not None and len(samples):
+        s = samples.groupby(["engine", "rl_step"]).agg(
+            samples=("sample_id", "size"), response_tokens=("response_len", "sum")
+        )
+        out = out.merge(s.reset_index(), on=["engine", "rl_step"], how="left")
+    else:
+        out = out.assign(samples=0, response_tokens=0)
+    out[["samples", "response_tokens"]] = out[["samples", "response_tokens"]].fillna(0).astype(int)
+    return out[cols].sort_values(["rl_step", "engine"]).reset_index(drop=True)
+
+
+def _same(values: list):
+    """The one value all engines share, else their distinct values joined by " / "."""
+    distinct = sorted({str(v) for v in values})
+    return values[0] if len(distinct) == 1 else " / ".join(distinct)
+
+
+def engine_numbers(engines: list[dict], steps: pd.DataFrame | None, samples: pd.DataFrame | None) -> dict:
+    """An engine-core trace's key numbers: what the engines ran, windows, samples, tokens per
+    second of generation (response tokens over the windows' spans), acceptance."""
+    out: dict = {
+        "engines": len(engines),
+        **{k: _same([e["rlsched"].get(k) for e in engines]) for k in ("policy", "cost_model")},
+        **{k: _same([e.get(k) for e in engines]) for k in ("drafter", "k_max", "max_batch", "tp", "model", "vllm")},
+    }
+    steps = steps if steps is not None else pd.DataFrame()
+    samples = samples if samples is not None else pd.DataFrame()
+    w = windows(steps, samples) if len(steps) else pd.DataFrame()
+    out["windows"] = int(w["rl_step"].nunique()) if len(w) else 0
+    out["steps"] = int(len(steps))
+    out["samples"] = int(len(samples))
+    span = float(w["measured_s"].sum()) if len(w) else 0.0
+    tokens = float(samples["response_len"].sum()) if len(samples) else 0.0
+    out["generation_s"] = span
+    out["tokens_per_s"] = tokens / span if span > 0 else float("nan")
+    dec = steps[(steps["kind"] == "decode") & (steps["k"] > 0)] if len(steps) else steps
+    drafted = float(dec["drafted"].sum()) if len(dec) else 0.0
+    out["accept_rate"] = float(dec["accepted"].sum()) / drafted if drafted else float("nan")
+    out["mean_accept_len"] = float(dec["emitted"].sum() / dec["batch"].sum()) if len(dec) else float("nan")
+    untimed = steps["draft_ms"].isna().sum() if len(steps) else 0
+    out["untimed_steps"] = int(untimed)
+    return out
+
+
+def window_acceptance(steps: pd.DataFrame, samples: pd.DataFrame | None) -> pd.DataFrame | None:
+    """accept_mean_<drafter> per window: the mean of the engine's per-sample acceptance
+    estimates (acceptance_<drafter> of the sample records)."""
+    if samples is None or samples.empty:
+        return None
+    cols = [c for c in samples.columns if c.startswith("acceptance_")]
+    if not cols:
+        return None
+    g = samples.groupby("rl_step")[cols].mean()
+    g.columns = [f"accept_mean_{c.removeprefix('acceptance_')}" for c in cols]
+    return g.reset_index().replace([np.inf, -np.inf], np.nan)
+
+
+def fit_folder(path, max_mape: float):
+    """`rlsched fit` of a profile, run or engine-core trace folder: an engine trace's engine
+    files are checked and named in the fit's source; the steps the fit leaves out (untimed
+    drafting, mixed steps) are said in its notes."""
+    from rlsched.costs.fit import fit_records, read_records
+
+    path = Path(path)
+    if path.is_dir() and not any((path / sub).is_dir() for sub in ("traces/steps", "steps")):
+        raise UserError(
+            f"fit: '{path}' holds no step traces (no traces/steps/ or steps/); give a `rlsched profile` folder, "
+            "a run folder or an engine-core trace folder"
+        )
+    engines = read_engine_files(path) if is_engine_trace(path) else []
+    df, source = read_records(path)
+    if engines:
+        keys = ("tag", "model", "drafter", "k_max", "max_batch", "tp", "vllm")
+        source["kind"] = "engine"
+        source["engines"] = [{k: e.get(k) for k in keys} for e in engines]
+    result = fit_records(df, source, max_mape)
+    result.notes[:0] = untimed_notes(df)
+    return result
