@@ -121,12 +121,14 @@ def _fit_table(result, out: Path) -> Table:
 
 PLOT_HELP = (
     "Draw the figures a folder's data supports, as PNG and PDF, and print the files written.\n\n"
-    "FOLDER is a `rlsched run`, `generate`, `profile`, `simulate` or `compare --out` folder. Figures: fit (the "
-    "cost-model fit of the folder's profile, or of --cost's file over the folder's steps), speedup (of each k over "
-    "plain decoding against batch size, predicted from measured step costs at the measured acceptance, and "
-    "measured from the run's own steps where they allow), acceptance (over RL steps), batch_k (batch size and "
-    "chosen k over time per instance, one RL step), stages (seconds per stage of each RL step), learning_curve "
-    "(a run's), compare (a compare folder's speedups). Those the data does not support are listed on stderr.\n\n"
+    "FOLDER is a `rlsched run`, `generate`, `profile`, `simulate` or `compare --out` folder, or an engine-core "
+    "trace folder (engine-*.json, steps/, samples/: the trace_dir of rlsched's scheduler inside vLLM). Figures: "
+    "fit (the cost-model fit of the folder's profile, or of --cost's file over the folder's steps), speedup (of "
+    "each k over plain decoding against batch size, predicted from measured step costs at the measured "
+    "acceptance, and measured from the run's own steps where they allow), acceptance (over RL steps), batch_k "
+    "(batch size and chosen k over time per instance, one RL step), step_times (each engine step's time, of an "
+    "engine-core trace), stages (seconds per stage of each RL step), learning_curve (a run's), compare (a compare "
+    "folder's speedups). Those the data does not support are listed on stderr.\n\n"
     "Example: rlsched plot runs/run/latest && rlsched plot runs/profile/builtin --out figs"
 )
 
@@ -134,7 +136,10 @@ PLOT_HELP = (
 @app.command(help=PLOT_HELP)
 def plot(
     folder: Path = typer.Argument(
-        ..., metavar="FOLDER", help="A run, generate, profile, simulate or compare output folder.", show_default=False
+        ...,
+        metavar="FOLDER",
+        help="A run, generate, profile, simulate or compare output folder, or an engine-core trace folder.",
+        show_default=False,
     ),
     out: Path | None = typer.Option(None, "--out", "-o", help="Folder for the figures (default FOLDER/plots)."),
     cost: Path | None = typer.Option(
@@ -203,7 +208,8 @@ REPORT_HELP = (
     "mean accepted length, acceptance rate, stage split, policy, drafter, algorithm, steps) and every figure "
     "`rlsched plot` draws for it, embedded as PNG (the page is one file, no scripts).\n\n"
     "RUNDIR is a `rlsched run` folder (other folders `rlsched plot` takes work too, with their summary's numbers, "
-    "and an `rlsched plan` folder).\n\n"
+    "an engine-core trace folder with its engines' settings, windows, tokens/s and acceptance, and an `rlsched "
+    "plan` folder).\n\n"
     "Example: rlsched report runs/run/latest --out report.html"
 )
 
