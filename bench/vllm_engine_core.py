@@ -17,7 +17,7 @@ the hook took in a step: choosing, learning, recording) and the hook's share of 
 Async scheduling is recorded as the engines ran it: vLLM's CPU platform turns it off; on a GPU
 with an EAGLE or draft-model drafter vLLM turns it on and the arms run on its AsyncScheduler.
 
-Run: python bench/vllm_engine_core.py [--reps 3] [--prompts 8] [--group 16] [--median 48] [--k 3]
+Run: python bench/vllm_engine_core.py [--reps 3] [--prompts 8] [--group 16] [--median 40] [--k 3]
 Needs vLLM (.venv-vllm). Results: bench/results/vllm_engine_core.{json,txt} (in $OUT when set).
 """
 
@@ -45,9 +45,9 @@ def workload(prompts: int, group: int, median: int, seed: int) -> list[tuple[lis
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(prompts):
-        prompt = rng.integers(3, 200, size=int(rng.integers(8, 24))).tolist()
+        prompt = rng.integers(3, 60, size=int(rng.integers(8, 24))).tolist()  # the pair's vocabulary: 64
         budget = float(np.exp(rng.normal(np.log(median), 0.8)))
-        out += [(prompt, int(np.clip(budget * rng.uniform(0.7, 1.3), 4, 4 * median))) for _ in range(group)]
+        out += [(prompt, int(np.clip(budget * rng.uniform(0.7, 1.3), 4, 200))) for _ in range(group)]
     return out
 
 
@@ -61,7 +61,7 @@ def engine(pair, k: int, block: dict | None, seed: int):
         dtype="float32",
         enforce_eager=True,
         max_num_seqs=64,
-        max_model_len=512,
+        max_model_len=256,
         skip_tokenizer_init=True,
         seed=seed,
         speculative_config=dict(spec, draft_sample_method="probabilistic"),
@@ -85,7 +85,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--group", type=int, default=16)
-    ap.add_argument("--median", type=int, default=48)
+    ap.add_argument("--median", type=int, default=40)
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cost", type=Path, default=None, help="a `rlsched fit` file for goodput")
