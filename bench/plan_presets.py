@@ -49,12 +49,12 @@ def main() -> None:
         rows.append(
             [
                 name,
-                s["own_setup"],
-                s["own_step_s"],
+                s.get("own_setup", "-"),
+                s.get("own_step_s", "-"),
                 s["winner"],
                 s["winner_step_s"],
-                f"{s['gain_over_own']:+.1%}",
-                f"{s['speedup_over_baseline']:.2f}x",
+                f"{s['gain_over_own']:+.1%}" if "gain_over_own" in s else "-",
+                f"{s['speedup_over_baseline']:.2f}x" if "speedup_over_baseline" in s else "-",
                 s.get("knob", "-"),
             ]
         )

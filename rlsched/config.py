@@ -265,6 +265,11 @@ class EmpiricalLength(Strict):
 LengthDist = Annotated[FixedLength | LognormalLength | EmpiricalLength, Field(discriminator="dist")]
 
 
+def length_max(d: LengthDist) -> int:
+    """The longest length a distribution draws."""
+    return d.value if d.dist == "fixed" else d.max if d.dist == "lognormal" else d.max or max(d.values)
+
+
 class WorkloadSpec(Strict):
     """GRPO-style: `prompts` x `samples_per_prompt` sequences per RL step."""
 

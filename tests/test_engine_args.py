@@ -83,14 +83,13 @@ def _vendored_verl() -> set[str]:
 def _plan_verl() -> dict:
     """What `rlsched plan` writes as verl's settings, for a colocated winner that offloads."""
     from rlsched.config import load_config
-    from rlsched.plan.output import verl_rollout
+    from rlsched.plan.output import verl_rollout, vllm_engine_args
     from rlsched.plan.space import Candidate
     from rlsched.policies.registry import parse_policy
 
     cfg = load_config("default")
-    c = Candidate(2, 1, 64, 0.5, parse_policy("static:3"), "model", offload=True)
-    spec = {"method": "draft_model", "model": "d", "num_speculative_tokens": 3}
-    return verl_rollout(cfg, c, {"max_model_len": 9216, "dtype": "bfloat16", "speculative_config": spec})
+    c = Candidate(2, 1, 64, 0.5, parse_policy("goodput"), "model", offload=True)
+    return verl_rollout(cfg, c, vllm_engine_args(cfg, c, None, "/m/qwen", "/m/small", trace_dir="/runs/traces"))
 
 
 # ----------------------------------------------------------------------------- the writers
@@ -165,6 +164,19 @@ def test_vllms_own_parser_reads_the_serve_line():
         direct = AsyncEngineArgs(**kw)
         for key, value in kw.items():
             assert getattr(parsed, key) == getattr(direct, key) == value, key
+
+
+def test_a_title_with_line_breaks_stays_one_comment_line():
+    from rlsched.policies.engine_args import engine_files
+
+    kw = vllm_engine_kwargs(DRAFT, HookSettings("static:2"))
+    files = engine_files(kw, "p.", title="a model\nexit 3\r\nimport os")
+    serve = files["p.vllm_serve.sh"]
+    assert serve.splitlines()[1].startswith("# a model exit 3 import os (")
+    assert shlex.split(serve.replace("\\\n", ""), comments=True)[1:-1] == vllm_serve_argv(kw)
+    launcher = files["p.openrlhf_launch.py"].splitlines()
+    assert launcher[1] == "# a model exit 3 import os" and "import os" not in launcher[2:]
+    assert files["p.verl_rollout.yaml"].splitlines()[0].startswith("# a model exit 3 import os:")
 
 
 # ----------------------------------------------------------------------------- verl's schema
@@ -382,6 +394,7 @@ def test_a_learned_policys_engine_comes_from_its_config(tmp_path):
     facts = engine_facts(cfg)
     assert (facts.model, facts.drafter, facts.drafter_path) == ("qwen2.5-7b", "model", "qwen2.5-0.5b")
     assert (facts.k_max, facts.max_num_seqs, facts.tensor_parallel_size) == (8, 96, 2)
+    assert facts.max_model_len == 1024 + 8192  # the workload's longest prompt and response: vLLM's window
     eagle = engine_facts(load_config("default", overrides=["drafters.0.kind=eagle"]), "/m/q")
     assert eagle.model == "/m/q" and eagle.drafter_path == "REPLACE-ME/eagle3-head-of-qwen2.5-7b"
     assert engine_facts(load_config("default", overrides=["drafters.0.kind=ngram"]), None, "/x").drafter_path is None

@@ -57,7 +57,9 @@ def test_the_plan_ranks_its_simulations_and_compares_the_winner(planned):
         "sim.yaml",
         "run.yaml",
         "vllm_engine.json",
+        "vllm_serve.sh",
         "verl_rollout.yaml",
+        "openrlhf_launch.py",
     }
     rows = plan["rows"]
     simulated = [r for r in rows if r["step_s"] is not None]
@@ -120,12 +122,14 @@ def test_the_written_vllm_and_verl_settings_are_the_winners(planned):
     spec = args["speculative_config"]
     assert verl["engine_kwargs"]["vllm"]["speculative_config"] == spec
     assert spec["method"] == "draft_model" and spec["model"] == "builtin"
-    assert 1 <= spec["num_speculative_tokens"] <= 8
-    table = spec.get("num_speculative_tokens_per_batch_size")
-    if table is not None:  # whole ranges from 1 to the batch limit, the largest K the engine's
-        assert table[0][0] == 1 and table[-1][1] == winner["max_batch"]
-        assert all(a[1] + 1 == b[0] for a, b in zip(table, table[1:]))
-        assert max(k for _, _, k in table) == spec["num_speculative_tokens"]
+    # rlsched's scheduler runs the winner's policy (run.yaml's) and picks each step's length up to the longest
+    block = args["additional_config"]["rlsched"]
+    assert args["scheduler_cls"] == verl["engine_kwargs"]["vllm"]["scheduler_cls"] == "rlsched.vllm.PolicyScheduler"
+    assert verl["engine_kwargs"]["vllm"]["additional_config"] == {"rlsched": block}
+    policy = yaml.safe_load((out / "run.yaml").read_text())["policy"]
+    assert block["policy"] == policy and "num_speculative_tokens_per_batch_size" not in spec
+    fixed = policy.startswith(("static:", "twostate:"))  # K; else the longest draft, k_max
+    assert spec["num_speculative_tokens"] == (int(policy.split(":")[-1]) if fixed else 8)
 
 
 def test_the_written_run_config_runs(planned):
@@ -266,6 +270,8 @@ def test_a_plan_from_a_run_uses_its_fitted_costs_and_workload(tmp_path):
     assert {r["tp"] for r in json.loads((out / "plan.json").read_text())["rows"]} == {1}  # one device's costs
     run = yaml.safe_load((out / "run.yaml").read_text())
     assert (run["device"], run["dtype"]) == ("cpu", "float32")  # the run's own machine
+    engine = json.loads((out / "vllm_engine.json").read_text())
+    assert engine["dtype"] == "float32" and engine["additional_config"]["rlsched"]["cost_model"] == sim["cost_file"]
     ok(
         rlsched(
             "simulate", "--config", str(out / "sim.yaml"), "--no-baseline", "--out", str(tmp_path / "sim"), cwd=tmp_path
@@ -358,23 +364,21 @@ def test_a_table_learned_for_the_best_chain_setup_is_ranked_and_written(tmp_path
     assert learned[0].candidate.label.endswith("table:model (learned)")
     pf = load_policy_file(tmp_path / "policy.json")
     assert pf.kind == "table" and pf.created["seeds"] == [2]  # learned on the seed after the plan's 0 and 1
-    # written as the winner: sim.yaml names the plan's copy of the policy file, run.yaml vLLM's table of it
+    # written as the winner: sim.yaml, run.yaml and vLLM's engine (rlsched's scheduler) name the plan's copy
     plan.ranked.remove(learned[0])
     plan.ranked.insert(0, learned[0])
     out = tmp_path / "plan"
     write_plan(plan, out, "builtin", "builtin")
+    copy = f"table:{(out / 'policy.json').resolve()}"
     sim = yaml.safe_load((out / "sim.yaml").read_text())
-    assert sim["speculation"]["policy"] == f"table:{(out / 'policy.json').resolve()}"
-    run = yaml.safe_load((out / "run.yaml").read_text())
-    spec = json.loads((out / "vllm_engine.json").read_text())["speculative_config"]
-    if "num_speculative_tokens_per_batch_size" in spec:
-        assert run["policy"] == f"table:{(out / 'vllm_table.json').resolve()}"
-        assert (
-            json.loads((out / "vllm_table.json").read_text())["num_speculative_tokens_per_batch_size"]
-            == (spec["num_speculative_tokens_per_batch_size"])
-        )
-    else:
-        assert run["policy"] == f"static:{spec['num_speculative_tokens']}"
+    assert sim["speculation"]["policy"] == copy
+    assert yaml.safe_load((out / "run.yaml").read_text())["policy"] == copy
+    engine = json.loads((out / "vllm_engine.json").read_text())
+    assert engine["scheduler_cls"] == "rlsched.vllm.PolicyScheduler"
+    assert engine["additional_config"]["rlsched"]["policy"] == copy
+    spec = engine["speculative_config"]  # the table picks each step's length up to k_max, in the scheduler
+    assert spec["num_speculative_tokens"] == base.speculation.k_max
+    assert "num_speculative_tokens_per_batch_size" not in spec and not (out / "vllm_table.json").exists()
     proc = ok(
         rlsched(
             "simulate",

@@ -2,23 +2,29 @@
 carries every knob of the winner (the job's algorithm, tp, memory fraction, device, dtype); the
 winner is compared with the workload's own setup and plain decoding on its own GPU count, or
 the plan says why not; setups the seeds cannot tell apart are called ties; an EAGLE-3 head is
-written as a marked placeholder, never the built-in head's name; bad output places are one line."""
+written as a marked placeholder, never the built-in head's name; vLLM's, verl's and OpenRLHF's
+files run the winner's policy itself in rlsched's scheduler; bad output places are one line."""
 
 from __future__ import annotations
 
+import ast
 import json
+import shlex
 from dataclasses import replace
 
 import pytest
 import yaml
 from support import ok, one_line_error, rlsched, snapshot
+from test_engine_args import _missing, _vendored_verl
 
 from rlsched.config import load_config
 from rlsched.executor.rl.config import build_run_config, load_run_config
 from rlsched.plan.compare import is_tie, own_at
+from rlsched.plan.feasible import longest_sequence
 from rlsched.plan.screen import Scored
 from rlsched.plan.search import Ranked
 from rlsched.plan.space import Candidate
+from rlsched.policies.engine_args import openrlhf_flags, verl_rollout_section, vllm_serve_argv
 from rlsched.policies.registry import parse_policy
 
 PPO = "rlhfspec-llama3.1-8b-ppo"  # PPO (a critic), its own setup 8 x tp 2 on 16 H100s, memory 0.6
@@ -53,6 +59,81 @@ def test_the_ppo_run_config_carries_the_winners_knobs(ppo_plan):
     assert engine["dtype"] == "bfloat16" and engine["tensor_parallel_size"] == winner["tp"]
     verl = yaml.safe_load((out / "verl_rollout.yaml").read_text())
     assert verl["algorithm"]["adv_estimator"] == "gae"
+    assert engine["additional_config"]["rlsched"]["policy"] == run["policy"]
+    _engine_files_agree(out, engine)
+
+
+ENGINE_FILES = ("vllm_engine.json", "vllm_serve.sh", "verl_rollout.yaml", "openrlhf_launch.py")
+
+
+def _engine_files_agree(out, engine: dict) -> None:
+    """The serve script, verl's section and OpenRLHF's launcher hold the engine arguments of
+    vllm_engine.json, and verl's keys are all in verl's config."""
+    serve = shlex.split((out / "vllm_serve.sh").read_text().replace("\\\n", ""), comments=True)
+    assert serve[1:-1] == vllm_serve_argv(engine)  # exec ... "$@"
+    verl = yaml.safe_load((out / "verl_rollout.yaml").read_text())
+    assert not _missing(verl, _vendored_verl())
+    rollout = verl["actor_rollout_ref"]["rollout"]
+    assert {k: rollout[k] for k in verl_rollout_section(engine)["actor_rollout_ref"]["rollout"]} == (
+        verl_rollout_section(engine)["actor_rollout_ref"]["rollout"]
+    )
+    tree = ast.parse((out / "openrlhf_launch.py").read_text())
+    values = {
+        n.targets[0].id: ast.literal_eval(n.value)
+        for n in tree.body
+        if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name) and n.targets[0].id.isupper()
+    }
+    assert (values["FLAGS"], values["ENGINE_KWARGS"]) == openrlhf_flags(engine)
+
+
+def test_the_engine_files_run_the_winners_policy_in_rlscheds_scheduler(tmp_path):
+    from rlsched.plan.planner import make_plan, write_plan
+    from rlsched.plan.space import Space
+
+    base = load_config(preset="default", overrides=["rl.steps=1", "record_timeline=false"])
+    space = Space(2, tps=(1,), max_batches=(256,), static_ks=(2,), reallocs=("none",), colocated=(1.0,), split=())
+    plan = make_plan(base, space, seeds=1, survivors=4, explain=False)
+    for family in ("goodput", "twostate"):
+        adaptive = next(x for x in plan.ranked if x.candidate.policy.family == family)
+        plan.ranked.remove(adaptive)
+        plan.ranked.insert(0, adaptive)  # written as the winner
+        out = tmp_path / family
+        write_plan(plan, out, "/models/qwen2.5-7b", "/models/qwen2.5-0.5b")
+        assert {p.name for p in out.iterdir()} >= set(ENGINE_FILES)
+        engine = json.loads((out / "vllm_engine.json").read_text())
+        block = engine["additional_config"]["rlsched"]
+        run = yaml.safe_load((out / "run.yaml").read_text())
+        assert engine["scheduler_cls"] == "rlsched.vllm.PolicyScheduler"
+        assert block["policy"] == run["policy"]  # the policy itself, as run.yaml runs it
+        assert block["cost_model"] == base.hardware.name and block["trace_dir"] == str(tmp_path / f"{family}-traces")
+        spec = engine["speculative_config"]
+        if family == "goodput":  # it picks each step's draft length up to k_max
+            assert block["policy"] == adaptive.candidate.policy.text == "goodput"
+            assert spec["num_speculative_tokens"] == base.speculation.k_max
+        else:  # solved here, as the simulator ran it: its threshold and k
+            assert block["policy"].startswith("twostate:")
+            assert spec["num_speculative_tokens"] == int(block["policy"].split(":")[2])
+        assert spec["model"] == "/models/qwen2.5-0.5b" and "num_speculative_tokens_per_batch_size" not in spec
+        assert (engine["model"], engine["max_num_seqs"], engine["max_model_len"]) == (
+            "/models/qwen2.5-7b",
+            256,
+            longest_sequence(base),
+        )
+        _engine_files_agree(out, engine)
+        scheduler = pytest.importorskip("rlsched.executor.vllm.scheduler")
+        assert scheduler.EngineHookConfig.model_validate(block).policy == block["policy"]
+
+
+def test_a_priced_policy_on_hardware_no_preset_names_gets_a_marked_cost_placeholder():
+    from rlsched.plan.output import COST_PLACEHOLDER, engine_cost_model
+
+    cfg = load_config(preset="default", overrides=["hardware.name=my-gpu"])
+    assert engine_cost_model(cfg, parse_policy("goodput")) == COST_PLACEHOLDER.format(hardware="my-gpu")
+    assert engine_cost_model(cfg, parse_policy("static:2")) is None
+    assert engine_cost_model(cfg.model_copy(update={"cost_file": "/c/fit.json"}), parse_policy("goodput")) == (
+        "/c/fit.json"
+    )
+    assert engine_cost_model(load_config(preset="default"), parse_policy("goodput")) == "h100-sxm"
 
 
 def test_the_own_setup_is_compared_on_the_winners_gpus(ppo_plan):

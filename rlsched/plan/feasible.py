@@ -18,22 +18,14 @@ stage).
 
 from __future__ import annotations
 
-from rlsched.config import LengthDist, ModelSpec, SimConfig
+from rlsched.config import ModelSpec, SimConfig, length_max
 from rlsched.costs.roofline import RooflineCostModel
 from rlsched.sim.cluster import kv_capacity
 from rlsched.sim.rlstep import TRAIN_BYTES_PER_PARAM
 
 
-def length_max(d: LengthDist) -> int:
-    """The longest length a distribution draws."""
-    if d.dist == "fixed":
-        return d.value
-    if d.dist == "lognormal":
-        return d.max
-    return d.max if d.max is not None else max(d.values)
-
-
 def longest_sequence(cfg: SimConfig) -> int:
+    """The workload's longest sequence: its longest prompt and its longest response."""
     return length_max(cfg.workload.prompt_len) + length_max(cfg.workload.response_len)
 
 

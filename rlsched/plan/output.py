@@ -7,37 +7,40 @@
   memory fraction, batch limit, draft policy and reallocation, and the drafter's update
   schedule (model and drafter: the folders given to the planner; an EAGLE-3 head not given is
   a placeholder, `EAGLE_PLACEHOLDER`, the user replaces);
-- `vllm_engine.json`: vLLM engine arguments of one rollout instance (`vllm.LLM(**args)`):
-  tensor parallelism, `max_num_seqs`, `gpu_memory_utilization` and the `speculative_config`,
-  whose draft length is native to vLLM: `num_speculative_tokens` for a fixed K, and a
-  per-batch-size table (`num_speculative_tokens_per_batch_size`) for the two-state rule, a
-  learned table (its lengths at the drafter's mean acceptance and typical context) and
-  for goodput (the k of the most tokens a second at each batch size, at the drafter's mean
-  acceptance and the workload's typical context; vLLM drafts chains, so a winner that also
-  drafts trees is written as its chains);
-- `verl_rollout.yaml`: the same as verl's `actor_rollout_ref.rollout` section, the speculative
-  config passed through `engine_kwargs.vllm` (and the actor's FSDP offload where the winner
-  offloads training's states);
+- `vllm_engine.json`, `vllm_serve.sh`, `openrlhf_launch.py`: one rollout instance's vLLM engine
+  (`policies/engine_args.py`): tensor parallelism, `max_num_seqs`, `gpu_memory_utilization`,
+  the window, the dtype, the drafter's `speculative_config` (`num_speculative_tokens`: the
+  longest draft the policy may choose), and rlsched's scheduler running the winner's policy
+  itself in vLLM (`engine_policy`, priced by `engine_cost_model`), as `vllm.LLM`'s arguments,
+  a `vllm serve` command and OpenRLHF's trainer launcher; vLLM drafts chains, so a winner that
+  also drafts trees runs its policy over chains there;
+- `verl_rollout.yaml`: the same engine as verl's `actor_rollout_ref.rollout` section (the
+  scheduler and the speculative config through `engine_kwargs.vllm`), with the job's samples
+  per prompt and lengths, and the actor's FSDP offload where the winner offloads training's
+  states;
 - `plan.json` and `candidates.csv`: every candidate with its screen and simulated numbers,
   and why the dropped ones cannot run; `summary.json`: the key numbers (`rlsched report`).
 """
 
 from __future__ import annotations
 
-import numpy as np
-
-from rlsched.config import SimConfig
-from rlsched.plan.feasible import length_max
-from rlsched.plan.fluid import Strategies
+from rlsched.config import SimConfig, length_max, preset_names
+from rlsched.plan.feasible import longest_sequence
 from rlsched.plan.space import Candidate
+from rlsched.policies.engine_args import (
+    EAGLE_PLACEHOLDER,
+    METHODS,
+    EngineFacts,
+    HookSettings,
+    verl_rollout_section,
+    vllm_engine_kwargs,
+)
 from rlsched.policies.registry import PolicySpec, make_draft_policy, parse_policy
-from rlsched.policies.vllm_plan import NGRAM, TABLE_FIELD, speculative_plan
 from rlsched.sim.simulate import policy_context
 
-METHODS = {"model": "draft_model", "eagle": "eagle3"}
-# the drafter written where the winner drafts with an EAGLE-3 head and no --drafter-path names its folder
-# (`eagle` alone is the built-in tiny actor's head, for no other model)
-EAGLE_PLACEHOLDER = "REPLACE-ME/eagle3-head-of-{model}"
+# the cost model written where a priced policy runs on hardware that is not a preset and no cost file
+# was given: the user replaces it with a `rlsched fit` file of the served model on that hardware
+COST_PLACEHOLDER = "REPLACE-ME/rlsched-fit-on-{hardware}.json"
 DTYPES = {2: "bfloat16", 4: "float32"}  # the run config's dtype by the model's bytes a weight
 
 
@@ -57,12 +60,9 @@ def run_device(cfg: SimConfig) -> dict:
     return {"device": "cuda", "dtype": DTYPES.get(cfg.model.dtype_bytes, "bfloat16")}
 
 
-TIE = 0.01  # a draft length within this share of the best rate's is as good
-
-
 def engine_policy(cfg: SimConfig, c: Candidate, cost) -> PolicySpec:
     """The candidate's policy as an engine runs it: static:K, twostate:MAX_BATCH:K (solved
-    over `cost`), goodput or off."""
+    over `cost`), goodput, a learned table or off."""
     if c.policy.family == "static":
         return parse_policy(f"static:{c.policy.k}")
     if c.policy.family == "twostate" and c.policy.priced:  # solved here, written as its threshold and k
@@ -71,88 +71,65 @@ def engine_policy(cfg: SimConfig, c: Candidate, cost) -> PolicySpec:
     return c.policy
 
 
-def goodput_table(cfg: SimConfig, c: Candidate, cost) -> list[list[int]]:
-    """[[start_bs, end_bs, K], ...] for 1..max_batch: the chain of the most tokens a second at
-    each batch size, at the drafter's mean acceptance and the workload's typical context."""
-    chains = Strategies(
-        cfg.model_copy(update={"speculation": cfg.speculation.model_copy(update={"width_max": 1})}), cost, c.drafter
+def engine_cost_model(cfg: SimConfig, policy: PolicySpec) -> str | None:
+    """What the engine prices `policy` with: the config's cost file (a plan's copy), else its
+    hardware preset (the served model's roofline there); where the hardware is not a preset, a
+    marked placeholder for a priced policy (`COST_PLACEHOLDER`) and nothing for another."""
+    if cfg.cost_file:
+        return cfg.cost_file
+    if cfg.hardware.name in preset_names("hardware"):
+        return cfg.hardware.name
+    return COST_PLACEHOLDER.format(hardware=cfg.hardware.name) if policy.priced else None
+
+
+def vllm_engine_args(
+    cfg: SimConfig,
+    c: Candidate,
+    cost,
+    model: str,
+    drafter: str,
+    *,
+    policy: str | None = None,
+    trace_dir: str | None = None,
+    dtype: str | None = None,
+) -> dict:
+    """vLLM engine arguments of one rollout instance of the candidate (`engine_args.
+    vllm_engine_kwargs`): its tp, batch limit, memory and drafter, the workload's longest
+    sequence as the window, and rlsched's scheduler running `engine_policy` (`policy`: the text
+    the engine reads instead, such as the plan's copy of a learned policy file), its traces in
+    `trace_dir`; `dtype` as run.yaml has it (default: `run_device`'s). UserError, one line, for
+    what cannot run."""
+    kind = cfg.drafter(c.drafter).kind if c.drafter is not None else "off"
+    facts = EngineFacts(
+        model=model,
+        drafter=kind,
+        drafter_path=drafter if kind in METHODS else None,
+        k_max=cfg.speculation.k_max,
+        max_num_seqs=c.max_batch,
+        tensor_parallel_size=c.tp,
+        gpu_memory_utilization=c.memory,
+        max_model_len=longest_sequence(cfg),
+        dtype=dtype or run_device(cfg)["dtype"],
     )
-    assert c.drafter is not None  # (a chain's table is a drafter's)
-    a = np.array([cfg.drafter(c.drafter).acceptance.mean])
-    tokens = chains.tokens(a)[0]
-    ctx = policy_context(cfg).typical_ctx
-    ranges: list[list[int]] = []
-    for b in range(1, c.max_batch + 1):
-        rate = tokens / chains.seconds(b, float(b * ctx))
-        k = int(np.argmax(rate))
-        if ranges and rate[ranges[-1][2]] >= (1 - TIE) * rate[k]:  # a near tie keeps the table short
-            k = ranges[-1][2]
-        if ranges and ranges[-1][2] == k:
-            ranges[-1][1] = b
-        else:
-            ranges.append([b, b, k])
-    return ranges
-
-
-def vllm_engine_args(cfg: SimConfig, c: Candidate, cost, model: str, drafter: str) -> dict:
-    """vLLM engine arguments of one rollout instance of the candidate."""
-    args = {
-        "model": model,
-        "tensor_parallel_size": c.tp,
-        "max_num_seqs": c.max_batch,
-        "gpu_memory_utilization": c.memory,
-        "max_model_len": length_max(cfg.workload.prompt_len) + length_max(cfg.workload.response_len),
-        "dtype": run_device(cfg)["dtype"],
-    }
-    if c.drafter is None:
-        return args
-    kind = cfg.drafter(c.drafter).kind
-    policy = engine_policy(cfg, c, cost)
-    plan = speculative_plan(policy, kind, k_max=cfg.speculation.k_max, max_batch=c.max_batch)
-    assert plan is not None  # (a setup with a drafter drafts)
-    table = plan["table"]
-    if c.policy.family == "table":  # a learned table: its draft lengths by batch size
-        from rlsched.policies.policyfile import load_policy_file
-        from rlsched.sim.learn import vllm_table
-
-        pf = load_policy_file(c.policy.file)
-        table = vllm_table(pf, c.max_batch, cfg.drafter(c.drafter).acceptance.mean, policy_context(cfg).typical_ctx)[
-            TABLE_FIELD
-        ]
-    elif not plan["native"]:  # goodput: its choice by batch size, as vLLM's own table
-        table = goodput_table(cfg, c, cost)
-    k = max(e[2] for e in table) if table is not None else plan["k"]
-    if k == 0:
-        return args
-    spec = (
-        dict(NGRAM)
-        if kind == "ngram"
-        else {"method": METHODS[kind], "model": drafter, "draft_sample_method": "probabilistic"}
-    )
-    spec["num_speculative_tokens"] = k
-    if table is not None and any(e[2] != k for e in table):
-        spec[TABLE_FIELD] = table
-    args["speculative_config"] = spec
-    return args
+    spec = engine_policy(cfg, c, cost)
+    kw = vllm_engine_kwargs(facts, HookSettings(spec.text, engine_cost_model(cfg, spec), trace_dir))
+    if policy is not None:
+        kw["additional_config"]["rlsched"]["policy"] = policy
+    return kw
 
 
 def verl_rollout(cfg: SimConfig, c: Candidate, engine: dict) -> dict:
-    """verl's rollout section for the candidate (trainer GPUs: the candidate's)."""
+    """verl's settings for the candidate: the rollout section of its engine (`engine_args.
+    verl_rollout_section`) with the job's samples per prompt, temperature and lengths, the
+    advantage estimator, the data's batch and lengths and the trainer's GPUs (the candidate's)."""
     w = cfg.workload
-    rollout = {
-        "name": "vllm",
-        "tensor_model_parallel_size": c.tp,
-        "gpu_memory_utilization": c.memory,
-        "max_num_seqs": c.max_batch,
-        "max_model_len": engine["max_model_len"],
-        "dtype": engine["dtype"],
-        "n": w.samples_per_prompt,
-        "temperature": 1.0,
-        "prompt_length": length_max(w.prompt_len),
-        "response_length": length_max(w.response_len),
-    }
-    if "speculative_config" in engine:
-        rollout["engine_kwargs"] = {"vllm": {"speculative_config": engine["speculative_config"]}}
+    rollout = verl_rollout_section(engine)["actor_rollout_ref"]["rollout"]
+    rollout.update(
+        n=w.samples_per_prompt,
+        temperature=1.0,
+        prompt_length=length_max(w.prompt_len),
+        response_length=length_max(w.response_len),
+    )
     section = {"rollout": rollout}
     if c.offload:  # training's states leave the GPUs for the rollout
         section["actor"] = {"fsdp_config": {"param_offload": True, "optimizer_offload": True}}

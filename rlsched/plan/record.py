@@ -17,12 +17,12 @@ from rlsched.atomic import atomic_folder
 from rlsched.costs.choose import cost_model_for
 from rlsched.errors import UserError
 from rlsched.plan.compare import comparisons
-from rlsched.plan.output import EAGLE_PLACEHOLDER, default_drafter_path, run_config, verl_rollout, vllm_engine_args
+from rlsched.plan.output import default_drafter_path, run_config, verl_rollout, vllm_engine_args
 from rlsched.plan.screen import Scored
 from rlsched.plan.search import Ranked, signature
 from rlsched.plan.space import to_config
+from rlsched.policies.engine_args import EAGLE_PLACEHOLDER, engine_files
 from rlsched.policies.registry import parse_policy
-from rlsched.policies.vllm_plan import TABLE_FIELD
 
 if TYPE_CHECKING:
     from rlsched.plan.planner import Plan
@@ -129,9 +129,9 @@ def summary(plan: Plan) -> dict:
     }
     if plan.winner.candidate.width_max > 1:
         out["engine_note"] = (
-            "the winner drafts trees; vLLM drafts chains, so vllm_engine.json, run.yaml and "
-            "verl_rollout.yaml set its chains (trees need an engine that drafts them: SGLang's "
-            "EAGLE, or rlsched's own engine)"
+            "the winner drafts trees; vLLM drafts chains, so run.yaml and the engine's files "
+            "(vllm_engine.json, vllm_serve.sh, verl_rollout.yaml, openrlhf_launch.py) run its policy "
+            "over chains (trees need an engine that drafts them: SGLang's EAGLE, or rlsched's own engine)"
         )
     if plan.knobs:
         top = plan.knobs[0]
@@ -139,24 +139,44 @@ def summary(plan: Plan) -> dict:
     return out
 
 
-def _policy_files(plan: Plan, out: Path, cfg, engine: dict):
-    """(the winner as sim.yaml names it, as run.yaml runs it, sim.yaml's config, the learned
-    policy file to copy, vLLM's table of it to write): a learned table's winner names the plan's
-    copy of its policy file in sim.yaml, and its draft lengths by batch size in vLLM's own form in
-    run.yaml (the policy file holds the simulated model's and drafter's names)."""
+def _policy_files(plan: Plan, out: Path, cfg):
+    """(the winner as the files name it, sim.yaml's config, the learned policy file to copy): a
+    learned table's winner names the plan's copy of its policy file, in sim.yaml, run.yaml and
+    the engine's files alike (rlsched's scheduler runs it in vLLM)."""
     winner = plan.winner.candidate
     if winner.policy.family != "table" or not winner.policy.file:
-        return winner, winner, cfg, None, None
+        return winner, cfg, None
     policy_file = Path(winner.policy.file)
     winner = replace(winner, policy=parse_policy(f"table:{(Path(out) / 'policy.json').resolve()}"))
     cfg = cfg.model_copy(update={"speculation": cfg.speculation.model_copy(update={"policy": winner.policy})})
-    spec, vllm_table = engine.get("speculative_config", {}), None
-    if TABLE_FIELD in spec:
-        vllm_table = {TABLE_FIELD: spec[TABLE_FIELD]}
-        run_policy = f"table:{(Path(out) / 'vllm_table.json').resolve()}"
-    else:
-        run_policy = f"static:{spec['num_speculative_tokens']}" if spec else "off"
-    return winner, replace(winner, policy=parse_policy(run_policy)), cfg, policy_file, vllm_table
+    return winner, cfg, policy_file
+
+
+def trace_dir(out: Path) -> Path:
+    """Where the plan's engines write their traces: `OUT-traces` beside the plan's folder (an
+    engine-core trace folder, which a later plan in OUT leaves alone)."""
+    out = Path(out).resolve()
+    return out.parent / f"{out.name}-traces"
+
+
+def _notes(record: dict, base, drafter: str, engine: dict) -> str:
+    """The summary's notes on placeholders the files hold; the files' line on the folders."""
+    folders = "model and drafter: your folders"
+    if drafter == EAGLE_PLACEHOLDER.format(model=base.model.name):
+        record["summary"]["drafter_note"] = (
+            f"the winner drafts with an EAGLE-3 head: run.yaml and the engine's files (vllm_engine.json, "
+            f"vllm_serve.sh, verl_rollout.yaml, openrlhf_launch.py) name it {drafter}, a placeholder: replace it "
+            f"with the folder of an EAGLE-3 head for {base.model.name} (or give --drafter-path)"
+        )
+        folders = f"model: your folder; drafter: {drafter} is a placeholder: replace it with an EAGLE-3 head's folder"
+    cost = engine["additional_config"]["rlsched"].get("cost_model", "")
+    if cost.startswith("REPLACE-ME/"):
+        record["summary"]["cost_note"] = (
+            f"the winner's policy prices its steps and hardware {base.hardware.name} is not a preset: the engine's "
+            f"files name {cost} as its cost_model, a placeholder: replace it with a `rlsched fit` file of the "
+            f"served model's traces on that hardware"
+        )
+    return folders
 
 
 def write_plan(
@@ -164,18 +184,28 @@ def write_plan(
 ) -> dict:
     """Write the plan's folder (atomically: whole or not at all); returns its summary.
     `drafter_path` None: `output.default_drafter_path`; `device`: run.yaml's {device, dtype}
-    (default: the GPU's, `output.run_device`)."""
+    (default: the GPU's, `output.run_device`). The engine's files run the winner's policy in
+    rlsched's scheduler inside vLLM, its traces in `trace_dir(out)`."""
     from rlsched.analysis.plots import plan_figure, save_figure
 
     base, win = plan.base, plan.winner
     cfg = to_config(base, win.candidate)
     cost = cost_model_for(cfg)
     drafter = drafter_path or default_drafter_path(cfg, win.candidate)
-    engine = vllm_engine_args(cfg, win.candidate, cost, model_path, drafter)
     cost_file = Path(base.cost_file) if base.cost_file else None
-    if cost_file is not None:  # the plan's copy, where sim.yaml names it
+    if cost_file is not None:  # the plan's copy, where sim.yaml and the engine's files name it
         cfg = cfg.model_copy(update={"cost_file": str((Path(out) / "cost.json").resolve())})
-    winner, run_winner, cfg, policy_file, vllm_table = _policy_files(plan, out, cfg, engine)
+    winner, sim_cfg, policy_file = _policy_files(plan, out, cfg)
+    engine = vllm_engine_args(
+        cfg,
+        win.candidate,
+        cost,
+        model_path,
+        drafter,
+        policy=winner.policy.text if policy_file is not None else None,
+        trace_dir=str(trace_dir(out)),
+        dtype=device["dtype"] if device else None,
+    )
     rows = plan_rows(plan)
     record: dict[str, Any] = {
         "format": FORMAT,
@@ -187,15 +217,15 @@ def write_plan(
         "baseline": plan.baseline.candidate.label if plan.baseline else None,
         "own": plan.own.candidate.label if plan.own else None,
     }
-    folders = "model and drafter: your folders"
-    if drafter == EAGLE_PLACEHOLDER.format(model=base.model.name):
-        record["summary"]["drafter_note"] = (
-            f"the winner drafts with an EAGLE-3 head: run.yaml, vllm_engine.json and verl_rollout.yaml name it "
-            f"{drafter}, a placeholder: replace it with the folder of an EAGLE-3 head for {base.model.name} "
-            "(or give --drafter-path)"
-        )
-        folders = f"model: your folder; drafter: {drafter} is a placeholder: replace it with an EAGLE-3 head's folder"
-    run = run_config(cfg, run_winner, cost, model_path, drafter, device)
+    folders = _notes(record, base, drafter, engine)
+    run = run_config(sim_cfg, winner, cost, model_path, drafter, device)
+    title = f"the plan's winner ({win.candidate.label}) for {base.model.name} in vLLM; {folders}"
+    files = engine_files(engine, title=title)
+    files["verl_rollout.yaml"] = (
+        "# verl rollout settings of the plan's winner (one rollout instance's vLLM engine; rlsched's scheduler "
+        f"and the speculative config pass through engine_kwargs.vllm)\n# {folders}\n"
+        + yaml.safe_dump(verl_rollout(cfg, winner, engine), sort_keys=False, width=120)
+    )
     with atomic_folder(out) as tmp:
         (tmp / "plan.json").write_text(json.dumps(record, indent=2))
         (tmp / "summary.json").write_text(json.dumps(record["summary"], indent=2))
@@ -203,22 +233,16 @@ def write_plan(
         pd.DataFrame(flat + [{"setup": d["setup"], "dropped": d["reason"]} for d in record["dropped"]]).to_csv(
             tmp / "candidates.csv", index=False
         )
-        (tmp / "sim.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        (tmp / "sim.yaml").write_text(yaml.safe_dump(sim_cfg.model_dump(mode="json"), sort_keys=False))
         (tmp / "run.yaml").write_text(
             f"# rlsched run config of the plan's winner ({win.candidate.label}) for {base.model.name}\n"
             f"# {folders}\n" + yaml.safe_dump(run, sort_keys=False)
         )
-        (tmp / "vllm_engine.json").write_text(json.dumps(engine, indent=2))
-        (tmp / "verl_rollout.yaml").write_text(
-            "# verl rollout settings of the plan's winner (one rollout instance's vLLM engine; the speculative "
-            f"config passes through engine_kwargs)\n# {folders}\n"
-            + yaml.safe_dump(verl_rollout(cfg, winner, engine), sort_keys=False)
-        )
+        for name, text in files.items():
+            (tmp / name).write_text(text)
         save_figure(plan_figure(record), tmp / "pareto.png")
         if cost_file is not None:
             shutil.copyfile(cost_file, tmp / "cost.json")
         if policy_file is not None:
             shutil.copyfile(policy_file, tmp / "policy.json")
-        if vllm_table is not None:
-            (tmp / "vllm_table.json").write_text(json.dumps(vllm_table, indent=2))
     return record["summary"]

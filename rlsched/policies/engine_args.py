@@ -13,7 +13,7 @@ the batch limit (`max_num_seqs`) and tensor parallelism are vLLM's own settings.
   to vLLM as engine arguments, `speculative_config` among them);
 - `openrlhf_flags` / `openrlhf_launcher`: OpenRLHF 0.11's `train_ppo_ray` flags, and a launcher
   that adds the engine arguments OpenRLHF has no flag for to every vLLM engine it starts;
-- `framework_files`: all of them as file texts, by file-name suffix.
+- `engine_files` / `framework_files`: all of them as file texts, by file name.
 """
 
 from __future__ import annotations
@@ -287,22 +287,30 @@ def openrlhf_launcher(kw: dict, title: str, name: str) -> str:
     )
 
 
-SUFFIXES = (".vllm_engine.json", ".vllm_serve.sh", ".verl_rollout.yaml", ".openrlhf_launch.py")
+FILES = ("vllm_engine.json", "vllm_serve.sh", "verl_rollout.yaml", "openrlhf_launch.py")
 
 
-def framework_files(facts: EngineFacts, hook: HookSettings, stem: str) -> dict[str, str]:
-    """Every framework's snippet for one engine, {file name: text}: `STEM.vllm_engine.json`
-    (vllm.LLM's arguments), `STEM.vllm_serve.sh`, `STEM.verl_rollout.yaml` and
-    `STEM.openrlhf_launch.py`. UserError, one line, for what cannot run."""
+def engine_files(kw: dict, prefix: str = "", title: str | None = None) -> dict[str, str]:
+    """Every framework's file for engine kwargs `kw` (`vllm_engine_kwargs`), {PREFIX + name: text}
+    for the names in FILES: vllm.LLM's arguments, the `vllm serve` script, verl's rollout section
+    and OpenRLHF's launcher; `title`: their one-line comment (default: the policy's; its line
+    breaks, which would end the comment in a script, as spaces)."""
     import yaml
 
-    kw = vllm_engine_kwargs(facts, hook)
-    title = f"rlsched's policy {kw['additional_config']['rlsched']['policy']} in vLLM's scheduler"
+    title = title or f"rlsched's policy {kw['additional_config']['rlsched']['policy']} in vLLM's scheduler"
+    title = " ".join(title.split())
     verl = yaml.safe_dump(verl_rollout_section(kw), sort_keys=False, width=120)
-    engine, serve, verl_name, launcher = (stem + s for s in SUFFIXES)
+    engine, serve, verl_name, launcher = (prefix + name for name in FILES)
     return {
         engine: json.dumps(kw, indent=2) + "\n",
         serve: vllm_serve_script(kw, title + " (rlsched must be installed where vLLM runs)"),
         verl_name: f"# {title}: merge into verl's trainer config (verl 0.9)\n{verl}",
         launcher: openrlhf_launcher(kw, title, launcher),
     }
+
+
+def framework_files(facts: EngineFacts, hook: HookSettings, stem: str) -> dict[str, str]:
+    """Every framework's snippet for one engine, {file name: text}: `STEM.vllm_engine.json`
+    (vllm.LLM's arguments), `STEM.vllm_serve.sh`, `STEM.verl_rollout.yaml` and
+    `STEM.openrlhf_launch.py` (`engine_files`). UserError, one line, for what cannot run."""
+    return engine_files(vllm_engine_kwargs(facts, hook), stem + ".")

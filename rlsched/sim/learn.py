@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from rlsched import __version__
-from rlsched.config import SimConfig
+from rlsched.config import SimConfig, length_max
 from rlsched.costs.choose import cost_model_for
 from rlsched.policies.engine_args import EAGLE_PLACEHOLDER, EngineFacts, HookSettings, framework_files
 from rlsched.policies.lookup import TablePolicy, TwoStatePolicy, batch_grid
@@ -259,9 +259,9 @@ def vllm_table(pf: PolicyFile, max_batch: int, acceptance: float, context: int =
 
 def engine_facts(cfg: SimConfig, model_path: str | None = None, drafter_path: str | None = None) -> EngineFacts:
     """The vLLM engine a policy learned on `cfg` runs in: its first drafter, longest draft, batch
-    limit, tensor parallelism and memory. The target is `model_path` (default: the model's
-    name); a draft model or an EAGLE-3 head is `drafter_path` (default: a draft model's preset
-    name, a marked placeholder for a head's folder)."""
+    limit, tensor parallelism, memory and window (the workload's longest prompt and response).
+    The target is `model_path` (default: the model's name); a draft model or an EAGLE-3 head is
+    `drafter_path` (default: a draft model's preset name, a marked placeholder for a head's folder)."""
     d = cfg.drafters[0]
     if d.kind == "ngram":
         drafter_path = None
@@ -276,6 +276,7 @@ def engine_facts(cfg: SimConfig, model_path: str | None = None, drafter_path: st
         max_num_seqs=cfg.cluster.max_batch,
         tensor_parallel_size=cfg.cluster.tp,
         gpu_memory_utilization=cfg.cluster.gpu_memory_utilization,
+        max_model_len=length_max(cfg.workload.prompt_len) + length_max(cfg.workload.response_len),
     )
 
 
