@@ -25,7 +25,7 @@ pytestmark = pytest.mark.vllm
 K = 6
 
 
-def _scheduler(pair, policy: str, monkeypatch):
+def _scheduler(pair, policy: str, monkeypatch, async_scheduling: bool = True):
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
@@ -44,14 +44,14 @@ def _scheduler(pair, policy: str, monkeypatch):
         scheduler_cls="rlsched.vllm.PolicyScheduler",
         additional_config={"rlsched": {"policy": policy, "probe_every": None}},
     ).create_engine_config()
-    config.scheduler_config.async_scheduling = True  # as vLLM sets it on a GPU with this drafter
+    config.scheduler_config.async_scheduling = async_scheduling  # True: as vLLM sets it on a GPU
     config.cache_config.num_gpu_blocks = 512  # (what the engine core sets once it sized the cache)
     spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32)
     kv = KVCacheConfig(num_blocks=512, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
     sched = PolicyScheduler(
         vllm_config=config, kv_cache_config=kv, structured_output_manager=StructuredOutputManager(config), block_size=16
     )
-    assert type(sched) is scheduler_for(True)
+    assert type(sched) is scheduler_for(async_scheduling)
     return sched
 
 
@@ -105,3 +105,22 @@ def test_async_base_cuts_each_requests_placeholders_to_its_own_k(pair, monkeypat
         sched.update_from_output(prev, _output(sched, prev))
         prev = nxt
     assert cut > 0  # rows did hold fewer placeholders than the step's longest chain
+
+
+def test_a_policy_file_names_the_engines_drafter(pair, monkeypatch, tmp_path):
+    """A policy learned on a job whose drafter is called `draft` runs on the engine's one drafter."""
+    import json
+
+    policy = tmp_path / "twostate.json"
+    params = {"max_batch_on": 2, "k": 3}
+    data = {"format": "rlsched-policy", "version": 1, "kind": "twostate", "drafter": "draft", "params": params}
+    policy.write_text(json.dumps(data))
+    sched = _scheduler(pair, f"twostate:{policy}", monkeypatch, async_scheduling=False)
+    assert sched.hook.drafter == "draft" and sched.hook.estimator.drafters == ["draft"]
+    _requests(sched, 4)
+    ks = []
+    for _ in range(3):
+        out = sched.schedule()
+        ks.append(out.num_spec_tokens_to_schedule)
+        sched.update_from_output(out, _output(sched, out))
+    assert ks == [0, 0, 0]  # 4 rows, above the file's max_batch_on: speculation off

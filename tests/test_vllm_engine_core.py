@@ -154,3 +154,34 @@ def test_async_llm_with_the_verl_engine_kwargs_drafts_under_the_policy(pair, mul
     assert decode.drafted.sum() > 0 and np.isfinite(decode.draft_ms).all()
     engine = json.loads(next(traces.glob("engine-*.json")).read_text())
     assert engine["rlsched"]["policy"] == "bandit" and engine["k_max"] == 4
+
+
+def test_tensor_parallel_workers_time_their_drafting(pair, multiprocess, tmp_path):
+    """Two tensor-parallel workers, each a process of its own: the first one's drafting
+    reaches the engine core's records with its output (the general plugin)."""
+    from vllm import LLM
+    from vllm import SamplingParams as VP
+    from vllm.inputs import TokensPrompt
+
+    traces = tmp_path / "traces"
+    llm = LLM(
+        model=str(pair.target),
+        dtype="float32",
+        tensor_parallel_size=2,
+        enforce_eager=True,
+        max_num_seqs=16,
+        max_model_len=128,
+        skip_tokenizer_init=True,
+        speculative_config={"method": "draft_model", "model": str(pair.drafter), "num_speculative_tokens": 3},
+        scheduler_cls="rlsched.vllm.PolicyScheduler",
+        additional_config={"rlsched": {"policy": "static:2", "trace_dir": str(traces)}},
+    )
+    try:
+        params = VP(temperature=1.0, max_tokens=16, ignore_eos=True, detokenize=False)
+        llm.generate([TokensPrompt(prompt_token_ids=[1, 5, 9, 13])] * 8, params, use_tqdm=False)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert json.loads(next(traces.glob("engine-*.json")).read_text())["tp"] == 2
+    decode = _steps(traces).query("kind == 'decode'")
+    assert len(decode) > 0 and set(decode.k) == {2}
+    assert decode.draft_ms.notna().all() and (decode.draft_ms > 0).all()

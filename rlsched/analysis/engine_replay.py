@@ -40,8 +40,8 @@ from rlsched.policies.registry import OFF_SPEC, parse_policy
 
 
 def _drafter(tr: EngineTrace) -> str | None:
-    """The drafter most engines ran (None: none drafted)."""
-    names = Counter(e["drafter"] for e in tr.engines if e["drafter"] != "off")
+    """The drafter most engines ran, by the name their records give it (None: none drafted)."""
+    names = Counter(e.get("name", e["drafter"]) for e in tr.engines if e["drafter"] != "off")
     return names.most_common(1)[0][0] if names else None
 
 

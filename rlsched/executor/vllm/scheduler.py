@@ -112,8 +112,10 @@ def engine_facts(vllm_config) -> dict:
             f"{', '.join(DRAFTERS)} drafters"
         )
     parallel = vllm_config.parallel_config
+    drafter = DRAFTERS[method] if method else "off"
     return dict(
-        drafter=DRAFTERS[method] if method else "off",
+        drafter=drafter,
+        name=drafter,
         k_max=int(spec.num_speculative_tokens) if spec is not None else 0,
         max_batch=int(vllm_config.scheduler_config.max_num_seqs),
         tp=int(parallel.tensor_parallel_size),
@@ -138,7 +140,7 @@ def write_engine_file(folder: Path, tag: str, cfg: EngineHookConfig, vllm_config
         format="rlsched-engine",
         version=1,
         rlsched=cfg.model_dump(),
-        **{k: facts[k] for k in ("drafter", "k_max", "max_batch", "tp", "rank", "model", "max_len")},
+        **{k: facts[k] for k in ("drafter", "name", "k_max", "max_batch", "tp", "rank", "model", "max_len")},
         vllm=vllm.__version__,
         max_num_batched_tokens=int(sched.max_num_batched_tokens),
         enable_chunked_prefill=bool(sched.enable_chunked_prefill),
@@ -174,11 +176,11 @@ def engine_cost_model(text: str | None, vllm_config, facts: dict):
     its draft model) on a hardware preset at vLLM's tensor parallelism."""
     if text is None:
         return None
-    drafter = facts["drafter"]
+    drafter, name = facts["drafter"], facts["name"]
     if text.endswith(".json") or os.sep in text or Path(text).exists():
         from rlsched.costs.costfile import load_cost_model
 
-        return load_cost_model(Path(text), drafters=[drafter] if drafter != "off" else [])
+        return load_cost_model(Path(text), drafters=[name] if drafter != "off" else [])
     from rlsched.config import AcceptanceSpec, DrafterSpec, HardwareSpec, load_preset_data
     from rlsched.costs.roofline import RooflineCostModel
 
@@ -190,14 +192,15 @@ def engine_cost_model(text: str | None, vllm_config, facts: dict):
     if drafter != "off":
         spec = vllm_config.speculative_config
         draft = model_spec(spec.draft_model_config.hf_config, "drafter") if drafter == "model" else None
-        drafters.append(DrafterSpec(name=drafter, kind=drafter, model=draft, acceptance=AcceptanceSpec(mean=0.6)))
+        drafters.append(DrafterSpec(name=name, kind=drafter, model=draft, acceptance=AcceptanceSpec(mean=0.6)))
     target = model_spec(vllm_config.model_config.hf_config, facts["model"])
     return RooflineCostModel(hardware, target, drafters, facts["tp"])
 
 
 def make_policy(cfg: EngineHookConfig, vllm_config, facts: dict):
     """rlsched's DraftPolicy for this engine (None: vLLM's own draft length), checked against
-    the served model (a policy file learned for another architecture is refused)."""
+    the served model (a policy file learned for another architecture is refused). The engine's
+    one drafter is named by its kind (`facts["name"]`), or as a policy file names its drafter."""
     from rlsched.policies.draft import PolicyContext
     from rlsched.policies.policyfile import check_model_shape, load_policy_file
     from rlsched.policies.registry import make_draft_policy
@@ -220,6 +223,7 @@ def make_policy(cfg: EngineHookConfig, vllm_config, facts: dict):
         )
         pf = load_policy_file(spec.file, kinds=(spec.family,) if spec.family else ("table", "twostate"))
         check_model_shape(pf, spec.file, shape, facts["model"])
+        facts["name"] = pf.drafter  # the engine's one drafter, as the file names it
     cost = engine_cost_model(cfg.cost_model, vllm_config, facts)
     if spec.priced and cost is None:
         raise UserError(
@@ -230,7 +234,7 @@ def make_policy(cfg: EngineHookConfig, vllm_config, facts: dict):
         return None
     ctx = PolicyContext(
         cost,
-        (facts["drafter"],),
+        (facts["name"],),
         k_max=facts["k_max"],
         max_batch=facts["max_batch"],
         typical_ctx=facts["max_len"] // 2,
@@ -247,7 +251,7 @@ class EngineHook(StepHook):
     def __init__(self, cfg: EngineHookConfig, vllm_config):
         facts = engine_facts(vllm_config)
         policy = make_policy(cfg, vllm_config, facts)
-        names = () if facts["drafter"] == "off" else (facts["drafter"],)
+        names = () if facts["drafter"] == "off" else (facts["name"],)
         self.recorder = Recorder(None)
         if cfg.trace_dir is not None:
             tag = f"e{facts['rank']}-{os.getpid()}"
@@ -257,7 +261,7 @@ class EngineHook(StepHook):
         super().__init__(
             policy,
             AcceptanceEstimator(names),
-            facts["drafter"],
+            names[0] if names else "off",
             facts["k_max"],
             instance=facts["rank"],
             prober=prober,
