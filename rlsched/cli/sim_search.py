@@ -38,7 +38,8 @@ PLAN_HELP = (
     "with the workload's own setup, and the knob that moved most is named.\n\n"
     "Writes to --out: plan.json, candidates.csv, summary.json, pareto.png (step time against GPUs), sim.yaml "
     "(rlsched simulate --config), run.yaml (rlsched run --config), vllm_engine.json (vllm.LLM arguments of one "
-    "instance) and verl_rollout.yaml; `rlsched report OUT` makes its page.\n\n"
+    "instance, the winner's policy in rlsched's vLLM scheduler), vllm_serve.sh, verl_rollout.yaml and "
+    "openrlhf_launch.py; `rlsched report OUT` makes its page.\n\n"
     "Example: rlsched plan --workload respec-qwen2.5-7b --gpus 16 --out runs/plan/qwen7b"
 )
 
@@ -242,7 +243,7 @@ def _print_plan(result, summary: dict, title: str, objective: str, out: Path) ->
     split = " / ".join(f"{k.replace('_', ' ')} {v:.0%}" for k, v in summary["winner_split"].items())
     lines = [f"winner: {summary['winner']}, {summary['winner_step_s']:.2f} s a step ({split})"]
     lines += _plan_comparisons(summary)
-    for note in ("engine_note", "drafter_note"):
+    for note in ("engine_note", "drafter_note", "cost_note"):
         if note in summary:
             lines.append(f"note: {summary[note]}")
     lines.append(f"output: {out} (rlsched report {out} for its page)")
