@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -77,6 +78,10 @@ def test_the_written_vllm_arguments_start_an_engine_that_drafts_as_written(plann
     assert args["model"] == str(pair.target) and spec["model"] == str(pair.drafter)
     assert args["tensor_parallel_size"] == 1  # (this CPU build runs tp 1; gpu_memory_utilization is a GPU's)
     torch.set_num_threads(1)
+    from rlsched.executor.vllm.scheduler import PolicyScheduler
+
+    assert args["scheduler_cls"] == "rlsched.vllm.PolicyScheduler"
+    block = args["additional_config"]["rlsched"]
     llm = start_llm(
         args["model"],
         spec,
@@ -85,6 +90,8 @@ def test_the_written_vllm_arguments_start_an_engine_that_drafts_as_written(plann
         seed=0,
         dtype="float32",
         threads=1,
+        scheduler_cls=PolicyScheduler,  # what the name resolves to
+        additional_config=args["additional_config"],
     )
     try:
         served = llm.llm_engine.vllm_config.speculative_config
@@ -102,6 +109,8 @@ def test_the_written_vllm_arguments_start_an_engine_that_drafts_as_written(plann
             getattr(m, "value", 0) for m in llm.get_metrics() if m.name == "vllm:spec_decode_num_draft_tokens"
         )
         assert drafted > 0
+        engine = json.loads(next(Path(block["trace_dir"]).glob("engine-*.json")).read_text())
+        assert engine["rlsched"]["policy"] == block["policy"]  # the plan's policy chose the draft lengths
     finally:
         engine_core = getattr(llm.llm_engine, "engine_core", None)
         if engine_core is not None and hasattr(engine_core, "shutdown"):
@@ -133,6 +142,12 @@ def test_the_written_run_config_trains_through_vllm(planned):
             "rollout.max_batch=8",
             "--set",
             "threads=1",
+            "--set",
+            "device=cpu",  # the plan is for its preset's GPUs; this test runs on vLLM's CPU build
+            "--set",
+            "dtype=float32",
+            "--set",
+            "rollout.tp=1",
             "--out",
             str(root / "run"),
             "--json",

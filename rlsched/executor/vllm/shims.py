@@ -163,6 +163,7 @@ def start_llm(
     log_stats: bool = True,
     tp: int = 1,
     gpu_memory_utilization: float = 0.9,
+    additional_config: dict | None = None,
 ):
     """vLLM's offline engine for `target_dir`, in this process, on token ids, with `spec` as its
     speculative_config and `scheduler_cls` as its scheduler (scheduler.PolicyScheduler lets
@@ -185,6 +186,8 @@ def start_llm(
         kwargs["gpu_memory_utilization"] = gpu_memory_utilization
     if served_name is not None:
         kwargs["served_model_name"] = served_name
+    if additional_config is not None:  # (an `rlsched` block configures scheduler.PolicyScheduler)
+        kwargs["additional_config"] = additional_config
     if scheduler_cls is not None:  # the hook reads drafts as the engine core hands them over
         kwargs.update(scheduler_cls=scheduler_cls, async_scheduling=False)
     set_threads = torch.set_num_threads
