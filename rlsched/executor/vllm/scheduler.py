@@ -299,6 +299,7 @@ class EngineHook(StepHook):
             return
         index = self.index_of[request.request_id]
         drafted, accepted, rejected, _ = self.take_counts(index)
+        self.estimator.finish(np.array([index], dtype=np.int64))  # its siblings gain from its trials
         if self.recorder.on:
             acceptance = {} if self.drafter == "off" else {self.drafter: self.estimator.from_trials(accepted, rejected)}
             req = SimpleNamespace(sample_id=index, prompt_id=self.prompt_of[index], prompt=request.prompt_token_ids)
