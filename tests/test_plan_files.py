@@ -314,3 +314,12 @@ def test_a_placement_knob_names_its_gpus():
     c = Candidate(2, 4, 256, 0.6, parse_policy("off"), None)
     assert knob_value(c, "placement") == "colocated on 8 GPUs"
     assert knob_value(replace(c, train_gpus=2), "placement") == "split 8+2 on 10 GPUs"
+
+
+def test_verls_node_layout_holds_exactly_the_plans_gpus():
+    from rlsched.plan.output import verl_nodes
+
+    for gpus in range(1, 65):
+        n = verl_nodes(gpus)
+        assert n["n_gpus_per_node"] * n["nnodes"] == gpus and n["n_gpus_per_node"] <= 8
+    assert verl_nodes(12) == {"n_gpus_per_node": 6, "nnodes": 2}

@@ -118,6 +118,13 @@ def vllm_engine_args(
     return kw
 
 
+def verl_nodes(gpus: int, per_node: int = 8) -> dict:
+    """verl's trainer.nnodes x n_gpus_per_node for `gpus` GPUs, exactly: the most GPUs a node
+    (at most `per_node`) that divide them evenly."""
+    most = max(d for d in range(1, min(per_node, gpus) + 1) if gpus % d == 0)
+    return {"n_gpus_per_node": most, "nnodes": gpus // most}
+
+
 def verl_rollout(cfg: SimConfig, c: Candidate, engine: dict) -> dict:
     """verl's settings for the candidate: the rollout section of its engine (`engine_args.
     verl_rollout_section`) with the job's samples per prompt, temperature and lengths, the
@@ -141,7 +148,7 @@ def verl_rollout(cfg: SimConfig, c: Candidate, engine: dict) -> dict:
             "max_prompt_length": length_max(w.prompt_len),
             "max_response_length": length_max(w.response_len),
         },
-        "trainer": {"n_gpus_per_node": min(8, c.gpus), "nnodes": max(1, -(-c.gpus // 8))},
+        "trainer": verl_nodes(c.gpus),
     }
 
 
