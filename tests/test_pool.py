@@ -142,8 +142,9 @@ def test_rebalance_on_live_states_is_lossless(tiny, pool, tmp_path):
     )
     pool.cost, pool.threshold = HostCost(base, 256, 1e-3, 1e9), 4
     pool.realloc = make_realloc_policy("rebalance")
-    # instance 0 gets every long prompt: uneven loads
-    requests = [Request([1 + p, 2, 3], p, p, 40 if p % 2 == 0 else 4, None) for p in range(12) for _ in range(2)]
+    # instance 0 gets every long prompt: uneven loads, with a queue there long enough that the
+    # other instance asks for work before it drains, however the machine's load paces the two
+    requests = [Request([1 + p, 2, 3], p, p, 40 if p % 2 == 0 else 4, None) for p in range(12) for _ in range(4)]
     result = pool.run(requests)
     assert result.stats["migrated"] > 0, result.stats
     check_exactly_once(requests, result, reference(tiny, requests))
