@@ -60,7 +60,6 @@ class StepHook:
         self._k_of: dict[str, int] = {}  # the chain length chosen for each request's next drafts
         self._chosen: dict[int, tuple] = {}  # id(scheduler output) -> (state, strategy, time scheduled)
         self._pending = None  # (state, strategy, draft seconds) of the drafts the next step verifies
-        self._t_step = 0.0
         self._t0 = time.perf_counter()
         self.rl_step = 0
         self.hook_s = 0.0  # seconds spent in the hook itself (choosing, learning, recording)
@@ -70,14 +69,19 @@ class StepHook:
 
     def begin(self, prompt_of: np.ndarray, rl_step: int = 0) -> None:
         """A new rollout of len(prompt_of) samples, added to vLLM in this order."""
+        self.fresh_samples(prompt_of)
+        self.rl_step, self.step, self.scheduled, self.hook_s = rl_step, 0, 0, 0.0
+        self._t0 = time.perf_counter()
+
+    def fresh_samples(self, prompt_of: np.ndarray) -> None:
+        """Per-sample state starts afresh for len(prompt_of) samples (the drafters' running
+        acceptance carries on)."""
         self.estimator.retire(self._ids)
         self.estimator.begin_rollout(len(prompt_of), np.asarray(prompt_of, dtype=np.int64))
         self.index_of.clear()
         self.counts.clear()
         self._ids = np.zeros(0, dtype=np.int64)
         self._k_of, self._pending, self._chosen = {}, None, {}
-        self.rl_step, self.step, self.scheduled, self.hook_s = rl_step, 0, 0, 0.0
-        self._t0 = time.perf_counter()
 
     def end(self) -> None:
         self.estimator.retire(self._ids)
@@ -138,9 +142,9 @@ class StepHook:
         if self.policy is not None:  # else vLLM's own choice (num_speculative_tokens or its batch-size table)
             strategy = self._choose(state, rows, room, out)
         self.scheduled += 1
-        self._t_step = time.perf_counter()
-        self._chosen[id(out)] = (state, strategy, self._t_step, self._t_step - t_in)
-        self.hook_s += self._t_step - t_in
+        t_step = time.perf_counter()
+        self._chosen[id(out)] = (state, strategy, t_step, t_step - t_in)
+        self.hook_s += t_step - t_in
 
     def _choose(self, state: EngineState, rows: list[str], room: list[int], out) -> Strategy:
         strategy = self.policy.choose(state) if len(rows) else Strategy()

@@ -44,7 +44,6 @@ import multiprocessing
 import os
 import sys
 import time
-import weakref
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -202,7 +201,7 @@ def make_policy(cfg: EngineHookConfig, vllm_config, facts: dict):
     the served model (a policy file learned for another architecture is refused). The engine's
     one drafter is named by its kind (`facts["name"]`), or as a policy file names its drafter."""
     from rlsched.policies.draft import PolicyContext
-    from rlsched.policies.policyfile import check_model_shape, load_policy_file
+    from rlsched.policies.policyfile import SHAPE_KEYS, check_model_shape, load_policy_file
     from rlsched.policies.registry import make_draft_policy
 
     where = f"additional_config.{KEY}.policy"
@@ -213,14 +212,8 @@ def make_policy(cfg: EngineHookConfig, vllm_config, facts: dict):
     if spec.drafts and facts["drafter"] == "off":
         raise UserError(f"{where} '{spec}' drafts, but the engine has no speculative_config; add one")
     if spec.file is not None:
-        hf = vllm_config.model_config.hf_config
-        shape = dict(
-            hidden=hf.hidden_size,
-            layers=hf.num_hidden_layers,
-            heads=hf.num_attention_heads,
-            kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
-            vocab=hf.vocab_size,
-        )
+        served = model_spec(vllm_config.model_config.hf_config, facts["model"])
+        shape = {k: getattr(served, k) for k in SHAPE_KEYS}
         pf = load_policy_file(spec.file, kinds=(spec.family,) if spec.family else ("table", "twostate"))
         check_model_shape(pf, spec.file, shape, facts["model"])
         facts["name"] = pf.drafter  # the engine's one drafter, as the file names it
@@ -313,14 +306,9 @@ class EngineHook(StepHook):
     def new_window(self, weights_changed: bool) -> None:
         """Per-sample counts start afresh (the running means carry on); after a weight update
         the records' rl_step goes up by one."""
-        self.estimator.retire(self._ids)
-        self.estimator.begin_rollout(0, np.zeros(0, dtype=np.int64))
-        self.index_of.clear()
-        self.counts.clear()
+        self.fresh_samples(np.zeros(0, dtype=np.int64))
         self.prompt_ids.clear()
         self.prompt_of = []
-        self._ids = np.zeros(0, dtype=np.int64)
-        self._k_of, self._pending, self._chosen = {}, None, {}
         if weights_changed:
             self.rl_step += 1
         self.recorder.flush()
@@ -347,7 +335,6 @@ def _mixin(base):
         def __init__(self, vllm_config, *args, **kwargs):
             super().__init__(vllm_config, *args, **kwargs)
             patch_runner()  # a runner in this process (the plugin patches those in others)
-            _SCHEDULERS.add(self)
             try:
                 cfg = hook_config(vllm_config)
                 self.hook = None if cfg is None else EngineHook(cfg, vllm_config)
@@ -403,7 +390,6 @@ def _mixin(base):
 
 
 _CLASSES: dict[type, type] = {}
-_SCHEDULERS: weakref.WeakSet = weakref.WeakSet()  # the schedulers made in this process
 
 
 def scheduler_for(async_scheduling: bool) -> type:
@@ -434,9 +420,3 @@ def attach(llm, hook: StepHook) -> None:
     if type(scheduler) not in _CLASSES.values():
         raise RuntimeError("the vLLM engine was not started with rlsched.vllm.PolicyScheduler")
     scheduler.hook = hook
-
-
-def engine_hook():
-    """The hook of the engine in this process (for a `collective_rpc` function run in the
-    engine core of a single-process executor); None where there is none."""
-    return next((s.hook for s in list(_SCHEDULERS)), None)
