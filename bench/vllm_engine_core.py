@@ -90,11 +90,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cost", type=Path, default=None, help="a `rlsched fit` file for goodput")
     args = ap.parse_args()
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
     from rlsched.executor.model.builtin import builtin_pair
+    from rlsched.executor.vllm.shims import ENGINE_ENV
+
+    for k, v in ENGINE_ENV.items():
+        os.environ.setdefault(k, v)
     from rlsched.traces.reader import read_trace
 
     pair = builtin_pair()

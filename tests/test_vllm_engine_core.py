@@ -43,12 +43,9 @@ def folders(tmp_path_factory):
 @pytest.fixture
 def multiprocess(monkeypatch):
     """vLLM's default: the engine core in its own process; tests/ importable there (the plugin)."""
-    for k, v in (
-        ("VLLM_ENABLE_V1_MULTIPROCESSING", "1"),
-        ("VLLM_CPU_KVCACHE_SPACE", "1"),
-        ("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
-        ("OMP_WAIT_POLICY", "PASSIVE"),
-    ):
+    from rlsched.executor.vllm.shims import ENGINE_ENV
+
+    for k, v in {**ENGINE_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
 

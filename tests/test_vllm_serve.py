@@ -70,13 +70,11 @@ def serve_command(pair, port: int, rlsched_block: dict, k: int = 4) -> list[str]
 
 
 def _env() -> dict:
-    env = dict(os.environ)
+    from rlsched.executor.vllm.shims import ENGINE_ENV
+
+    env = {**os.environ, **ENGINE_ENV}
     env.update(
         VLLM_ENABLE_V1_MULTIPROCESSING="1",  # the server's own engine core process (its default)
-        VLLM_CPU_KVCACHE_SPACE="1",
-        VLLM_CPU_OMP_THREADS_BIND="nobind",
-        OMP_WAIT_POLICY="PASSIVE",
-        VLLM_NO_USAGE_STATS="1",
         PYTHONPATH=os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")]),
     )
     return env

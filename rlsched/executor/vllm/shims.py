@@ -28,18 +28,24 @@ INSTALL_HINT = (
 )
 
 
+# vLLM's environment where rlsched starts it (defaults; the user's own settings win): a small
+# CPU KV cache, unbound and passive OpenMP threads on shared cores, no usage reports, logs on
+# stderr at WARNING
+ENGINE_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "OMP_WAIT_POLICY": "PASSIVE",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "VLLM_LOGGING_STREAM": "ext://sys.stderr",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+}
+
+
 def import_vllm():
     # before vllm is imported: its environment is read at import time
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: sync_weights reaches the model objects
-    for k, v in (
-        ("VLLM_CPU_KVCACHE_SPACE", "1"),
-        ("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
-        ("OMP_WAIT_POLICY", "PASSIVE"),
-        ("VLLM_NO_USAGE_STATS", "1"),
-        ("DO_NOT_TRACK", "1"),
-        ("VLLM_LOGGING_STREAM", "ext://sys.stderr"),
-        ("VLLM_LOGGING_LEVEL", "WARNING"),
-    ):
+    for k, v in ENGINE_ENV.items():
         os.environ.setdefault(k, v)
     try:
         import vllm
