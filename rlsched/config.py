@@ -29,6 +29,7 @@ from pydantic import (
     model_validator,
 )
 
+from rlsched.engine_config import EngineSpec
 from rlsched.errors import UserError, describe_validation_error, printable
 from rlsched.policies.registry import PolicySpec, as_spec
 
@@ -289,8 +290,7 @@ class ClusterSpec(Strict):
     assignment: Literal["round_robin", "by_prompt"] = "round_robin"
     realloc: str = "none"
     realloc_threshold: PosInt = 16  # an instance whose batch falls below this asks for work
-    # samples of one prompt share its prefill while one of them is on the instance (a prefix
-    # cache; rlsched's engine does it, `rlsched replay` sets it from the run)
+    # samples of a prompt share its prefill while one is on the instance (`replay` sets it from the run)
     share_prompts: bool = False
 
 
@@ -355,6 +355,7 @@ class SimConfig(Strict):
     cluster: ClusterSpec = ClusterSpec()
     speculation: SpeculationSpec = SpeculationSpec()
     rl: RLSpec = RLSpec()
+    engine: EngineSpec = EngineSpec()  # rlsched's engine or vLLM V1's (engine_config.py)
     seed: Annotated[int, Field(ge=0)] = 0
     record_timeline: bool = True
     # Longest run of identical engine steps simulated in one go (the same steps, draws and

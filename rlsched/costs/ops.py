@@ -17,6 +17,10 @@ One forward over T new tokens on one GPU of a tensor-parallel group of `tp` is, 
   a floor; it adds to the linears, it does not hide behind them;
 - two all-reduces when tp > 1, each a latency plus its bytes over the bus bandwidth.
 
+A step mixing decode/verify rows with prompt chunks (vLLM's chunked prefill) runs the linears,
+element-wise kernels and all-reduces over all its tokens at once and one attention kernel over
+the rows and chunks together (`mixed_attention_time`).
+
 `OpCosts` holds the efficiencies and floors of one GPU; `layer_time` and `attention_time` price
 with them. `fit_op_costs` calibrates them on measured per-op timings (Vidur's profiles, stored
 in data/vidur), in relative error, so that one set holds across model sizes.
@@ -128,6 +132,22 @@ def attention_time(c: OpCosts, s: Shape, q, ctx_tokens, tp: int = 1) -> np.ndarr
         np.maximum(kv_bytes / (c.mem_bw_gbs * 1e9 * c.attention_eff), flops / (c.peak_tflops * 1e12 * c.compute_eff))
         + c.attention_floor_us * 1e-6
     )
+
+
+def mixed_attention_time(c: OpCosts, s: Shape, decode_q, decode_kv, chunk_prefix, chunk_len, tp: int = 1) -> float:
+    """Seconds of one layer's attention in a step that mixes decode/verify rows with prompt
+    chunks, one kernel over both (vLLM's varlen attention): decode rows of `decode_q` new tokens
+    each read `decode_kv` cached tokens in all (their new tokens' causal half included, as
+    `attention_time` is called for decode); a chunk of c tokens after p cached ones reads p + c
+    tokens of KV and forms c (p + c / 2) query-key pairs (causal within the chunk). The KV read
+    and the products are summed over rows and chunks, then priced as `attention_time` prices
+    one batch (a chunk with p = 0 is a plain prefill)."""
+    p, n = np.asarray(chunk_prefix, dtype=float), np.asarray(chunk_len, dtype=float)
+    kv = float(decode_kv) + float((p + n).sum())
+    pairs = float(decode_q) * float(decode_kv) + float((n * (p + 0.5 * n)).sum())
+    if kv <= 0:
+        return 0.0
+    return float(attention_time(c, s, pairs / kv, kv, tp))
 
 
 def allreduce_time(c: OpCosts, nbytes, tp: int) -> np.ndarray:

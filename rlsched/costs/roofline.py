@@ -27,6 +27,7 @@ from rlsched.costs.ops import (
     elementwise_time,
     linear_time,
     linear_times,
+    mixed_attention_time,
 )
 
 
@@ -88,6 +89,17 @@ class _Forward:
         # of them on average (QK^T and PV over half of each prompt's square)
         attn = attention_time(self.c, self.shape, sq / (2.0 * n_tokens), n_tokens, self.tp)
         return float(self._tokens_part(n_tokens) + self.layers * attn)
+
+    def mixed(self, batch: int, q: float, ctx_tokens: int, chunk_prefix, chunk_len) -> float:
+        """Seconds for one forward over `batch` decode/verify rows of `q` new tokens each (their
+        contexts summing to ctx_tokens) beside prompt chunks of `chunk_len` tokens after
+        `chunk_prefix` cached ones: the token-bound ops over all tokens at once, one attention."""
+        dec = batch * float(q)
+        tokens = dec + float(np.sum(chunk_len))
+        attn = mixed_attention_time(
+            self.c, self.shape, q, float(ctx_tokens) + 0.5 * dec if batch else 0.0, chunk_prefix, chunk_len, self.tp
+        )
+        return float(self._tokens_part(tokens) + self.layers * attn)
 
 
 class RooflineCostModel:
@@ -160,6 +172,19 @@ class RooflineCostModel:
         if n_tokens <= 0:
             return 0.0
         return self._target.prefill(n_tokens, sum_sq_tokens) + self._step_oh
+
+    @property
+    def step_overhead(self) -> float:
+        """Seconds of host work per engine step (scheduling, sampling, launch), inside
+        verify_time, prefill_time and mixed_time."""
+        return self._step_oh
+
+    def mixed_time(self, batch: int, q: float, ctx_tokens: int, chunk_prefix, chunk_len) -> float:
+        """One step of `batch` decode/verify rows (q tokens each, contexts summing to ctx_tokens)
+        beside prompt chunks (`chunk_len` tokens after `chunk_prefix` cached, arrays): one
+        forward over all their tokens, plus the step overhead. Without chunks it is
+        verify_time; without rows, chunks with no prefix are prefill_time."""
+        return self._target.mixed(batch, q, ctx_tokens, chunk_prefix, chunk_len) + self._step_oh
 
     def drafter_prefill_time(self, drafter: str, n_tokens: int, sum_sq_tokens: int | None = None) -> float:
         """A model drafter's catch-up: one forward over the tokens it has not seen (a joining
