@@ -29,6 +29,7 @@ from rlsched.policies.tree import TreeShape, reference_acceptance, tree_shape
 from rlsched.policies.types import CostModel, InstanceView, Migration, ReallocEvent
 from rlsched.sim.instance import Instance
 from rlsched.sim.timeline import Timeline
+from rlsched.sim.vllm_engine import VllmInstance, check_engine
 from rlsched.sim.workload import Rollout
 
 _EMPTY_I = np.zeros(0, dtype=np.int64)
@@ -91,6 +92,15 @@ class GenerationStage:
                 f"cluster.kv_capacity_tokens: an instance holds {capacity} KV tokens but a sequence "
                 f"needs {longest}; lower workload.*_len.max or raise the capacity (more memory or tp)"
             )
+        # engine.kind vllm: vLLM's settings, the drafters that draft on the host, the draft
+        # slots vLLM reserves a running request
+        self.engine = None
+        if cfg.engine.kind == "vllm":
+            hw = cfg.hardware
+            self.host_drafters = {d.name for d in cfg.drafters if d.kind == "ngram"}
+            self.engine = cfg.engine.resolve(hw.memory_gib, hw.name, cfg.cluster.max_batch, bool(self.host_drafters))
+            self.lookahead = cfg.speculation.k_max if cfg.drafters else 0
+            check_engine(self, longest)
         self.realloc = realloc
         self.realloc_threshold = cfg.cluster.realloc_threshold
         self.share_prompts = cfg.cluster.share_prompts
@@ -107,7 +117,8 @@ class GenerationStage:
         self._incoming: list[dict[int, int]] = [{} for _ in policies]  # per destination: sample id -> context
         estimator.begin_rollout(n, rollout.prompt_of)
         rngs = [np.random.default_rng(s) for s in seed_seq.spawn(len(policies))]
-        self.instances = [Instance(i, self, p, r) for i, (p, r) in enumerate(zip(policies, rngs))]
+        kind = Instance if self.engine is None else VllmInstance
+        self.instances = [kind(i, self, p, r) for i, (p, r) in enumerate(zip(policies, rngs))]
         owner = (np.arange(n) if cfg.cluster.assignment == "round_robin" else rollout.prompt_of) % len(policies)
         for i, inst in enumerate(self.instances):
             inst.receive(np.flatnonzero(owner == i).tolist())

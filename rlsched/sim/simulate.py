@@ -16,7 +16,8 @@ from rlsched.policies.registry import PolicySpec, as_spec, make_draft_policy
 from rlsched.sim.cluster import kv_capacity
 from rlsched.sim.rlstep import StepRecord, TrueAcceptance, rl_run
 from rlsched.sim.sizes import check_fits
-from rlsched.sim.timeline import KINDS, Timeline
+from rlsched.sim.timeline import KIND_PREFILL, KINDS, Timeline
+from rlsched.sim.vllm_engine import STATS
 from rlsched.sim.workload import sample_lengths
 
 
@@ -132,9 +133,12 @@ class SimResult:
             "migrations": int(sum(sum(m[3] for m in r.stage.migration_log) for r in recs)),
             "freed_gpu_s": float(sum(r.stage.freed_gpu_s for r in recs)),  # sum of (stage end - freed) x tp
         }
+        if self.config.engine.kind == "vllm":  # the vLLM engine's token counts (sim/vllm_engine.py)
+            stats = sum((i.stats for r in recs for i in r.stage.instances), np.zeros(len(STATS), dtype=np.int64))
+            out["vllm_engine"] = dict(zip(STATS, stats.tolist()))
         if self.timeline.enabled and len(self.timeline):
             c = self.timeline.arrays()
-            dec = c["kind"] == 0
+            dec = c["kind"] != KIND_PREFILL  # decode/verify rows: decode and mixed steps
             sd = dec & (c["drafter"] >= 0)
             out["decode_steps"] = int(dec.sum())
             out["sd_step_fraction"] = float(sd.sum() / max(1, dec.sum()))

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
-KIND_DECODE, KIND_PREFILL = 0, 1
-KINDS = ("decode", "prefill")
+# mixed: decode/verify rows beside prompt chunks in one step (`engine.kind: vllm`)
+KIND_DECODE, KIND_PREFILL, KIND_MIXED = 0, 1, 2
+KINDS = ("decode", "prefill", "mixed")
 
 # name -> numpy dtype, in `append` order
 COLUMNS = {
