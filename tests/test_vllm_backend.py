@@ -223,11 +223,11 @@ def test_traces_of_each_run(self_engine, requests_):
 
     self_engine.rl_step = 7
     res = self_engine.run(requests_[:4])
-    self_engine.recorder.flush()
+    self_engine.flush()
     steps = read_trace(self_engine.trace_dir, "steps")
     mine = steps[steps.rl_step == 7]  # one record per engine step, drafting and verifying timed apart
     assert len(mine) == res.stats["steps"] and mine.kind.iloc[0] == "prefill"
-    assert set(mine.kind) <= {"prefill", "decode"}
+    assert set(mine.kind) <= {"prefill", "mixed", "decode"}  # (the engine core steps while requests arrive)
     sd = mine[mine.drafted > 0]
     assert len(sd) and set(sd.drafter) == {"model"} and set(sd.k) == {3}
     assert (sd.draft_ms > 0).all() and (sd.verify_ms > 0).all() and (sd.step_ms >= sd.verify_ms).all()
@@ -238,7 +238,7 @@ def test_traces_of_each_run(self_engine, requests_):
     assert list(s7.response_len) == [len(x.tokens) for x in res.samples]
     assert s7.drafted.sum() == res.stats["drafted"] and s7.accepted.sum() == res.stats["accepted"]
     assert (s7.rejected <= 1).all()
-    e = self_engine.estimator  # each sample's own trials, shrunk towards the prior as rlsched's engine does
+    e = self_engine.policy_state()[1]  # each sample's own trials, shrunk towards the prior as rlsched's engine does
     own = (s7.accepted + e.prior_mean * e.sample_strength) / (s7.accepted + s7.rejected + e.sample_strength)
     assert np.allclose(s7.acceptance_model, own) and (s7.acceptance_model > e.prior_mean).all()
 
@@ -325,8 +325,9 @@ def test_run_end_to_end_on_vllm_weights_synced_every_step(pair, tmp_path):
     assert max((ck["actor"][k] - v).abs().max().item() for k, v in start.items()) > 1e-3
     steps = read_trace(out / "traces", "steps")
     assert sorted(set(steps.rl_step)) == [0, 1, 2]
-    # one record per engine step: vLLM's own table drafts only once 8 rows or fewer run
-    assert steps.drafted.sum() == rl.drafted.sum() and steps[steps.drafted > 0].batch.max() <= 8
+    # one record per engine step: vLLM's own table drafts (2 tokens) only for 8 rows or fewer
+    # (a verify step's batch may hold requests that joined after the drafts were made)
+    assert steps.drafted.sum() == rl.drafted.sum() and steps.drafted.max() <= 8 * 2
     samples = read_trace(out / "traces", "samples")
     # acceptance where the rollout drafted (NaN for a rollout that never did: twostate drafts
     # only while 8 rows or fewer run)
@@ -387,6 +388,22 @@ def test_run_with_rlsched_policies_inside_vllm(pair, tmp_path):
     assert (sd.accepted <= sd.drafted).all() and (sd.k <= 3).all()
     rl = read_trace(out / "traces", "rl_steps")
     assert rl.drafted.sum() == steps.drafted.sum() and rl.accepted.sum() == steps.accepted.sum()
+    # one way in: the engine core ran in its own process, started by engine arguments
+    (engine,) = [json.loads(f.read_text()) for f in (out / "traces").glob("engine-*.json")]
+    assert engine["own_process"] and engine["rlsched"]["trace_dir"] == str((out / "traces").absolute())
+    assert engine["max_batch"] == 16 and engine["k_max"] == 3 and engine["tp"] == 1
+
+
+def test_the_run_device_must_be_the_vllm_builds():
+    from types import SimpleNamespace
+
+    from rlsched.executor.vllm.spec import check_device
+
+    check_device("cpu", SimpleNamespace(device_type="cpu"))
+    check_device("cuda:0", SimpleNamespace(device_type="cuda"))
+    for device, built in (("cuda", "cpu"), ("cpu", "cuda"), ("cuda:1", "cuda")):
+        with pytest.raises(UserError, match=rf"device '{device}': the vLLM build here runs on '{built}'"):
+            check_device(device, SimpleNamespace(device_type=built))
 
 
 @pytest.mark.vllm

@@ -118,6 +118,7 @@ def make_backend(
             seed=c.seed,
             threads=c.threads,
             dtype=c.dtype,
+            device=c.device,
             cost=cost,
             typical_ctx=c.typical_ctx,
             probe_every=c.probe_every,

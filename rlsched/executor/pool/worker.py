@@ -137,6 +137,7 @@ class InstanceWorker:
             seed=spec.seed,
             threads=spec.threads,
             dtype=spec.dtype,
+            device=spec.device,
             cost=spec.cost,
             typical_ctx=spec.typical_ctx,
             instance=idx,
@@ -227,7 +228,9 @@ class InstanceWorker:
                 finished=finished,
                 view=self._view(),
                 totals=e.totals,
-                accept_means={d: e.estimator.mean(d) for d in e.estimator.drafters},
+                accept_means=e.accept_means()
+                if self.spec.backend == "vllm"  # (the estimator lives in vLLM's engine core)
+                else {d: e.estimator.mean(d) for d in e.estimator.drafters},
             )
 
     def export_rows(self, indices, with_kv) -> dict:

@@ -4,12 +4,12 @@ model: a KSweep rollout per batch size, its step records priced as a MeasuredCos
 from __future__ import annotations
 
 import json
+import pickle
 
 import numpy as np
 
 from rlsched.executor.seeds import derive_seed
-from rlsched.executor.vllm import hook as vllm_hook
-from rlsched.executor.vllm.scheduler import attach
+from rlsched.executor.vllm.engine_hook import ask
 from rlsched.policies.types import EngineState, StepOutcome, Strategy
 
 
@@ -51,9 +51,9 @@ def measure_step_costs(engine, typical_ctx: int):
     rollout per batch size up to max_batch, every request alike (a prompt of about
     `typical_ctx` random tokens, 2 sweeps of k = 0..k_max long; k = 0 only without a model
     drafter: an n-gram drafter finds nothing to draft in random tokens), priced as a
-    MeasuredCostModel. The engine's own hook is put back afterwards."""
+    MeasuredCostModel. The engine core's hook runs the sweep and keeps its step records aside
+    (`capture`); the engine's own policy is handed over afterwards."""
     import pandas as pd
-    import torch
     from vllm import SamplingParams as VP
     from vllm.inputs import TokensPrompt
 
@@ -64,19 +64,16 @@ def measure_step_costs(engine, typical_ctx: int):
     new = max(16, 2 * (k + 1) * (k + 2) // 2 + k + 2)  # two sweeps at full acceptance, and room for the last
     prompt_len = max(8, min(typical_ctx, engine.max_model_len - new - 1))
     sizes = sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < engine.max_batch} | {engine.max_batch})
-    records: list[dict] = []
-    hook = vllm_hook.StepHook(KSweep(drafter, k), engine.estimator, drafter, k, record=records.append)
-    attach(engine.llm, hook)
     rng = np.random.default_rng(engine.seed)
     vocab = int(json.loads((engine.target_dir / "config.json").read_text())["vocab_size"])
     params = VP(temperature=1.0, max_tokens=new, ignore_eos=True, detokenize=False, seed=None)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(derive_seed(engine.seed, "vllm-calibrate"))
+    ask(engine.llm, "policy", pickle.dumps((KSweep(drafter, k), None)))
+    ask(engine.llm, "capture", True)
+    try:
         for b in sizes:
-            hook.begin(np.arange(b))
+            ask(engine.llm, "begin", engine.rl_step, engine.instance, derive_seed(engine.seed, "vllm-calibrate", b))
             prompts = [TokensPrompt(prompt_token_ids=rng.integers(1, vocab, prompt_len).tolist()) for _ in range(b)]
             engine.llm.generate(prompts, [params] * b, use_tqdm=False)
-            hook.end()
-    if getattr(engine, "hook", None) is not None:  # the engine's own hook back in place
-        attach(engine.llm, engine.hook)
+    finally:
+        records = ask(engine.llm, "capture", False)
     return MeasuredCostModel(pd.DataFrame(cost_records(records, prompt_len + new // 2, sizes)))

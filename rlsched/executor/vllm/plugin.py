@@ -24,14 +24,19 @@ ATTR = "rlsched_draft_s"
 def register() -> None:
     """vLLM's general-plugin entry point: time the model runner's drafting in this process; on
     vLLM's CPU build, also mend its sampled rejection sampler (`shims.patch_cpu_rejection_sampler`),
-    without which sampled speculative decoding verifies against garbage in every process."""
+    without which sampled speculative decoding verifies against garbage in every process, and
+    where `shims.KEEP_WEIGHTS` is set, keep the linear layers' weights for weight updates."""
+    import os
+
     patch_runner()
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
-        from rlsched.executor.vllm.shims import patch_cpu_rejection_sampler
+        from rlsched.executor.vllm.shims import KEEP_WEIGHTS, keep_cpu_linear_weights, patch_cpu_rejection_sampler
 
         patch_cpu_rejection_sampler()
+        if os.environ.get(KEEP_WEIGHTS) == "1":
+            keep_cpu_linear_weights()
 
 
 def draft_seconds(output) -> float | None:

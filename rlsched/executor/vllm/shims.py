@@ -6,13 +6,14 @@
 - the CPU build empties every linear layer's checkpoint-format weight once packed, so a weight
   update has nowhere to go: the weights are kept and packed again after each update;
 - a second engine in a process after numba compiled fails vLLM's kernel rebinding scan;
-- in-process engine, eager mode, `OMP_WAIT_POLICY=PASSIVE`, unbound OpenMP threads; the CPU
-  worker's replacement of `torch.set_num_threads` by a no-op is undone after start-up (the
-  trainer shares the process), and so are the global RNG seeds vLLM sets.
+- eager mode, `OMP_WAIT_POLICY=PASSIVE`, unbound OpenMP threads; where the engine runs in this
+  process, the CPU worker's replacement of `torch.set_num_threads` by a no-op is undone after
+  start-up (the trainer shares the process), and so are the global RNG seeds vLLM sets.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import sys
@@ -42,9 +43,11 @@ ENGINE_ENV = {
 }
 
 
+KEEP_WEIGHTS = "RLSCHED_VLLM_KEEP_WEIGHTS"  # "1": the plugin keeps CPU linear weights (`keep_cpu_linear_weights`)
+MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"  # vLLM's own switch: "0" runs the engine core in this process
+
+
 def import_vllm():
-    # before vllm is imported: its environment is read at import time
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: sync_weights reaches the model objects
     for k, v in ENGINE_ENV.items():
         os.environ.setdefault(k, v)
     try:
@@ -155,6 +158,31 @@ def repack_cpu_linears(model) -> int:
     return n
 
 
+@contextlib.contextmanager
+def _engine_env(in_process: bool | None, threads: int | None, on_cpu: bool):
+    """The environment the engine's own processes start with: vLLM's multiprocessing switch
+    (`in_process`; None: as set), their torch threads, and on CPU the plugin's weight keeping
+    (`KEEP_WEIGHTS`); this process's own is put back once they started."""
+    from vllm import envs
+
+    saved = {k: os.environ.get(k) for k in (MULTIPROCESSING, "OMP_NUM_THREADS", KEEP_WEIGHTS)}
+    if in_process is not None:
+        os.environ[MULTIPROCESSING] = "0" if in_process else "1"
+    if threads:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+    if on_cpu:
+        os.environ[KEEP_WEIGHTS] = "1"
+    envs.disable_envs_cache()  # (an in-process engine core caches vLLM's environment for the process)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def start_llm(
     target_dir,
     spec: dict | None,
@@ -170,12 +198,16 @@ def start_llm(
     tp: int = 1,
     gpu_memory_utilization: float = 0.9,
     additional_config: dict | None = None,
+    worker_extension_cls: str | None = None,
+    in_process: bool | None = None,
 ):
-    """vLLM's offline engine for `target_dir`, in this process, on token ids, with `spec` as its
-    speculative_config and `scheduler_cls` as its scheduler (scheduler.PolicyScheduler lets
-    rlsched's policies choose the draft length), over `tp` tensor-parallel devices (its workers
-    in processes of their own from 2 on), taking `gpu_memory_utilization` of a GPU's memory.
-    The CPU build's problems are patched first;
+    """vLLM's offline engine for `target_dir`, on token ids, with `spec` as its
+    speculative_config, `scheduler_cls` as its scheduler (scheduler.PolicyScheduler, with an
+    `rlsched` block in `additional_config`, lets rlsched's policies choose the draft length) and
+    `worker_extension_cls` mixed into its workers, over `tp` tensor-parallel devices (its
+    workers in processes of their own from 2 on), taking `gpu_memory_utilization` of a GPU's
+    memory. The engine core runs in a process of its own (vLLM's default) unless `in_process`
+    (None: as VLLM_ENABLE_V1_MULTIPROCESSING says). The CPU build's problems are patched first;
     torch's thread setter and the global RNG states are left as they were. UserError (one
     line) when vLLM refuses the config."""
     import_vllm()
@@ -184,49 +216,49 @@ def start_llm(
 
     _quiet_chat_warmup()
     rebind_kernels_past_llvmlite()
-    kwargs = {}
+    # fmt: off
+    kwargs = {k: v for k, v in dict(
+        served_model_name=served_name, additional_config=additional_config, scheduler_cls=scheduler_cls,
+        worker_extension_cls=worker_extension_cls,
+    ).items() if v is not None}
+    # fmt: on
     if current_platform.is_cpu():
         patch_cpu_rejection_sampler()
         keep_cpu_linear_weights()
     else:
         kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-    if served_name is not None:
-        kwargs["served_model_name"] = served_name
-    if additional_config is not None:  # (an `rlsched` block configures scheduler.PolicyScheduler)
-        kwargs["additional_config"] = additional_config
-    if scheduler_cls is not None:  # the hook reads drafts as the engine core hands them over
-        kwargs.update(scheduler_cls=scheduler_cls, async_scheduling=False)
     set_threads = torch.set_num_threads
     states = (torch.get_rng_state(), np.random.get_state(), random.getstate())
     if threads:
         torch.set_num_threads(threads)
-    try:
-        return LLM(
-            model=str(target_dir),
-            dtype=dtype,
-            enforce_eager=True,
-            max_num_seqs=max_batch,
-            max_model_len=max_model_len,
-            max_num_batched_tokens=max(2048, min(max_batch * max_model_len, 16384)),
-            tensor_parallel_size=tp,
-            distributed_executor_backend="uni" if tp == 1 else "mp",
-            skip_tokenizer_init=True,
-            seed=seed,
-            enable_prefix_caching=True,
-            disable_log_stats=not log_stats,
-            speculative_config=spec,
-            logprobs_mode="processed_logprobs",
-            **kwargs,
-        )
-    except UserError:
-        raise
-    except Exception as e:  # vLLM's own refusal of a config: one line
-        raise UserError(
-            f"rollout.backend vllm: vLLM refused the engine ({type(e).__name__}: "
-            f"{str(e).splitlines()[0] if str(e) else ''})"
-        ) from e
-    finally:
-        torch.set_num_threads = set_threads  # the CPU worker turns it into a no-op for the whole process
-        torch.set_rng_state(states[0])
-        np.random.set_state(states[1])
-        random.setstate(states[2])
+    with _engine_env(in_process, threads, current_platform.is_cpu()):
+        try:
+            return LLM(
+                model=str(target_dir),
+                dtype=dtype,
+                enforce_eager=True,
+                max_num_seqs=max_batch,
+                max_model_len=max_model_len,
+                max_num_batched_tokens=max(2048, min(max_batch * max_model_len, 16384)),
+                tensor_parallel_size=tp,
+                distributed_executor_backend="uni" if tp == 1 else "mp",
+                skip_tokenizer_init=True,
+                seed=seed,
+                enable_prefix_caching=True,
+                disable_log_stats=not log_stats,
+                speculative_config=spec,
+                logprobs_mode="processed_logprobs",
+                **kwargs,
+            )
+        except UserError:
+            raise
+        except Exception as e:  # vLLM's own refusal of a config: one line
+            raise UserError(
+                f"rollout.backend vllm: vLLM refused the engine ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''})"
+            ) from e
+        finally:
+            torch.set_num_threads = set_threads  # the CPU worker turns it into a no-op for the whole process
+            torch.set_rng_state(states[0])
+            np.random.set_state(states[1])
+            random.setstate(states[2])

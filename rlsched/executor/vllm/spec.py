@@ -59,6 +59,19 @@ def check_vllm_backend(
     return plan
 
 
+def check_device(device: str, platform) -> None:
+    """The run's `device` against the device vLLM's build runs on (`platform`: vLLM's
+    current_platform); UserError, one line, where they differ. vLLM picks its GPU itself
+    (CUDA_VISIBLE_DEVICES), so a device index other than 0 is refused too."""
+    kind, _, index = device.partition(":")
+    built = str(platform.device_type)
+    if kind != built or index not in ("", "0"):
+        raise UserError(
+            f"device '{device}': the vLLM build here runs on '{built}'; set device {built} (choose a GPU "
+            "with CUDA_VISIBLE_DEVICES), or install the vLLM build for your device"
+        )
+
+
 def model_window(target_dir: Path, max_len: int) -> int:
     """vLLM's max_model_len for a target in `target_dir` sized for `max_len` tokens; UserError
     when the model's positions cannot hold that many. The window is fixed at start-up (KV blocks
