@@ -196,8 +196,8 @@ def eagle_head(target: ModelSpec, draft_vocab: int = 32000) -> ModelSpec:
 
 
 class AcceptanceSpec(Strict):
-    """Per-token acceptance of a drafter: prompt-level Beta around `mean`, sample-level Beta
-    around the prompt's value. A concentration of None means no spread at that level."""
+    """Acceptance of a drafter's first draft token: prompt-level Beta around `mean`, sample-level
+    Beta around the prompt's value. A concentration of None means no spread at that level."""
 
     mean: Fraction
     prompt_concentration: Positive | None = 20.0
@@ -206,11 +206,11 @@ class AcceptanceSpec(Strict):
     # candidate at the same depth catches (policies/tree.py); the top-r hit rate is
     # 1 - (1 - mean)(1 - tree_gain)^(r - 1)
     tree_gain: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.25
-    # a tree's candidates are the drafter's top tokens, not samples from it: its rank-1 child is
-    # taken with probability tree_top1 x mean. 1 under greedy decoding (the same token); below 1
-    # when sampling, where a sampled chain draft is accepted with sum_x min(p, q), more than the
-    # target's probability of the drafter's top token (bench/tree_hits.py measures both)
+    # a tree's candidates are the drafter's top tokens, not samples from it: its rank-1 child is taken
+    # with probability tree_top1 x mean. 1 under greedy decoding (the same token); below 1 when sampling,
+    # where a chain draft is accepted with sum_x min(p, q) (bench/tree_hits.py measures both)
     tree_top1: OpenFraction = 1.0
+    position_decay: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0  # draft i: mean x decay^(i-1) (policies/position.py)
 
 
 class DrafterSpec(Strict):

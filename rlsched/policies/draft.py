@@ -9,6 +9,8 @@ from typing import cast
 
 import numpy as np
 
+from rlsched.policies.position import CONSTANT, reach
+from rlsched.policies.position import chain_tokens as curve_tokens
 from rlsched.policies.tree import (
     TREE_GAIN,
     TreeShape,
@@ -34,6 +36,8 @@ class PolicyContext:
     acceptance_prior: dict[str, float] = field(default_factory=dict)  # drafter -> expected acceptance
     tree_gain: dict[str, float] = field(default_factory=dict)  # drafter -> its trees' gain (policies/tree.py)
     tree_top1: dict[str, float] = field(default_factory=dict)  # drafter -> its rank-1 rate / its chain acceptance
+    # drafter -> its acceptance's fall by draft position (policies/position.py; absent: constant)
+    position_decay: dict[str, float] = field(default_factory=dict)
     width_max: int = 1  # widest draft tree a policy may choose (1: chains only)
     nodes_max: int = 8  # most draft tokens of a tree
     seed: int = 0
@@ -47,6 +51,10 @@ class PolicyContext:
 
     def prior(self, drafter: str) -> float:
         return self.acceptance_prior.get(drafter, 0.6)
+
+    def decay(self, drafter: str) -> float:
+        """The drafter's position decay: draft i is accepted at acceptance x decay^(i - 1)."""
+        return self.position_decay.get(drafter, CONSTANT)
 
     def top1(self, drafter: str, acceptance):
         """The rate a tree's rank-1 child is taken at, for a chain's `acceptance` (policies/tree.py)."""
@@ -98,12 +106,15 @@ def tree_times(cost: CostModel, drafter: str, options: list[Strategy], batch: in
     return draft + verify
 
 
-def expected_tokens(acceptance: np.ndarray, k_max: int) -> np.ndarray:
+def expected_tokens(acceptance: np.ndarray, k_max: int, decay: float = CONSTANT) -> np.ndarray:
     """Expected tokens emitted by a chain step, summed over the batch, for k = 0..k_max.
 
-    Per sequence with acceptance a: sum_{j=0..k} a^j (`tree.chain_tokens`), as running products.
+    Per sequence with acceptance a: sum_{j=0..k} a^j (`tree.chain_tokens`), as running products;
+    under a position `decay`, sum_{j=0..k} prod_{i<=j} a decay^(i-1) (`position.reach`).
     """
     a = np.atleast_1d(np.asarray(acceptance, dtype=float))
+    if decay != CONSTANT:
+        return len(a) + np.concatenate(([0.0], np.cumsum(reach(a, k_max, decay)[:, 1:].sum(axis=0))))
     powers = np.empty((len(a), k_max))
     powers[:] = a[:, None]
     np.cumprod(powers, axis=1, out=powers)
@@ -114,7 +125,7 @@ def expected_tokens(acceptance: np.ndarray, k_max: int) -> np.ndarray:
     return out
 
 
-def drain_tokens(acceptance: np.ndarray, k_max: int) -> np.ndarray:
+def drain_tokens(acceptance: np.ndarray, k_max: int, decay: float = CONSTANT) -> np.ndarray:
     """`expected_tokens` for a batch that must drain: B^2 / sum_i 1 / E_i(k), for k = 0..k_max
     (B times the harmonic mean of the rows' expected tokens a step, E_i).
 
@@ -126,6 +137,9 @@ def drain_tokens(acceptance: np.ndarray, k_max: int) -> np.ndarray:
     likely rows use, and the unlikely rows, which then finish last, run the tail of the drain
     at a few rows a step, the dearest steps per token there are."""
     a = np.atleast_1d(np.asarray(acceptance, dtype=float))
+    if decay != CONSTANT:
+        per_row = np.cumsum(reach(a, k_max, decay), axis=1)
+        return len(a) ** 2 / (1.0 / per_row).sum(axis=0)
     per_row = np.ones((len(a), k_max + 1))
     per_row[:, 1:] = a[:, None]
     np.cumprod(per_row, axis=1, out=per_row)
@@ -260,7 +274,7 @@ class GoodputPolicy:
         deferred = b * min((self._feed_price(d, b) for d in self.drafters), default=0.0)
         best, best_rate = OFF, b / (sv[0] * v1 + deferred)
         for d in self.drafters:
-            tokens = self._tokens(self._acceptance(state, d), self.k_max)[1:]
+            tokens = self._tokens(self._acceptance(state, d), self.k_max, self._ctx.decay(d))[1:]
             rates = tokens / (self._scales(d, b)[1:] * drafts[d] + sv[1:] * vk)
             j = self._explore(b, rates, int(np.argmax(rates))) if self.calibrate else int(np.argmax(rates))
             if rates[j] > best_rate:
@@ -447,11 +461,16 @@ class SeqGoodputPolicy(GoodputPolicy):
         best, best_rate = OFF, b / self.cost.verify_time(b, 1, ctx)
         for d in self.drafters:
             a = np.clip(self._acceptance(state, d), 1e-6, 1 - 1e-6)
-            by_tau = np.clip(np.floor(self._LOG_TAUS / np.log(a)), 0, self.k_max).astype(np.int64)
+            decay = self._ctx.decay(d)
+            if decay == CONSTANT:
+                by_tau = np.clip(np.floor(self._LOG_TAUS / np.log(a)), 0, self.k_max).astype(np.int64)
+            else:  # the marginal gains prod_{i<=j} alpha_i fall with j: count those above tau
+                log_reach = np.log(reach(a, self.k_max, decay)[:, 1:])
+                by_tau = (log_reach[None] >= self._LOG_TAUS[:, :, None]).sum(axis=2)
             # each threshold under every cap (the longest draft sets the drafter forwards), and the uniform k's
             capped = np.minimum(by_tau[None], self._ks[:, None, None]).reshape(-1, b)
             ks = np.concatenate((capped, np.repeat(self._ks[:, None], b, axis=1)))  # (candidates, batch)
-            tokens = chain_tokens(a, ks).sum(axis=1)
+            tokens = (chain_tokens(a, ks) if decay == CONSTANT else curve_tokens(a, ks, decay)).sum(axis=1)
             times = self.cost.draft_time_per_row(d, ks, ctx) + self.cost.verify_time(b, 1 + ks.mean(axis=1), ctx)
             rates = tokens / np.maximum(times, 1e-12)
             rates[ks.max(axis=1) == 0] = 0.0

@@ -33,7 +33,7 @@ def rates(ctx: PolicyContext, drafter: str, batch: int, acceptance: float, per_r
     assert cost is not None, "pricing draft lengths needs a cost model"
     ks = np.arange(1, ctx.k_max + 1)
     ctx_tokens = batch * (ctx.typical_ctx if per_row is None else per_row)
-    tokens = expected_tokens(np.full(batch, acceptance), ctx.k_max)
+    tokens = expected_tokens(np.full(batch, acceptance), ctx.k_max, ctx.decay(drafter))
     times = np.concatenate(
         (
             [cost.verify_time(batch, 1, ctx_tokens)],

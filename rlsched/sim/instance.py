@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from rlsched.policies.position import accepted_drafts, learned_trials, stage_decay
 from rlsched.policies.probe import prober_for
 from rlsched.policies.tree import draw_tree
 from rlsched.policies.types import EngineState, StepOutcome
@@ -83,7 +84,8 @@ class Instance:
     def _draw_accepted(self, d: int, k, n: int) -> np.ndarray:
         """Accepted drafts of each row of a chain for n steps, shape (n, batch); `k` is one
         draft length or one per row."""
-        acc = (self._exp_draws(n * self.batch).reshape(n, -1) * self.ninv[:, d]).astype(np.int64)
+        exp = self._exp_draws(n * self.batch).reshape(n, -1)
+        acc = accepted_drafts(exp, self.ninv[:, d], stage_decay(self.stage, d))
         np.minimum(acc, k, out=acc)
         return acc
 
@@ -276,7 +278,7 @@ class Instance:
             if strat.is_tree:
                 self.stage.estimator.update_trials(strat.drafter, self.sid, hits, misses)
             else:
-                self.stage.estimator.update_many(strat.drafter, self.sid, acc, ks)
+                self.stage.estimator.update_many(strat.drafter, self.sid, *learned_trials(acc, ks, stage_decay(st, d)))
         self.busy += total
         self.ctx_sum += int(emitted.sum())
         self.min_rem -= n * (strat.k + 1)
@@ -437,7 +439,7 @@ class Instance:
                 if w > 1:
                     st.estimator.update_trials(strat.drafter, sid, hits, misses)
                 else:
-                    st.estimator.update(strat.drafter, sid, acc, ks)
+                    st.estimator.update(strat.drafter, sid, *learned_trials(acc, ks, stage_decay(st, d)))
             adv = acc + 1
             self.ctx += adv  # may overshoot a row's end; trimmed in `_finish_rows` when it finishes
             emitted, max_adv = int(np.add.reduce(adv)), k + 1

@@ -36,6 +36,7 @@ from __future__ import annotations
 import numpy as np
 
 from rlsched.errors import UserError
+from rlsched.policies.position import learned_trials, stage_decay
 from rlsched.policies.types import EngineState, StepOutcome
 from rlsched.sim.instance import Instance
 from rlsched.sim.timeline import KIND_DECODE, KIND_MIXED, KIND_PREFILL
@@ -337,7 +338,7 @@ class VllmInstance(Instance):
             if trials is not None:
                 st.estimator.update_trials(strat.drafter, sid, *trials)
             else:
-                st.estimator.update(strat.drafter, sid, acc, ks)
+                st.estimator.update(strat.drafter, sid, *learned_trials(acc, ks, stage_decay(st, d)))
         adv = np.where(sched, (acc if acc is not None else 0) + 1, 0)
         self.ctx += adv
         emitted = int(adv.sum())
