@@ -36,6 +36,21 @@ tokens, more pairs) than over many short ones, which a bend in tokens prices low
 form misfits, an op keeps the measured grid instead and is priced by interpolation over it,
 exactly as `MeasuredCostModel` does. `feed` is optional (files from before it price a
 drafter's catch-up at zero).
+
+Two optional entries price what a vLLM engine does besides (`engine.kind: vllm`):
+
+  mixed(B, q, L, n, S) = verify(B, q, L) + prefill(n, S) - min(j, verify, prefill)
+                      (decode/verify rows beside prompt chunks in one forward)
+  host              = `step` ms of host work with every step, outside the timed forward
+
+In a mixed step the chunks are n tokens whose S = sum of c (c + 2 p) over chunks of c tokens
+after p cached ones (a chunk's query-key pairs, doubled, as a prompt's c^2); `j` is what one
+forward over rows and chunks saves against two (the per-step constant and the weights read
+once): fitted from mixed step records, else the per-step constant min(verify t0, prefill t0).
+Without chunks it is verify, without rows prefill. `host.step` is the median gap between one
+step record's end and the next one's start on an engine (scheduling, output processing, the
+policy's hook), charged with every step and counted in `step_overhead`, the host's part of a
+step, which vLLM's async scheduling overlaps with the GPU's previous step.
 """
 
 from __future__ import annotations
@@ -59,15 +74,20 @@ PARAMS = {
     "draft": ("e", "d", "t0", "a", "m", "p", "c", "s"),
     "prefill": ("t0", "a", "c", "g", "s_c", "h"),
     "feed": ("t0", "a", "c", "g", "s_c", "h"),  # prefill's form, of a drafter
+    "mixed": ("j",),
+    "host": ("step", "hook"),
 }
 FORMS = {
     "verify": "roofline-verify-v3",
     "draft": "roofline-draft-v2",
     "prefill": "roofline-prefill-v2",
     "feed": "roofline-prefill-v2",
+    "mixed": "verify-plus-prefill-v1",
+    "host": "host-step-v1",
 }
 TOKENS = {"verify": "q", "draft": "k", "prefill": "one", "feed": "one"}  # the grid's second axis
 PER_DRAFTER = ("draft", "feed")  # ops fitted once per drafter: ops.<op>.<drafter> in the file
+OPTIONAL = ("mixed", "host")  # ops a file may lack: ops.<op>
 
 
 def smax(x, m, p):
@@ -148,6 +168,10 @@ class FittedCostModel(MeasuredCostModel):
             else:
                 self._ops[key] = ("form", {k: float(v) for k, v in entry["params"].items()})
         self.drafters = tuple(data["ops"]["draft"])
+        ops = data["ops"]
+        self._t0 = min(float(ops["verify"]["params"]["t0"]), float(ops["prefill"]["params"]["t0"])) / 1e3
+        self._j = float(ops["mixed"]["params"]["j"]) / 1e3 if "mixed" in ops else self._t0
+        self.host_step = float(ops["host"]["params"]["step"]) / 1e3 if "host" in ops else 0.0
 
     def _entries(self):
         ops = self.data["ops"]
@@ -171,7 +195,23 @@ class FittedCostModel(MeasuredCostModel):
         return out if out.ndim else float(out)  # a number for a number, as the roofline model
 
     def verify_time(self, batch: int, q, ctx_tokens: int):
-        return self._eval("verify", batch, q, ctx_tokens)
+        return self._eval("verify", batch, q, ctx_tokens) + self.host_step
+
+    def _chunks_s(self, n_tokens: float, sum_sq: float) -> float:
+        how, obj = self._ops["prefill"]
+        if how == "grid" or sum_sq <= n_tokens**2:
+            return self._prompts("prefill", n_tokens, sum_sq)
+        return float(max(prefill_ms(obj, n_tokens, sum_sq), 0.0)) / 1e3  # (a chunk after cached tokens)
+
+    def _joint_s(self) -> float:
+        return self._j
+
+    @property
+    def step_overhead(self) -> float:
+        """Seconds of a step's fixed part, inside verify_time, prefill_time and mixed_time: the
+        fitted per-step constant (min of verify's and prefill's t0) and `host.step`, the host
+        work outside the timed forward (vLLM's async scheduling overlaps both with the GPU)."""
+        return self._t0 + self.host_step
 
     def draft_time(self, drafter: str, batch: int, k, ctx_tokens: int, width: int = 1):
         if drafter not in self.drafters:
@@ -186,7 +226,8 @@ class FittedCostModel(MeasuredCostModel):
     def prefill_time(self, n_tokens: int, sum_sq_tokens: int | None = None) -> float:
         """Prompts totalling n_tokens whose squared lengths sum to sum_sq_tokens (default: one
         prompt): as many rows of equal length (n^2 / S rows of S / n tokens)."""
-        return self._prompts("prefill", n_tokens, sum_sq_tokens)
+        out = self._prompts("prefill", n_tokens, sum_sq_tokens)
+        return out + self.host_step if n_tokens > 0 else out
 
     def drafter_prefill_time(self, drafter: str, n_tokens: int, sum_sq_tokens: int | None = None) -> float:
         """The drafter's catch-up (prefill_time's arguments): its fitted feed, or zero where the
@@ -194,7 +235,7 @@ class FittedCostModel(MeasuredCostModel):
         key = f"feed:{drafter}"
         return self._prompts(key, n_tokens, sum_sq_tokens) if key in self._ops else 0.0
 
-    def _prompts(self, key: str, n_tokens: int, sum_sq_tokens: int | None) -> float:
+    def _prompts(self, key: str, n_tokens: float, sum_sq_tokens: float | None) -> float:
         """Op `key` (prefill's form) over prompts totalling n_tokens whose squared lengths sum
         to sum_sq_tokens (default: one prompt): as many rows of equal length (n^2 / S rows of
         S / n tokens)."""
@@ -222,6 +263,8 @@ class FittedCostModel(MeasuredCostModel):
             "model_shape": src.get("model_shape"),
             "machine": src.get("machine"),
             "ops": {key: entry["used"] for key, entry in self._entries()},
+            "mixed": "fitted" if "mixed" in self.data["ops"] else "verify + prefill less the per-step constant",
+            "host_step_ms": self.host_step * 1e3,
             "kv_and_memory_from": self.base.describe()
             if self.base is not None and hasattr(self.base, "describe")
             else None,
@@ -301,6 +344,11 @@ def read_cost_file(path) -> dict:
     for op in PER_DRAFTER:
         for name, entry in ops.get(op, {}).items():
             _check_entry(path, f"{op}.{name}", op, entry)
+    for op in OPTIONAL:
+        if op in ops:
+            _check_entry(path, op, op, ops[op])
+            if ops[op]["used"] != "parametric":
+                raise _bad(path, f"has 'ops.{op}.used' = {ops[op]['used']!r} (parametric expected)")
     data["_sha256"] = hashlib.sha256(raw).hexdigest()
     return data
 

@@ -9,6 +9,12 @@ log residuals (relative error, which is what MAPE counts) with a soft-L1 loss (a
 disturbed by another process on a shared machine weighs little), from a linear least-squares
 start plus a few perturbed ones.
 
+A vLLM engine's records add two optional entries: `mixed`, the joint part `j` of a step that
+runs decode/verify rows beside prompt chunks (records of kind mixed that say the step's prompt
+tokens, `prompt_tokens` and `prompt_sq`; verify and prefill as fitted), and `host`, the host
+work with every step outside the timed forward (the median gap between one step record and the
+next of an engine; `hook` the median `hook_ms`, the policy's part of it, where recorded).
+
 Held-out check: on a full grid of at least three batch sizes the fit is repeated without every
 other interior batch size (1, 4, 16, 64 kept; 2, 8, 32 held out), so held-out points are whole
 batch sizes the fit never saw; otherwise (run traces) a seeded random 25% of the records. The
@@ -31,8 +37,8 @@ import pandas as pd
 from scipy.optimize import least_squares, nnls
 
 from rlsched import __version__
-from rlsched.costs.costfile import FORMS, KIND, PARAMS, PER_DRAFTER, VERSION, grid_interpolator, op_ms
-from rlsched.costs.measured import grid_time
+from rlsched.costs.costfile import FORMS, KIND, PARAMS, PER_DRAFTER, VERSION, grid_interpolator, op_ms, prefill_ms
+from rlsched.costs.measured import grid_time, mixed_ms
 from rlsched.errors import UserError
 from rlsched.traces.reader import read_trace
 
@@ -40,6 +46,10 @@ DEFAULT_MAX_MAPE = 0.05
 # terms dropped when an op has fewer than two points per parameter: prefill's cache spill
 FROZEN = {"prefill": {"g": 0.0, "s_c": 1.0, "h": 1.0}}
 FROZEN["feed"] = FROZEN["prefill"]
+# and, with fewer than two points per parameter still free, attention's quadratic term: a few
+# prompts of a few lengths cannot tell it from the per-token cost, and a fit through two points
+# can put it all on the pairs and price a batch of prompts many times over
+FEWER = {"prefill": {"c": 0.0}, "feed": {"c": 0.0}}
 _STARTS = 6
 
 
@@ -81,6 +91,7 @@ class FitResult:
     source: dict
     max_mape: float
     notes: list[str] = field(default_factory=list)
+    extra: dict[str, dict] = field(default_factory=dict)  # the optional entries: mixed, host
 
     def to_json(self) -> dict:
         per = {op: {k.partition(":")[2]: f.entry() for k, f in self.ops.items() if f.op == op} for op in PER_DRAFTER}
@@ -89,7 +100,7 @@ class FitResult:
         return {
             "kind": KIND,
             "version": VERSION,
-            "ops": {"verify": self.ops["verify"].entry(), "prefill": self.ops["prefill"].entry(), **per},
+            "ops": {"verify": self.ops["verify"].entry(), "prefill": self.ops["prefill"].entry(), **per, **self.extra},
             "max_mape": self.max_mape,
             "source": self.source,
             "notes": self.notes,
@@ -98,7 +109,10 @@ class FitResult:
 
     def summary(self) -> dict:
         return {
-            "ops": {k: {"used": f.used, **f.quality} for k, f in self.ops.items()},
+            "ops": {
+                **{k: {"used": f.used, **f.quality} for k, f in self.ops.items()},
+                **{k: {"used": e["used"], **e["quality"], **e["params"]} for k, e in self.extra.items()},
+            },
             "source": self.source,
             "notes": self.notes,
             "max_mape": self.max_mape,
@@ -324,6 +338,8 @@ def _interp_ms(op: str, points: list, t: pd.DataFrame):
 def fit_op(key: str, t: pd.DataFrame, max_mape: float = DEFAULT_MAX_MAPE, seed: int = 0) -> OpFit:
     op = key.partition(":")[0]
     frozen = FROZEN.get(op, {}) if len(t) < 2 * len(PARAMS[op]) else {}
+    if frozen and len(t) < 2 * (len(PARAMS[op]) - len(frozen)):
+        frozen = {**frozen, **FEWER.get(op, {})}
     held, how, grid = _holdout(t, seed)
     q: dict[str, Any] = {
         "points": int(len(t)),
@@ -372,6 +388,81 @@ def fit_op(key: str, t: pd.DataFrame, max_mape: float = DEFAULT_MAX_MAPE, seed: 
     return OpFit(key, p, used, q, t, points, note)
 
 
+def mixed_table(df: pd.DataFrame) -> tuple[pd.DataFrame | None, list[str]]:
+    """Mixed steps (decode/verify rows beside prompt chunks) whose records say their prompt
+    tokens: batch, tokens (q, mean over rows), per_row, n (prompt tokens), S (`prompt_sq`, or
+    n^2 where not recorded: one chunk), ms (the forward: verify_ms, or step_ms of a step that
+    drafted nothing)."""
+    m = df[df["kind"] == "mixed"]
+    if m.empty:
+        return None, []
+    if "prompt_tokens" not in m:
+        return None, [
+            f"{len(m)} mixed steps left out: their records do not say the prompt tokens they computed "
+            "(prompt_tokens); the file prices mixed steps by its verify and prefill"
+        ]
+    n = m["prompt_tokens"].to_numpy(float)
+    sq = m["prompt_sq"].to_numpy(float) if "prompt_sq" in m else np.full(len(m), np.nan)
+    ms = np.where(np.isfinite(m["verify_ms"]), m["verify_ms"], np.where(m["drafted"] == 0, m["step_ms"], np.nan))
+    b = m["batch"].to_numpy(float)
+    t = pd.DataFrame(
+        {
+            "batch": b,
+            "tokens": 1.0 + m["drafted"].to_numpy(float) / np.maximum(b, 1.0),
+            "per_row": m["ctx_tokens"].to_numpy(float) / np.maximum(b, 1.0),
+            "n": n,
+            "S": np.where(np.isfinite(sq) & (sq > 0), sq, n * n),
+            "ms": ms,
+        }
+    )
+    t = t[(t["batch"] > 0) & np.isfinite(t["n"]) & (t["n"] > 0) & np.isfinite(t["ms"]) & (t["ms"] > 0)]
+    return t.reset_index(drop=True), []
+
+
+def fit_mixed(ops: dict[str, OpFit], t: pd.DataFrame) -> dict:
+    """The mixed entry: `j` fitted to mixed steps `t` (`mixed_table`) with verify and prefill
+    as fitted (their forms), on log residuals with a soft-L1 loss as the other ops."""
+    v = op_ms("verify", ops["verify"].params, t["batch"], t["tokens"], t["per_row"])
+    pp = ops["prefill"].params
+    p = prefill_ms(pp, t["n"], t["S"])
+    v, p, y = np.asarray(v, dtype=float), np.asarray(p, dtype=float), t["ms"].to_numpy(float)
+    start = min(ops["verify"].params["t0"], pp["t0"])
+
+    def resid(x):
+        return np.log(np.maximum(mixed_ms(v, p, x[0]), 1e-12)) - np.log(y)
+
+    with np.errstate(all="ignore"):
+        r = least_squares(resid, [start], bounds=([0.0], [np.inf]), loss="soft_l1", f_scale=0.05, max_nfev=200)
+    j = float(r.x[0]) if np.all(np.isfinite(r.fun)) else start
+    pred = mixed_ms(v, p, j)
+    quality = {"points": int(len(t)), "mape": mape(pred, y), "r2": r_squared(pred, y)}
+    return {"used": "parametric", "form": FORMS["mixed"], "params": {"j": j}, "quality": quality}
+
+
+def fit_host(df: pd.DataFrame) -> dict | None:
+    """The host entry from an engine's step records (decode, prefill, mixed; a profile has
+    none): `step`, the median gap between one record's end and the next one's start within a
+    rollout of one instance (at least 0), and `hook`, the median `hook_ms` where recorded."""
+    d = df[df["kind"].isin(("decode", "prefill", "mixed"))]
+    if "time_s" not in d or not d["kind"].isin(("decode", "mixed")).any():
+        return None  # (a profile: its prefill points are timed apart)
+    keys = [k for k in ("rl_step", "instance") if k in d]
+    gaps = []
+    for _, g in d.sort_values([*keys, "time_s"]).groupby(keys):
+        t, ms = g["time_s"].to_numpy(float), g["step_ms"].to_numpy(float)
+        gap = t[1:] - (t[:-1] + ms[:-1] / 1e3)
+        gaps.append(gap[np.isfinite(gap)])
+    gaps = [g for g in gaps if len(g)]
+    if not gaps:
+        return None
+    step = max(float(np.median(np.concatenate(gaps))) * 1e3, 0.0)
+    hook = d["hook_ms"].to_numpy(float) if "hook_ms" in d else np.zeros(0)
+    hook = hook[np.isfinite(hook)]
+    params = {"step": step, "hook": float(np.median(hook)) if len(hook) else 0.0}
+    quality = {"points": int(sum(len(g) for g in gaps)), "hook_points": int(len(hook))}
+    return {"used": "parametric", "form": FORMS["host"], "params": params, "quality": quality}
+
+
 def fit_records(
     df: pd.DataFrame, source: dict | None = None, max_mape: float = DEFAULT_MAX_MAPE, seed: int = 0
 ) -> FitResult:
@@ -383,7 +474,15 @@ def fit_records(
             notes.append(ops[key].note)
     if not any(k.startswith("draft:") for k in ops):
         notes.append("no draft measurements: the file prices no drafter (profile with --drafter)")
-    return FitResult(ops, source or {}, max_mape, notes)
+    extra = {}
+    mixed, more = mixed_table(df)
+    notes += more
+    if mixed is not None and len(mixed):
+        extra["mixed"] = fit_mixed(ops, mixed)
+    host = fit_host(df)
+    if host is not None:
+        extra["host"] = host
+    return FitResult(ops, source or {}, max_mape, notes, extra)
 
 
 def fit_path(path, max_mape: float = DEFAULT_MAX_MAPE, seed: int = 0) -> FitResult:

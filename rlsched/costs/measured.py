@@ -104,6 +104,23 @@ def _line(records: pd.DataFrame) -> tuple[float, float]:
     return max(icept, 0.0), max(slope, 0.0)
 
 
+def mixed_ms(verify, prefill, j):
+    """A mixed step's time (any unit) from its rows' verify and its chunks' prefill (either 0
+    when absent): their sum less the joint part `j`, never below the larger of the two."""
+    verify, prefill = np.asarray(verify, dtype=float), np.asarray(prefill, dtype=float)
+    both = (verify > 0) & (prefill > 0)
+    out = verify + prefill - np.where(both, np.minimum(j, np.minimum(verify, prefill)), 0.0)
+    return out if out.ndim else float(out)
+
+
+def chunk_pairs(chunk_prefix, chunk_len) -> tuple[float, float]:
+    """(n, S) of prompt chunks: their tokens, and S = sum of c (c + 2 p) over chunks of c tokens
+    after p cached ones (a chunk's query-key pairs, doubled: a prompt's squared length when
+    nothing is cached)."""
+    p, c = np.asarray(chunk_prefix, dtype=float), np.asarray(chunk_len, dtype=float)
+    return float(c.sum()), float((c * (c + 2.0 * p)).sum())
+
+
 def grid_time(grid: Grid, batch, tokens, ctx_tokens):
     """Seconds `grid` prices at `batch` rows of `tokens` tokens whose contexts total `ctx_tokens`;
     a number for numbers, an array shaped as `tokens` otherwise."""
@@ -117,7 +134,15 @@ def grid_time(grid: Grid, batch, tokens, ctx_tokens):
 
 
 class MeasuredCostModel:
-    """CostModel from profile records (the STEP trace schema; kinds verify, draft, prefill, feed)."""
+    """CostModel from profile records (the STEP trace schema; kinds verify, draft, prefill, feed).
+
+    A mixed step (decode/verify rows beside prompt chunks, vLLM's chunked prefill) is the rows'
+    verify plus the chunks' prefill less the joint per-step part (`mixed_ms`), here the
+    prefill line's intercept (at most the fastest verify measured): a profile times no mixed
+    step. `step_overhead` is that per-step part plus `host_step`, the host work outside the
+    timed forward (none in a profile)."""
+
+    host_step = 0.0  # seconds of host work with every step, outside the timed forward
 
     def __init__(self, records: pd.DataFrame):
         need = {"kind", "batch", "k", "ctx_tokens", "drafter", "verify_ms", "draft_ms", "step_ms"}
@@ -143,6 +168,36 @@ class MeasuredCostModel:
 
     def verify_time(self, batch: int, q, ctx_tokens: int):
         return grid_time(self._verify, batch, q, ctx_tokens)
+
+    def _rows_s(self, batch: int, q, ctx_tokens: int) -> float:
+        """The verify forward of a mixed step's rows, without the host's per-step part."""
+        return float(self.verify_time(batch, q, ctx_tokens)) - self.host_step if batch > 0 else 0.0
+
+    def _chunks_s(self, n_tokens: float, sum_sq: float) -> float:
+        """The prefill forward of a mixed step's chunks (n tokens, S as `chunk_pairs`)."""
+        icept, slope = self._prefill
+        return icept + slope * n_tokens
+
+    def _joint_s(self) -> float:
+        """What one forward over rows and chunks saves against two: the per-step constant."""
+        return max(min(self._prefill[0], self._verify.floor), 0.0)
+
+    @property
+    def step_overhead(self) -> float:
+        """Seconds of a step's fixed part, inside verify_time, prefill_time and mixed_time: the
+        per-step constant and the host work outside the forward (vLLM's async scheduling
+        overlaps it with the GPU)."""
+        return self._joint_s() + self.host_step
+
+    def mixed_time(self, batch: int, q: float, ctx_tokens: int, chunk_prefix, chunk_len) -> float:
+        """One step of `batch` decode/verify rows (q tokens each, contexts summing to ctx_tokens)
+        beside prompt chunks (`chunk_len` tokens after `chunk_prefix` cached, arrays): verify_time
+        without chunks, prefill of the chunks without rows."""
+        n, sq = chunk_pairs(chunk_prefix, chunk_len)
+        if n <= 0:
+            return float(self.verify_time(batch, q, ctx_tokens))
+        rows = self._rows_s(batch, q, ctx_tokens)
+        return float(mixed_ms(rows, self._chunks_s(n, sq), self._joint_s())) + self.host_step
 
     def draft_time(self, drafter: str, batch: int, k, ctx_tokens: int, width: int = 1):
         if drafter not in self._draft:

@@ -1,0 +1,168 @@
+"""Mixed steps (decode/verify rows beside prompt chunks) and the host's per-step part in the
+fitted and measured cost models, and `rlsched fit` learning them from step records."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from rlsched.costs.costfile import FittedCostModel, load_cost_model, prefill_ms, verify_ms
+from rlsched.costs.fit import fit_records
+from rlsched.costs.measured import MeasuredCostModel, mixed_ms
+from rlsched.errors import UserError
+
+VERIFY = {"t0": 4.0, "s": 0.3, "u": 0.1, "a": 0.002, "m": 2.0, "p": 2.0, "r": 0.01, "c": 1e-6, "kv": 2e-6}
+PREFILL = {"t0": 5.0, "a": 0.004, "c": 1e-7, "g": 0.0, "s_c": 1.0, "h": 1.0}
+J = 3.0  # ms a mixed step saves against a verify and a prefill apart
+
+
+def _entry(form: str, params: dict) -> dict:
+    return {"used": "parametric", "form": form, "params": params, "quality": {}}
+
+
+def _data(mixed: float | None = None, host: float | None = None) -> dict:
+    ops = {
+        "verify": _entry("roofline-verify-v3", VERIFY),
+        "prefill": _entry("roofline-prefill-v2", PREFILL),
+        "draft": {},
+    }
+    if mixed is not None:
+        ops["mixed"] = _entry("verify-plus-prefill-v1", {"j": mixed})
+    if host is not None:
+        ops["host"] = _entry("host-step-v1", {"step": host, "hook": 0.0})
+    return {"kind": "rlsched-costmodel", "version": 1, "ops": ops}
+
+
+@pytest.mark.parametrize("mixed", [None, J])
+def test_fitted_mixed_is_verify_without_chunks_and_prefill_without_rows(mixed):
+    cost = FittedCostModel(_data(mixed))
+    none = np.zeros(0)
+    assert cost.mixed_time(16, 3.0, 16 * 500, none, none) == pytest.approx(cost.verify_time(16, 3.0, 16 * 500))
+    chunks = np.array([300, 200])
+    assert cost.mixed_time(0, 1.0, 0, np.zeros(2), chunks) == pytest.approx(
+        cost.prefill_time(500, int((chunks**2).sum())), rel=1e-9
+    )
+
+
+def test_fitted_mixed_is_one_forward_cheaper_than_two_and_dearer_than_either():
+    cost = FittedCostModel(_data(J))
+    v = cost.verify_time(16, 2.0, 16 * 400)
+    p = cost.prefill_time(512, 512**2)
+    m = cost.mixed_time(16, 2.0, 16 * 400, np.zeros(1), np.array([512]))
+    assert m == pytest.approx(v + p - J / 1e3)
+    assert max(v, p) < m < v + p
+    # without a fitted j the per-step constant (min of the two t0) is paid once
+    plain = FittedCostModel(_data()).mixed_time(16, 2.0, 16 * 400, np.zeros(1), np.array([512]))
+    assert plain == pytest.approx(v + p - min(VERIFY["t0"], PREFILL["t0"]) / 1e3)
+
+
+def test_a_chunk_after_cached_tokens_costs_its_attention_over_them():
+    cost = FittedCostModel(_data(J))
+    fresh = cost.mixed_time(8, 1.0, 8 * 300, np.zeros(1), np.array([256]))
+    after = cost.mixed_time(8, 1.0, 8 * 300, np.array([4096]), np.array([256]))
+    expected = (prefill_ms(PREFILL, 256, 256 * (256 + 2 * 4096)) - prefill_ms(PREFILL, 256, 256**2)) / 1e3
+    assert after - fresh == pytest.approx(expected)
+
+
+def test_step_overhead_is_the_per_step_constant_plus_the_host_step():
+    assert FittedCostModel(_data()).step_overhead == pytest.approx(4.0e-3)
+    cost = FittedCostModel(_data(host=1.5))
+    assert cost.step_overhead == pytest.approx(5.5e-3)
+    # the host step is charged with every step, once
+    assert cost.verify_time(4, 1.0, 400) - FittedCostModel(_data()).verify_time(4, 1.0, 400) == pytest.approx(1.5e-3)
+    m = cost.mixed_time(4, 1.0, 400, np.zeros(1), np.array([64]))
+    assert m - FittedCostModel(_data()).mixed_time(4, 1.0, 400, np.zeros(1), np.array([64])) == pytest.approx(1.5e-3)
+
+
+def _profile() -> pd.DataFrame:
+    rows = []
+    for b in (1, 4, 16):
+        for k in (0, 1, 3):
+            for ctx in (128, 1024):
+                ms = 3.0 + 0.05 * b * (k + 1) + 1e-4 * b * ctx
+                rows.append(dict(kind="verify", batch=b, k=k, ctx_tokens=b * ctx, drafter="off", verify_ms=ms))
+    for n in (64, 512, 2048):
+        rows.append(dict(kind="prefill", batch=1, k=0, ctx_tokens=n, drafter="off", step_ms=2.0 + 0.01 * n))
+    return pd.DataFrame(rows).assign(draft_ms=np.nan).fillna({"step_ms": np.nan, "verify_ms": np.nan})
+
+
+def test_measured_mixed_and_step_overhead():
+    cost = MeasuredCostModel(_profile())
+    assert cost.step_overhead == pytest.approx(2.0e-3, rel=1e-6)
+    none = np.zeros(0)
+    assert cost.mixed_time(4, 2.0, 4 * 500, none, none) == pytest.approx(cost.verify_time(4, 2.0, 4 * 500))
+    assert cost.mixed_time(0, 1.0, 0, np.zeros(1), np.array([512])) == pytest.approx(cost.prefill_time(512))
+    both = cost.mixed_time(4, 2.0, 4 * 500, np.zeros(1), np.array([512]))
+    assert both == pytest.approx(cost.verify_time(4, 2.0, 4 * 500) + cost.prefill_time(512) - 2.0e-3, rel=1e-6)
+
+
+def _synthetic_records(j: float, gap_ms: float = 0.0, with_prompts: bool = True) -> pd.DataFrame:
+    """A vLLM engine's step records priced by VERIFY, PREFILL and the mixed form with `j`,
+    `gap_ms` apart on the engine's clock."""
+    rng = np.random.default_rng(0)
+    rows = []
+    for b in (1, 2, 4, 8, 16, 32, 64):
+        for k in (0, 1, 2, 4):
+            for per in (100, 400, 1600):
+                ms = float(verify_ms(VERIFY, b, k + 1, per))
+                rows.append(dict(kind="decode", batch=b, k=k, drafted=b * k, ctx_tokens=b * per, verify_ms=ms))
+    for n_rows in (1, 2, 4, 8, 16):
+        for length in (64, 256, 1024):
+            n = n_rows * length
+            ms = float(prefill_ms(PREFILL, n, n * length))
+            rows.append(dict(kind="prefill", batch=n_rows, k=0, drafted=0, ctx_tokens=n, verify_ms=ms))
+    for _ in range(40):
+        b, k, per = int(rng.integers(1, 48)), int(rng.integers(0, 4)), int(rng.integers(100, 2000))
+        c = rng.integers(16, 1024, size=int(rng.integers(1, 6)))
+        p = rng.choice([0, 512], size=len(c))
+        n, sq = int(c.sum()), int((c * (c + 2 * p)).sum())
+        ms = float(mixed_ms(verify_ms(VERIFY, b, k + 1, per), prefill_ms(PREFILL, n, sq), j))
+        rec = dict(kind="mixed", batch=b, k=k, drafted=b * k, ctx_tokens=b * per, verify_ms=ms)
+        if with_prompts:
+            rec.update(prompt_tokens=n, prompt_sq=sq)
+        rows.append(rec)
+    df = pd.DataFrame(rows).assign(rl_step=0, instance=0, width=1, drafter="off", draft_ms=0.0)
+    df["step_ms"] = df["verify_ms"]
+    df["time_s"] = np.concatenate(([0.0], np.cumsum(df["step_ms"].to_numpy()[:-1] + gap_ms) / 1e3))
+    return df
+
+
+def test_fit_recovers_the_joint_part_of_mixed_steps():
+    fit = fit_records(_synthetic_records(J))
+    mixed = fit.to_json()["ops"]["mixed"]
+    assert mixed["form"] == "verify-plus-prefill-v1"
+    assert mixed["params"]["j"] == pytest.approx(J, rel=0.05)
+    assert mixed["quality"]["points"] == 40 and mixed["quality"]["mape"] < 0.01
+    for name, value in PREFILL.items():
+        if name in ("t0", "a"):
+            assert fit.ops["prefill"].params[name] == pytest.approx(value, rel=0.05)
+    assert fit.ops["verify"].quality["mape"] < 0.02  # (t0 trades against the floor m: the times, not t0)
+
+
+def test_fit_learns_the_host_step_from_gaps_between_records(tmp_path):
+    fit = fit_records(_synthetic_records(J, gap_ms=0.7))
+    host = fit.to_json()["ops"]["host"]
+    assert host["params"]["step"] == pytest.approx(0.7, abs=1e-6)
+    path = tmp_path / "cost.json"
+    path.write_text(json.dumps(fit.to_json()))
+    cost = load_cost_model(path)
+    assert cost.host_step == pytest.approx(0.7e-3, abs=1e-9)
+    assert cost.step_overhead == pytest.approx(cost._t0 + 0.7e-3)
+
+
+def test_mixed_records_without_their_prompt_tokens_are_left_out_with_a_note():
+    fit = fit_records(_synthetic_records(J, with_prompts=False))
+    assert "mixed" not in fit.to_json()["ops"]
+    assert any("40 mixed steps left out" in n and "prompt_tokens" in n for n in fit.notes)
+
+
+def test_a_cost_file_with_a_bad_mixed_entry_is_one_clear_error(tmp_path):
+    data = _data(J)
+    data["ops"]["mixed"]["params"]["j"] = -1.0
+    path = tmp_path / "cost.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(UserError, match=r"ops\.mixed\.params\.j"):
+        load_cost_model(path)
