@@ -84,9 +84,64 @@ def read_engine_trace(path) -> EngineTrace:
     return EngineTrace(path, engines, steps, samples, notes)
 
 
+_ENGINE_FLAGS = ("enable_chunked_prefill", "enable_prefix_caching", "async_scheduling", "enforce_eager")
+_ENGINE_SIZES = ("max_num_batched_tokens", "block_size")
+
+
+def engine_section(engine: dict | None) -> dict:
+    """The simulator's `engine` section (kind vllm) of a vLLM engine as its engine file records
+    it: the token budget, chunked prefill, prefix caching, async scheduling, block size and
+    CUDA-graph capture sizes (none under enforce_eager). A knob the file lacks (None: no file)
+    is left out, to take vLLM's default (engine_config.py); a knob of the wrong type is one
+    UserError naming the file and the field."""
+    out: dict = {"kind": "vllm"}
+    if engine is None:
+        return out
+    where, fix = engine.get("file", "engine file"), "restore the file the engine wrote"
+
+    def bad(key: str, what: str) -> UserError:
+        return UserError(f"engine file '{where}': {key} is {engine[key]!r}, not {what}; {fix}")
+
+    for key in _ENGINE_FLAGS:
+        if engine.get(key) is not None and not isinstance(engine[key], bool):
+            raise bad(key, "true or false")
+        if key in engine and key != "enforce_eager":
+            out[key] = engine[key]
+    for key in _ENGINE_SIZES:
+        v = engine.get(key)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise bad(key, "a whole number >= 1")
+        if v is not None:
+            out[key] = v
+    sizes = engine.get("cudagraph_capture_sizes")
+    if sizes is not None:
+        whole = isinstance(sizes, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in sizes)
+        if not whole or min(sizes, default=1) < 1:
+            raise bad("cudagraph_capture_sizes", "a list of token counts")
+        out["cudagraph_capture_sizes"] = sorted(set(sizes))
+    if engine.get("enforce_eager"):
+        out["cudagraph_capture_sizes"] = []
+    return out
+
+
+def run_engine(rundir: Path, run_cfg: dict) -> tuple[dict | None, list[str]]:
+    """The `engine` section a run's instances replay as (None: rlsched's engine) and notes: a
+    `--backend vllm` run's vLLM engine, with the scheduling arguments its engine files
+    (traces/engine-*.json) record, vLLM's defaults where it has none."""
+    if run_cfg["rollout"].get("backend", "local") != "vllm":
+        return None, []
+    engines = read_engine_files(rundir / "traces")
+    if not engines:
+        return engine_section(None), [
+            "the run's traces hold no engine files (engine-*.json): its vLLM engine is replayed with vLLM's defaults"
+        ]
+    return engine_section(engines[0]), []
+
+
 def untimed_notes(steps: pd.DataFrame) -> list[str]:
     """What the cost fit leaves out of engine step records: decode steps whose drafting was
-    not timed (draft_ms, verify_ms NaN: the step is timed as a whole) and mixed steps."""
+    not timed (draft_ms, verify_ms NaN: the step is timed as a whole). (Mixed steps: the fit's
+    own notes.)"""
     if steps is None or steps.empty:
         return []
     notes = []
@@ -97,9 +152,6 @@ def untimed_notes(steps: pd.DataFrame) -> list[str]:
             f"{int(untimed.sum())} of {len(dec)} decode steps have no draft/verify split (drafting was not "
             "timed where vLLM's runner ran: draft_ms is NaN): left out of the verify and draft fits"
         )
-    mixed = int((steps["kind"] == "mixed").sum())
-    if mixed:
-        notes.append(f"{mixed} mixed steps (prompt chunks beside decoding rows) left out: no form prices them")
     return notes
 
 

@@ -4,11 +4,13 @@ Each engine (an `engine-<tag>.json` and its parts) is an instance. For each of i
 (`rl_step`: what it ran between two weight updates), the rollout is rebuilt from the window's
 sample records (prompt and response lengths, each sample's acceptance from its own trials)
 and the engine's windows are simulated one after another on one instance with the engine's
-policy, batch limit (`max_num_seqs`), k_max (`num_speculative_tokens`), prompt sharing
-(vLLM's prefix caching) and probe interval, so that the acceptance estimates carry over
-windows as in the engine. A window's measured time is the span of its step records on that
-engine's clock; over engines, a window takes as long as its slowest engine, measured and
-predicted alike.
+policy, batch limit (`max_num_seqs`), k_max (`num_speculative_tokens`) and probe interval, so
+that the acceptance estimates carry over windows as in the engine. The instance runs as the
+simulator's model of vLLM's engine (`engine.kind: vllm`) with the scheduling arguments the
+engine file records (token budget, chunked prefill, prefix caching, async scheduling; no
+CUDA graphs under enforce_eager), vLLM's defaults for those it lacks. A window's measured
+time is the span of its step records on that engine's clock; over engines, a window takes as
+long as its slowest engine, measured and predicted alike.
 
 Step costs: a `rlsched fit` file, or a fit of the folder's own step records (calibrated as
 `replay.py` does); the engine's time between steps is charged per step as measured. The
@@ -25,7 +27,14 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from rlsched.analysis.engine import UNKNOWN, EngineTrace, read_engine_trace, untimed_notes, windows
+from rlsched.analysis.engine import (
+    UNKNOWN,
+    EngineTrace,
+    engine_section,
+    read_engine_trace,
+    untimed_notes,
+    windows,
+)
 from rlsched.analysis.replay import (
     ReplayResult,
     _AsRun,
@@ -46,7 +55,8 @@ def _drafter(tr: EngineTrace) -> str | None:
 
 
 def _limits(engine: dict, rollouts) -> dict:
-    """`simulate_stage`'s limits of one engine: vLLM's settings as its engine file holds them."""
+    """`simulate_stage`'s limits of one engine: vLLM's settings as its engine file holds them,
+    the engine run as the simulator's model of vLLM's (`engine_section`)."""
     longest = max(int(ro.response_len.max()) for ro in rollouts)
     max_len = engine.get("max_len")
     typical = (
@@ -61,9 +71,10 @@ def _limits(engine: dict, rollouts) -> dict:
         max_batch=engine["max_batch"],
         k_max=max(engine["k_max"], 1),
         max_tokens=max(longest, 1),
-        share_prompts=bool(engine.get("enable_prefix_caching", False)),
+        share_prompts=False,  # (the vLLM engine model's own prefix caching)
         probe_every=engine["rlsched"].get("probe_every"),
         typical_ctx=max(typical, 1),
+        engine=engine_section(engine),
     )
 
 

@@ -3,8 +3,10 @@
 `replay_run(RUNDIR)` rebuilds each RL step's rollout from the run's own traces (every
 sample's prompt and response length and the engine's estimate of its per-token acceptance),
 simulates that step's generation stage with the run's batch limit, k_max and drafting policy
-(on one instance, or on the run's instances with its reallocation policy), and sets the
-predicted time beside the measured one (`generation_s` of the run's `rl_steps` records).
+(on one instance, or on the run's instances with its reallocation policy; a `--backend vllm`
+run's instances as the simulator's model of vLLM's engine, with the scheduling arguments of
+its `traces/engine-*.json`), and sets the predicted time beside the measured one
+(`generation_s` of the run's `rl_steps` records).
 
 Step costs come from a `rlsched fit` file (`cost_file`) or, by default, are fitted from the
 run's own step records (each op then scaled so that its fitted total equals its measured
@@ -31,7 +33,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from rlsched.analysis.engine import is_engine_trace
+from rlsched.analysis.engine import is_engine_trace, run_engine
 from rlsched.analysis.stage import simulate_stage
 from rlsched.errors import UserError
 from rlsched.policies.drafters import HOST_DRAFTERS
@@ -105,6 +107,16 @@ class _AsRun:
 
     def prefill_time(self, n_tokens, sum_sq_tokens=None):
         return self._f("prefill") * self._cost.prefill_time(n_tokens, sum_sq_tokens) + self.seconds
+
+    def mixed_time(self, batch, q, ctx_tokens, chunk_prefix, chunk_len):
+        """(A mixed step: calibrated as verification is, or as prefill without rows.)"""
+        f = self._f("verify") if batch > 0 else self._f("prefill")
+        return f * self._cost.mixed_time(batch, q, ctx_tokens, chunk_prefix, chunk_len) + self.seconds
+
+    @property
+    def step_overhead(self) -> float:
+        """The host's part of a step: the cost model's, and the time between steps."""
+        return float(getattr(self._cost, "step_overhead", 0.0)) + self.seconds
 
     def drafter_prefill_time(self, drafter, n_tokens, sum_sq_tokens=None):
         """(Inside a drafting step: calibrated as the drafter's drafting is.)"""
@@ -257,12 +269,13 @@ def _drafter_name(cfg: dict) -> str | None:
     return None if d == "off" else (d if d in HOST_DRAFTERS + ("eagle",) else "model")
 
 
-def run_limits(run_cfg: dict, rollouts) -> dict:
+def run_limits(run_cfg: dict, rollouts, engine: dict | None = None) -> dict:
     """What `simulate_stage` takes of a run's config: its instances, reallocation, batch limit,
     k_max, prompt sharing, probing, the longest response and the typical context the policy
-    was built for."""
+    was built for; with `engine` (an `engine` section), the engine the instances run as."""
     r = run_cfg["rollout"]
     return dict(
+        engine=engine,
         instances=int(r.get("instances", 1)),
         realloc=str(r.get("realloc", "none")),
         realloc_threshold=int(r.get("realloc_threshold", 8)),
@@ -328,6 +341,8 @@ def _costs(rundir: Path, cost_file, drafter, steps: pd.DataFrame | None = None):
         what = {"source": f"fitted from {rundir}/traces", "calibration": factors, **fit.summary()}
         if borrowed:
             what["borrowed_plain_steps"] = borrowed
+    if isinstance(cost, MeasuredCostModel):
+        cost.host_step = 0.0  # the time between steps is charged as this run measured it (`_AsRun`)
     policy_cost = MeasuredCostModel(read_profile(profile)) if profile.is_file() else cost
     return cost, what, policy_cost, factors
 
@@ -353,13 +368,15 @@ def replay_run(rundir, cost_file=None, policy: str | None = None) -> ReplayResul
         raise UserError(f"{rundir / 'traces' / 'samples'} holds no sample records of the run's RL steps")
     done = rl["rl_step"].tolist()
     rollouts = [_rollout(samples[samples["rl_step"] == s], drafter) for s in done]
-    parsed, limits, seed = parse_policy(spec), run_limits(cfg, rollouts), int(cfg.get("seed", 0))
+    engine, more = run_engine(rundir, cfg)
+    parsed, limits, seed = parse_policy(spec), run_limits(cfg, rollouts, engine), int(cfg.get("seed", 0))
     predicted = simulate_stage(rollouts, parsed, drafter, sim_cost, policy_cost, limits, seed)
     predicted_off = simulate_stage(rollouts, OFF_SPEC, drafter, sim_cost, policy_cost, limits, seed)
     measured = rl["generation_s"].to_numpy(dtype=float)
     df = pd.DataFrame(dict(rl_step=done, measured_s=measured, predicted_s=predicted, predicted_off_s=predicted_off))
     df["error"] = (df["predicted_s"] - df["measured_s"]) / df["measured_s"]
     notes = [f"RL step(s) {', '.join(map(str, lacking))} left out: no sample records"] if lacking else []
+    notes += more
     if spec != str(cfg["policy"]):
         notes.append(f"replayed with policy {spec}; the run used {cfg['policy']}")
     if parsed.family == "bandit":

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import simpy
 
@@ -10,12 +12,29 @@ from rlsched.policies.acceptance import AcceptanceEstimator
 from rlsched.policies.registry import PolicySpec
 
 
+def _drafter_overrides(drafter) -> list[str]:
+    """The replayed drafter in the config where the default preset lacks it (its kind from its
+    name: n-gram and suffix drafters are host drafters, `ngram` to the simulator)."""
+    from rlsched.config import load_preset_data
+    from rlsched.policies.drafters import HOST_DRAFTERS
+
+    have = list(load_preset_data("jobs", "default").get("drafters", []))
+    if drafter is None or drafter in [d["name"] for d in have]:
+        return []
+    kind = "ngram" if drafter in HOST_DRAFTERS else "eagle" if drafter == "eagle" else "model"
+    spec = {"name": drafter, "kind": kind, "acceptance": {"mean": 0.6}}
+    if kind == "model":
+        spec["model"] = "qwen2.5-0.5b"
+    return [f"drafters={json.dumps([*have, spec])}"]
+
+
 def simulate_stage(
     rollouts, policy: PolicySpec, drafter, sim_cost, policy_cost, limits: dict, seed: int
 ) -> list[float]:
     """Generation-stage seconds of each rollout within `limits` (`run_limits`): on one
     instance, or on `instances` (prompts assigned round-robin, as the pool does) with the
-    reallocation policy and threshold."""
+    reallocation policy and threshold; with `limits["engine"]` (an `engine` section, kind vllm)
+    each instance runs as the model of vLLM's engine."""
     from rlsched.config import load_config
     from rlsched.policies.draft import PolicyContext
     from rlsched.policies.realloc import make_realloc_policy
@@ -24,9 +43,12 @@ def simulate_stage(
     from rlsched.sim.timeline import Timeline
 
     n_inst, k_max, max_batch = limits["instances"], limits["k_max"], limits["max_batch"]
+    engine = limits.get("engine") or {}
     cfg = load_config(
         "default",
         overrides=[
+            *(f"engine.{k}={json.dumps(v)}" for k, v in engine.items()),
+            *_drafter_overrides(drafter),
             f"cluster.instances={n_inst}",
             f"cluster.max_batch={max_batch}",
             f"speculation.k_max={k_max}",
