@@ -22,7 +22,6 @@ from rlsched.policies.position import (
 from rlsched.policies.position_fit import fit_drafter, fit_position_curves
 from rlsched.policies.tree import chain_tokens as constant_chain_tokens
 from rlsched.policies.types import EngineState
-from rlsched.sim import rlstep
 from rlsched.sim.simulate import policy_context, simulate
 from tests.support import one_line_error, rlsched
 
@@ -78,23 +77,16 @@ def test_the_inversion_draws_match_the_curve_for_every_k(a, decay):
             assert abs((acc == m).mean() - want) < 5 * np.sqrt(want * (1 - want) / n) + 1e-9
 
 
-def _run_static(monkeypatch, k: int, decay: float, a: float = 0.8):
-    """A simulated rollout of static:k whose stage drafts under `decay`, every row at `a`:
+def _run_static(k: int, decay: float, a: float = 0.8):
+    """A simulated rollout of static:k drafting under `decay` (the config's), every row at `a`:
     (mean accepted per verified row, rows verified)."""
-    real = rlstep.GenerationStage
-
-    def stage(*args, **kwargs):
-        st = real(*args, **kwargs)
-        st.position_decay = [decay] * len(st.rollout.drafters)
-        return st
-
-    monkeypatch.setattr(rlstep, "GenerationStage", stage)
     cfg = load_config(
         "default",
         overrides=[
             "rl.steps=1",
             "workload.prompts=16",
             f"drafters.0.acceptance.mean={a}",
+            f"drafters.0.acceptance.position_decay={decay}",
             "drafters.0.acceptance.prompt_concentration=null",
             "drafters.0.acceptance.sample_concentration=null",
             "cluster.instances=1",
@@ -106,9 +98,9 @@ def _run_static(monkeypatch, k: int, decay: float, a: float = 0.8):
 
 
 @pytest.mark.parametrize("k", [1, 3, 6])
-def test_the_simulator_accepts_as_the_curve_says(monkeypatch, k):
+def test_the_simulator_accepts_as_the_curve_says(k):
     decay = 0.8
-    mean, rows = _run_static(monkeypatch, k, decay)
+    mean, rows = _run_static(k, decay)
     want = _closed_form(0.8, k, decay)
     # rows ending mid-draft keep fewer drafts than drawn: a small downward bias, within 3%
     assert mean == pytest.approx(want, rel=0.03, abs=4 * np.sqrt(want / rows))
@@ -124,13 +116,13 @@ def _state(n: int, a: float) -> EngineState:
 
 @pytest.mark.parametrize("policy", [GoodputPolicy, SeqGoodputPolicy])
 def test_a_decaying_curve_makes_goodput_draft_shorter(policy):
-    cfg = load_config("default", overrides=["drafters.0.kind=eagle", "speculation.k_max=8"])
-    base = policy_context(cfg, cost_model_for(cfg))
+    overrides = ["drafters.0.kind=eagle", "speculation.k_max=8"]
+    cfg = load_config("default", overrides=overrides)
+    cost = cost_model_for(cfg)
     chosen = {}
-    for decay in (1.0, 0.75):
-        ctx = policy_context(cfg, base.cost)
-        object.__setattr__(ctx, "position_decay", {"model": decay})
-        chosen[decay] = policy(ctx).choose(_state(4, 0.85))
+    for decay in (1.0, 0.75):  # the config's decay reaches the policy's context
+        cfg = load_config("default", overrides=[*overrides, f"drafters.0.acceptance.position_decay={decay}"])
+        chosen[decay] = policy(policy_context(cfg, cost)).choose(_state(4, 0.85))
     assert chosen[1.0].k >= 3, chosen
     assert 0 < chosen[0.75].k < chosen[1.0].k, chosen
 

@@ -31,6 +31,7 @@ import numpy as np
 
 from rlsched.config import SimConfig
 from rlsched.policies.draft import tree_parts
+from rlsched.policies.position import CONSTANT, reach
 from rlsched.policies.registry import PolicySpec, as_spec, make_draft_policy
 from rlsched.policies.tree import GRID, chain_tokens
 from rlsched.sim.cluster import kv_capacity
@@ -48,8 +49,11 @@ class FluidStage:
     prompt_tokens: int
 
 
-def expected_tokens_per_row(acceptance: np.ndarray, k_max: int) -> np.ndarray:
-    """(rows, k_max + 1): tokens a chain step of k drafts emits in expectation, per row."""
+def expected_tokens_per_row(acceptance: np.ndarray, k_max: int, decay: float = CONSTANT) -> np.ndarray:
+    """(rows, k_max + 1): tokens a chain step of k drafts emits in expectation, per row, at
+    first-token acceptance `acceptance` falling by `decay` a draft position."""
+    if decay != CONSTANT:
+        return np.cumsum(reach(np.clip(acceptance, 0.0, 1.0), k_max, decay), axis=-1)
     a = np.clip(acceptance, 0.0, 1.0 - 1e-9)[:, None]
     return chain_tokens(a, np.arange(k_max + 1))
 
@@ -65,9 +69,10 @@ class Strategies:
         self.cost, self.drafter = cost, drafter
         self.k_max = cfg.speculation.k_max if drafter is not None else 0
         self.trees: list = []  # the tree options, as Strategies
-        self.table, self.top1 = None, 1.0
+        self.table, self.top1, self.decay = None, 1.0, CONSTANT
         if drafter is not None:
             ctx = policy_context(cfg, cost)
+            self.decay = ctx.decay(drafter)
             trees = ctx.trees(drafter)
             if trees is not None:
                 self.trees, self.table = trees
@@ -81,7 +86,7 @@ class Strategies:
 
     def tokens(self, acceptance: np.ndarray) -> np.ndarray:
         """(rows, columns): tokens a step of each strategy emits per row, in expectation."""
-        chains = expected_tokens_per_row(acceptance, self.k_max)
+        chains = expected_tokens_per_row(acceptance, self.k_max, self.decay)
         if self.table is None:
             return chains
         level = np.rint(np.clip(acceptance * self.top1, 0.0, 1.0) * (len(GRID) - 1)).astype(np.int64)
@@ -215,7 +220,11 @@ def stage_time(
     limit = batch_limit(cfg, kv_capacity(cfg, cost), rollout.prompt_len, rollout.response_len)
     # each row's steps at a middling chain's tokens a step; an instance's work (their sum) and its
     # makespan in steps with `limit` slots taken first come, first served
-    rate = expected_tokens_per_row(rollout.acceptance[:, j], 2)[:, -1] if drafter is not None else np.ones(rollout.n)
+    rate = (
+        expected_tokens_per_row(rollout.acceptance[:, j], 2, strategies.decay)[:, -1]
+        if drafter is not None
+        else np.ones(rollout.n)
+    )
     steps = rollout.response_len / rate
     work = np.bincount(owner, steps, minlength=instances)
     critical = np.arange(instances)

@@ -73,6 +73,7 @@ class GenerationStage:
         self.tree_top1 = [d.acceptance.tree_top1 for d in specs]
         self.tree_ref = [reference_acceptance(d.acceptance.mean, d.acceptance.tree_top1) for d in specs]
         self.tree_gain = [d.acceptance.tree_gain for d in specs]
+        self.position_decay = [d.acceptance.position_decay for d in specs]
         self.t_finish = np.full(n, np.nan)
         self.instance_of = np.full(n, -1, dtype=np.int32)
         self.preemptions = np.zeros(n, dtype=np.int32)

@@ -165,6 +165,7 @@ def policy_context(cfg: SimConfig, cost=None, true_acceptance=None) -> PolicyCon
         seed=cfg.seed,
         tree_gain={d.name: d.acceptance.tree_gain for d in cfg.drafters},
         tree_top1={d.name: d.acceptance.tree_top1 for d in cfg.drafters},
+        position_decay={d.name: d.acceptance.position_decay for d in cfg.drafters},
         width_max=cfg.speculation.width_max,
         nodes_max=cfg.speculation.nodes_max,
         identity=config_identity(cfg),
