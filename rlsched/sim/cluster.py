@@ -34,6 +34,8 @@ from rlsched.sim.workload import Rollout
 
 _EMPTY_I = np.zeros(0, dtype=np.int64)
 
+AS = ("tree_top1", "tree_gain", "position_decay")  # a drafter's acceptance shape, kept per drafter in a stage
+
 
 def kv_capacity(cfg: SimConfig, cost) -> int:
     if cfg.cluster.kv_capacity_tokens is not None:
@@ -70,10 +72,8 @@ class GenerationStage:
         self.drafter_idx = {name: j for j, name in enumerate(rollout.drafters)}
         # tree shapes are built for each drafter's configured acceptance, as policies build them
         specs = [cfg.drafter(name) for name in rollout.drafters]
-        self.tree_top1 = [d.acceptance.tree_top1 for d in specs]
         self.tree_ref = [reference_acceptance(d.acceptance.mean, d.acceptance.tree_top1) for d in specs]
-        self.tree_gain = [d.acceptance.tree_gain for d in specs]
-        self.position_decay = [d.acceptance.position_decay for d in specs]
+        self.tree_top1, self.tree_gain, self.position_decay = ([getattr(d.acceptance, f) for d in specs] for f in AS)
         self.t_finish = np.full(n, np.nan)
         self.instance_of = np.full(n, -1, dtype=np.int32)
         self.preemptions = np.zeros(n, dtype=np.int32)
