@@ -245,6 +245,19 @@ def test_traces_of_each_run(self_engine, requests_):
 
 @pytest.mark.vllm
 @needs_vllm
+def test_a_rollout_again_at_its_seed_and_step_is_the_same(self_engine, requests_):
+    """The engine core holds a rollout's requests until the first step (they start together,
+    whatever the timing between processes) and vLLM's workers are seeded per rollout: the same
+    rollout again gives the same tokens, another RL step others."""
+    runs = []
+    for step in (11, 11, 12):
+        self_engine.rl_step = step
+        runs.append([x.tokens for x in self_engine.run(requests_[:6]).samples])
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+@pytest.mark.vllm
+@needs_vllm
 def test_a_request_past_vllms_window_is_refused(self_engine):
     from rlsched.executor.engine.rows import Request
 

@@ -38,7 +38,9 @@ def served():
     head = builtin_head()
     torch.set_num_threads(1)
     spec = {"method": "eagle3", "model": str(head.folder), "num_speculative_tokens": K}
-    llm = start_llm(head.target, spec, max_batch=8, max_model_len=256, seed=0, dtype="float32", threads=1)
+    llm = start_llm(
+        head.target, spec, max_batch=8, max_model_len=256, seed=0, dtype="float32", threads=1, in_process=True
+    )
     from vllm import SamplingParams, TokensPrompt
 
     prompts = [encode(e.prompt) for e in make_examples(PROMPTS, seed=12345)]
@@ -139,7 +141,7 @@ def test_vllm_accepts_what_our_greedy_chain_accepts_with_the_same_head(served):
     assert per_pos[0] > 0.5 * steps
 
 
-def test_the_rollout_engine_serves_the_head_and_takes_its_updates_in_place(served):
+def test_the_rollout_engine_serves_the_head_and_takes_its_updates_in_place(served, monkeypatch):
     """`VllmRolloutEngine` with the head's folder runs vLLM's eagle3 method (sampled: its
     probabilistic drafts); `sync_weights` with an EagleHead loads the head into vLLM's drafter
     in place: a broken head's acceptance collapses, the trained one's comes back."""
@@ -157,6 +159,7 @@ def test_the_rollout_engine_serves_the_head_and_takes_its_updates_in_place(serve
         w = broken.lm_head.weight
         w.copy_(torch.randn(w.shape, generator=torch.Generator().manual_seed(0)))
     requests = [Request(p, i // 2, i, 32, EOS) for i, p in enumerate(served["prompts"])]
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # (the test reads the served head by a function)
     eng = VllmRolloutEngine(
         head.target,
         head.folder,

@@ -85,6 +85,7 @@ def llm(folders):
         seed=0,
         dtype="float32",
         scheduler_cls=PolicyScheduler,
+        in_process=True,  # (the tests give the scheduler hooks of their own, `attach`)
     )
     yield llm
 

@@ -404,7 +404,7 @@ def mixed_table(df: pd.DataFrame) -> tuple[pd.DataFrame | None, list[str]]:
     n = m["prompt_tokens"].to_numpy(float)
     sq = m["prompt_sq"].to_numpy(float) if "prompt_sq" in m else np.full(len(m), np.nan)
     ms = np.where(np.isfinite(m["verify_ms"]), m["verify_ms"], np.where(m["drafted"] == 0, m["step_ms"], np.nan))
-    b = m["batch"].to_numpy(float)
+    b = (m["decode_rows"] if "decode_rows" in m else m["batch"]).to_numpy(float)  # rows not in a prompt
     t = pd.DataFrame(
         {
             "batch": b,

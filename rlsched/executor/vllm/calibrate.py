@@ -8,7 +8,6 @@ import pickle
 
 import numpy as np
 
-from rlsched.executor.seeds import derive_seed
 from rlsched.executor.vllm.engine_hook import ask
 from rlsched.policies.types import EngineState, StepOutcome, Strategy
 
@@ -71,7 +70,7 @@ def measure_step_costs(engine, typical_ctx: int):
     ask(engine.llm, "capture", True)
     try:
         for b in sizes:
-            ask(engine.llm, "begin", engine.rl_step, engine.instance, derive_seed(engine.seed, "vllm-calibrate", b))
+            ask(engine.llm, "begin", engine.rl_step, engine.instance)
             prompts = [TokensPrompt(prompt_token_ids=rng.integers(1, vocab, prompt_len).tolist()) for _ in range(b)]
             engine.llm.generate(prompts, [params] * b, use_tqdm=False)
     finally:

@@ -11,15 +11,10 @@ side builds the policy (pricing it with `cost`, or with step costs measured thro
 first, `calibrate`) and hands it over pickled; a checkpoint takes it back (`policy_state`).
 How a policy runs on vLLM: `spec.py`.
 
-Weights: `sync_weights` loads the trainer's weights into vLLM's workers through
-`LLM.collective_rpc` and rlsched's worker extension (`weights.WeightLoader`), under HF names
-(`saving.hf_state_dict`): the target, and the drafter (a draft model, or an EAGLE-3 head, which
-shares the target's embedding); the prefix cache is then reset, which starts a new window in
-the engine core's records.
-
-Log-probs: vLLM returns the sampled token's log-prob under the processed distribution
-(`logprobs_mode = processed_logprobs`: softmax(logits / temperature)), what
-`algos.token_logprobs(actor, ids, temperature)` computes (the RL update's old policy).
+Weights: `sync_weights` loads the trainer's target and drafter weights (HF names) into vLLM's
+workers through `collective_rpc` and rlsched's worker extension (`worker_extension.py`), then
+resets the prefix cache. Log-probs are vLLM's `processed_logprobs` (softmax(logits /
+temperature)), what `algos.token_logprobs(actor, ids, temperature)` computes.
 
 Traces (`trace_dir`): the engine core writes one step record per engine step (draft and verify
 timed apart), tagged with the run's `rl_step` and instance, and its engine file; this side
@@ -45,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from rlsched.errors import UserError
 from rlsched.executor.decode.sampling import SamplingParams
@@ -52,17 +48,17 @@ from rlsched.executor.engine.recorder import Recorder, sample_record
 from rlsched.executor.engine.rows import RolloutResult, SampleResult, check_requests
 from rlsched.executor.seeds import derive_seed
 from rlsched.executor.vllm.calibrate import measure_step_costs
-from rlsched.executor.vllm.engine_hook import ask, run_request_id
+from rlsched.executor.vllm.engine_hook import ask, run_request_id, utility
 from rlsched.executor.vllm.settings import KEY
 from rlsched.executor.vllm.shims import import_vllm, start_llm
 from rlsched.executor.vllm.spec import check_device, model_window, speculative_config, speculative_plan, vocab_size
-from rlsched.executor.vllm.weights import pack
+from rlsched.executor.vllm.worker_extension import pack, trainer_weights
 from rlsched.policies.acceptance import AcceptanceEstimator
 from rlsched.policies.probe import PROBE_EVERY
 from rlsched.policies.registry import PolicySpec, as_spec, run_words
 
 SCHEDULER = "rlsched.vllm.PolicyScheduler"
-WORKER_EXTENSION = "rlsched.executor.vllm.weights.WeightLoader"
+WORKER_EXTENSION = "rlsched.executor.vllm.worker_extension.WorkerExtension"
 
 
 @dataclass
@@ -187,7 +183,8 @@ class VllmRolloutEngine:
         except UserError as e:
             raise UserError(f"{e}; policy '{policy}', drafter {drafter}") from e.__cause__
         self.startup_s = time.perf_counter() - t
-        self._adds, self._live, self._done, self._prompt_of = 0, {}, {}, np.zeros(0, dtype=np.int64)
+        self._adds, self._live, self._done, self._paused = 0, {}, {}, False
+        self._prompt_of = np.zeros(0, dtype=np.int64)
         self._hand_over(state, cost, typical_ctx or max_len // 2, identity or {}, log)
 
     def _hand_over(self, state, cost, typical_ctx: int, identity: dict, log) -> None:
@@ -243,11 +240,12 @@ class VllmRolloutEngine:
             [prompt_index.setdefault(r.prompt_id, len(prompt_index)) for r in requests], dtype=np.int64
         )
         results: list = [None] * len(requests)
-        self.begin(prompt_of, seed=derive_seed(self.seed, "vllm-rollout", self.rl_step))
-        self.submit(list(enumerate(requests)))
-        while self.has_work:
-            for i, res in self.work():
-                results[i] = res
+        with torch.random.fork_rng(devices=[]):  # (an in-process worker samples from this process's generator)
+            self.begin(prompt_of, seed=derive_seed(self.seed, "vllm-rollout", self.rl_step))
+            self.submit(list(enumerate(requests)))
+            while self.has_work:
+                for i, res in self.work():
+                    results[i] = res
         seconds = time.perf_counter() - self._t0
         t = self.totals
         tokens = sum(len(x.tokens) for x in results)
@@ -273,9 +271,13 @@ class VllmRolloutEngine:
     def begin(self, prompt_of: np.ndarray, longest_reserve: int = 0, seed: int | None = None) -> None:
         """Start a rollout of len(prompt_of) samples (dense indices, sample i of prompt
         prompt_of[i]); this instance may get any of them (`submit`, `import_rows`). `seed`
-        seeds the engine core's torch generator, which vLLM samples from."""
+        seeds vLLM's workers' generator, which it samples from; the engine core is paused until
+        the first `work`, so that every request submitted before it starts at once."""
         seed = derive_seed(self.seed, "vllm-rollout", self.rl_step) if seed is None else seed
-        ask(self.llm, "begin", self.rl_step, self.instance, int(seed))
+        ask(self.llm, "begin", self.rl_step, self.instance)
+        utility(self.llm, "pause_scheduler", "keep", False)  # the rollout's requests start together (`work`)
+        self.llm.collective_rpc("rlsched_seed", args=(int(seed),))  # vLLM samples from its workers' generator
+        self._paused = True
         self._prompt_of = np.asarray(prompt_of, dtype=np.int64)
         self._live: dict[str, _Live] = {}  # the request id (ours) -> the sample's state here
         self._done: dict[int, tuple] = {}  # finished samples' chain counts (for the totals)
@@ -322,6 +324,9 @@ class VllmRolloutEngine:
     def work(self) -> list:
         """The outputs of the engine's next step(s); the samples that finished, as (dense
         index, SampleResult)."""
+        if self._paused:
+            self._paused = False
+            utility(self.llm, "resume_scheduler")
         outs = self.llm.llm_engine.step()
         ended = []
         for o in outs:
@@ -458,18 +463,13 @@ class VllmRolloutEngine:
         policy, estimator = pickle.loads(ask(self.llm, "state"))
         return policy, estimator, None
 
-    def sync_weights(self, model, drafter_model=None) -> None:
-        """Load the trainer's actor (and drafter: a draft model, or an EAGLE-3 head) weights
-        into vLLM's models in place."""
-        from rlsched.executor.decode.eagle import EagleHead, vllm_weights
-        from rlsched.executor.model.saving import hf_state_dict
+    @property
+    def estimator(self) -> AcceptanceEstimator:
+        return self.policy_state()[1]
 
-        draft = None
-        if isinstance(drafter_model, EagleHead):
-            draft = vllm_weights(drafter_model.state_dict(), drafter_model.config)
-        elif drafter_model is not None:
-            draft = hf_state_dict(drafter_model)
-        self.load_weights(hf_state_dict(model), draft)
+    def sync_weights(self, model, drafter_model=None) -> None:
+        """Load the trainer's actor (and drafter) weights into vLLM's models in place."""
+        self.load_weights(*trainer_weights(model, drafter_model))
 
     def load_weights(self, target: dict, draft: dict | None = None) -> None:
         """Weights under HF names (`saving.hf_weights`; an EAGLE-3 head's under its checkpoint

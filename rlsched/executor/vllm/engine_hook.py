@@ -25,7 +25,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
-import torch
 
 from rlsched.executor.engine.recorder import Recorder, sample_record
 from rlsched.executor.vllm.hook import StepHook
@@ -42,13 +41,18 @@ def run_request_id(prompt: int, index: int, n: int) -> str:
     return f"rlsched:{prompt}:{index}.{n}"
 
 
-def ask(llm, name: str, *args):
-    """Call the hook of `llm`'s engine core (`EngineHook.call_<name>`), in whichever process
-    the engine core runs."""
+def utility(llm, method: str, *args):
+    """Call the engine core's utility `method` (one of vLLM's EngineCore methods), in whichever
+    process the engine core runs."""
     core = llm.llm_engine.engine_core
     if hasattr(core, "call_utility"):  # the multiprocess engine core
-        return core.call_utility(UTILITY, name, list(args))
-    return getattr(core.engine_core, UTILITY)(name, list(args))
+        return core.call_utility(method, *args)
+    return getattr(core.engine_core, method)(*args)
+
+
+def ask(llm, name: str, *args):
+    """Call the hook of `llm`'s engine core (`EngineHook.call_<name>`)."""
+    return utility(llm, UTILITY, name, list(args))
 
 
 def register_utility() -> None:
@@ -169,14 +173,13 @@ class EngineHook(StepHook):
 
     # --- what a client asks (`ask`) ----------------------------------------------------------
 
-    def call_begin(self, rl_step: int, instance: int, seed: int) -> None:
+    def call_begin(self, rl_step: int, instance: int) -> None:
         """A client's rollout starts: a new window of records tagged (rl_step, instance), the
-        engine's step count from 0, and torch's generator here (vLLM samples from it) seeded."""
+        engine's step count from 0."""
         self.new_window(weights_changed=False)
         self.rl_step, self.instance, self.step, self.scheduled = rl_step, instance, 0, 0
         self.hook_s, self.max_running, self._t0 = 0.0, 0, time.perf_counter()
         self.left.clear()
-        torch.manual_seed(seed)
 
     def call_policy(self, blob: bytes) -> None:
         """Run the pickled (policy, estimator or None) from here on (None: vLLM's own draft length)."""

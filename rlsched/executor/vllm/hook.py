@@ -111,13 +111,18 @@ class StepHook:
         """After vLLM scheduled this step: choose the drafts proposed after it."""
         t_in = time.perf_counter()
         rows, ctx, room = [], [], []
+        chunks = [0, 0, 0]  # prompt chunks: tokens, sum of c (c + 2 cached), those ending their prompt
         for req_id, n in out.num_scheduled_tokens.items():
             r = scheduler.requests.get(req_id)
             if r is None or req_id not in self.index_of:
                 continue
-            after = r.num_computed_tokens + n  # tokens in the KV cache once this step ran
-            if after < r.num_prompt_tokens:
-                continue  # a prompt chunk: no token comes out of this step
+            done, after = r.num_computed_tokens, r.num_computed_tokens + n  # in the KV cache before, after
+            if done < r.num_prompt_tokens:
+                c = min(n, r.num_prompt_tokens - done)
+                chunks[0], chunks[1] = chunks[0] + c, chunks[1] + c * (c + 2 * done)
+                if after < r.num_prompt_tokens:
+                    continue  # no token comes out of this step
+                chunks[2] += 1  # the last chunk emits the first token: a row too
             rows.append(req_id)
             ctx.append(after)
             room.append(r.max_tokens - r.num_output_tokens - 2)  # drafts a next step could keep
@@ -143,7 +148,7 @@ class StepHook:
             strategy = self._choose(state, rows, room, out)
         self.scheduled += 1
         t_step = time.perf_counter()
-        self._chosen[id(out)] = (state, strategy, t_step, t_step - t_in)
+        self._chosen[id(out)] = (state, strategy, t_step, t_step - t_in, chunks)
         self.hook_s += t_step - t_in
 
     def _choose(self, state: EngineState, rows: list[str], room: list[int], out) -> Strategy:
@@ -169,7 +174,9 @@ class StepHook:
     def after_step(self, scheduler_output, runner_output) -> None:
         """The step ran: feed the estimator and the policy, write the step record."""
         t_in = time.perf_counter()
-        state, strategy, t_step, before_s = self._chosen.pop(id(scheduler_output), (None, None, t_in, 0.0))
+        state, strategy, t_step, before_s, chunks = self._chosen.pop(
+            id(scheduler_output), (None, None, t_in, 0.0, None)
+        )
         timed = draft_seconds(runner_output)  # this step's drafting (None: not timed where the runner runs)
         step_s, draft_s = t_in - t_step, timed or 0.0
         spec = scheduler_output.scheduled_spec_decode_tokens
@@ -190,7 +197,11 @@ class StepHook:
             split = timed is not None and (prev is None or prev[2] is not None)  # both drafts timed
             draft = draft_s if split else None
             hook_ms = (before_s + time.perf_counter() - t_in) * 1e3  # choosing and learning, this step
-            self._record(scheduler_output, prev, state, rows, dk, acc, emitted, step_s, draft, t_step, hook_ms)
+            record = self._record(scheduler_output, prev, state, rows, dk, acc, emitted, step_s, draft, t_step)
+            record["hook_ms"] = hook_ms  # (beside the schema's columns, as the three below)
+            if chunks is not None:  # prompt tokens computed, their attention's size, rows not in a prompt
+                record.update(prompt_tokens=chunks[0], prompt_sq=chunks[1], decode_rows=len(rows) - chunks[2])
+            self.record(record)
         self.step += 1
         self.hook_s += time.perf_counter() - t_in
 
@@ -238,9 +249,8 @@ class StepHook:
                 )
             )
 
-    def _record(self, scheduler_output, prev, state, rows, dk, acc, emitted, step_s, draft_s, t_step, hook_ms):
-        """The step record: a verify paired with the drafting that produced its drafts, and
-        `hook_ms`, the host time this hook took in the step (beside the schema's columns)."""
+    def _record(self, scheduler_output, prev, state, rows, dk, acc, emitted, step_s, draft_s, t_step) -> dict:
+        """The step record: a verify paired with the drafting that produced its drafts."""
         spec = scheduler_output.scheduled_spec_decode_tokens
         scheduled = scheduler_output.num_scheduled_tokens
         prefill = sum(1 for q, n in scheduled.items() if n > 1 + len(spec.get(q, ())))
@@ -261,5 +271,4 @@ class StepHook:
             draft_ms, verify_ms, step_ms, ctx,
         )
         # fmt: on
-        record["hook_ms"] = hook_ms
-        self.record(record)
+        return record

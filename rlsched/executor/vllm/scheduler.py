@@ -154,8 +154,9 @@ class PolicyScheduler:
 
 
 def attach(llm, hook: StepHook) -> None:
-    """Give an in-process `llm`'s PolicyScheduler `hook` (the executor's own engine, which
-    numbers its samples itself)."""
+    """Give the PolicyScheduler of an `llm` whose engine core runs in this process a StepHook
+    of the caller's own (a test that drives the hook's mechanics directly; engines started by
+    arguments build theirs, `engine_hook.EngineHook`)."""
     core = llm.llm_engine.engine_core
     scheduler = getattr(core, "engine_core", core).scheduler
     if type(scheduler) not in _CLASSES.values():

@@ -103,6 +103,9 @@ def write_engine_file(folder: Path, tag: str, cfg: EngineHookConfig, vllm_config
         enable_chunked_prefill=bool(sched.enable_chunked_prefill),
         enable_prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
         async_scheduling=bool(sched.async_scheduling),
+        enforce_eager=bool(vllm_config.model_config.enforce_eager),
+        cudagraph_capture_sizes=list(vllm_config.compilation_config.cudagraph_capture_sizes or []),
+        block_size=int(vllm_config.cache_config.block_size),
         pid=os.getpid(),
         own_process=multiprocessing.parent_process() is not None,  # the engine core apart from its client
         started=time.time(),

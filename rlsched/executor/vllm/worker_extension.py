@@ -1,4 +1,5 @@
-"""The trainer's weights into vLLM's workers: `WeightLoader`, vLLM's worker extension.
+"""rlsched's calls in vLLM's workers (`WorkerExtension`): the trainer's weights in, the
+sampler's seed.
 
 vLLM mixes the class named by `worker_extension_cls` into every worker it starts, and
 `LLM.collective_rpc(NAME, args=...)` calls a method by name on each of them, in whichever
@@ -27,8 +28,28 @@ def unpack(blob: bytes | None) -> dict | None:
     return None if blob is None else load(bytes(blob))
 
 
-class WeightLoader:
+def trainer_weights(model, drafter_model=None) -> tuple[dict, dict | None]:
+    """The trainer's actor and drafter (a draft model, or an EAGLE-3 head) as vLLM loads them:
+    HF names (`saving.hf_state_dict`), a head's under its checkpoint names (`eagle.vllm_weights`)."""
+    from rlsched.executor.decode.eagle import EagleHead, vllm_weights
+    from rlsched.executor.model.saving import hf_state_dict
+
+    draft = None
+    if isinstance(drafter_model, EagleHead):
+        draft = vllm_weights(drafter_model.state_dict(), drafter_model.config)
+    elif drafter_model is not None:
+        draft = hf_state_dict(drafter_model)
+    return hf_state_dict(model), draft
+
+
+class WorkerExtension:
     """Methods vLLM adds to its workers (`worker_extension_cls`)."""
+
+    def rlsched_seed(self, seed: int) -> None:
+        """Seed torch's generator in the worker's process, which vLLM samples from."""
+        import torch
+
+        torch.manual_seed(seed)
 
     def rlsched_load_weights(self, target: bytes, draft: bytes | None = None) -> None:
         """Weights under HF names (`pack`ed) into the worker's target model and, with `draft`,
