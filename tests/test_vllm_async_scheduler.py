@@ -25,7 +25,7 @@ pytestmark = pytest.mark.vllm
 K = 6
 
 
-def _scheduler(pair, policy: str, monkeypatch, async_scheduling: bool = True):
+def _scheduler(pair, policy: str, monkeypatch, async_scheduling: bool = True, budget: int | None = None):
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
@@ -43,6 +43,7 @@ def _scheduler(pair, policy: str, monkeypatch, async_scheduling: bool = True):
         speculative_config={"method": "draft_model", "model": str(pair.drafter), "num_speculative_tokens": K},
         scheduler_cls="rlsched.vllm.PolicyScheduler",
         additional_config={"rlsched": {"policy": policy, "probe_every": None}},
+        **({} if budget is None else {"max_num_batched_tokens": budget}),
     ).create_engine_config()
     config.scheduler_config.async_scheduling = async_scheduling  # True: as vLLM sets it on a GPU
     config.cache_config.num_gpu_blocks = 512  # (what the engine core sets once it sized the cache)
@@ -124,3 +125,41 @@ def test_a_policy_file_names_the_engines_drafter(pair, monkeypatch, tmp_path):
         ks.append(out.num_spec_tokens_to_schedule)
         sched.update_from_output(out, _output(sched, out))
     assert ks == [0, 0, 0]  # 4 rows, above the file's max_batch_on: speculation off
+
+
+def test_step_records_say_the_prompt_chunks_beside_the_rows(pair, monkeypatch):
+    """Prompts of 20 under a small token budget: the first step prefills one prompt whole and
+    the start of the next, the second decodes the first beside the rest of the next (a mixed
+    step). Each record says the prompt tokens, their attention's size, sum c (c + 2 cached), and
+    the rows that were not in a prompt."""
+    from vllm import SamplingParams
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+
+    sched = _scheduler(pair, "static:0", monkeypatch, async_scheduling=False, budget=24)
+    records: list[dict] = []
+    sched.hook.record = records.append
+    for i in range(2):
+        sched.add_request(Request(f"r{i}", list(range(1 + i, 21 + i)), SamplingParams(max_tokens=8), None))
+    chunks = []
+    for _ in range(3):
+        out = sched.schedule()
+        chunks.append(dict(out.num_scheduled_tokens))
+        ids = list(out.num_scheduled_tokens)
+        # a runner samples nothing for a prompt not yet whole
+        sampled = [[7] if sched.requests[q].num_computed_tokens >= 20 else [] for q in ids]
+        sched.update_from_output(
+            out,
+            ModelRunnerOutput(
+                req_ids=ids, req_id_to_index={q: i for i, q in enumerate(ids)}, sampled_token_ids=sampled
+            ),
+        )
+    first = chunks[0]["r1"]  # (the budget vLLM leaves after the first prompt)
+    assert chunks[0]["r0"] == 20 and 0 < first < 20 and chunks[1] == {"r0": 1, "r1": 20 - first}
+    rest = 20 - first
+    got = [(r["kind"], r["prompt_tokens"], r["prompt_sq"], r["decode_rows"]) for r in records]
+    assert got == [
+        ("prefill", 20 + first, 20 * 20 + first * first, 0),
+        ("mixed", rest, rest * (rest + 2 * first), 1),
+        ("decode", 0, 0, 2),
+    ], got

@@ -111,7 +111,7 @@ class StepHook:
         """After vLLM scheduled this step: choose the drafts proposed after it."""
         t_in = time.perf_counter()
         rows, ctx, room = [], [], []
-        chunks = [0, 0, 0]  # prompt chunks: tokens, sum of c (c + 2 cached), those ending their prompt
+        chunks = [0, 0, 0]  # prompt chunks' tokens and sum of c (c + 2 cached); rows not in a prompt
         for req_id, n in out.num_scheduled_tokens.items():
             r = scheduler.requests.get(req_id)
             if r is None or req_id not in self.index_of:
@@ -122,10 +122,11 @@ class StepHook:
                 chunks[0], chunks[1] = chunks[0] + c, chunks[1] + c * (c + 2 * done)
                 if after < r.num_prompt_tokens:
                     continue  # no token comes out of this step
-                chunks[2] += 1  # the last chunk emits the first token: a row too
+                chunks[2] -= 1  # the last chunk emits the first token: a row, not a decode row
             rows.append(req_id)
             ctx.append(after)
             room.append(r.max_tokens - r.num_output_tokens - 2)  # drafts a next step could keep
+        chunks[2] += len(rows)
         ids = np.array([self.index_of[q] for q in rows], dtype=np.int64)
         if not np.array_equal(ids, self._ids):  # the estimator keys pending counts by the array
             self.estimator.retire(self._ids)
@@ -200,7 +201,7 @@ class StepHook:
             record = self._record(scheduler_output, prev, state, rows, dk, acc, emitted, step_s, draft, t_step)
             record["hook_ms"] = hook_ms  # (beside the schema's columns, as the three below)
             if chunks is not None:  # prompt tokens computed, their attention's size, rows not in a prompt
-                record.update(prompt_tokens=chunks[0], prompt_sq=chunks[1], decode_rows=len(rows) - chunks[2])
+                record.update(prompt_tokens=chunks[0], prompt_sq=chunks[1], decode_rows=chunks[2])
             self.record(record)
         self.step += 1
         self.hook_s += time.perf_counter() - t_in
