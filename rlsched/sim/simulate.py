@@ -17,7 +17,7 @@ from rlsched.sim.cluster import kv_capacity
 from rlsched.sim.rlstep import StepRecord, TrueAcceptance, rl_run
 from rlsched.sim.sizes import check_fits
 from rlsched.sim.timeline import KIND_PREFILL, KINDS, Timeline
-from rlsched.sim.vllm_engine import STATS
+from rlsched.sim.vllm_engine import STATS, VllmInstance
 from rlsched.sim.workload import sample_lengths
 
 
@@ -134,7 +134,8 @@ class SimResult:
             "freed_gpu_s": float(sum(r.stage.freed_gpu_s for r in recs)),  # sum of (stage end - freed) x tp
         }
         if self.config.engine.kind == "vllm":  # the vLLM engine's token counts (sim/vllm_engine.py)
-            stats = sum((i.stats for r in recs for i in r.stage.instances), np.zeros(len(STATS), dtype=np.int64))
+            parts = [i.stats for r in recs for i in r.stage.instances if isinstance(i, VllmInstance)]
+            stats = sum(parts, np.zeros(len(STATS), dtype=np.int64))
             out["vllm_engine"] = dict(zip(STATS, stats.tolist()))
         if self.timeline.enabled and len(self.timeline):
             c = self.timeline.arrays()
