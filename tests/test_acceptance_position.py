@@ -167,3 +167,15 @@ def test_a_decay_outside_its_range_is_one_line(tmp_path):
         "simulate", "--set", "drafters.0.acceptance.position_decay=1.5", "--out", str(tmp_path / "o"), cwd=tmp_path
     )
     one_line_error(proc, "drafters.0.acceptance.position_decay", "1.5")
+
+
+def test_rlsched_fit_reports_each_drafters_curve():
+    """What `rlsched fit` adds to its summary: each drafter's fitted curve, from decode steps."""
+    from rlsched.analysis.engine import position_curves
+
+    df = _records(np.random.default_rng(5), 0.8, 0.85).assign(kind="decode")
+    df.loc[df.index[:5], "kind"] = "prefill"  # (left out)
+    curves = position_curves(df)
+    assert list(curves) == ["model"] and curves["model"]["steps"] == 8 * 3 * 60 - 5
+    assert abs(curves["model"]["decay"] - 0.85) < 0.03 and abs(curves["model"]["alpha"] - 0.8) < 0.03
+    assert position_curves(df.drop(columns="accepted")) == {}  # (a profile's records: nothing to fit)

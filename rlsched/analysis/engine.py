@@ -243,4 +243,30 @@ def fit_folder(path, max_mape: float):
         source["engines"] = [{k: e.get(k) for k in keys} for e in engines]
     result = fit_records(df, source, max_mape)
     result.notes[:0] = untimed_notes(df)
+    result.acceptance = position_curves(df)
+    for d, f in result.acceptance.items():
+        known = np.isfinite(f["decay_se"]) and f["decay_se"] < 0.25
+        decay = f"then x {f['decay']:.3f} (± {f['decay_se']:.3f}) a position" if known else "its decay not told"
+        result.notes.append(
+            f"acceptance by draft position, {d}: first draft {f['alpha']:.3f} (± {f['alpha_se']:.3f}), {decay}, "
+            f"from {f['steps']} steps; the simulator takes them as acceptance.mean and acceptance.position_decay"
+        )
     return result
+
+
+def position_curves(df: pd.DataFrame) -> dict[str, dict]:
+    """Each drafter's acceptance by draft position (`policies.position_fit`), fitted to the
+    records' chain steps of one k a row; none for a drafter without such steps."""
+    from rlsched.policies.position_fit import fit_drafter
+
+    need = {"kind", "drafter", "k", "batch", "drafted", "accepted"}
+    if not need <= set(df.columns):
+        return {}
+    steps = df[(df["kind"] == "decode") & (df["drafted"] > 0)]
+    out = {}
+    for d in sorted({str(x) for x in steps["drafter"] if isinstance(x, str) and x not in ("", "off")}):
+        try:
+            out[d] = fit_drafter(d, steps[steps["drafter"] == d]).as_dict()
+        except ValueError:  # no chain step of one k a row
+            continue
+    return out

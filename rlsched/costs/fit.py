@@ -92,6 +92,7 @@ class FitResult:
     max_mape: float
     notes: list[str] = field(default_factory=list)
     extra: dict[str, dict] = field(default_factory=dict)  # the optional entries: mixed, host
+    acceptance: dict[str, dict] = field(default_factory=dict)  # per drafter: its curve by draft position
 
     def to_json(self) -> dict:
         per = {op: {k.partition(":")[2]: f.entry() for k, f in self.ops.items() if f.op == op} for op in PER_DRAFTER}
@@ -116,6 +117,7 @@ class FitResult:
             "source": self.source,
             "notes": self.notes,
             "max_mape": self.max_mape,
+            "acceptance_by_position": self.acceptance,
         }
 
 
