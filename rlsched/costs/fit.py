@@ -446,6 +446,8 @@ def fit_host(df: pd.DataFrame) -> dict | None:
     none): `step`, the median gap between one record's end and the next one's start within a
     rollout of one instance (at least 0), and `hook`, the median `hook_ms` where recorded."""
     d = df[df["kind"].isin(("decode", "prefill", "mixed"))]
+    if "source" in d:  # an import of vLLM's metrics: each record an interval's mean step, no gaps between
+        d = d[d["source"] != "vllm"]
     if "time_s" not in d or not d["kind"].isin(("decode", "mixed")).any():
         return None  # (a profile: its prefill points are timed apart)
     keys = [k for k in ("rl_step", "instance") if k in d]
