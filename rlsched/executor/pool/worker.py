@@ -223,15 +223,11 @@ class InstanceWorker:
                     break
                 finished += self.engine.work()
         with self._lock:
-            e = self.engine
-            return dict(
-                finished=finished,
-                view=self._view(),
-                totals=e.totals,
-                accept_means=e.accept_means()
-                if self.spec.backend == "vllm"  # (the estimator lives in vLLM's engine core)
-                else {d: e.estimator.mean(d) for d in e.estimator.drafters},
-            )
+            e, totals = self.engine, self.engine.totals
+            means = totals.get("accept_means")  # (vLLM's: its estimator lives in the engine core)
+            if means is None:
+                means = {d: e.estimator.mean(d) for d in e.estimator.drafters}
+            return dict(finished=finished, view=self._view(), totals=totals, accept_means=means)
 
     def export_rows(self, indices, with_kv) -> dict:
         """Between two steps: these samples leave (those still here), with their KV for with_kv."""

@@ -368,7 +368,8 @@ class VllmRolloutEngine:
 
     @property
     def totals(self) -> dict:
-        """The rollout's running totals (as rlsched's engine keeps them): steps, drafts, chains."""
+        """The rollout's running totals (as rlsched's engine keeps them): steps, drafts, chains,
+        and the drafters' running acceptance as the engine core's estimator has it (one call)."""
         c = np.array(list(self._done.values()), dtype=np.int64).reshape(-1, 4)
         drafted, accepted, rejected, rows = (int(x) for x in c.sum(axis=0))
         core = ask(self.llm, "totals")
@@ -382,11 +383,8 @@ class VllmRolloutEngine:
             sd_rows=rows,
             kv_peak_tokens=0,
             max_running=core["max_running"],
+            accept_means=core["accept_means"],
         )
-
-    def accept_means(self) -> dict:
-        """The drafters' running acceptance, as the engine core's estimator has it."""
-        return ask(self.llm, "totals")["accept_means"]
 
     def view(self) -> dict:
         """What a reallocation policy sees of this instance (InstanceView's fields): vLLM's
