@@ -245,28 +245,47 @@ def fit_folder(path, max_mape: float):
     result.notes[:0] = untimed_notes(df)
     result.acceptance = position_curves(df)
     for d, f in result.acceptance.items():
-        known = np.isfinite(f["decay_se"]) and f["decay_se"] < 0.25
+        known = f["decay_se"] is not None and f["decay_se"] < 0.25
         decay = f"then x {f['decay']:.3f} (± {f['decay_se']:.3f}) a position" if known else "its decay not told"
+        alpha_se = "± nan" if f["alpha_se"] is None else f"± {f['alpha_se']:.3f}"
         result.notes.append(
-            f"acceptance by draft position, {d}: first draft {f['alpha']:.3f} (± {f['alpha_se']:.3f}), {decay}, "
-            f"from {f['steps']} steps; the simulator takes them as acceptance.mean and acceptance.position_decay"
+            f"acceptance by draft position, {d}: first draft {f['alpha']:.3f} ({alpha_se}), {decay}, "
+            f"from {_informed_by(f)}; the simulator takes them as acceptance.mean and acceptance.position_decay"
         )
     return result
 
 
+def _informed_by(f: dict) -> str:
+    """Which records a drafter's position curve was fitted to, in words."""
+    parts = []
+    if f["positions"]:
+        parts.append(f"{f['positions']} steps' counts by position")
+    if f["steps"] or not parts:
+        parts.append(f"{f['steps']} steps' accepted sums")
+    return " and ".join(parts)
+
+
 def position_curves(df: pd.DataFrame) -> dict[str, dict]:
     """Each drafter's acceptance by draft position (`policies.position_fit`), fitted to the
-    records' chain steps of one k a row; none for a drafter without such steps."""
+    records' counts by draft position where a chain step holds them (`accepted_by_position`,
+    `tried_by_position`: an exact Binomial chain, decode and mixed steps, any per-row lengths),
+    else to its decode steps' sums of one k a row; none for a drafter without such steps. Each
+    fit says how many records of each kind informed it (`positions`, `steps`); an error the
+    fit cannot tell (an optimum on a bound) is None."""
     from rlsched.policies.position_fit import fit_drafter
 
     need = {"kind", "drafter", "k", "batch", "drafted", "accepted"}
     if not need <= set(df.columns):
         return {}
-    steps = df[(df["kind"] == "decode") & (df["drafted"] > 0)]
+    counted = np.zeros(len(df), dtype=bool)
+    if "accepted_by_position" in df.columns:
+        counted = np.array([c is not None and np.ndim(c) == 1 and len(c) > 0 for c in df["accepted_by_position"]])
+    steps = df[((df["kind"] == "decode") | counted) & (df["drafted"] > 0)]
     out = {}
     for d in sorted({str(x) for x in steps["drafter"] if isinstance(x, str) and x not in ("", "off")}):
         try:
-            out[d] = fit_drafter(d, steps[steps["drafter"] == d]).as_dict()
-        except ValueError:  # no chain step of one k a row
+            fit = fit_drafter(d, steps[steps["drafter"] == d]).as_dict()
+        except ValueError:  # no chain step of one k a row, no counts by position
             continue
+        out[d] = {k: None if isinstance(v, float) and not np.isfinite(v) else v for k, v in fit.items()}
     return out

@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rlsched.errors import UserError
-from rlsched.traces.schema import SCHEMAS, TRACE_SCHEMA_VERSION
+from rlsched.traces.schema import OPTIONAL_COLUMNS, SCHEMAS, TRACE_SCHEMA_VERSION
 
 _warned: set[Path] = set()  # journals whose dropped last line was already reported
 
@@ -35,10 +35,12 @@ def _first_line(e: BaseException) -> str:
 
 
 def _conform(path: Path, table: pa.Table, kind: str) -> pa.Table:
-    """The table with the schema's columns as the schema types them (extra columns kept)."""
+    """The table with the schema's columns as the schema types them, and the optional columns
+    it holds as `OPTIONAL_COLUMNS` types them (other columns kept)."""
     schema = SCHEMAS[kind]
-    for name in schema.names:
-        want, have = schema.field(name).type, table.schema.field(name).type
+    want_of = {**OPTIONAL_COLUMNS[kind], **dict(zip(schema.names, schema.types))}
+    for name in [n for n in table.column_names if n in want_of]:
+        want, have = want_of[name], table.schema.field(name).type
         if have == want:
             continue
         try:

@@ -1,6 +1,7 @@
 """Trace schema shared by the simulator and the executor (version-stamped Parquet).
 
-- step records: one per engine step of each instance.
+- step records: one per engine step of each instance; a chain step of an engine that counts
+  them also holds its counts by draft position (`POSITION_COLUMNS`, optional).
 - sample records: one per sample of each rollout.
 - rl_step records: one per RL step (stage times).
 """
@@ -31,6 +32,18 @@ STEP_SCHEMA = pa.schema(
         ("ctx_tokens", pa.int64()),
     ]
 )
+
+# Optional step columns: a chain step's counts by draft position i = 1..k (k: the longest draft
+# of the step), over its rows. Null where nothing was drafted, for trees, and absent in traces
+# of writers that do not count them (the simulator's, vLLM's metrics): readers fall back to the
+# step's sums. accepted_i <= tried_i, and accepted_i given tried_i is Binomial(tried_i, alpha_i):
+# the i-th draft of a row is tried only where it was drafted and every draft before it accepted.
+POSITION_COLUMNS = {
+    "accepted_by_position": "rows whose i-th draft was accepted",
+    "tried_by_position": "rows that drafted position i and had every draft before it accepted",
+    "drafted_by_position": "rows that drafted at least i drafts",
+}
+OPTIONAL_COLUMNS = {"steps": {name: pa.list_(pa.int32()) for name in POSITION_COLUMNS}, "samples": {}, "rl_steps": {}}
 
 SAMPLE_SCHEMA = pa.schema(
     [

@@ -16,18 +16,22 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rlsched.atomic import atomic_path
-from rlsched.traces.schema import SCHEMAS, TRACE_SCHEMA_VERSION
+from rlsched.traces.schema import OPTIONAL_COLUMNS, SCHEMAS, TRACE_SCHEMA_VERSION
 
 
 def to_table(kind: str, df: pd.DataFrame) -> pa.Table:
-    """A DataFrame as a table of trace `kind`: the schema's columns cast to their types, extra
-    columns kept, the schema version in the metadata."""
-    schema = SCHEMAS[kind]
+    """A DataFrame as a table of trace `kind`: the schema's columns cast to their types, the
+    optional columns (`OPTIONAL_COLUMNS`) to theirs, other columns kept, the schema version in
+    the metadata."""
+    schema, optional = SCHEMAS[kind], OPTIONAL_COLUMNS[kind]
     missing = [n for n in schema.names if n not in df.columns]
     if missing:
         raise ValueError(f"{kind} records lack columns {missing}")
     table = pa.Table.from_pandas(df, preserve_index=False)
-    fields = [schema.field(n) if n in schema.names else table.schema.field(n) for n in table.column_names]
+    fields = [
+        schema.field(n) if n in schema.names else pa.field(n, optional[n]) if n in optional else table.schema.field(n)
+        for n in table.column_names
+    ]
     table = table.cast(pa.schema(fields))
     meta = {b"rlsched.trace": json.dumps({"kind": kind, "version": TRACE_SCHEMA_VERSION}).encode()}
     return table.replace_schema_metadata(meta)

@@ -9,7 +9,28 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
+from rlsched.traces.schema import POSITION_COLUMNS
 from rlsched.traces.writer import TraceWriter
+
+
+def position_counts(drafts, accepted) -> dict | None:
+    """A chain step's counts by draft position i = 1..k (k: its longest draft) from each row's
+    drafts and accepted drafts (`traces/schema.py`: POSITION_COLUMNS); None where nothing was
+    drafted."""
+    dk = np.asarray(drafts, dtype=np.int64).reshape(-1, 1)
+    acc = np.minimum(np.asarray(accepted, dtype=np.int64).reshape(-1, 1), dk)
+    k = int(dk.max(initial=0))
+    if k == 0:
+        return None
+    i = np.arange(1, k + 1)
+    drafted = dk >= i
+    return dict(
+        accepted_by_position=(acc >= i).sum(0).tolist(),
+        tried_by_position=(drafted & (acc >= i - 1)).sum(0).tolist(),
+        drafted_by_position=drafted.sum(0).tolist(),
+    )
 
 
 def step_record(
@@ -29,8 +50,11 @@ def step_record(
     verify_ms: float,
     step_ms: float,
     ctx_tokens: int,
+    positions: dict | None = None,
 ) -> dict:
-    """One engine step: `kind` prefill, decode or mixed; `drafter` None when nothing was drafted."""
+    """One engine step: `kind` prefill, decode or mixed; `drafter` None when nothing was drafted;
+    `positions` a chain step's counts by draft position (`position_counts`; None: not counted)."""
+    counts = positions or {}
     return dict(
         rl_step=rl_step,
         instance=instance,
@@ -48,6 +72,7 @@ def step_record(
         verify_ms=verify_ms,
         step_ms=step_ms,
         ctx_tokens=ctx_tokens,
+        **{name: counts.get(name) for name in POSITION_COLUMNS},
     )
 
 

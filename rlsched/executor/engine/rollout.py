@@ -38,7 +38,7 @@ from rlsched.executor.decode.speculative import Seq, decode_step, step, tree_ste
 from rlsched.executor.decode.tree_verify import DraftTree
 from rlsched.executor.engine.admission import Admission
 from rlsched.executor.engine.migration import RowMigration
-from rlsched.executor.engine.recorder import Recorder, sample_record, step_record
+from rlsched.executor.engine.recorder import Recorder, position_counts, sample_record, step_record
 from rlsched.executor.engine.rows import (
     Request,
     RolloutResult,
@@ -286,7 +286,7 @@ class RolloutEngine(Admission, RowMigration):
         self.recorder.step(step_record(
             self.rl_step, self.instance, self.step_index, t - self._t0, "decode", len(rows), strategy.drafter,
             strategy.k, strategy.width, drafted, n_acc, emitted, draft_s * 1e3, verify_s * 1e3, step_s * 1e3,
-            state.ctx_tokens,
+            state.ctx_tokens, None if trials is not None else position_counts(dk.numpy(), accepted.numpy()),
         ))
         # fmt: on
         self.step_index += 1

@@ -25,8 +25,11 @@ record per engine step in the shared step schema. A record pairs a verify with t
 that produced its drafts (in the previous step), as rlsched's engine does: `k` is the longest
 chain verified, `draft_ms` the propose calls that drafted it (with k = 0, the drafter's feed;
 NaN where the runner's drafting was not timed), `verify_ms`
-the rest of the step. What a step chose is kept by its scheduler output, so the pairing holds
-with async scheduling too, where the next step is scheduled before this one's output is in.
+the rest of the step; its counts by draft position (`accepted_by_position`,
+`tried_by_position`, `drafted_by_position`, `recorder.position_counts`) are over the requests
+that had drafts verified, each by its own draft length. What a step chose is kept by its
+scheduler output, so the pairing holds with async scheduling too, where the next step is
+scheduled before this one's output is in.
 Steps that prefill prompt tokens are recorded as `prefill` (nothing verified) or `mixed`.
 """
 
@@ -36,7 +39,7 @@ import time
 
 import numpy as np
 
-from rlsched.executor.engine.recorder import step_record
+from rlsched.executor.engine.recorder import position_counts, step_record
 from rlsched.executor.vllm.plugin import draft_seconds
 from rlsched.policies.types import EngineState, StepOutcome, Strategy
 
@@ -269,7 +272,7 @@ class StepHook:
         record = step_record(
             self.rl_step, self.instance, self.step, t_step - self._t0, kind, len(rows),
             self.drafter if drafted else "off", int(dk.max(initial=0)), 1, drafted, int(acc.sum()), emitted,
-            draft_ms, verify_ms, step_ms, ctx,
+            draft_ms, verify_ms, step_ms, ctx, position_counts(dk, acc),
         )
         # fmt: on
         return record
