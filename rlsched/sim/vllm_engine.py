@@ -26,8 +26,11 @@ A model of vLLM V1's scheduler (vllm/v1/core/sched/scheduler.py, `Scheduler.sche
 - host work (the cost model's `step_overhead` and host-side drafting) adds to the GPU's time,
   or, with async scheduling, overlaps it: the step takes the longer of the two.
 
-The DraftPolicy is asked before every step with decode rows, as in rlsched's engine; steps are
-simulated one by one (no steady runs). Reallocation moves decode rows and queued requests;
+The DraftPolicy is asked before every step with decode rows, as in rlsched's engine. A
+stretch of pure decode/verify steps nothing can change (no prompt chunk, admission, preemption
+or finished row; the policy promising its choice: `steady_steps`) is priced in one go, then
+stepped through at the same times with the same draws and estimator updates as step by step:
+the same results to the last bit. Reallocation moves decode rows and queued requests;
 a request part-way through its prompt stays where it is until its prefill completes.
 """
 
@@ -76,6 +79,8 @@ class VllmInstance(Instance):
         self.arrived: list[int] = []  # admitted with their KV cache: decode rows after this step
         self.stats = np.zeros(len(STATS), dtype=np.int64)
         self._oh = float(getattr(stage.cost, "step_overhead", 0.0))
+        self._now: EngineState | None = None  # the state the policy was last asked with
+        self._preempted = False  # whether the last schedule preempted
 
     # ------------------------------------------------------------------ KV blocks
     def _blocks(self, sids: np.ndarray, tokens: np.ndarray) -> np.ndarray:
@@ -126,6 +131,7 @@ class VllmInstance(Instance):
         self._record = st.timeline.append if st.timeline.enabled else None
         self._learn_acceptance = getattr(policy, "needs_acceptance", True)
         self._observes = getattr(policy, "observes", True)
+        self._steady = getattr(policy, "steady_steps", None) if not self._observes and st.max_run > 1 else None
         while True:
             if self.outbox:
                 st.carry_out(self)
@@ -143,7 +149,11 @@ class VllmInstance(Instance):
                 self.arrived = []
                 self._finish_rows(0, 0)
             return bool(self.batch)
-        yield from self._forward(strat, n, prefix, chunks)
+        m = self._stretch_length(strat, n) if not len(chunks) and not self.arrived else 0
+        if m >= 2:
+            yield from self._stretch(strat, n, m)
+        else:
+            yield from self._forward(strat, n, prefix, chunks)
         return True
 
     def _schedule(self):
@@ -156,7 +166,8 @@ class VllmInstance(Instance):
         preempted = keep < self.batch + len(self.pre)
         if preempted:
             self._preempt_tail(keep)
-        strat = self.prober(self.policy.choose(self._state())) if self.batch else None
+        self._now = self._state() if self.batch else None
+        strat = self.prober(self.policy.choose(self._now)) if self._now is not None else None
         want = self._wanted(strat)
         n = np.minimum(want, np.clip(budget - (np.cumsum(want) - want), 0, None))
         if strat is not None and strat.is_tree:
@@ -177,6 +188,7 @@ class VllmInstance(Instance):
             self._cache(r[0], r[1] + c)
             r[1] += c
         self.stats[_PREFILL] += sum(chunks)
+        self._preempted = preempted
         return strat, n, np.asarray(prefix, dtype=np.int64), np.asarray(chunks, dtype=np.int64)
 
     def _state(self) -> EngineState:
@@ -364,23 +376,98 @@ class VllmInstance(Instance):
             n_chunks = int((chunks > 0).sum())
             kind = (KIND_MIXED if n_chunks else KIND_DECODE) if rows else KIND_PREFILL
             k, w = (strat.k, strat.width) if strat is not None else (0, 1)
-            self._record(
-                (
-                    st.rl_step,
-                    self.idx,
-                    self.steps,
-                    t0 - st.t0,
-                    kind,
-                    b if rows else n_chunks,
-                    d,
-                    k,
-                    w,
-                    drafted,
-                    n_acc,
-                    emitted,
-                    t_draft,
-                    t_verify,
-                    ctx_sum if rows else int(chunks.sum()),
-                )
-            )
+            shape = (b, ctx_sum) if rows else (n_chunks, int(chunks.sum()))
+            self._log(t0, kind, shape[0], d, k, w, drafted, n_acc, emitted, t_draft, t_verify, shape[1])
         self.steps += 1
+
+    # ------------------------------------------------------------------ steady stretches
+    def _stretch_length(self, strat, n: np.ndarray) -> int:
+        """How many steps, this one (pure decode/verify, scheduled with nothing admitted or
+        preempted) first, are certain to schedule the same: every row whole within the budget,
+        no row able to finish, the KV blocks holding every row's growth (so no preemption, and
+        a queue head that did not fit still does not), the policy promising its choice."""
+        st = self.stage
+        if self._steady is None or strat is None or self._preempted or st.realloc_active or self.prober.probed:
+            return 0
+        if int(n.sum()) != int(self._wanted(strat).sum()):  # the budget cut a row short
+            return 0
+        step, b = strat.k + 1, self.batch
+        if self.min_rem <= 2 * step:  # the cheap bound is too loose to allow a stretch: tighten it
+            self.min_rem = int((self.tot - self.ctx).min())
+        # a row's blocks grow by at most ceil(g / block_size) over g tokens
+        free = (self.cap_blocks - self.used_blocks) // b * self.eng.block_size
+        m = min(st.max_run, (self.min_rem - 1) // step, 1 + free // step)
+        if strat.is_off:
+            m = min(m, 1 + self.prober.off_steps_left())  # stop short of the next probe
+        if m < 2:
+            return 0
+        return min(m, 1 + self._steady(self._now, strat, b * step))
+
+    def _stretch_draws(self, strat, d: int, ks: np.ndarray, m: int):
+        """Accepted drafts (m, batch) and each step's tree trials (or None), drawn as m single steps draw."""
+        if not strat.is_tree:
+            return self._draw_accepted(d, ks, m), None
+        steps = [self._draw_tree(d, strat, 1) for _ in range(m)]
+        return np.concatenate([s[0] for s in steps]), [(s[1], s[2]) for s in steps]
+
+    def _stretch(self, strat, n: np.ndarray, m: int):
+        """m steps of `strat` over the unchanged batch, each as `_forward` runs it: priced at
+        once, then stepped through at the same times with the same estimator updates."""
+        env, st, cost, b = self.env, self.stage, self.stage.cost, self.batch
+        if strat.is_off:
+            self.prober.skip(m - 1)
+        tokens = int(n.sum())
+        size = self.eng.padded(tokens)
+        self.stats[_PADDED] += m * (size - tokens)
+        d, acc, trials, drafted, ks = -1, np.zeros((m, b), dtype=np.int64), None, 0, np.maximum(n - 1, 0)
+        t_draft: float | np.ndarray = 0.0
+        if strat.drafter is None:
+            emitted = np.full(m, b, dtype=np.int64)
+        else:
+            d = st.drafter_idx[strat.drafter]
+            acc, trials = self._stretch_draws(strat, d, ks, m)
+            emitted = acc.sum(axis=1) + b
+        ctx_at = self.ctx_sum + np.concatenate(([0], np.cumsum(emitted[:-1])))
+        price = cost.verify_time(b if size == tokens else b * size / tokens, tokens / b, ctx_at)
+        if strat.drafter is not None:
+            if strat.k_per_row is None:
+                t_draft, drafted = cost.draft_time(strat.drafter, b, strat.k, ctx_at, strat.width), b * strat.nodes
+            else:
+                t_draft = cost.draft_time_per_row(strat.drafter, strat.k_per_row, ctx_at)
+                drafted = int(np.add.reduce(strat.k_per_row))
+            t_draft = np.broadcast_to(np.asarray(t_draft, dtype=float), (m,)).copy()
+            if self.current != d:
+                t_draft[0] += self._catch_up(d)[0]
+        if self.eng.async_scheduling:  # host work beside the GPU's
+            on_host = strat.drafter in st.host_drafters
+            dt = np.maximum(price - self._oh + (0.0 if on_host else t_draft), self._oh + (t_draft if on_host else 0.0))
+        else:
+            dt = price + t_draft
+        dt_l, draft_l = dt.tolist(), np.broadcast_to(t_draft, (m,)).tolist()
+        emit_l, ctx_l = emitted.tolist(), ctx_at.tolist()
+        learn = d >= 0 and self._learn_acceptance
+        decay = stage_decay(st, d) if learn else 1.0
+        same = (KIND_DECODE, b, d, strat.k, strat.width, drafted)
+        for j in range(m):
+            t0 = env.now
+            yield env.timeout(dt_l[j])
+            if learn:
+                if trials is not None:
+                    st.estimator.update_trials(strat.drafter, self.sid, *trials[j])
+                else:
+                    st.estimator.update(strat.drafter, self.sid, *learned_trials(acc[j], ks, decay))
+            self.busy += dt_l[j]
+            if self._record:
+                n_acc = emit_l[j] - b if d >= 0 else 0
+                self._log(t0, *same, n_acc, emit_l[j], draft_l[j], dt_l[j] - draft_l[j], ctx_l[j])
+            self.steps += 1
+        self.ctx += acc.sum(axis=0) + m
+        self.ctx_sum += int(emitted.sum())
+        self.min_rem -= m * int(n.max())
+
+    def _log(self, t0: float, kind: int, rows: int, d: int, k: int, w: int, *tail) -> None:
+        """One step's timeline record (`sim/timeline.COLUMNS`); `tail`: drafted, accepted,
+        emitted, draft seconds, verify seconds and the context (or chunk) tokens."""
+        self.stage.timeline.append(
+            (self.stage.rl_step, self.idx, self.steps, t0 - self.stage.t0, kind, rows, d, k, w, *tail)
+        )
