@@ -23,7 +23,10 @@ Each row prints rlsched's figure beside the published one:
    comes from: the generation stage's own speedup and its share of the step (Amdahl), and
    the generation speedup that ReSpec's figure would need at the simulated share.
 
-Run: python bench/paper_tables.py [--smoke]. Results: bench/results/paper_tables.{json,txt}.
+Run: python bench/paper_tables.py [--smoke] [--engine vllm] [--set KEY=VALUE ...]. Results:
+bench/results/paper_tables.{json,txt}; `--engine vllm` simulates 3 and 4 under the model of vLLM
+V1's scheduler (`engine.kind=vllm`) and writes paper_tables_vllm (0-2 price steps with the cost
+model alone and do not change); other `--set` overrides need `--name`.
 """
 
 from __future__ import annotations
@@ -213,8 +216,15 @@ def end_to_end(cfgs: dict, published: dict) -> tuple[str, str, dict]:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="one preset, fewer samples (the test suite's check)")
+    ap.add_argument("--engine", choices=("rlsched", "vllm"), default="rlsched", help="engine.kind")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override, repeatable")
+    ap.add_argument("--name", help="the result file's name (default paper_tables, paper_tables_vllm)")
     args = ap.parse_args()
-    over = ["workload.prompts=16", "cluster.instances=2"] if args.smoke else []
+    if args.set and not args.name:
+        ap.error("--set needs --name, so that the default results are kept")
+    extra = [*args.set, f"engine.kind={args.engine}"]
+    name = args.name or ("paper_tables" if args.engine == "rlsched" else f"paper_tables_{args.engine}")
+    over = (["workload.prompts=16", "cluster.instances=2"] if args.smoke else []) + extra
     sizes = ["7b"] if args.smoke else list(RESPEC)
     cfgs = {s: load_config(RESPEC[s][0], overrides=over) for s in sizes}
     t0 = time.perf_counter()
@@ -222,7 +232,7 @@ def main():
     gap_text, gap = gap1(cfgs["7b"])
     all_cfgs = dict(cfgs)
     if not args.smoke:
-        all_cfgs["rlhfspec"] = load_config(RLHFSPEC_PRESET)
+        all_cfgs["rlhfspec"] = load_config(RLHFSPEC_PRESET, overrides=extra)
     ts_text, ts = twostate(all_cfgs)
     share_text, e2e_text, e2e = end_to_end(all_cfgs, {s: RESPEC[s][1] for s in sizes})
     text = "\n\n".join(
@@ -243,7 +253,8 @@ def main():
     text += f"\n\n({time.perf_counter() - t0:.0f} s)"
     print(text)
     if not args.smoke:
-        write_result("paper_tables", {"anchor": anchored, "gap1": gap, "twostate": ts, "end_to_end": e2e}, text)
+        payload = {"overrides": extra, "anchor": anchored, "gap1": gap, "twostate": ts, "end_to_end": e2e}
+        write_result(name, payload, text)
 
 
 if __name__ == "__main__":

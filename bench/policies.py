@@ -6,7 +6,12 @@ goodput, twostate, bandit, the learned table and the oracle are compared on 5 ot
 static k, or on presets that draft trees also a fixed tree). The uneven-load preset is also
 run with and without reallocation.
 
-Usage: python bench/policies.py [--seeds N] [--workers N] [--presets a,b]
+Usage: python bench/policies.py [--seeds N] [--workers N] [--presets a,b] [--engine vllm]
+    [--tables learn|reuse] [--set KEY=VALUE ...]
+(`--engine vllm`: every run under the model of vLLM V1's scheduler, `engine.kind=vllm`, results
+in policies_vllm and policy-PRESET_vllm.json; `--tables reuse` takes the table learned under
+rlsched's engine, policy-PRESET.json, instead of learning one; other `--set` overrides need
+`--name`.)
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import time
 from _common import RESULTS, table, write_result
 
 from rlsched.config import load_config
-from rlsched.policies.policyfile import save_policy_file
+from rlsched.policies.policyfile import load_policy_file, save_policy_file
 from rlsched.sim import compare as cmp
 from rlsched.sim.learn import Learner, parallel_evaluator
 from rlsched.sim.runs import run_jobs
@@ -41,12 +46,20 @@ PRESETS = {
 }  # every shipped rollout preset
 
 
-def run_preset(name: str, realloc: str, seeds: int, workers: int) -> dict:
-    cfg = load_config(name)
-    learner = Learner(cfg, [0], parallel_evaluator(workers), log=lambda m: print(f"  [{name}] {m}", file=sys.stderr))
-    pf, _ = learner.learn("table")
-    path = RESULTS / f"policy-{name}.json"
-    save_policy_file(path, pf)
+def run_preset(name: str, realloc: str, seeds: int, workers: int, extra: list[str], suffix: str, reuse: bool) -> dict:
+    cfg = load_config(name, overrides=extra)
+    evaluations = 0
+    if reuse:
+        path = RESULTS / f"policy-{name}.json"
+        pf = load_policy_file(path)
+    else:
+        learner = Learner(
+            cfg, [0], parallel_evaluator(workers), log=lambda m: print(f"  [{name}] {m}", file=sys.stderr)
+        )
+        pf, _ = learner.learn("table")
+        evaluations = learner.evaluations
+        path = RESULTS / f"policy-{name}{suffix}.json"
+        save_policy_file(path, pf)
     static = f"{STATIC},{TREES}" if cfg.speculation.width_max > 1 else STATIC
     policies = f"off,{static},{ADAPTIVE.format(table=f'table:{path}')}"
     plan = cmp.make_plan(cfg, policies, realloc, seeds, 1)
@@ -55,7 +68,8 @@ def run_preset(name: str, realloc: str, seeds: int, workers: int) -> dict:
     report["learned_policy"] = {
         "file": str(path.relative_to(RESULTS.parent.parent)),
         "params": pf.params,
-        "evaluations": learner.evaluations,
+        "evaluations": evaluations,
+        "learned_here": not reuse,
     }
     return report
 
@@ -131,14 +145,25 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--presets", default=",".join(PRESETS))
     ap.add_argument("--quick", action="store_true", help="2 seeds and the first preset only (a smoke run)")
+    ap.add_argument("--engine", choices=("rlsched", "vllm"), default="rlsched", help="engine.kind")
+    ap.add_argument("--tables", choices=("learn", "reuse"), default="learn", help="reuse: policy-PRESET.json as it is")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override, repeatable")
+    ap.add_argument("--name", help="the result file's name (default policies, policies_vllm)")
     args = ap.parse_args()
+    if args.set and not args.name:
+        ap.error("--set needs --name, so that the default results are kept")
+    extra = [*args.set, f"engine.kind={args.engine}"]
+    name = args.name or ("policies" if args.engine == "rlsched" else f"policies_{args.engine}")
+    suffix = name.removeprefix("policies")
     if args.quick:
         args.seeds, args.presets = 2, "default"
     t0 = time.time()
     reports = {}
-    for name in args.presets.split(","):
-        reports[name] = run_preset(name, PRESETS[name], args.seeds, args.workers)
-        print(f"  [{name}] done ({time.time() - t0:.0f} s)", file=sys.stderr)
+    for preset in args.presets.split(","):
+        reports[preset] = run_preset(
+            preset, PRESETS[preset], args.seeds, args.workers, extra, suffix, args.tables == "reuse"
+        )
+        print(f"  [{preset}] done ({time.time() - t0:.0f} s)", file=sys.stderr)
     rows = [row for rep in reports.values() for row in rows_of(rep)]
     text = table(["preset", "policy", "realloc", "gen s (mean)", "x off", "x best static", "range", "accept len"], rows)
     checks = checks_of(reports)
@@ -147,12 +172,13 @@ def main() -> int:
         + ("" if isinstance(ok, bool) else f": {ok}")
         for k, ok in checks.items()
     )
-    seeds = f"learned on seed 0; compared on seeds 1..{args.seeds}; ratios per seed, then averaged"
+    learned = "tables learned under rlsched's engine" if args.tables == "reuse" else "learned on seed 0"
+    seeds = f"{learned}; compared on seeds 1..{args.seeds}; ratios per seed, then averaged"
     print(f"{text}\n{seeds}\n\n{lines}\n({time.time() - t0:.0f} s)")
     slim = {n: {k: v for k, v in r.items() if k not in ("config",)} for n, r in reports.items()}
     if args.quick:
         return 0
-    path = write_result("policies", {"reports": slim, "checks": checks}, f"{text}\n{seeds}\n\n{lines}")
+    path = write_result(name, {"overrides": extra, "reports": slim, "checks": checks}, f"{text}\n{seeds}\n\n{lines}")
     print(f"results: {path}")
     return 0
 

@@ -7,7 +7,9 @@
    samples, 8 instances, lognormal lengths up to 8k, up to 1024 sequences per instance),
    `goodput` against `off` and every static k, on several seeds.
 
-Usage: python bench/sim_effects.py [--seeds N] [--quick]
+Usage: python bench/sim_effects.py [--seeds N] [--quick] [--engine vllm] [--set KEY=VALUE ...]
+(`--engine vllm` runs both under the model of vLLM V1's scheduler, `engine.kind=vllm`, and writes
+sim_effects_vllm; other `--set` overrides need `--name` for their result file.)
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 KS = [1, 2, 4, 6, 8]
 
 
-def batch_sweep() -> tuple[list[list], dict]:
+def batch_sweep(extra: list[str]) -> tuple[list[list], dict]:
     rows, data = [], {}
     for b in BATCHES:
-        cfg = load_config("sd-batch-sweep", overrides=[f"workload.prompts={b}", f"cluster.max_batch={b}"])
+        cfg = load_config("sd-batch-sweep", overrides=[f"workload.prompts={b}", f"cluster.max_batch={b}", *extra])
         off = simulate(cfg, "off").summary()["generation_s"]
         speedups = {k: off / simulate(cfg, f"static:{k}").summary()["generation_s"] for k in KS}
         good = off / simulate(cfg, "goodput").summary()["generation_s"]
@@ -37,11 +39,11 @@ def batch_sweep() -> tuple[list[list], dict]:
     return rows, data
 
 
-def long_tail(seeds: int, prompts: int | None) -> tuple[list[list], dict]:
+def long_tail(seeds: int, prompts: int | None, extra: list[str]) -> tuple[list[list], dict]:
     policies = ["off", *[f"static:{k}" for k in KS], "goodput"]
     rows, data = [], {}
     for seed in range(seeds):
-        over = [f"seed={seed}"] + ([f"workload.prompts={prompts}"] if prompts else [])
+        over = [f"seed={seed}"] + ([f"workload.prompts={prompts}"] if prompts else []) + extra
         cfg = load_config("longtail-grpo", overrides=over)
         times = {p: simulate(cfg, p).summary()["generation_s"] for p in policies}
         best_static = min((times[p], p) for p in policies if p.startswith("static"))
@@ -69,12 +71,19 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="a quarter of the long-tail prompts (smoke run)")
+    ap.add_argument("--engine", choices=("rlsched", "vllm"), default="rlsched", help="engine.kind")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override, repeatable")
+    ap.add_argument("--name", help="the result file's name (default sim_effects, sim_effects_vllm)")
     args = ap.parse_args()
+    if args.set and not args.name:
+        ap.error("--set needs --name, so that the default results are kept")
+    extra = [*args.set, f"engine.kind={args.engine}"]
+    name = args.name or ("sim_effects" if args.engine == "rlsched" else f"sim_effects_{args.engine}")
     t0 = time.time()
-    rows, sweep = batch_sweep()
+    rows, sweep = batch_sweep(extra)
     t1 = table(["batch", *[f"k={k}" for k in KS], "goodput"], rows)
     print("Speedup over plain decoding (off), H100, Qwen2.5-7B + Qwen2.5-0.5B drafter, acceptance 0.7\n" + t1)
-    rows, tail = long_tail(args.seeds, 128 if args.quick else None)
+    rows, tail = long_tail(args.seeds, 128 if args.quick else None, extra)
     t2 = table(["seed", "off s", "best static", "its s", "goodput s", "vs off", "vs best static"], rows)
     print("\nLong-tail GRPO rollout (longtail-grpo): generation-stage time\n" + t2)
     checks = {
@@ -91,8 +100,8 @@ def main() -> int:
     print(f"\n({time.time() - t0:.1f} s)")
     if not args.quick:
         path = write_result(
-            "sim_effects",
-            {"batch_sweep": sweep, "long_tail": tail, "checks": checks},
+            name,
+            {"overrides": extra, "batch_sweep": sweep, "long_tail": tail, "checks": checks},
             t1 + "\n\n" + t2 + "\n\n" + "\n".join(f"{k}: {v}" for k, v in checks.items()),
         )
         print(f"results: {path}")

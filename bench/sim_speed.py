@@ -1,6 +1,7 @@
 """How fast the simulator runs, on one core (pinned), each scenario in a fresh process.
 
-- engine steps simulated per second (longtail-grpo: 8 instances, 8,192 samples), per policy;
+- engine steps simulated per second (longtail-grpo: 8 instances, 8,192 samples), per policy,
+  on rlsched's engine and on the model of vLLM V1's scheduler (`engine.kind=vllm`);
 - a 64-instance, 8,192-sample, up-to-16k-token generation stage: wall time and peak memory
   (targets: <= 10 s, < 1 GiB; >= 50,000 engine steps/s);
 - a 1,024-instance, 131,072-sample stage, far beyond one machine: its time and memory.
@@ -21,6 +22,7 @@ import time
 LONG = ["workload.response_len.median=2000", "workload.response_len.max=16384"]
 SCENARIOS = {
     "longtail-8x8192": ("longtail-grpo", []),
+    "longtail-8x8192-vllm": ("longtail-grpo", ["engine.kind=vllm"]),
     "cluster-64x8192-16k": ("longtail-grpo", ["cluster.instances=64", *LONG]),
     "cluster-1024x131072-16k": ("longtail-grpo", ["cluster.instances=1024", "workload.prompts=8192", *LONG]),
 }
@@ -69,7 +71,7 @@ def main() -> int:
     sys.path.insert(0, os.path.dirname(__file__))
     from _common import table, write_result
 
-    plan = [("longtail-8x8192", p) for p in ("off", "static:4", "goodput")]
+    plan = [(s, p) for s in ("longtail-8x8192", "longtail-8x8192-vllm") for p in ("off", "static:4", "goodput")]
     plan += [("cluster-64x8192-16k", p) for p in ("off", "static:4", "goodput")]
     if not args.skip_huge:
         plan.append(("cluster-1024x131072-16k", "goodput"))
