@@ -39,15 +39,18 @@ drafter's catch-up at zero).
 
 Two optional entries price what a vLLM engine does besides (`engine.kind: vllm`):
 
-  mixed(B, q, L, n, S) = verify(B, q, L) + prefill(n, S) - min(j, verify, prefill)
+  mixed(B, q, L, n, S) = verify(B, q, L) + t0 + a n + c S / 2
                       (decode/verify rows beside prompt chunks in one forward)
   host              = `step` ms of host work with every step, outside the timed forward
 
 In a mixed step the chunks are n tokens whose S = sum of c (c + 2 p) over chunks of c tokens
-after p cached ones (a chunk's query-key pairs, doubled, as a prompt's c^2); `j` is what one
-forward over rows and chunks saves against two (the per-step constant and the weights read
-once): fitted from mixed step records, else the per-step constant min(verify t0, prefill t0).
-Without chunks it is verify, without rows prefill. `host.step` is the median gap between one
+after p cached ones (a chunk's query-key pairs, doubled, as a prompt's c^2); the chunks add
+their tokens' compute (a, c) and a constant t0 to the rows' forward, whose per-step part and
+weight reads they share. The three are fitted to mixed step records themselves: a vLLM rollout
+prefills whole prompts in few steps of one size, which fix prefill's time at that size but not
+its slope, while its mixed steps carry chunks of every size. Without the entry a mixed step is
+verify + prefill less the per-step constant min(verify t0, prefill t0), paid once. Without
+chunks it is verify, without rows prefill. `host.step` is the median gap between one
 step record's end and the next one's start on an engine (scheduling, output processing, the
 policy's hook), charged with every step and counted in `step_overhead`, the host's part of a
 step, which vLLM's async scheduling overlaps with the GPU's previous step.
@@ -63,7 +66,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from rlsched.costs.measured import MeasuredCostModel, grid_time, measured_grid
+from rlsched.costs.measured import MeasuredCostModel, chunk_pairs, grid_time, measured_grid
 from rlsched.errors import UserError
 
 KIND = "rlsched-costmodel"
@@ -74,7 +77,7 @@ PARAMS = {
     "draft": ("e", "d", "t0", "a", "m", "p", "c", "s"),
     "prefill": ("t0", "a", "c", "g", "s_c", "h"),
     "feed": ("t0", "a", "c", "g", "s_c", "h"),  # prefill's form, of a drafter
-    "mixed": ("j",),
+    "mixed": ("t0", "a", "c"),
     "host": ("step", "hook"),
 }
 FORMS = {
@@ -82,7 +85,7 @@ FORMS = {
     "draft": "roofline-draft-v2",
     "prefill": "roofline-prefill-v2",
     "feed": "roofline-prefill-v2",
-    "mixed": "verify-plus-prefill-v1",
+    "mixed": "verify-plus-chunks-v2",
     "host": "host-step-v1",
 }
 TOKENS = {"verify": "q", "draft": "k", "prefill": "one", "feed": "one"}  # the grid's second axis
@@ -170,7 +173,7 @@ class FittedCostModel(MeasuredCostModel):
         self.drafters = tuple(data["ops"]["draft"])
         ops = data["ops"]
         self._t0 = min(float(ops["verify"]["params"]["t0"]), float(ops["prefill"]["params"]["t0"])) / 1e3
-        self._j = float(ops["mixed"]["params"]["j"]) / 1e3 if "mixed" in ops else self._t0
+        self._chunk = {k: float(v) for k, v in ops["mixed"]["params"].items()} if "mixed" in ops else None
         self.host_step = float(ops["host"]["params"]["step"]) / 1e3 if "host" in ops else 0.0
 
     def _entries(self):
@@ -204,7 +207,16 @@ class FittedCostModel(MeasuredCostModel):
         return float(max(prefill_ms(obj, n_tokens, sum_sq), 0.0)) / 1e3  # (a chunk after cached tokens)
 
     def _joint_s(self) -> float:
-        return self._j
+        return self._t0
+
+    def mixed_time(self, batch: int, q: float, ctx_tokens: int, chunk_prefix, chunk_len) -> float:
+        """verify_time of the rows with the fitted chunks' part added (`mixed` entry), or as the
+        measured model prices a mixed step where the file has no such entry."""
+        n, sq = chunk_pairs(chunk_prefix, chunk_len)
+        if self._chunk is None or n <= 0 or batch <= 0:
+            return super().mixed_time(batch, q, ctx_tokens, chunk_prefix, chunk_len)
+        p = self._chunk
+        return float(self.verify_time(batch, q, ctx_tokens)) + (p["t0"] + p["a"] * n + p["c"] * sq / 2) / 1e3
 
     @property
     def step_overhead(self) -> float:

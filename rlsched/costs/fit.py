@@ -9,9 +9,9 @@ log residuals (relative error, which is what MAPE counts) with a soft-L1 loss (a
 disturbed by another process on a shared machine weighs little), from a linear least-squares
 start plus a few perturbed ones.
 
-A vLLM engine's records add two optional entries: `mixed`, the joint part `j` of a step that
-runs decode/verify rows beside prompt chunks (records of kind mixed that say the step's prompt
-tokens, `prompt_tokens` and `prompt_sq`; verify and prefill as fitted), and `host`, the host
+A vLLM engine's records add two optional entries: `mixed`, what prompt chunks add to the
+decode/verify rows' forward in one step (records of kind mixed that say the step's prompt
+tokens, `prompt_tokens` and `prompt_sq`; verify as fitted), and `host`, the host
 work with every step outside the timed forward (the median gap between one step record and the
 next of an engine; `hook` the median `hook_ms`, the policy's part of it, where recorded).
 
@@ -37,8 +37,8 @@ import pandas as pd
 from scipy.optimize import least_squares, nnls
 
 from rlsched import __version__
-from rlsched.costs.costfile import FORMS, KIND, PARAMS, PER_DRAFTER, VERSION, grid_interpolator, op_ms, prefill_ms
-from rlsched.costs.measured import grid_time, mixed_ms
+from rlsched.costs.costfile import FORMS, KIND, PARAMS, PER_DRAFTER, VERSION, grid_interpolator, op_ms
+from rlsched.costs.measured import grid_time
 from rlsched.errors import UserError
 from rlsched.traces.reader import read_trace
 
@@ -422,23 +422,29 @@ def mixed_table(df: pd.DataFrame) -> tuple[pd.DataFrame | None, list[str]]:
 
 
 def fit_mixed(ops: dict[str, OpFit], t: pd.DataFrame) -> dict:
-    """The mixed entry: `j` fitted to mixed steps `t` (`mixed_table`) with verify and prefill
-    as fitted (their forms), on log residuals with a soft-L1 loss as the other ops."""
-    v = op_ms("verify", ops["verify"].params, t["batch"], t["tokens"], t["per_row"])
+    """The mixed entry: the chunks' part (t0, a, c >= 0; `costfile.py`) fitted to mixed steps `t`
+    (`mixed_table`) beside their rows' verify as fitted, on log residuals with a soft-L1 loss as
+    the other ops; it starts from prefill's slope."""
+    v = np.asarray(op_ms("verify", ops["verify"].params, t["batch"], t["tokens"], t["per_row"]), dtype=float)
+    n, half_s, y = t["n"].to_numpy(float), t["S"].to_numpy(float) / 2, t["ms"].to_numpy(float)
     pp = ops["prefill"].params
-    p = prefill_ms(pp, t["n"], t["S"])
-    v, p, y = np.asarray(v, dtype=float), np.asarray(p, dtype=float), t["ms"].to_numpy(float)
-    start = min(ops["verify"].params["t0"], pp["t0"])
+
+    def chunks(x):
+        return x[0] + x[1] * n + x[2] * half_s
 
     def resid(x):
-        return np.log(np.maximum(mixed_ms(v, p, x[0]), 1e-12)) - np.log(y)
+        return np.log(np.maximum(v + chunks(x), 1e-12)) - np.log(y)
 
+    scale = [1.0, max(pp["a"], 1e-6), max(pp["c"], 1e-9)]
     with np.errstate(all="ignore"):
-        r = least_squares(resid, [start], bounds=([0.0], [np.inf]), loss="soft_l1", f_scale=0.05, max_nfev=200)
-    j = float(r.x[0]) if np.all(np.isfinite(r.fun)) else start
-    pred = mixed_ms(v, p, j)
+        r = least_squares(
+            resid, scale, bounds=([0.0] * 3, [np.inf] * 3), x_scale=scale, loss="soft_l1", f_scale=0.05, max_nfev=400
+        )
+    x = r.x if np.all(np.isfinite(r.fun)) else np.array([0.0, pp["a"], pp["c"]])
+    pred = v + chunks(x)
     quality = {"points": int(len(t)), "mape": mape(pred, y), "r2": r_squared(pred, y)}
-    return {"used": "parametric", "form": FORMS["mixed"], "params": {"j": j}, "quality": quality}
+    params = {"t0": float(x[0]), "a": float(x[1]), "c": float(x[2])}
+    return {"used": "parametric", "form": FORMS["mixed"], "params": params, "quality": quality}
 
 
 def fit_host(df: pd.DataFrame) -> dict | None:
