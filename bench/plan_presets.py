@@ -8,8 +8,12 @@ alone from the preset's setup to the winner's. Reported per preset: the preset's
 step time, the winner and its step time, the gain, the speedup over the best plain decoding,
 and the knob that moved the most (its gain alone).
 
-Run: python bench/plan_presets.py [--presets respec-qwen2.5-3b,...] [--workers 2].
-Results: bench/results/plan_presets.{json,txt}.
+`--engine vllm` plans under the simulator's model of vLLM's engine (`engine.kind: vllm`), where
+the plan also searches vLLM's token budget, chunked prefill and CUDA-graph capture sizes; each
+row then names the winner's knobs.
+
+Run: python bench/plan_presets.py [--presets respec-qwen2.5-3b,...] [--workers 2] [--engine vllm].
+Results: bench/results/plan_presets.{json,txt}; with --engine vllm, plan_presets_vllm.{json,txt}.
 """
 
 from __future__ import annotations
@@ -35,16 +39,25 @@ def main() -> None:
     ap.add_argument("--presets", default=PRESETS)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--engine", choices=("rlsched", "vllm"), default="rlsched", help="the simulated engine")
     args = ap.parse_args()
     rows, out = [], []
     for name in args.presets.split(","):
-        base = load_config(preset=name, overrides=["record_timeline=false"])
+        base = load_config(preset=name, overrides=["record_timeline=false", f"engine.kind={args.engine}"])
         gpus = base.cluster.instances * base.cluster.tp + (base.rl.train_gpus or 0)
         t = time.perf_counter()
         with tempfile.TemporaryDirectory() as work:  # as `rlsched plan` does: a table learned for the best chains
             plan = make_plan(base, Space(gpus), seeds=args.seeds, workers=args.workers, learn_in=Path(work))
         s = summary(plan)
-        s.update(preset=name, wall_s=time.perf_counter() - t, knobs=plan.knobs)
+        w = plan.winner.candidate
+        s.update(
+            preset=name,
+            wall_s=time.perf_counter() - t,
+            knobs=plan.knobs,
+            engine=args.engine,
+            winner_engine=None if w.engine is None else w.engine.engine_update(),
+            searched=len(plan.ranked),
+        )
         out.append(s)
         rows.append(
             [
@@ -61,7 +74,8 @@ def main() -> None:
         print(f"{name}: {s['wall_s']:.0f} s", file=sys.stderr)
     text = "\n".join(
         [
-            f"the plan's winner against each preset's own setup ({args.seeds} seeds, the preset's GPUs; gain: the own "
+            f"the plan's winner against each preset's own setup ({args.seeds} seeds, the preset's GPUs, the "
+            f"{args.engine} engine; gain: the own "
             "setup's step time over the winner's, minus 1; speedup: the best plain decoding's over the winner's)",
             "",
             table(
@@ -71,7 +85,7 @@ def main() -> None:
         ]
     )
     print(text)
-    write_result("plan_presets", dict(presets=out), text)
+    write_result("plan_presets" + ("_vllm" if args.engine == "vllm" else ""), dict(presets=out), text)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,10 @@ FSDP/ZeRO-3 does, plus the activation reserve; the training GPUs must hold them.
 rollout gets the memory fraction they leave (`rollout_memory`), or all it may take when they
 are offloaded to host memory for the rollout (`rl.offload_states`, priced in the training
 stage).
+
+Under vLLM's engine (`engine.kind: vllm`) the knobs must be ones vLLM starts with: a token
+budget (`max_num_batched_tokens`) of at least `max_num_seqs`, and of at least the longest
+sequence with chunked prefill off (vLLM's SchedulerConfig.verify_max_model_len).
 """
 
 from __future__ import annotations
@@ -56,6 +60,25 @@ def _heads(model: ModelSpec, tp: int, what: str) -> str | None:
     return None
 
 
+def engine_refusal(cfg: SimConfig) -> str | None:
+    """Why vLLM would refuse the config's engine knobs (None: it starts)."""
+    e = cfg.engine
+    if e.kind != "vllm" or e.max_num_batched_tokens is None:
+        return None
+    budget, longest = e.max_num_batched_tokens, longest_sequence(cfg)
+    if budget < cfg.cluster.max_batch:
+        return (
+            f"engine.max_num_batched_tokens {budget} is below max_num_seqs {cfg.cluster.max_batch} "
+            "(cluster.max_batch), which vLLM refuses"
+        )
+    if not e.enable_chunked_prefill and budget < longest:
+        return (
+            f"engine.max_num_batched_tokens {budget} is below the longest sequence ({longest}) with chunked "
+            "prefill off, which vLLM refuses"
+        )
+    return None
+
+
 def infeasible(cfg: SimConfig, cost=None) -> str | None:
     """None when `cfg`'s instances can run its workload, else one line saying why not. `cost`:
     the cost model the KV capacity comes from (default: the config's roofline)."""
@@ -64,6 +87,7 @@ def infeasible(cfg: SimConfig, cost=None) -> str | None:
     for d in cfg.drafters:
         if reason is None and d.kind == "model" and d.model is not None:
             reason = _heads(d.model, c.tp, f"drafter {d.name}")
+    reason = reason or engine_refusal(cfg)
     if reason is not None:
         return reason
     roofline = RooflineCostModel.from_config(cfg)

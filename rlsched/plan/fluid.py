@@ -19,6 +19,16 @@ The stage's time is the slowest instance's; with many instances only the critica
 run: those with the most work, and those whose rows end last in a first-come-first-served
 queue of steps. Reallocation is not modelled: `balanced_s` is what the stage would take with
 the work spread evenly (an optimistic price of rebalancing).
+
+Under vLLM's engine model (`engine.kind: vllm`) the fluid prices vLLM's knobs too: a step
+serves at most `max_num_batched_tokens` of its rows' tokens (so a short budget stretches a
+phase over more, smaller steps, each still drafting for every row), runs at the next CUDA-graph
+capture size of the tokens it serves (above the largest, at its own count), and prompts are
+prefilled in steps of at most the budget: cut anywhere with chunked prefill, whole prompts
+packed into the budget without it. With prefix caching a row whose prompt another row of the
+instance has prefilled computes only its last block. Prefill steps are priced apart from the
+decode steps they would share in vLLM (mixed steps): an upper bound of a few weight reads a
+rollout. Async scheduling and preemption are left to the simulator.
 """
 
 from __future__ import annotations
@@ -65,8 +75,8 @@ class Strategies:
     `tolerance` (priced at the first context seen in its band): the setups of one tp and
     drafter meet the same batch sizes and contexts again and again."""
 
-    def __init__(self, cfg: SimConfig, cost, drafter: str | None, tolerance: float = 0.01):
-        self.cost, self.drafter = cost, drafter
+    def __init__(self, cfg: SimConfig, cost, drafter: str | None, tolerance: float = 0.01, engine=None):
+        self.cost, self.drafter, self.engine = cost, drafter, engine
         self.k_max = cfg.speculation.k_max if drafter is not None else 0
         self.trees: list = []  # the tree options, as Strategies
         self.table, self.top1, self.decay = None, 1.0, CONSTANT
@@ -97,15 +107,52 @@ class Strategies:
         hit = self._memo.get(key)
         if hit is None:
             ks = np.arange(self.k_max + 1)
-            hit = np.asarray(self.cost.verify_time(b, ks + 1, ctx_sum), dtype=float)
+            hit, share = engine_step(self.cost, self.engine, b, ks + 1, ctx_sum)
             if self.k_max > 0:
                 hit[1:] += self.cost.draft_time(self.drafter, b, ks[1:], ctx_sum)
+            hit = hit / share
             if self.trees:
                 assert self.drafter is not None  # (trees are a drafter's)
                 draft, verify = tree_parts(self.cost, self.drafter, self.trees, b, ctx_sum)
-                hit = np.concatenate([hit, draft + verify])
+                share = np.ones(len(self.trees))
+                if self.engine is not None:
+                    verify, share = engine_step(self.cost, self.engine, b, [1 + t.nodes for t in self.trees], ctx_sum)
+                hit = np.concatenate([hit, (draft + verify) / share])
             self._memo[key] = hit
         return hit
+
+
+def engine_step(cost, engine, b: int, q, ctx_sum: float) -> tuple[np.ndarray, np.ndarray]:
+    """(seconds of a verify step of `b` rows of `q` tokens each (an array), the share of those
+    tokens it serves): all of them on rlsched's engine; under vLLM's (`engine`, resolved), at
+    most the token budget, run at the next capture size of the tokens served."""
+    q = np.asarray(q, dtype=float)
+    if engine is None:
+        return np.asarray(cost.verify_time(b, q, ctx_sum), dtype=float), np.ones_like(q)
+    tokens = b * q
+    served = np.minimum(tokens, engine.max_num_batched_tokens)
+    sizes = np.asarray(engine.capture_sizes, dtype=float)
+    run = served
+    if len(sizes):
+        i = np.searchsorted(sizes, served)
+        run = np.where(i < len(sizes), sizes[np.minimum(i, len(sizes) - 1)], served)
+    return np.asarray(cost.verify_time(b, run / b, ctx_sum), dtype=float), served / tokens
+
+
+def prefill_s(cost, engine, p: np.ndarray, computed: np.ndarray | None = None) -> float:
+    """Seconds to prefill prompts of lengths `p`, of which `computed` tokens each (default: all;
+    fewer where the prefix cache holds the rest): one forward on rlsched's engine; under vLLM's,
+    steps of at most the token budget (whole prompts packed without chunked prefill)."""
+    c = p if computed is None else computed
+    total, sq = int(c.sum()), int((c * p).sum())
+    if engine is None or total == 0:
+        return float(cost.prefill_time(total, sq))
+    budget = engine.max_num_batched_tokens
+    if engine.chunked_prefill:
+        n = math.ceil(total / budget)
+    else:
+        n = math.ceil(len(p) / max(1, budget // max(int(c.max()), 1)))
+    return n * float(cost.prefill_time(math.ceil(total / n), sq // n))
 
 
 def _rule(policy: PolicySpec, cfg: SimConfig, cost):
@@ -133,9 +180,14 @@ def instance_time(
     acceptance: np.ndarray,
     *,
     max_batch: int,
+    prompt_of: np.ndarray | None = None,
 ) -> float:
     """One instance's busy time for these rows (in their admission order) under a policy's
-    `rule` (`_rule`): prefills priced by `cost`, steps by `strategies`."""
+    `rule` (`_rule`): prefills priced by `cost`, steps by `strategies` (and its vLLM engine:
+    `prompt_of`, the rows' prompts, for its prefix cache)."""
+    engine = strategies.engine
+    cached = prompt_of is not None and engine is not None and engine.prefix_caching
+    seen: set[int] = set()
     n = len(response_len)
     if n == 0:
         return 0.0
@@ -150,7 +202,15 @@ def instance_time(
         if room > 0 and queued < n:
             join = np.arange(queued, min(n, queued + room))
             p = prompt_len[join].astype(np.int64)
-            t += float(cost.prefill_time(int(p.sum()), int((p * p).sum())))
+            computed = None
+            if cached:
+                assert prompt_of is not None and engine is not None  # (cached says so)
+                bs, computed = engine.block_size, p.copy()
+                for i, g in enumerate(prompt_of[join].tolist()):
+                    if g in seen:  # its prompt's full blocks are cached: its last block is computed
+                        computed[i] = p[i] - (p[i] - 1) // bs * bs
+                    seen.add(g)
+            t += prefill_s(cost, engine, p, computed)
             running[join] = True
             queued = join[-1] + 1
         rows = np.flatnonzero(running)
@@ -159,7 +219,8 @@ def instance_time(
         b, ctx_sum = len(rows), float(ctx[rows].sum())
         j = rule(b) if callable(rule) else rule
         if j == 0:
-            step_s = float(cost.verify_time(b, 1, ctx_sum))
+            verify, share = engine_step(cost, engine, b, [1.0], ctx_sum)
+            step_s = float(verify[0] / share[0])
         else:
             seconds = strategies.seconds(b, ctx_sum)
             if j is None:
@@ -192,6 +253,14 @@ def batch_limit(cfg: SimConfig, capacity: int, prompt_len: np.ndarray, response_
     return max(1, min(cfg.cluster.max_batch, int(0.99 * capacity / footprint)))
 
 
+def resolved_engine(cfg: SimConfig):
+    """The vLLM engine's settings an instance of `cfg` runs (None: rlsched's engine)."""
+    if cfg.engine.kind != "vllm":
+        return None
+    hw, host = cfg.hardware, any(d.kind == "ngram" for d in cfg.drafters)
+    return cfg.engine.resolve(hw.memory_gib, hw.name, cfg.cluster.max_batch, host)
+
+
 def stage_time(
     cfg: SimConfig, policy: PolicySpec | str, cost, seed: int | None = None, strategies: Strategies | None = None
 ) -> FluidStage:
@@ -211,8 +280,9 @@ def stage_time(
     drafter = None
     if policy.family != "off":
         drafter = (policy.family == "static" and policy.drafter) or rollout.drafters[0]
-    if strategies is None or strategies.drafter != drafter:
-        strategies = Strategies(cfg, cost, drafter)
+    engine = resolved_engine(cfg)
+    if strategies is None or strategies.drafter != drafter or strategies.engine != engine:
+        strategies = Strategies(cfg, cost, drafter, engine=engine)
     rule = _rule(policy, cfg, cost)
     j = rollout.drafters.index(drafter) if drafter is not None else 0
     instances = cfg.cluster.instances
@@ -236,7 +306,14 @@ def stage_time(
         mine = np.flatnonzero(owner == i)
         acc = rollout.acceptance[mine, j] if drafter is not None else np.zeros(len(mine))
         times[i] = instance_time(
-            cost, strategies, rule, rollout.prompt_len[mine], rollout.response_len[mine], acc, max_batch=limit
+            cost,
+            strategies,
+            rule,
+            rollout.prompt_len[mine],
+            rollout.response_len[mine],
+            acc,
+            max_batch=limit,
+            prompt_of=rollout.prompt_of[mine],
         )
     slowest = max(times, key=times.__getitem__)
     seconds = times[slowest]

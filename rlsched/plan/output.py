@@ -11,7 +11,9 @@
   (`policies/engine_args.py`): tensor parallelism, `max_num_seqs`, `gpu_memory_utilization`,
   the window, the dtype, the drafter's `speculative_config` (`num_speculative_tokens`: the
   longest draft the policy may choose), and rlsched's scheduler running the winner's policy
-  itself in vLLM (`engine_policy`, priced by `engine_cost_model`), as `vllm.LLM`'s arguments,
+  itself in vLLM (`engine_policy`, priced by `engine_cost_model`), and, where the plan ran
+  vLLM's engine model (`engine.kind: vllm`), the scheduling knobs it simulated (`engine_knobs`:
+  the token budget, chunked prefill, prefix caching, capture sizes), as `vllm.LLM`'s arguments,
   a `vllm serve` command and OpenRLHF's trainer launcher; vLLM drafts chains, so a winner that
   also drafts trees runs its policy over chains there;
 - `verl_rollout.yaml`: the same engine as verl's `actor_rollout_ref.rollout` section (the
@@ -25,6 +27,7 @@
 from __future__ import annotations
 
 from rlsched.config import SimConfig, length_max, preset_names
+from rlsched.engine_config import VLLM_BLOCK_SIZE
 from rlsched.plan.feasible import longest_sequence
 from rlsched.plan.space import Candidate
 from rlsched.policies.engine_args import (
@@ -82,6 +85,27 @@ def engine_cost_model(cfg: SimConfig, policy: PolicySpec) -> str | None:
     return COST_PLACEHOLDER.format(hardware=cfg.hardware.name) if policy.priced else None
 
 
+def engine_knobs(cfg: SimConfig) -> dict:
+    """EngineFacts' scheduling knobs of a config that runs vLLM's engine model, as it simulated
+    them: the token budget (vLLM's default for the GPU where it sets none: `vllm serve`'s own
+    default differs), chunked prefill, prefix caching, the capture sizes where set, async
+    scheduling where set and the block size where not vLLM's; {} under rlsched's engine."""
+    e = cfg.engine
+    if e.kind != "vllm":
+        return {}
+    hw = cfg.hardware
+    budget = e.resolve(hw.memory_gib, hw.name, cfg.cluster.max_batch, False).max_num_batched_tokens
+    sizes = e.cudagraph_capture_sizes
+    return dict(
+        max_num_batched_tokens=budget,
+        enable_chunked_prefill=e.enable_chunked_prefill,
+        enable_prefix_caching=e.enable_prefix_caching,
+        cudagraph_capture_sizes=None if sizes is None else tuple(sizes),
+        async_scheduling=e.async_scheduling,
+        block_size=None if e.block_size == VLLM_BLOCK_SIZE else e.block_size,
+    )
+
+
 def vllm_engine_args(
     cfg: SimConfig,
     c: Candidate,
@@ -95,7 +119,8 @@ def vllm_engine_args(
 ) -> dict:
     """vLLM engine arguments of one rollout instance of the candidate (`engine_args.
     vllm_engine_kwargs`): its tp, batch limit, memory and drafter, the workload's longest
-    sequence as the window, and rlsched's scheduler running `engine_policy` (`policy`: the text
+    sequence as the window, vLLM's scheduling knobs as `cfg` (the candidate's config) sets them
+    (`engine_knobs`), and rlsched's scheduler running `engine_policy` (`policy`: the text
     the engine reads instead, such as the plan's copy of a learned policy file), its traces in
     `trace_dir`; `dtype` as run.yaml has it (default: `run_device`'s). UserError, one line, for
     what cannot run."""
@@ -110,6 +135,7 @@ def vllm_engine_args(
         gpu_memory_utilization=c.memory,
         max_model_len=longest_sequence(cfg),
         dtype=dtype or run_device(cfg)["dtype"],
+        **engine_knobs(cfg),
     )
     spec = engine_policy(cfg, c, cost)
     kw = vllm_engine_kwargs(facts, HookSettings(spec.text, engine_cost_model(cfg, spec), trace_dir))

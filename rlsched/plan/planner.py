@@ -6,7 +6,7 @@ decoding setup on its GPU count (the speedup), the screen's best on each smaller
 Pareto front of step time against GPUs) and the workload's own setup scaled to its GPU count
 (`plan/compare.py`: like with like; the setups the seeds cannot tell from it are its ties),
 and explained: each knob where the two differ (placement, tp, batch limit, memory fraction,
-policy, reallocation, the drafter's update schedule) is moved alone from the own setup to the
+policy, reallocation, the drafter's update schedule, vLLM's knobs) is moved alone from the own setup to the
 winner's value and simulated on the same seeds; the knob that gains most is named."""
 
 from __future__ import annotations
@@ -19,15 +19,15 @@ from pathlib import Path
 from rlsched.config import SimConfig
 from rlsched.errors import UserError
 from rlsched.plan.compare import own_at
-from rlsched.plan.feasible import infeasible
+from rlsched.plan.feasible import engine_refusal, infeasible
 from rlsched.plan.record import check_plan_out, plan_rows, summary, write_plan  # noqa: F401 (the plan's API)
-from rlsched.plan.screen import Dropped, Scored, screen
+from rlsched.plan.screen import Dropped, Scored, screen, screen_setups
 from rlsched.plan.search import Ranked, run_seed, search
 from rlsched.plan.space import Candidate, Space, candidates, to_config
 from rlsched.policies.registry import parse_policy
 from rlsched.sim.sizes import check_fits
 
-KNOBS = ("placement", "tp", "max_batch", "memory", "policy", "realloc", "update_schedule")
+KNOBS = ("placement", "tp", "max_batch", "memory", "policy", "realloc", "update_schedule", "engine")
 
 
 def base_for_plan(
@@ -110,6 +110,7 @@ def knob_value(c: Candidate, knob: str) -> str:
         "policy": c.policy_label,
         "realloc": c.realloc,
         "update_schedule": str(c.update_schedule),
+        "engine": "rlsched" if c.engine is None else c.engine.label,
     }[knob]
 
 
@@ -165,22 +166,24 @@ def check_plan_fits(base: SimConfig, space: Space, workers: int, ray_address: st
     check_fits(largest, grid=True, workers=side, processes=side > 1)
 
 
-def screened(base: SimConfig, space: Space, objective: str):
-    """(scored, dropped): every candidate of `space` screened; one line when none can run."""
+def screened(base: SimConfig, space: Space, objective: str, expand: int = 48):
+    """(scored, dropped, the scored to search, candidates): the candidates of `space` screened
+    (`screen.screen_setups`: vLLM's knobs at every setting for the best `expand` setups); one
+    line when none can run."""
     cands = candidates(base, space)
     if not cands:
         raise UserError(
             f"no setup to search: no --tp in {','.join(map(str, space.tps))} divides the rollout GPUs of "
             f"--gpus {space.gpus}; give a --tp of at most the GPUs that divides them (for example --tp 1,2,4)"
         )
-    scored, dropped = screen(base, cands, objective)
+    scored, dropped, pool = screen_setups(base, cands, objective, expand)
     if not scored:
         reasons = sorted({d.reason for d in dropped})
         raise UserError(
             f"no setup of {base.model.name} fits on {space.gpus} x {base.hardware.name}: {reasons[0]}"
             + (f" (and {len(reasons) - 1} other reasons)" if len(reasons) > 1 else "")
         )
-    return scored, dropped
+    return scored, dropped, pool, len(cands)
 
 
 def pins(base: SimConfig, scored: list[Scored], objective: str) -> tuple[list[Scored], dict[int, int], dict[int, str]]:
@@ -226,15 +229,18 @@ def make_plan(
         raise UserError(f"--seeds must be >= 1 (got {seeds})")
     if survivors < 1:
         raise UserError(f"--survivors must be >= 1 (got {survivors})")
+    refusal = engine_refusal(base)
+    if refusal is not None:
+        raise UserError(f"{refusal}; give the engine knobs vLLM starts with (or leave them out for its defaults)")
     check_plan_fits(base, space, workers, ray_address)
     t = time.perf_counter()
-    scored, dropped = screened(base, space, objective)
+    scored, dropped, pool, n_cands = screened(base, space, objective, 2 * survivors)
     pinned, owns, own_reasons = pins(base, scored, objective)
     screen_s = time.perf_counter() - t
     t = time.perf_counter()
     seed_list = list(range(base.seed, base.seed + seeds))
     result = search(
-        scored,
+        pool,
         objective=objective,
         survivors=survivors,
         seeds=seed_list,
@@ -247,7 +253,7 @@ def make_plan(
         base,
         objective,
         space.gpus,
-        len(scored) + len(dropped),
+        n_cands,
         scored,
         dropped,
         result.ranked,

@@ -4,22 +4,24 @@ ones dropped with their reason, the rest ranked best first by the objective.
 A step's estimate: the fluid generation stage (`plan/fluid.py`; with reallocation, its work
 spread evenly over the instances) plus the inference and training stages on their GPUs
 (`sim/rlstep.StageCosts`). Fluid stages are shared by the setups that differ only in
-reallocation or placement of training, and step prices by those of one tp, drafter and tree
-allowance.
+reallocation or placement of training, and step prices by those of one tp, drafter, tree
+allowance and (under vLLM's engine) resolved engine settings.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rlsched.config import SimConfig
 from rlsched.costs.choose import cost_model_for
 from rlsched.plan.feasible import infeasible
-from rlsched.plan.fluid import FluidStage, Strategies, stage_time
+from rlsched.plan.fluid import FluidStage, Strategies, resolved_engine, stage_time
+from rlsched.plan.knobs import reference_knobs, step_tokens_max
 from rlsched.plan.space import Candidate, to_config
 from rlsched.sim.rlstep import StageCosts
 
 OBJECTIVES = ("step-time", "tokens-per-gpu-s")
+KNOB_GAIN = 0.01  # a setting of vLLM's knobs is searched where the screen prices it this much better than vLLM's own
 
 
 def score(objective: str, step_s: float, gpus: int, tokens: float) -> float:
@@ -67,12 +69,13 @@ def screen(base: SimConfig, cands: list[Candidate], objective: str = "step-time"
         if reason is not None:
             dropped.append(Dropped(c, reason))
             continue
-        key = (c.tp, c.instances, c.max_batch, c.memory, c.policy, c.drafter, c.width_max)
+        key = (c.tp, c.instances, c.max_batch, c.memory, c.policy, c.drafter, c.width_max, c.engine)
         if key not in stages:
-            pkey = (c.tp, c.drafter, c.width_max)
+            engine = resolved_engine(cfg)
+            pkey = (c.tp, c.drafter, c.width_max, engine)
             if pkey not in prices:
                 cost = cost_model_for(cfg)
-                prices[pkey] = (cost, Strategies(cfg, cost, c.drafter))
+                prices[pkey] = (cost, Strategies(cfg, cost, c.drafter, engine=engine))
             cost, strategies = prices[pkey]
             stages[key] = stage_time(cfg, c.policy, cost, strategies=strategies)
         gen, step = step_estimate(cfg, c, stages[key])
@@ -80,3 +83,34 @@ def screen(base: SimConfig, cands: list[Candidate], objective: str = "step-time"
         scored.append(Scored(c, cfg, gen, step, tokens, score(objective, step, c.gpus, tokens)))
     scored.sort(key=lambda s: s.score)
     return scored, dropped
+
+
+def screen_setups(
+    base: SimConfig, cands: list[Candidate], objective: str = "step-time", expand: int = 48
+) -> tuple[list[Scored], list[Dropped], list[Scored]]:
+    """(scored, dropped, the scored to search) of candidates that may differ in vLLM's knobs
+    alone: every setup first at the setting nearest vLLM's defaults (`knobs.reference_knobs`),
+    then the best `expand` setups at every setting of theirs. A setup is searched at its
+    reference setting, and at its best other setting where the screen prices it KNOB_GAIN
+    better or more (a setting the screen cannot tell from the default is not searched)."""
+    groups: dict[Candidate, list[Candidate]] = {}
+    for c in cands:
+        groups.setdefault(replace(c, engine=None), []).append(c)
+    if all(len(g) == 1 for g in groups.values()):
+        scored, dropped = screen(base, cands, objective)
+        return scored, dropped, scored
+    refs = {}
+    for key, g in groups.items():
+        need = step_tokens_max(base, key.max_batch, key.width_max)
+        ref = reference_knobs(base, [c.engine for c in g if c.engine is not None], need)
+        refs[key] = next(c for c in g if c.engine == ref)
+    first, dropped = screen(base, list(refs.values()), objective)
+    top = [replace(s.candidate, engine=None) for s in first[:expand]]
+    rest, dropped2 = screen(base, [c for k in top for c in groups[k] if c != refs[k]], objective)
+    best: dict[Candidate, Scored] = {}
+    for s in rest:
+        best.setdefault(replace(s.candidate, engine=None), s)
+    ref_score = {replace(s.candidate, engine=None): s.score for s in first}
+    pool = first + [s for k, s in best.items() if s.score < ref_score[k] * (1 - KNOB_GAIN)]
+    scored = sorted(first + rest, key=lambda s: s.score)
+    return scored, dropped + dropped2, sorted(pool, key=lambda s: s.score)

@@ -24,7 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlsched.config import SimConfig
-from rlsched.plan.feasible import MEMORY_MAX, rollout_memory
+from rlsched.plan.feasible import MEMORY_MAX, longest_sequence, rollout_memory
+from rlsched.plan.knobs import BATCHED_TOKENS, CAPTURES, EngineKnobs, engine_options, own_knobs
 from rlsched.policies.drafter_schedule import SCHEDULES
 from rlsched.policies.registry import OFF_SPEC, PolicySpec, parse_policy
 
@@ -44,6 +45,7 @@ class Candidate:
     train_gpus: int | None = None  # None: colocated (inference and training on the rollout's GPUs)
     offload: bool = False  # colocated: training's states go to host memory for the rollout
     update_schedule: str | None = None  # the drafter's (rl.drafter_update_schedule); None: the workload's
+    engine: EngineKnobs | None = None  # vLLM's knobs (engine.kind vllm); None: rlsched's engine
 
     @property
     def gpus(self) -> int:
@@ -71,9 +73,10 @@ class Candidate:
         realloc = "" if self.realloc == "none" else f" {self.realloc}"
         memory = f"m{self.memory:g}" + ("+offload" if self.offload else "")
         update = "" if self.update_schedule is None else f" update:{self.update_schedule}"
+        engine = "" if self.engine is None else f" {self.engine.label}"
         return (
             f"{self.placement} tp{self.tp}x{self.instances} b{self.max_batch} {memory} {self.policy_label}"
-            f"{realloc}{update}"
+            f"{realloc}{update}{engine}"
         )
 
 
@@ -87,6 +90,10 @@ class Space:
     # the shares of the budget a setup may hold (colocated) and give the rollout (split)
     colocated: tuple[float, ...] = (1.0, 0.5)
     split: tuple[float, ...] = (0.75,)
+    # vLLM's knobs, under engine.kind vllm (`plan/knobs.py`)
+    batched_tokens: tuple[int, ...] = BATCHED_TOKENS
+    chunked_prefill: tuple[bool, ...] = (True, False)
+    captures: tuple[str, ...] = CAPTURES
 
 
 def placements(space: Space) -> list[tuple[int, int | None]]:
@@ -119,11 +126,17 @@ def policies(base: SimConfig, space: Space) -> list[tuple[PolicySpec, str | None
 
 def candidates(base: SimConfig, space: Space) -> list[Candidate]:
     """Every setup of the space for `base`'s model, hardware, drafters and workload: each
-    placement, the `tp` of the space's that divide its rollout GPUs, each batch limit, policy and
-    (with more than one instance) reallocation."""
+    placement, the `tp` of the space's that divide its rollout GPUs, each batch limit, policy,
+    (with more than one instance) reallocation and, under vLLM's engine, setting of its knobs."""
     if space.gpus < 1:
         raise ValueError(f"gpus must be >= 1 (got {space.gpus})")
     out = []
+    longest = longest_sequence(base)
+    knobs = {
+        (b, w): engine_options(base, b, w, longest, space.batched_tokens, space.chunked_prefill, space.captures)
+        for b in space.max_batches
+        for w in {1, base.speculation.width_max}
+    }
     for rollout, train in placements(space):
         memories = [(rollout_memory(base, rollout, train), False)]
         if train is None and memories[0][0] <= MEMORY_MAX - OFFLOAD_GAIN:
@@ -136,9 +149,10 @@ def candidates(base: SimConfig, space: Space) -> list[Candidate]:
                         fixed = policy.family == "static"
                         for r in space.reallocs if instances > 1 and not fixed else ("none",):
                             for u in schedules(base, drafter):
-                                out.append(
-                                    Candidate(tp, instances, b, memory, policy, drafter, width, r, train, offload, u)
-                                )
+                                out += [
+                                    Candidate(tp, instances, b, memory, policy, drafter, width, r, train, offload, u, e)
+                                    for e in knobs[b, width]
+                                ]
     return out
 
 
@@ -157,7 +171,7 @@ def schedules(base: SimConfig, drafter: str | None) -> tuple[str | None, ...]:
 
 def to_config(base: SimConfig, c: Candidate) -> SimConfig:
     """`base` with the candidate's placement, cluster, drafter alone (an adaptive policy then
-    chooses for it), trees or chains, and reallocation."""
+    chooses for it), trees or chains, reallocation and vLLM's knobs."""
     cluster = base.cluster.model_copy(
         update=dict(
             tp=c.tp, instances=c.instances, max_batch=c.max_batch, gpu_memory_utilization=c.memory, realloc=c.realloc
@@ -172,7 +186,10 @@ def to_config(base: SimConfig, c: Candidate) -> SimConfig:
             drafter_update_schedule=c.update_schedule or base.rl.drafter_update_schedule,
         )
     )
-    return base.model_copy(update=dict(cluster=cluster, drafters=drafters, speculation=speculation, rl=rl))
+    update = dict(cluster=cluster, drafters=drafters, speculation=speculation, rl=rl)
+    if c.engine is not None:
+        update["engine"] = base.engine.model_copy(update=c.engine.engine_update())
+    return base.model_copy(update=update)
 
 
 def from_config(cfg: SimConfig) -> Candidate:
@@ -196,4 +213,5 @@ def from_config(cfg: SimConfig) -> Candidate:
         rl.train_gpus,
         offload and not rl.train_gpus,
         update,
+        own_knobs(cfg),
     )

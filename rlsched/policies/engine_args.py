@@ -5,7 +5,10 @@ runs inside vLLM's scheduler, written from the engine's facts and the policy's s
 vLLM resolves `scheduler_cls` (rlsched's scheduler) by name inside its engine-core process and
 hands it `additional_config["rlsched"]` (the policy, its cost model, where the engine core writes
 its traces, the seed); the drafter, the longest draft (`speculative_config.num_speculative_tokens`),
-the batch limit (`max_num_seqs`) and tensor parallelism are vLLM's own settings. Writers:
+the batch limit (`max_num_seqs`), tensor parallelism and the scheduling knobs a plan chooses
+(`max_num_batched_tokens`, `enable_chunked_prefill`, `enable_prefix_caching`,
+`cudagraph_capture_sizes` or `enforce_eager`, `async_scheduling`, `block_size`) are vLLM's own
+settings. Writers:
 
 - `vllm_engine_kwargs`: `vllm.LLM(**kw)` / `AsyncEngineArgs(**kw)`;
 - `vllm_serve_argv` / `vllm_serve_script`: the same as a `vllm serve` command line;
@@ -52,6 +55,13 @@ class EngineFacts:
     gpu_memory_utilization: float | None = None
     max_model_len: int | None = None
     dtype: str | None = None
+    # vLLM's scheduling knobs (None: vLLM's default); capture sizes () run eagerly (enforce_eager)
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool | None = None
+    enable_prefix_caching: bool | None = None
+    cudagraph_capture_sizes: tuple[int, ...] | None = None
+    async_scheduling: bool | None = None
+    block_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -77,13 +87,58 @@ class HookSettings:
         return {"rlsched": {k: v for k, v in fields.items() if v is not None}}
 
 
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _check_knobs(f: EngineFacts) -> None:
+    """vLLM's scheduling knobs as vLLM's SchedulerConfig and CompilationConfig accept them."""
+    budget = f.max_num_batched_tokens
+    if budget is not None:
+        if not _whole(budget):
+            raise UserError(f"max_num_batched_tokens must be a whole number >= 1 (got {budget!r})")
+        if budget < f.max_num_seqs:
+            raise UserError(
+                f"max_num_batched_tokens {budget} is below max_num_seqs {f.max_num_seqs}, which vLLM refuses; "
+                "raise it or lower max_num_seqs"
+            )
+        if f.enable_chunked_prefill is False and f.max_model_len is not None and budget < f.max_model_len:
+            raise UserError(
+                f"max_num_batched_tokens {budget} is below max_model_len {f.max_model_len} with chunked prefill "
+                "off, which vLLM refuses; raise it or turn enable_chunked_prefill on"
+            )
+    sizes = f.cudagraph_capture_sizes
+    if sizes is not None and (not all(_whole(s) for s in sizes) or any(b <= a for a, b in zip(sizes, sizes[1:]))):
+        raise UserError(
+            f"cudagraph_capture_sizes must be strictly increasing token counts >= 1, such as [1, 2, 4, 8] "
+            f"(got {list(sizes)!r})"
+        )
+    if f.block_size is not None and not _whole(f.block_size):
+        raise UserError(f"block_size must be a whole number >= 1 (got {f.block_size!r})")
+
+
+def _knob_kwargs(f: EngineFacts) -> dict:
+    """The scheduling knobs set, as vLLM's engine arguments (no capture sizes: enforce_eager)."""
+    kw: dict = {
+        "max_num_batched_tokens": f.max_num_batched_tokens,
+        "enable_chunked_prefill": f.enable_chunked_prefill,
+        "enable_prefix_caching": f.enable_prefix_caching,
+        "async_scheduling": f.async_scheduling,
+        "block_size": f.block_size,
+    }
+    if f.cudagraph_capture_sizes is not None:
+        sizes = list(f.cudagraph_capture_sizes)
+        kw.update({"cudagraph_capture_sizes": sizes} if sizes else {"enforce_eager": True})
+    return {k: v for k, v in kw.items() if v is not None}
+
+
 def _check_facts(f: EngineFacts) -> None:
     for name, value in (
         ("k_max", f.k_max),
         ("max_num_seqs", f.max_num_seqs),
         ("tensor_parallel_size", f.tensor_parallel_size),
     ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not _whole(value):
             raise UserError(f"{name} must be a whole number >= 1 (got {value!r})")
     if f.gpu_memory_utilization is not None and not 0 < f.gpu_memory_utilization <= 1:
         raise UserError(f"gpu_memory_utilization must be in (0, 1] (got {f.gpu_memory_utilization!r})")
@@ -95,6 +150,7 @@ def _check_facts(f: EngineFacts) -> None:
         raise UserError(f"drafter '{f.drafter}' is not one of off, model, eagle, ngram")
     if f.drafter in METHODS and not (f.drafter_path or "").strip():
         raise UserError(f"drafter {f.drafter} needs its folder (drafter_path): vLLM loads it from there")
+    _check_knobs(f)
 
 
 def _check_hook(h: HookSettings, priced: bool) -> None:
@@ -149,6 +205,7 @@ def vllm_engine_kwargs(facts: EngineFacts, hook: HookSettings) -> dict:
         "dtype": facts.dtype,
     }
     kw = {k: v for k, v in kw.items() if v is not None}
+    kw.update(_knob_kwargs(facts))
     spec = speculative_config(facts, plan)
     if spec is not None:
         kw["speculative_config"] = spec
@@ -163,26 +220,41 @@ def _flag_value(value) -> str:
     return json.dumps(value, separators=(",", ":")) if isinstance(value, (dict, list)) else str(value)
 
 
+# engine arguments `vllm serve` takes as several words (nargs "+"), not as one JSON word
+SERVE_LISTS = ("cudagraph_capture_sizes",)
+
+
+def _serve_words(k: str, v) -> list[str]:
+    """One engine argument as `vllm serve`'s words: a switch for a bool (`--no-FLAG` for
+    false), a word a value for a list vLLM reads so, else the value (dicts and lists as JSON)."""
+    flag = f"--{k.replace('_', '-')}"
+    if isinstance(v, bool):
+        return [flag if v else f"--no-{flag[2:]}"]
+    if k in SERVE_LISTS:
+        return [flag, *(str(x) for x in v)]
+    return [flag, _flag_value(v)]
+
+
 def vllm_serve_argv(kw: dict) -> list[str]:
-    """`vllm serve MODEL --flag value ...` for engine kwargs (dicts as JSON)."""
+    """`vllm serve MODEL --flag value ...` for engine kwargs (`_serve_words`)."""
     argv = ["vllm", "serve", kw["model"]]
     for k, v in kw.items():
         if k != "model":
-            argv += [f"--{k.replace('_', '-')}", _flag_value(v)]
+            argv += _serve_words(k, v)
     return argv
 
 
 def vllm_serve_script(kw: dict, title: str) -> str:
     """`vllm_serve_argv` as a shell script, one flag a line, every word quoted for the shell."""
-    argv = vllm_serve_argv(kw)
-    lines = [" ".join(shlex.quote(a) for a in argv[:3])]
-    lines += [f"{shlex.quote(argv[i])} {shlex.quote(argv[i + 1])}" for i in range(3, len(argv), 2)]
+    lines = [" ".join(shlex.quote(a) for a in ["vllm", "serve", kw["model"]])]
+    lines += [" ".join(shlex.quote(a) for a in _serve_words(k, v)) for k, v in kw.items() if k != "model"]
     return f"#!/bin/sh\n# {title}\nexec " + " \\\n  ".join(lines) + ' "$@"\n'
 
 
 def verl_rollout_section(kw: dict) -> dict:
     """verl's `actor_rollout_ref.rollout` section for engine kwargs `kw` (`vllm_engine_kwargs`):
-    its own keys for tensor parallelism, batch limit, memory, window and dtype, the rest through
+    its own keys for tensor parallelism, batch limit, memory, window, dtype, token budget,
+    chunked prefill, prefix caching and CUDA graphs (capture sizes, enforce_eager), the rest through
     `engine_kwargs.vllm`. A drafter with weights is read from its folder only when verl's rollout
     loads weights from disk (`load_format: auto`; verl's default `dummy` would give it random ones,
     and verl's weight sync updates the target alone)."""
@@ -192,6 +264,11 @@ def verl_rollout_section(kw: dict) -> dict:
         "gpu_memory_utilization": "gpu_memory_utilization",
         "max_model_len": "max_model_len",
         "dtype": "dtype",
+        "max_num_batched_tokens": "max_num_batched_tokens",
+        "enable_chunked_prefill": "enable_chunked_prefill",
+        "enable_prefix_caching": "enable_prefix_caching",
+        "cudagraph_capture_sizes": "cudagraph_capture_sizes",
+        "enforce_eager": "enforce_eager",
     }
     rollout: dict = {"name": "vllm"}
     rollout.update({own[k]: v for k, v in kw.items() if k in own})
