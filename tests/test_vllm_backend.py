@@ -359,6 +359,11 @@ def test_plain_vllm_run_traces_fit(pair, tmp_path):
     proc = ok(rlsched("fit", str(out), "--out", str(tmp_path / "cost.json"), "--json", cwd=tmp_path, timeout=1800))
     fitted = json.loads(proc.stdout)
     assert (tmp_path / "cost.json").is_file() and {"verify", "prefill"} <= set(fitted["ops"]), fitted
+    # the engine file names the policy the engine ran, and the run replays under vLLM's engine model
+    (engine,) = [json.loads(f.read_text()) for f in (out / "traces").glob("engine-*.json")]
+    assert engine["rlsched"]["policy"] == "off"
+    replayed = json.loads(ok(rlsched("replay", str(out), "--json", cwd=tmp_path, timeout=1800)).stdout)
+    assert replayed["rl_steps"] == 2 and replayed["predicted_generation_s"] > 0, replayed
 
 
 @pytest.mark.vllm
@@ -405,6 +410,7 @@ def test_run_with_rlsched_policies_inside_vllm(pair, tmp_path):
     (engine,) = [json.loads(f.read_text()) for f in (out / "traces").glob("engine-*.json")]
     assert engine["own_process"] and engine["rlsched"]["trace_dir"] == str((out / "traces").absolute())
     assert engine["max_batch"] == 16 and engine["k_max"] == 3 and engine["tp"] == 1
+    assert engine["rlsched"]["policy"] == "seqgoodput"  # handed over after start-up, named for replay
 
 
 def test_the_run_device_must_be_the_vllm_builds():

@@ -1,5 +1,6 @@
-"""Step costs measured through a vLLM engine, for a priced policy started without a cost
-model: a KSweep rollout per batch size, its step records priced as a MeasuredCostModel."""
+"""Rollouts of an engine's own, before its first: a warm-up (`warm_up`), and step costs measured
+through the engine for a priced policy started without a cost model (`measure_step_costs`: a
+KSweep rollout per batch size, its step records priced as a MeasuredCostModel)."""
 
 from __future__ import annotations
 
@@ -76,3 +77,39 @@ def measure_step_costs(engine, typical_ctx: int):
     finally:
         records = ask(engine.llm, "capture", False)
     return MeasuredCostModel(pd.DataFrame(cost_records(records, prompt_len + new // 2, sizes)))
+
+
+def warm_up(engine, typical_ctx: int) -> None:
+    """One short rollout through `engine` (a VllmRolloutEngine), its step records kept aside
+        and dropped: vLLM warms its kernels up at start-up only when it compiles or captures
+        graphs, so under enforce_eager (the CPU build) the first forward of an engine takes
+        seconds that belong to its start, not to the first rollout's steps. A batch of max_batch
+        prompts of about `typical_ctx` random tokens, sampled as the engine's rollouts are (log-probs
+    out: their first computation is the slow one), drafting as KSweep does."""
+    from vllm import SamplingParams as VP
+    from vllm.inputs import TokensPrompt
+
+    drafter = "off" if engine.plan is None else engine.plan["drafter"]
+    k = engine.k_max if drafter in ("model", "eagle") else 0
+    new = k + 3
+    prompt_len = max(8, min(typical_ctx, engine.max_model_len - new - 1))
+    rng = np.random.default_rng(engine.seed)
+    vocab = int(json.loads((engine.target_dir / "config.json").read_text())["vocab_size"])
+    s = engine.sampling
+    params = VP(
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=s.top_p,
+        max_tokens=new,
+        logprobs=0,
+        ignore_eos=True,
+        detokenize=False,
+    )
+    ask(engine.llm, "policy", pickle.dumps((KSweep(drafter, k), None)))
+    ask(engine.llm, "capture", True)
+    try:
+        b = engine.max_batch
+        prompts = [TokensPrompt(prompt_token_ids=rng.integers(1, vocab, prompt_len).tolist()) for _ in range(b)]
+        engine.llm.generate(prompts, [params] * b, use_tqdm=False)
+    finally:
+        ask(engine.llm, "capture", False)

@@ -47,7 +47,7 @@ from rlsched.executor.decode.sampling import SamplingParams
 from rlsched.executor.engine.recorder import Recorder, sample_record
 from rlsched.executor.engine.rows import RolloutResult, SampleResult, check_requests
 from rlsched.executor.seeds import derive_seed
-from rlsched.executor.vllm.calibrate import measure_step_costs
+from rlsched.executor.vllm.calibrate import measure_step_costs, warm_up
 from rlsched.executor.vllm.engine_hook import ask, run_request_id, utility
 from rlsched.executor.vllm.settings import KEY
 from rlsched.executor.vllm.shims import import_vllm, start_llm
@@ -185,6 +185,7 @@ class VllmRolloutEngine:
         self.startup_s = time.perf_counter() - t
         self._adds, self._live, self._done, self._paused = 0, {}, {}, False
         self._prompt_of = np.zeros(0, dtype=np.int64)
+        warm_up(self, typical_ctx or max_len // 2)
         self._hand_over(state, cost, typical_ctx or max_len // 2, identity or {}, log)
 
     def _hand_over(self, state, cost, typical_ctx: int, identity: dict, log) -> None:
@@ -197,7 +198,7 @@ class VllmRolloutEngine:
         if self.plan is not None and not self.plan["native"] and policy is None:
             policy = self._make_policy(cost, typical_ctx, identity, log)
         self._priors = estimator  # this side's copy: the prior a sample record's acceptance shrinks towards
-        ask(self.llm, "policy", pickle.dumps((policy, estimator)))
+        ask(self.llm, "policy", pickle.dumps((policy, estimator)), None if policy is None else str(self.policy))
 
     def _make_policy(self, cost, typical_ctx: int, identity: dict, log=None):
         """rlsched's DraftPolicy for this engine, priced by `cost` or by `calibrate`."""

@@ -80,9 +80,11 @@ class EngineHook(StepHook):
         policy = make_policy(cfg, vllm_config, facts)
         names = () if facts["drafter"] == "off" else (facts["name"],)
         self.recorder = Recorder(None)
+        self._engine_file: tuple | None = None
         if cfg.trace_dir is not None:
             tag = f"e{facts['rank']}-{os.getpid()}"
             write_engine_file(Path(cfg.trace_dir), tag, cfg, vllm_config, facts)
+            self._engine_file = (Path(cfg.trace_dir), tag, cfg, vllm_config, facts)
             self.recorder = Recorder(Path(cfg.trace_dir), tag)
         super().__init__(
             policy,
@@ -181,9 +183,13 @@ class EngineHook(StepHook):
         self.hook_s, self.max_running, self._t0 = 0.0, 0, time.perf_counter()
         self.left.clear()
 
-    def call_policy(self, blob: bytes) -> None:
-        """Run the pickled (policy, estimator or None) from here on (None: vLLM's own draft length)."""
+    def call_policy(self, blob: bytes, name: str | None = None) -> None:
+        """Run the pickled (policy, estimator or None) from here on (None: vLLM's own draft length);
+        `name`, the policy's spec, goes into the engine file for replay."""
         policy, estimator = pickle.loads(blob)
+        if name is not None and self._engine_file is not None:
+            folder, tag, cfg, vllm_config, facts = self._engine_file
+            write_engine_file(folder, tag, cfg.model_copy(update={"policy": name}), vllm_config, facts)
         names = tuple(self.estimator.drafters)
         if estimator is not None:
             self.estimator = estimator

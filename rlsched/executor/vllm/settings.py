@@ -84,7 +84,8 @@ def engine_facts(vllm_config) -> dict:
 
 
 def write_engine_file(folder: Path, tag: str, cfg: EngineHookConfig, vllm_config, facts: dict) -> None:
-    """`engine-<tag>.json` in the trace folder: what this engine ran (rlsched's settings and
+    """`engine-<tag>.json` in the trace folder: what this engine ran (rlsched's settings, the
+    policy named as `static:<num_speculative_tokens>` while vLLM's own draft length runs, and
     vLLM's own scheduling arguments), for `replay` and `report`. The folder's parent must exist."""
     import vllm
 
@@ -93,10 +94,11 @@ def write_engine_file(folder: Path, tag: str, cfg: EngineHookConfig, vllm_config
         raise UserError(f"{where} '{folder}': its parent folder does not exist; create it or name another")
     check_writable(folder, where)
     sched = vllm_config.scheduler_config
+    own = f"static:{facts['k_max']}" if facts["drafter"] != "off" else "off"  # vLLM's own draft length
     record = dict(
         format="rlsched-engine",
         version=1,
-        rlsched=cfg.model_dump(),
+        rlsched={**cfg.model_dump(), "policy": cfg.policy or own},
         **{k: facts[k] for k in ("drafter", "name", "k_max", "max_batch", "tp", "rank", "model", "max_len")},
         vllm=vllm.__version__,
         max_num_batched_tokens=int(sched.max_num_batched_tokens),
