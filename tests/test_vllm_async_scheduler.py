@@ -163,3 +163,41 @@ def test_step_records_say_the_prompt_chunks_beside_the_rows(pair, monkeypatch):
         ("mixed", rest, rest * (rest + 2 * first), 1),
         ("decode", 0, 0, 2),
     ], got
+
+
+def test_step_records_count_each_draft_position_over_requests_of_their_own_k(pair, monkeypatch):
+    """Requests of different draft lengths in one step, each accepting its own number of
+    drafts: the record's counts by position are over the requests that drafted each position
+    (`recorder.position_counts`), and add up to the step's drafted and accepted."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    from rlsched.executor.engine.recorder import position_counts
+
+    sched = _scheduler(pair, "plugin:plugin_policies.cycling_per_request", monkeypatch)
+    records: list[dict] = []
+    sched.hook.record = records.append
+    _requests(sched, 6)
+    want = {}
+    prev = sched.schedule()
+    for _ in range(8):
+        nxt = sched.schedule()
+        spec, index = prev.scheduled_spec_decode_tokens, sched.hook.index_of
+        ids = list(prev.num_scheduled_tokens)
+        took = {q: min(index[q] % 3, len(spec.get(q, ()))) for q in ids}  # request i accepts up to i % 3
+        sampled = [[7] * (1 + took[q]) for q in ids]
+        where = {q: i for i, q in enumerate(ids)}
+        runner = ModelRunnerOutput(req_ids=ids, req_id_to_index=where, sampled_token_ids=sampled)
+        drafted = [q for q in ids if spec.get(q)]
+        want[sched.hook.step] = position_counts([len(spec[q]) for q in drafted], [took[q] for q in drafted])
+        sched.update_from_output(prev, runner)
+        prev = nxt
+    chains = [r for r in records if r["drafted"]]
+    assert len(chains) >= 4
+    assert any(len(set(r["drafted_by_position"])) > 1 for r in chains)  # rows of different k in one step
+    for r in records:
+        assert {n: r[n] for n in want[r["step"]] or {}} == (want[r["step"]] or {}), r
+        if not r["drafted"]:
+            assert r["accepted_by_position"] is None
+            continue
+        assert sum(r["accepted_by_position"]) == r["accepted"] and sum(r["drafted_by_position"]) == r["drafted"]
+        assert len(r["tried_by_position"]) == r["k"] and r["tried_by_position"][0] == r["drafted_by_position"][0]

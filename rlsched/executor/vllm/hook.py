@@ -188,7 +188,10 @@ class StepHook:
         sampled = runner_output.sampled_token_ids
         rows = [q for q in scheduler_output.num_scheduled_tokens if q in self.index_of and q in index]
         verified = [q for q in rows if spec.get(q)]
-        dk = np.array([sum(t >= 0 for t in spec[q]) for q in verified], dtype=np.int64)
+        # drafts verified: as vLLM counts them, each request's scheduled spec tokens (under async
+        # scheduling placeholders, -1, that the runner fills) less those a grammar invalidated
+        invalid = getattr(scheduler_output, "num_invalid_spec_tokens", None) or {}
+        dk = np.array([len(spec[q]) - invalid.get(q, 0) for q in verified], dtype=np.int64)
         acc = np.array([max(0, len(sampled[index[q]]) - 1) for q in verified], dtype=np.int64)
         acc = np.minimum(acc, dk)
         emitted = sum(len(sampled[index[q]]) for q in rows)
