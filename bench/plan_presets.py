@@ -12,7 +12,8 @@ and the knob that moved the most (its gain alone).
 the plan also searches vLLM's token budget, chunked prefill and CUDA-graph capture sizes; each
 row then names the winner's knobs.
 
-Run: python bench/plan_presets.py [--presets respec-qwen2.5-3b,...] [--workers 2] [--engine vllm].
+Run: python bench/plan_presets.py [--presets respec-qwen2.5-3b,...] [--workers 2] [--engine vllm]
+[--no-learn].
 Results: bench/results/plan_presets.{json,txt}; with --engine vllm, plan_presets_vllm.{json,txt}.
 """
 
@@ -40,6 +41,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--engine", choices=("rlsched", "vllm"), default="rlsched", help="the simulated engine")
+    ap.add_argument("--no-learn", action="store_true", help="no learned table (as `rlsched plan --no-learn`)")
     args = ap.parse_args()
     rows, out = [], []
     for name in args.presets.split(","):
@@ -47,7 +49,8 @@ def main() -> None:
         gpus = base.cluster.instances * base.cluster.tp + (base.rl.train_gpus or 0)
         t = time.perf_counter()
         with tempfile.TemporaryDirectory() as work:  # as `rlsched plan` does: a table learned for the best chains
-            plan = make_plan(base, Space(gpus), seeds=args.seeds, workers=args.workers, learn_in=Path(work))
+            learn = None if args.no_learn else Path(work)
+            plan = make_plan(base, Space(gpus), seeds=args.seeds, workers=args.workers, learn_in=learn)
         s = summary(plan)
         w = plan.winner.candidate
         s.update(
@@ -57,6 +60,7 @@ def main() -> None:
             engine=args.engine,
             winner_engine=None if w.engine is None else w.engine.engine_update(),
             searched=len(plan.ranked),
+            learn=not args.no_learn,
         )
         out.append(s)
         rows.append(
@@ -72,10 +76,14 @@ def main() -> None:
             ]
         )
         print(f"{name}: {s['wall_s']:.0f} s", file=sys.stderr)
+        _write(args, rows, out)  # after each preset: a stopped run keeps what it finished
+
+
+def _write(args, rows: list, out: list) -> None:
     text = "\n".join(
         [
             f"the plan's winner against each preset's own setup ({args.seeds} seeds, the preset's GPUs, the "
-            f"{args.engine} engine; gain: the own "
+            f"{args.engine} engine{', no learned table' if args.no_learn else ''}; gain: the own "
             "setup's step time over the winner's, minus 1; speedup: the best plain decoding's over the winner's)",
             "",
             table(
