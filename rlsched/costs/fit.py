@@ -441,8 +441,7 @@ def fit_mixed(ops: dict[str, OpFit], t: pd.DataFrame) -> dict:
             resid, scale, bounds=([0.0] * 3, [np.inf] * 3), x_scale=scale, loss="soft_l1", f_scale=0.05, max_nfev=400
         )
     x = r.x if np.all(np.isfinite(r.fun)) else np.array([0.0, pp["a"], pp["c"]])
-    pred = v + chunks(x)
-    quality = {"points": int(len(t)), "mape": mape(pred, y), "r2": r_squared(pred, y)}
+    quality = {"points": int(len(t)), "mape": mape(v + chunks(x), y), "r2": r_squared(v + chunks(x), y)}
     params = {"t0": float(x[0]), "a": float(x[1]), "c": float(x[2])}
     return {"used": "parametric", "form": FORMS["mixed"], "params": params, "quality": quality}
 
