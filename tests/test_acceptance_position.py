@@ -27,11 +27,11 @@ from tests.support import one_line_error, rlsched
 
 
 def _closed_form(a: float, k: int, decay: float) -> float:
-    """sum_{i=1..k} prod_{j<=i} a decay^(j-1), written out."""
-    return sum(float(np.prod([a * decay ** (j - 1) for j in range(1, i + 1)])) for i in range(1, k + 1))
+    """sum_{i=1..k} prod_{j<=i} min(a decay^(j-1), 1), written out."""
+    return sum(float(np.prod([min(a * decay ** (j - 1), 1.0) for j in range(1, i + 1)])) for i in range(1, k + 1))
 
 
-@pytest.mark.parametrize("decay", [1.0, 0.9, 0.6])
+@pytest.mark.parametrize("decay", [1.0, 0.9, 0.6, 1.1, 1.6])
 def test_expected_accepted_is_the_sum_of_products(decay):
     for a in (0.3, 0.75, 0.95):
         for k in range(1, 9):
@@ -58,7 +58,7 @@ def test_the_constant_curve_is_todays_arithmetic_to_the_bit():
     assert np.array_equal(first[0], (acc >= 1).astype(int)) and np.array_equal(first[1], np.ones(64))
 
 
-@pytest.mark.parametrize("a,decay", [(0.8, 0.85), (0.95, 0.7), (0.5, 0.95), (0.9, 1.0)])
+@pytest.mark.parametrize("a,decay", [(0.8, 0.85), (0.95, 0.7), (0.5, 0.95), (0.9, 1.0), (0.6, 1.08), (0.5, 1.5)])
 def test_the_inversion_draws_match_the_curve_for_every_k(a, decay):
     """The simulator's draw (one Exp(1) a row, inverted) against the closed form and against
     drawing position by position, k = 1..8."""
@@ -138,7 +138,7 @@ def _records(rng, alpha: float, decay: float, reps: int = 60) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["drafter", "k", "width", "batch", "drafted", "accepted"])
 
 
-@pytest.mark.parametrize("alpha,decay", [(0.8, 0.85), (0.7, 0.95), (0.9, 0.7)])
+@pytest.mark.parametrize("alpha,decay", [(0.8, 0.85), (0.7, 0.95), (0.9, 0.7), (0.6, 1.05)])
 def test_the_fit_recovers_known_parameters(alpha, decay):
     fits = fit_position_curves(_records(np.random.default_rng(3), alpha, decay))
     assert list(fits) == ["model"]
@@ -164,9 +164,9 @@ def test_the_fit_reads_per_position_counts_and_finds_a_flat_curve():
 
 def test_a_decay_outside_its_range_is_one_line(tmp_path):
     proc = rlsched(
-        "simulate", "--set", "drafters.0.acceptance.position_decay=1.5", "--out", str(tmp_path / "o"), cwd=tmp_path
+        "simulate", "--set", "drafters.0.acceptance.position_decay=2.5", "--out", str(tmp_path / "o"), cwd=tmp_path
     )
-    one_line_error(proc, "drafters.0.acceptance.position_decay", "1.5")
+    one_line_error(proc, "drafters.0.acceptance.position_decay", "2.5")
 
 
 def test_rlsched_fit_reports_each_drafters_curve():

@@ -6,16 +6,20 @@ the first draft token (a sequence's acceptance: `AcceptanceSpec.mean` is its dra
 over prompts and samples) and `decay` is the drafter's (`AcceptanceSpec.position_decay`).
 decay = 1 is a constant rate per token; below 1 each further draft token is less likely than
 the one before, so the reach of a chain, P(accepted >= n) = a^n decay^(n(n-1)/2), falls faster
-than geometrically and a long draft buys less than a constant rate promises.
+than geometrically and a long draft buys less than a constant rate promises. Above 1 (at most
+MAX_DECAY) the rate rises with the position, each alpha_i at most 1: drafters that copy (n-gram,
+suffix) miss where no match starts and then run on along it, and a population of rows whose
+acceptance differs shows a rising curve too, its later positions reached by the rows that
+accept well (`position_fit.py`).
 
 Why a geometric decay: drafters that predict several tokens from one state of the target
 (Medusa's heads, EAGLE's head fed its own features) lose accuracy with every step they take
 from the target's last state, and EAGLE-2 (arXiv:2406.16858) builds its trees on the
 observation that acceptance depends on the draft position (and the context); EAGLE-3's
 training-time test (arXiv:2503.01840) exists to flatten that fall. A geometric factor has one
-parameter, keeps every alpha_i in (0, a], has the constant rate as its special case, and
-makes the chain's accepted count an inversion of one Exp(1) draw (`accepted_drafts`), as the
-constant rate does; `fit_position_curve` (policies/position_fit.py) estimates it from traces.
+parameter, has the constant rate as its special case, and makes the chain's accepted count
+an inversion of one Exp(1) draw (`accepted_drafts`), as the constant rate does;
+`fit_position_curve` (policies/position_fit.py) estimates it from traces.
 
 Formulas here take `decay` = 1 through the very arithmetic the constant rate always used, so
 results without a curve are the same to the bit.
@@ -26,12 +30,14 @@ from __future__ import annotations
 import numpy as np
 
 CONSTANT = 1.0
+MAX_DECAY = 2.0  # the steepest rise a position
 
 
 def position_rates(a, k: int, decay: float = CONSTANT) -> np.ndarray:
-    """alpha_1..alpha_k for first-token rates `a`: shape (*a.shape, k)."""
+    """alpha_1..alpha_k for first-token rates `a`: shape (*a.shape, k) (at most 1 each)."""
     a = np.asarray(a, dtype=float)
-    return a[..., None] * decay ** np.arange(k)
+    rates = a[..., None] * decay ** np.arange(k)
+    return np.minimum(rates, 1.0) if decay > CONSTANT else rates
 
 
 def reach(a, k: int, decay: float = CONSTANT) -> np.ndarray:
@@ -64,7 +70,9 @@ def accepted_drafts(exp: np.ndarray, ninv: np.ndarray, decay: float = CONSTANT) 
     P(accepted >= n) = exp(-H(n)) with H(n) = n lam + mu n(n - 1) / 2, lam = -log a and
     mu = -log decay; H rises with n, so the count is the largest n with H(n) <= E: the
     positive root of mu/2 n^2 + (lam - mu/2) n - E, floored. At decay 1 that is floor(E / lam),
-    computed as the constant rate always was."""
+    computed as the constant rate always was. A rising curve (mu < 0) reaches rate 1 after
+    m = ceil(lam / -mu) positions, from where every draft is accepted: H stops at H(m), and a
+    draw above it accepts all."""
     if decay == CONSTANT:
         return (exp * ninv).astype(np.int64)
     mu = -np.log(decay)
@@ -74,6 +82,9 @@ def accepted_drafts(exp: np.ndarray, ninv: np.ndarray, decay: float = CONSTANT) 
         disc = np.sqrt(b * b + 2 * mu * exp)
         # two forms of the same root, each free of cancellation where it is used
         n = np.where(b > 0, 2 * exp / (b + disc), (disc - b) / mu)
+        if mu < 0:  # past the position where the rate reaches 1, every draft
+            m = np.ceil(lam / -mu)
+            n = np.where(exp >= m * lam + mu * m * (m - 1) / 2, np.inf, n)
     return np.floor(np.nan_to_num(n, nan=0.0, posinf=1 << 30)).astype(np.int64)
 
 

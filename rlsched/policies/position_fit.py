@@ -26,7 +26,7 @@ measures the population's curve, in which rows that accept their first drafts ar
 ones: spread between rows makes the fitted decay higher (flatter) than any one row's.
 
 The errors are the square roots of the inverse Hessian's diagonal of the negative
-log-likelihood at the optimum (NaN where the optimum is on a bound, decay = 1 say).
+log-likelihood at the optimum (NaN where the optimum is on a bound).
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from scipy.optimize import minimize
 
-from rlsched.policies.position import reach
+from rlsched.policies.position import MAX_DECAY, reach
 
-_BOUNDS = ((1e-4, 1 - 1e-6), (1e-3, 1.0))  # alpha (first-token rate), decay
+_BOUNDS = ((1e-4, 1 - 1e-6), (1e-3, MAX_DECAY))  # alpha (first-token rate), decay
 
 
 @dataclass(frozen=True)
