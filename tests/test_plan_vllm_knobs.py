@@ -209,3 +209,14 @@ def test_engine_arguments_refuse_knobs_vllm_refuses(facts, name):
 def test_bad_knob_values_are_one_line(tmp_path, sets, names):
     one_line_error(_plan(tmp_path, *sets), *names)
     assert not (tmp_path / "plan").exists()
+
+
+def test_the_search_and_its_pins_take_only_the_settings_the_screen_lets_in():
+    from rlsched.plan.planner import make_plan
+
+    base = _base()
+    _, _, pool = screen_setups(base, candidates(base, SPACE))
+    plan = make_plan(base, SPACE, seeds=1, survivors=2, explain=False)
+    let_in = {s.candidate for s in pool} | {from_config(base)}
+    assert plan.ranked and all(x.candidate in let_in for x in plan.ranked)
+    assert plan.baseline is not None and plan.baseline.candidate.engine == EngineKnobs(16384)

@@ -235,7 +235,7 @@ def make_plan(
     check_plan_fits(base, space, workers, ray_address)
     t = time.perf_counter()
     scored, dropped, pool, n_cands = screened(base, space, objective, 2 * survivors)
-    pinned, owns, own_reasons = pins(base, scored, objective)
+    pinned, owns, own_reasons = pins(base, pool, objective)
     screen_s = time.perf_counter() - t
     t = time.perf_counter()
     seed_list = list(range(base.seed, base.seed + seeds))
