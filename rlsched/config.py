@@ -210,8 +210,7 @@ class AcceptanceSpec(Strict):
     # with probability tree_top1 x mean. 1 under greedy decoding (the same token); below 1 when sampling,
     # where a chain draft is accepted with sum_x min(p, q) (bench/tree_hits.py measures both)
     tree_top1: OpenFraction = 1.0
-    # draft i is accepted at mean x decay^(i-1), at most 1 (policies/position.py)
-    position_decay: Annotated[float, Field(gt=0.0, le=2.0)] = 1.0
+    position_decay: Annotated[float, Field(gt=0.0, le=2.0)] = 1.0  # draft i: mean x decay^(i-1) <= 1 (position.py)
 
 
 class DrafterSpec(Strict):
