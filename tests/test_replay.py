@@ -57,8 +57,11 @@ def test_replay_reports_predicted_against_measured_per_step(runs):
 
 def test_replayed_engine_steps_are_the_executors_under_constant_costs(runs, tmp_path):
     """With every verify costing c and every prefill P, the replay of a run with SD off
-    predicts (decode steps) x (c + gap) + (prefills) x (P + gap): the simulated engine takes
-    exactly the executor's steps (same continuous batching, same lengths)."""
+    predicts (decode steps) x (c + gap) + (prefills) x (P + gap), plus each rollout's time
+    outside its step records: the simulated engine takes exactly the executor's steps (same
+    continuous batching, same lengths)."""
+    from rlsched.analysis.replay import outside_steps_s
+
     root, out = runs
     data = fit_path(out["off"]).to_json()
     c_ms, p_ms = 3.0, 5.0
@@ -70,7 +73,8 @@ def test_replayed_engine_steps_are_the_executors_under_constant_costs(runs, tmp_
     steps = read_trace(out["off"] / "traces", "steps")
     gap = s["overhead_ms_per_step"]
     n_decode, n_prefill = (steps.kind == "decode").sum(), (steps.kind == "prefill").sum()
-    want = (n_decode * (c_ms + gap) + n_prefill * (p_ms + gap)) / 1e3
+    rl = read_trace(out["off"] / "traces", "rl_steps")
+    want = (n_decode * (c_ms + gap) + n_prefill * (p_ms + gap)) / 1e3 + len(rl) * outside_steps_s(rl, steps)
     assert s["predicted_generation_s"] == pytest.approx(want, rel=1e-6)
 
 

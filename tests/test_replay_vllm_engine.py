@@ -100,3 +100,27 @@ def test_a_vllm_run_folder_replays_its_engine_files(tmp_path):
     shutil.copy(_engine_file(FIXTURE), traces / _engine_file(FIXTURE).name)
     section, notes = run_engine(tmp_path / "run", cfg)
     assert section["max_num_batched_tokens"] == 4096 and section["async_scheduling"] is False and not notes
+
+
+def test_a_rollouts_time_outside_its_step_records_is_charged_as_measured():
+    """A run's generation stage holds its engine steps and time before the first and after the
+    last (requests handed over, outputs back): the median of that over RL steps, 0 for a pool
+    whose instances keep their own clocks."""
+    import pandas as pd
+
+    from rlsched.analysis.replay import outside_steps_s
+
+    rows = []
+    for rl_step in range(5):
+        t = 0.0
+        for _ in range(4):
+            rows.append(dict(rl_step=rl_step, instance=0, time_s=t, step_ms=10.0))
+            t += 0.012  # 10 ms a step and 2 ms between
+    steps = pd.DataFrame(rows)
+    span = 3 * 0.012 + 0.010
+    extra = [0.030, 0.031, 0.029, 0.5, 0.030]  # one slow outlier: the median ignores it
+    rl = pd.DataFrame(dict(rl_step=range(5), generation_s=[span + e for e in extra]))
+    assert outside_steps_s(rl, steps) == pytest.approx(0.030)
+    two = pd.concat([steps, steps.assign(instance=1)])
+    assert outside_steps_s(rl, two) == 0.0
+    assert outside_steps_s(rl.assign(generation_s=span - 0.01), steps) == 0.0  # never below nothing

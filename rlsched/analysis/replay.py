@@ -13,7 +13,9 @@ run's own step records (each op then scaled so that its fitted total equals its 
 total on those records: see `mean_calibration`). The executor also spends time between steps that no step record
 covers (admitting and retiring rows, the policy's choice, trace records): the replay charges
 it as a constant per engine step, measured from the run's step records as the median gap
-between one step's end and the next one's start. The drafting policy is priced as the run
+between one step's end and the next one's start; and time before a rollout's first step and
+after its last (handing requests over and outputs back), charged with every rollout as the
+median over the run's RL steps (`outside_steps_s`). The drafting policy is priced as the run
 priced it: with the run's own profile (`profile.parquet`) when the run took one, so that the
 simulated policy makes the run's choices; the simulator charges the fitted costs.
 
@@ -239,6 +241,19 @@ def step_overhead_s(steps: pd.DataFrame) -> float:
     return float(np.median(np.concatenate(gaps))) if gaps else 0.0
 
 
+def outside_steps_s(rl: pd.DataFrame, steps: pd.DataFrame) -> float:
+    """The median over RL steps of the generation stage's time outside its step records
+    (before the first and after the last: handing requests to the engine and taking their
+    outputs back, about 30 ms a rollout through vLLM's engine-core process), for a run of one
+    instance; 0 where a pool's instances keep their own clocks."""
+    if "instance" in steps and steps["instance"].nunique() > 1:
+        return 0.0
+    g = steps.sort_values("time_s").groupby("rl_step")
+    span = g["time_s"].max() - g["time_s"].min() + g["step_ms"].last() / 1e3
+    out = (rl.set_index("rl_step")["generation_s"] - span).dropna()
+    return max(float(out.median()), 0.0) if len(out) else 0.0
+
+
 def _rollout(samples: pd.DataFrame, drafter: str | None):
     from rlsched.sim.workload import Rollout
 
@@ -370,8 +385,9 @@ def replay_run(rundir, cost_file=None, policy: str | None = None) -> ReplayResul
     rollouts = [_rollout(samples[samples["rl_step"] == s], drafter) for s in done]
     engine, more = run_engine(rundir, cfg)
     parsed, limits, seed = parse_policy(spec), run_limits(cfg, rollouts, engine), int(cfg.get("seed", 0))
-    predicted = simulate_stage(rollouts, parsed, drafter, sim_cost, policy_cost, limits, seed)
-    predicted_off = simulate_stage(rollouts, OFF_SPEC, drafter, sim_cost, policy_cost, limits, seed)
+    outside = outside_steps_s(rl, steps)  # charged with every rollout, as measured
+    predicted = np.add(simulate_stage(rollouts, parsed, drafter, sim_cost, policy_cost, limits, seed), outside)
+    predicted_off = np.add(simulate_stage(rollouts, OFF_SPEC, drafter, sim_cost, policy_cost, limits, seed), outside)
     measured = rl["generation_s"].to_numpy(dtype=float)
     df = pd.DataFrame(dict(rl_step=done, measured_s=measured, predicted_s=predicted, predicted_off_s=predicted_off))
     df["error"] = (df["predicted_s"] - df["measured_s"]) / df["measured_s"]
