@@ -245,7 +245,8 @@ def _copy(run: Path, dest: Path, journals: bool = False) -> Path:
         (dest / "summary.json").unlink()
         for part in (dest / "traces").glob("*/part-*.parquet"):
             rows = pd.read_parquet(part).to_dict("records")
-            part.with_suffix(".jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            lines = (json.dumps(r, default=lambda v: v.tolist()) + "\n" for r in rows)  # (list columns: arrays)
+            part.with_suffix(".jsonl").write_text("".join(lines))
             part.unlink()
     return dest
 

@@ -244,7 +244,7 @@ def step_overhead_s(steps: pd.DataFrame) -> float:
 def outside_steps_s(rl: pd.DataFrame, steps: pd.DataFrame) -> float:
     """The median over RL steps of the generation stage's time outside its step records
     (before the first and after the last: handing requests to the engine and taking their
-    outputs back, about 30 ms a rollout through vLLM's engine-core process), for a run of one
+    outputs back, across processes where vLLM's engine core runs in its own), for a run of one
     instance; 0 where a pool's instances keep their own clocks."""
     if "instance" in steps and steps["instance"].nunique() > 1:
         return 0.0
