@@ -31,25 +31,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import table, write_result  # noqa: E402
-from vllm_engine_core import rollout, workload  # noqa: E402
-
-
-def engine(pair, k: int, policy: str, trace_dir: Path, seed: int):
-    from vllm import LLM
-
-    spec = {"method": "draft_model", "model": str(pair.drafter), "num_speculative_tokens": k}
-    return LLM(
-        model=str(pair.target),
-        dtype="float32",
-        enforce_eager=True,
-        max_num_seqs=64,
-        max_model_len=256,
-        skip_tokenizer_init=True,
-        seed=seed,
-        speculative_config=dict(spec, draft_sample_method="probabilistic"),
-        scheduler_cls="rlsched.vllm.PolicyScheduler",
-        additional_config={"rlsched": {"policy": policy, "trace_dir": str(trace_dir), "seed": seed}},
-    )
+from vllm_engine_core import engine, rollout, workload  # noqa: E402
 
 
 def warm_up(llm, requests) -> None:
@@ -85,7 +67,10 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     folders = {name: work / name for name in ("a", "b")}
     t0 = time.perf_counter()
-    engines = {name: engine(pair, args.k, args.policy, f, args.seed) for name, f in folders.items()}
+    engines = {}
+    for name, folder in folders.items():
+        block = {"rlsched": {"policy": args.policy, "trace_dir": str(folder), "seed": args.seed}}
+        engines[name] = engine(pair, args.k, block, args.seed)
     for llm in engines.values():
         warm_up(llm, workload(args.prompts, args.group, args.median, args.seed + 1000))
     wall: dict[str, list[float]] = {name: [] for name in engines}

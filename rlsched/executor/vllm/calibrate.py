@@ -46,27 +46,24 @@ def cost_records(records: list[dict], ctx_per_row: int, sizes) -> list[dict]:
     return out
 
 
-def measure_step_costs(engine, typical_ctx: int):
-    """Step costs measured through `engine` (a VllmRolloutEngine; a few seconds): one KSweep
-    rollout per batch size up to max_batch, every request alike (a prompt of about
-    `typical_ctx` random tokens, 2 sweeps of k = 0..k_max long; k = 0 only without a model
-    drafter: an n-gram drafter finds nothing to draft in random tokens), priced as a
-    MeasuredCostModel. The engine core's hook runs the sweep and keeps its step records aside
-    (`capture`); the engine's own policy is handed over afterwards."""
-    import pandas as pd
-    from vllm import SamplingParams as VP
+def _sweep_k(engine) -> tuple[str, int]:
+    """The drafter and the k a KSweep of `engine` runs to: k = 0 only without a model drafter
+    (an n-gram drafter finds nothing to draft in random tokens)."""
+    drafter = "off" if engine.plan is None else engine.plan["drafter"]
+    return drafter, engine.k_max if drafter in ("model", "eagle") else 0
+
+
+def _swept(engine, k: int, sizes, new: int, typical_ctx: int, params) -> tuple[list[dict], int]:
+    """KSweep rollouts through `engine`, one per batch size in `sizes` (each a window of its
+    own), every request a prompt of about `typical_ctx` random tokens and `new` to generate
+    with vLLM's sampling `params`: the step records the engine core's hook kept aside
+    (`capture`), and the prompts' length."""
     from vllm.inputs import TokensPrompt
 
-    from rlsched.costs.measured import MeasuredCostModel
-
-    drafter = "off" if engine.plan is None else engine.plan["drafter"]
-    k = engine.k_max if drafter in ("model", "eagle") else 0
-    new = max(16, 2 * (k + 1) * (k + 2) // 2 + k + 2)  # two sweeps at full acceptance, and room for the last
+    drafter, _ = _sweep_k(engine)
     prompt_len = max(8, min(typical_ctx, engine.max_model_len - new - 1))
-    sizes = sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < engine.max_batch} | {engine.max_batch})
     rng = np.random.default_rng(engine.seed)
     vocab = int(json.loads((engine.target_dir / "config.json").read_text())["vocab_size"])
-    params = VP(temperature=1.0, max_tokens=new, ignore_eos=True, detokenize=False, seed=None)
     ask(engine.llm, "policy", pickle.dumps((KSweep(drafter, k), None)))
     ask(engine.llm, "capture", True)
     try:
@@ -76,40 +73,45 @@ def measure_step_costs(engine, typical_ctx: int):
             engine.llm.generate(prompts, [params] * b, use_tqdm=False)
     finally:
         records = ask(engine.llm, "capture", False)
+    return records, prompt_len
+
+
+def measure_step_costs(engine, typical_ctx: int):
+    """Step costs measured through `engine` (a VllmRolloutEngine; a few seconds): one KSweep
+    rollout per batch size up to max_batch, every request alike (a prompt of about
+    `typical_ctx` random tokens, 2 sweeps of k = 0..k_max long), priced as a
+    MeasuredCostModel. The engine's own policy is handed over afterwards."""
+    import pandas as pd
+    from vllm import SamplingParams as VP
+
+    from rlsched.costs.measured import MeasuredCostModel
+
+    _, k = _sweep_k(engine)
+    new = max(16, 2 * (k + 1) * (k + 2) // 2 + k + 2)  # two sweeps at full acceptance, and room for the last
+    sizes = sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < engine.max_batch} | {engine.max_batch})
+    params = VP(temperature=1.0, max_tokens=new, ignore_eos=True, detokenize=False, seed=None)
+    records, prompt_len = _swept(engine, k, sizes, new, typical_ctx, params)
     return MeasuredCostModel(pd.DataFrame(cost_records(records, prompt_len + new // 2, sizes)))
 
 
 def warm_up(engine, typical_ctx: int) -> None:
-    """One short rollout through `engine` (a VllmRolloutEngine), its step records kept aside
-        and dropped: vLLM warms its kernels up at start-up only when it compiles or captures
-        graphs, so under enforce_eager (the CPU build) the first forward of an engine takes
-        seconds that belong to its start, not to the first rollout's steps. A batch of max_batch
-        prompts of about `typical_ctx` random tokens, sampled as the engine's rollouts are (log-probs
-    out: their first computation is the slow one), drafting as KSweep does."""
+    """One short rollout through `engine` (a VllmRolloutEngine), its step records dropped: vLLM
+    warms its kernels up at start-up only when it compiles or captures graphs, so under
+    enforce_eager (the CPU build) the first forward of an engine takes seconds that belong to
+    its start, not to the first rollout's steps. A batch of max_batch prompts of about
+    `typical_ctx` random tokens, sampled as the engine's rollouts are (log-probs out: their
+    first computation is the slow one), drafting as KSweep does."""
     from vllm import SamplingParams as VP
-    from vllm.inputs import TokensPrompt
 
-    drafter = "off" if engine.plan is None else engine.plan["drafter"]
-    k = engine.k_max if drafter in ("model", "eagle") else 0
-    new = k + 3
-    prompt_len = max(8, min(typical_ctx, engine.max_model_len - new - 1))
-    rng = np.random.default_rng(engine.seed)
-    vocab = int(json.loads((engine.target_dir / "config.json").read_text())["vocab_size"])
+    _, k = _sweep_k(engine)
     s = engine.sampling
     params = VP(
         temperature=s.temperature,
         top_k=s.top_k,
         top_p=s.top_p,
-        max_tokens=new,
+        max_tokens=k + 3,
         logprobs=0,
         ignore_eos=True,
         detokenize=False,
     )
-    ask(engine.llm, "policy", pickle.dumps((KSweep(drafter, k), None)))
-    ask(engine.llm, "capture", True)
-    try:
-        b = engine.max_batch
-        prompts = [TokensPrompt(prompt_token_ids=rng.integers(1, vocab, prompt_len).tolist()) for _ in range(b)]
-        engine.llm.generate(prompts, [params] * b, use_tqdm=False)
-    finally:
-        ask(engine.llm, "capture", False)
+    _swept(engine, k, [engine.max_batch], k + 3, typical_ctx, params)
