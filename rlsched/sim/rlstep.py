@@ -87,13 +87,30 @@ class StageCosts:
 
 
 class TrueAcceptance:
-    """The oracle's window on the current rollout's true per-sample acceptance."""
+    """The oracle's window on the current rollout: each sample's true acceptance (calling it),
+    each instance's rows' true tokens left, its queue, and what its drafters have not taken in."""
 
     def __init__(self):
         self.rollout: Any = None  # the Rollout, set before each rollout runs
+        self.stage: Any = None  # its GenerationStage
 
     def __call__(self, drafter: str, ids: np.ndarray) -> np.ndarray:
         return self.rollout.acceptance[ids, self.rollout.drafters.index(drafter)]
+
+    def lengths_left(self, instance: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Tokens left of the instance's running rows, and its queued rows' ids and tokens left."""
+        st = self.stage
+        inst = st.instances[instance]
+        queued = np.fromiter(inst.waiting, dtype=np.int64, count=len(inst.waiting))
+        return (inst.tot - inst.ctx).astype(float), queued, (st.tot_g[queued] - st.ctx_g[queued]).astype(float)
+
+    def unseen(self, instance: int) -> np.ndarray:
+        """Tokens of the running rows each drafter has not taken in (its catch-up before it drafts)."""
+        inst = self.stage.instances[instance]
+        out = (inst.ctx[:, None] - inst.seen).sum(axis=0).astype(float)
+        if inst.current >= 0:
+            out[inst.current] = 0.0
+        return out
 
 
 class DrafterUpdates:
@@ -170,6 +187,8 @@ def rl_run(
         stage = GenerationStage(
             env, cfg, cost, rollout, policies, realloc, estimator, timeline, step, engine_seq.spawn(1)[0], capacity
         )
+        if truth is not None:
+            truth.stage = stage
         t_start = env.now
         yield env.process(stage.run())
         t_gen = env.now - t_start
