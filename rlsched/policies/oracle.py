@@ -14,6 +14,14 @@ it sees what a choice carries forward (the catch-up after an off stretch, a shor
 extra steps, the batch left for the drain's tail). What it leaves out is the spread of the
 acceptance draws about their means and contexts growing within a stretch (`fluid.py`).
 
+Within a stretch of chains the oracle also reads the draws ahead: before each step it knows how
+many drafts each row would accept, and drafts the k whose tokens are worth most against its
+price. A token is worth what it saves the plan's drain: the seconds its row's earlier finish
+takes off the steps after it (the last row's finish saves a whole step of one row; with a queue,
+a slot's share of a full step). Whether to draft at all stays the plan's: an off step takes no
+draws, so it cannot skip the ones ahead. No fixed setting can follow the draws, so the oracle is
+an upper bound with room to spare, not a policy to match.
+
 `oracle:seq` is the per-sequence rule with the true acceptance, re-derived every step (greedy per
 step); `GreedyOraclePolicy` is the goodput rule likewise, kept to show what planning adds.
 """
@@ -55,7 +63,9 @@ class OraclePolicy:
         self.cost, self.ctx = cast(CostModel, ctx.cost), ctx
         self.options: list[Strategy] = [OFF]
         self._drafter_of: list[int] = [-1]  # each option's drafter (index into ctx.drafters), -1: off
+        self._first_chain: list[int] = []  # each drafter's option of k = 1 (its k's follow)
         for j, d in enumerate(ctx.drafters):
+            self._first_chain.append(len(self.options))
             self.options += [Strategy(d, k) for k in range(1, ctx.k_max + 1)]
             self._drafter_of += [j] * ctx.k_max
             if (trees := ctx.trees(d)) is not None:
@@ -65,25 +75,43 @@ class OraclePolicy:
         self._grid = grid_of_batches(ctx.max_batch)
         self._prices: dict[int, np.ndarray] = {}  # context bucket -> (options, grid) seconds a step
         self._plan: tuple | None = None  # (first step, last step + 1, batch, rows it may lose, strategy)
+        self._weights: tuple = (np.zeros(0, dtype=np.int64), np.zeros(0))  # sorted row ids, seconds a token
+        self._table = np.zeros((0, 0))  # the plan's prices (options, grid)
 
     # ------------------------------------------------------------------ the choice
     def choose(self, state: EngineState) -> Strategy:
         p = self._plan
-        if p is not None and p[0] <= state.step < p[1] and abs(state.batch - p[2]) < p[3]:
-            return p[4]
-        strategy, steps = self._decide(state)
-        b = state.batch
-        self._plan = (state.step, state.step + max(1, int(steps)), b, max(1, math.ceil(STRETCH * b)), strategy)
-        return strategy
+        if p is None or not (p[0] <= state.step < p[1] and abs(state.batch - p[2]) < p[3]):
+            strategy, steps, weights = self._decide(state)
+            b = state.batch
+            p = self._plan = (state.step, state.step + max(1, int(steps)), b, max(1, math.ceil(STRETCH * b)), strategy)
+            self._weights = weights
+        s = p[4]
+        if s.is_off or s.is_tree:
+            return s
+        return self._step(state, s)
 
     def steady_steps(self, state: EngineState, strategy: Strategy, max_growth: int) -> int:
         p = self._plan
-        if p is None or p[4] is not strategy:
-            return 0
+        if p is None or p[4] is not strategy or not (strategy.is_off or strategy.is_tree):
+            return 0  # a chain's k is chosen step by step, from the draws ahead
         return max(0, p[1] - state.step - 1)
 
     def observe(self, outcome: StepOutcome) -> None:
         pass
+
+    def _step(self, state: EngineState, planned: Strategy) -> Strategy:
+        """The chain of the planned drafter whose tokens (from the draws ahead) are worth most
+        against its price. (Whether to draft at all is the plan's: an off step takes no draws,
+        so it cannot skip the ones ahead.)"""
+        d = cast(str, planned.drafter)
+        first = self._first_chain[self.ctx.drafters.index(d)]
+        ids, w = self._weights
+        weight = w[np.searchsorted(ids, state.sample_ids)]
+        ks = np.arange(1, self.ctx.k_max + 1)
+        worth = weight @ np.minimum(self._truth.accepted_ahead(state.instance, d)[:, None], ks)
+        price = np.array([np.interp(state.batch, self._grid, self._table[first + k - 1]) for k in ks])
+        return self.options[first + int(np.argmax(worth - price))]
 
     # ------------------------------------------------------------------ the plan
     def _tokens(self, ids: np.ndarray) -> np.ndarray:
@@ -127,14 +155,15 @@ class OraclePolicy:
         n = int(debt[j])
         return float(self.cost.drafter_prefill_time(self.ctx.drafters[j], n, n * n // max(rows, 1)))
 
-    def _decide(self, state: EngineState) -> tuple[Strategy, float]:
-        """The first stretch of the best plan: its strategy and length in steps."""
+    def _decide(self, state: EngineState) -> tuple[Strategy, float, tuple]:
+        """The first stretch of the best plan: its strategy, its length in steps, and what a
+        token of each row is worth to the plan (its rows' ids sorted, seconds a token)."""
         rem, queued_ids, rem_q = self._truth.lengths_left(state.instance)
         debt = self._truth.unseen(state.instance)
         tok, tok_q = self._tokens(state.sample_ids), self._tokens(queued_ids)
         b = len(rem)
         slots = b if len(rem_q) else 0
-        prices = self._price_table(float((state.ctx_lens + rem / 2).mean()))
+        prices = self._table = self._price_table(float((state.ctx_lens + rem / 2).mean()))
 
         def value(o: int, rem, tok, rem_q, tok_q, debt) -> float:
             start, finish = schedule(rem / tok[:, o], rem_q / tok_q[:, o], slots)
@@ -144,7 +173,7 @@ class OraclePolicy:
         keep = np.argsort(now)[:CONTINUATIONS].tolist()
         shortlist = sorted(set(keep) | {0})
         lose = max(1, math.ceil(STRETCH * b))
-        best, best_s, best_steps = 0, np.inf, 1.0
+        best, best_s, best_steps, best_rest = 0, np.inf, 1.0, 0
         for s in shortlist:
             steps = float(np.clip(np.partition(rem / tok[:, s], lose - 1)[lose - 1], 1, HORIZON))
             start, finish = schedule(rem / tok[:, s], rem_q / tok_q[:, s], slots)
@@ -157,10 +186,30 @@ class OraclePolicy:
             debt2 = debt + emitted
             if self._drafter_of[s] >= 0:
                 debt2[self._drafter_of[s]] = 0.0
-            rest = min(value(c, rem2, tok2, rem_q[joins:], tok_q[joins:], debt2) for c in shortlist)
-            if first + rest < best_s:
-                best, best_s, best_steps = s, first + rest, steps
-        return self.options[best], best_steps
+            rests = [value(c, rem2, tok2, rem_q[joins:], tok_q[joins:], debt2) for c in shortlist]
+            if first + min(rests) < best_s:
+                best, best_s, best_steps, best_rest = s, first + min(rests), steps, shortlist[int(np.argmin(rests))]
+        c = best if not self.options[best].is_off else best_rest
+        worth = self._worth(state.sample_ids, rem / tok[:, c], tok[:, c], prices[c], slots)
+        return self.options[best], best_steps, worth
+
+    def _worth(self, ids: np.ndarray, steps: np.ndarray, tokens: np.ndarray, prices: np.ndarray, slots: int) -> tuple:
+        """Seconds of the drain a token of each row saves, under a strategy of `prices` at which
+        each row finishes after `steps` steps at `tokens` a step: finishing a step earlier saves the
+        step's price with it against without it (the last row: a whole step of one row); with a
+        queue, the full batch's price over its slots."""
+        b = len(ids)
+        if slots:
+            saved = np.full(b, np.interp(slots, self._grid, prices) / slots)
+        else:
+            order = np.argsort(steps, kind="stable")
+            left = b - np.arange(b)  # rows left just before each finish, in the order of finishing
+            at = np.interp(left, self._grid, prices)
+            below = np.where(left > 1, np.interp(left - 1, self._grid, prices), 0.0)
+            saved = np.empty(b)
+            saved[order] = at - below
+        sort = np.argsort(ids)
+        return ids[sort], (saved / tokens)[sort]
 
 
 class _Truth(GoodputPolicy):

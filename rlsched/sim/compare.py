@@ -25,6 +25,7 @@ from rlsched.errors import UserError
 from rlsched.policies.registry import OFF_SPEC, PolicySpec, parse_policy
 
 BASELINE = "off"
+ORACLE = "oracle"  # where listed, every policy is also set against it (ratio_vs_oracle)
 # ----------------------------------------------------------------------------- plan
 
 
@@ -137,6 +138,32 @@ def _stats(values: Iterable[float | None]) -> dict | None:
     return {"mean": mean, "std": std, "min": lo, "max": hi, "per_seed": vals}
 
 
+def _runs(plan: ComparePlan, by: dict, gen: dict, best_static: dict) -> list[dict]:
+    """One row per (policy, realloc, seed): its summary and its ratios on that seed."""
+    runs = []
+    for p in plan.policies:
+        for realloc in plan.reallocs:
+            for s in plan.seeds:
+                summ = by[(p, realloc, s)]["summary"]
+                g = summ["generation_s"]
+                off = gen[(BASELINE, realloc, s)]
+                bs = best_static.get((realloc, s))
+                oracle = gen.get((ORACLE, realloc, s))
+                runs.append(
+                    {
+                        "policy": p,
+                        "realloc": realloc,
+                        "seed": s,
+                        "speedup_vs_off": off / g if g > 0 else None,
+                        "best_static": bs,
+                        "ratio_vs_best_static": (gen[(bs, realloc, s)] / g if g > 0 else None) if bs else None,
+                        "ratio_vs_oracle": oracle / g if oracle is not None and g > 0 else None,
+                        "summary": summ,
+                    }
+                )
+    return runs
+
+
 def aggregate(cfg: SimConfig, plan: ComparePlan, results: list[dict]) -> dict:
     """The compare report: per-run rows with their per-seed ratios, and per (policy, realloc)
     statistics over seeds."""
@@ -148,25 +175,7 @@ def aggregate(cfg: SimConfig, plan: ComparePlan, results: list[dict]) -> dict:
             if plan.static:
                 best_static[(realloc, s)] = min(plan.static, key=lambda p: gen[(p, realloc, s)])  # first on ties
 
-    runs = []
-    for p in plan.policies:
-        for realloc in plan.reallocs:
-            for s in plan.seeds:
-                summ = by[(p, realloc, s)]["summary"]
-                g = summ["generation_s"]
-                off = gen[(BASELINE, realloc, s)]
-                bs = best_static.get((realloc, s))
-                runs.append(
-                    {
-                        "policy": p,
-                        "realloc": realloc,
-                        "seed": s,
-                        "speedup_vs_off": off / g if g > 0 else None,
-                        "best_static": bs,
-                        "ratio_vs_best_static": (gen[(bs, realloc, s)] / g if g > 0 else None) if bs else None,
-                        "summary": summ,
-                    }
-                )
+    runs = _runs(plan, by, gen, best_static)
 
     agg = []
     for p in plan.policies:
@@ -183,6 +192,7 @@ def aggregate(cfg: SimConfig, plan: ComparePlan, results: list[dict]) -> dict:
                     "tokens_per_s": _stats(x["tokens_per_s"] for x in su),
                     "speedup_vs_off": _stats(r["speedup_vs_off"] for r in rows),
                     "ratio_vs_best_static": _stats(r["ratio_vs_best_static"] for r in rows),
+                    "ratio_vs_oracle": _stats(r["ratio_vs_oracle"] for r in rows),
                     "mean_accept_len": _stats(x.get("mean_accept_len") for x in su),
                     "sd_step_fraction": _stats(x.get("sd_step_fraction") for x in su),
                     "migrations": _stats(x["migrations"] for x in su),
@@ -211,7 +221,8 @@ def aggregate(cfg: SimConfig, plan: ComparePlan, results: list[dict]) -> dict:
             {"realloc": r, "seed": s, "policy": p, "generation_s": gen[(p, r, s)]} for (r, s), p in best_static.items()
         ],
         "ratios": "per seed, then averaged over seeds: speedup_vs_off = off time / policy time (same realloc); "
-        "ratio_vs_best_static = fastest static:K time on that seed / policy time; >1 is faster",
+        "ratio_vs_best_static = fastest static:K time on that seed / policy time; ratio_vs_oracle = the "
+        "oracle's time / policy time (where the oracle is listed); >1 is faster",
         "notes": notes,
         "aggregate": agg,
         "runs": runs,

@@ -70,15 +70,16 @@ class Instance:
     def kv_used(self) -> int:
         return self.ctx_sum
 
-    def _exp_draws(self, n: int) -> np.ndarray:
+    def _exp_draws(self, n: int, peek: bool = False) -> np.ndarray:
         """The next n Exp(1) draws of this instance's stream, pre-drawn in chunks; the stream
-        is the same however it is sliced (n single steps or one run of n steps)."""
+        is the same however it is sliced (n single steps or one run of n steps). `peek` reads
+        them and leaves them to be drawn (the oracle's view of the draws ahead)."""
         if self._exp_pos + n > len(self._exp):
             fresh = self.rng.standard_exponential(max(65536, n))
             self._exp = np.concatenate((self._exp[self._exp_pos :], fresh))
             self._exp_pos = 0
         out = self._exp[self._exp_pos : self._exp_pos + n]
-        self._exp_pos += n
+        self._exp_pos += 0 if peek else n
         return out
 
     def _draw_accepted(self, d: int, k, n: int) -> np.ndarray:

@@ -14,6 +14,7 @@ import simpy
 from rlsched.config import SimConfig, eagle_head
 from rlsched.policies.acceptance import AcceptanceEstimator
 from rlsched.policies.drafter_schedule import DrafterSchedule
+from rlsched.policies.position import accepted_drafts, stage_decay
 from rlsched.sim.cluster import GenerationStage
 from rlsched.sim.timeline import Timeline
 from rlsched.sim.workload import AcceptanceDrift, sample_rollout
@@ -103,6 +104,13 @@ class TrueAcceptance:
         inst = st.instances[instance]
         queued = np.fromiter(inst.waiting, dtype=np.int64, count=len(inst.waiting))
         return (inst.tot - inst.ctx).astype(float), queued, (st.tot_g[queued] - st.ctx_g[queued]).astype(float)
+
+    def accepted_ahead(self, instance: int, drafter: str) -> np.ndarray:
+        """Drafts each running row would accept at the instance's next chain step (before the
+        cap at its k), from the draws it will take."""
+        st = self.stage
+        inst, d = st.instances[instance], st.drafter_idx[drafter]
+        return accepted_drafts(inst._exp_draws(inst.batch, peek=True), inst.ninv[:, d], stage_decay(st, d))
 
     def unseen(self, instance: int) -> np.ndarray:
         """Tokens of the running rows each drafter has not taken in (its catch-up before it drafts)."""
