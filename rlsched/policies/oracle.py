@@ -15,12 +15,13 @@ extra steps, the batch left for the drain's tail). What it leaves out is the spr
 acceptance draws about their means and contexts growing within a stretch (`fluid.py`).
 
 Within a stretch of chains the oracle also reads the draws ahead: before each step it knows how
-many drafts each row would accept, and drafts the k whose tokens are worth most against its
-price. A token is worth what it saves the plan's drain: the seconds its row's earlier finish
-takes off the steps after it (the last row's finish saves a whole step of one row; with a queue,
-a slot's share of a full step). Whether to draft at all stays the plan's: an off step takes no
-draws, so it cannot skip the ones ahead. No fixed setting can follow the draws, so the oracle is
-an upper bound with room to spare, not a policy to match.
+many drafts each row would accept, and drafts the k (for every row, or for each row what it
+will accept up to k, a ragged verify) whose tokens are worth most against its price. A token
+is worth what it saves the plan's drain: the seconds its row's earlier finish takes off the
+steps after it (the last row's finish saves a whole step of one row; with a queue, a slot's
+share of a full step). Whether to draft at all stays the plan's: an off step takes no draws, so
+it cannot skip the ones ahead. No policy without the draws can follow them, so the oracle is an
+upper bound with room to spare, not a policy to match.
 
 `oracle:seq` is the per-sequence rule with the true acceptance, re-derived every step (greedy per
 step); `GreedyOraclePolicy` is the goodput rule likewise, kept to show what planning adds.
@@ -102,16 +103,25 @@ class OraclePolicy:
 
     def _step(self, state: EngineState, planned: Strategy) -> Strategy:
         """The chain of the planned drafter whose tokens (from the draws ahead) are worth most
-        against its price. (Whether to draft at all is the plan's: an off step takes no draws,
-        so it cannot skip the ones ahead.)"""
+        against its price: k drafts for every row, or each row what it will accept, up to k (a
+        ragged verify). Whether to draft at all is the plan's: an off step takes no draws, so
+        it cannot skip the ones ahead."""
         d = cast(str, planned.drafter)
         first = self._first_chain[self.ctx.drafters.index(d)]
         ids, w = self._weights
-        weight = w[np.searchsorted(ids, state.sample_ids)]
+        at = np.minimum(np.searchsorted(ids, state.sample_ids), len(ids) - 1)
+        weight = np.where(ids[at] == state.sample_ids, w[at], w.mean())  # rows that joined since: the mean
         ks = np.arange(1, self.ctx.k_max + 1)
-        worth = weight @ np.minimum(self._truth.accepted_ahead(state.instance, d)[:, None], ks)
-        price = np.array([np.interp(state.batch, self._grid, self._table[first + k - 1]) for k in ks])
-        return self.options[first + int(np.argmax(worth - price))]
+        b, c, cost = state.batch, state.ctx_tokens, self.cost
+        ragged = np.minimum(self._truth.accepted_ahead(state.instance, d), ks[:, None])  # (k, rows)
+        worth = ragged @ weight
+        uniform = np.asarray(cost.draft_time(d, b, ks, c) + cost.verify_time(b, ks + 1, c), dtype=np.float64)
+        each = np.asarray(cost.draft_time_per_row(d, ragged, c) + cost.verify_time(b, 1 + ragged.mean(axis=1), c))
+        each[ragged.max(axis=1) == 0] = np.inf  # (no row drafts: not a chain)
+        j = int(np.argmax(worth - np.minimum(uniform, each)))
+        if each[j] < uniform[j]:
+            return Strategy(d, int(ragged[j].max()), k_per_row=ragged[j])
+        return self.options[first + j]
 
     # ------------------------------------------------------------------ the plan
     def _tokens(self, ids: np.ndarray) -> np.ndarray:
