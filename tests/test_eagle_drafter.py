@@ -105,9 +105,9 @@ def test_prepared_rows_draft_without_a_target_forward(models, monkeypatch):
 
 
 def test_one_engine_switches_among_the_head_the_draft_model_and_the_suffix_drafter(models, pair, tmp_path):
-    """Several drafters in one engine: the policy (bandit, whose untried arms go first) drafts
-    with each of them in turn; the head keeps its rows' states through the steps the others
-    draft, and greedy output stays plain decoding's."""
+    """Several drafters in one engine: the policy (bandit, which first tries off's neighbours,
+    k = 1 of each drafter) drafts with each of them in turn; the head keeps its rows' states
+    through the steps the others draft, and greedy output stays plain decoding's."""
     from rlsched.executor.decode.drafters import ModelDrafter
     from rlsched.executor.decode.suffix import SuffixDrafter
     from rlsched.executor.engine.rollout import build_policy

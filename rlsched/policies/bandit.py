@@ -1,8 +1,6 @@
-"""TLT-style online learner: bucketed epsilon-greedy over strategies, no cost model needed."""
+"""TLT-style online learner: a climbing bandit per batch-size bucket, no cost model needed."""
 
 from __future__ import annotations
-
-import itertools
 
 import numpy as np
 
@@ -10,38 +8,51 @@ from rlsched.policies.draft import PolicyContext, log_mean
 from rlsched.policies.types import OFF, EngineState, StepOutcome, Strategy
 
 ARM_KS = (1, 2, 3, 4, 6, 8)
+TRIES = 2  # steps an arm gets in a bucket before its mean there is trusted
+SKIP = 0.05  # a bucket's climb skips a draft that trailed the leader by more than this at a smaller batch
 
 
 class BanditPolicy:
     """Buckets by batch size (powers of two); arms are off and (drafter, k); the reward of a
-    step is its tokens per second. Untried arms of a bucket go first, then the best arm, or
-    with probability epsilon / sqrt(1 + visits / 20) one of its neighbours: exploration fades
-    as a bucket is learned, so its cost does not last the whole run. A step's rate rises and
-    falls once along k (deeper drafts gain fewer tokens for a costlier verify), so the arms
-    worth re-trying are the leader's neighbours: k one step shallower (off below the least
-    k) or deeper, and the other drafters at the leader's k (exploring every arm, TLT's way,
-    spends its tries on k = 8 at a batch of hundreds or on off where k = 3 leads). The statistics
-    are shared by the instances of one cluster (they see the same hardware), each instance
-    explores with its own random stream.
+    step is its tokens a row per second, with a row's tokens counted as the drain counts them:
+    the harmonic mean of the rows' advances (accepted drafts + 1). A drain waits for its
+    slowest rows; a deep draft that the likely rows use lifts the plain mean while the rows it
+    serves worst finish last and run the drain's tail at a few rows a step, the dearest steps
+    per token. Per row, a step's rate also moves far less with the batch within a bucket, so an
+    arm tried at the top of a bucket is not favoured over one tried at its bottom.
+
+    Exploration is bounded by what it can win. A step's rate rises and falls once along k
+    (deeper drafts gain fewer tokens for a costlier verify), so a bucket climbs: it starts
+    from the leader of the nearest bucket already learned (off for the first), tries each of
+    its leader's neighbours (k one step shallower, off below the least k, or deeper, and the
+    other drafters at the leader's k) TRIES times, and moves to a neighbour that beats it,
+    until none does. A draft that trailed the leader by more than SKIP at a smaller batch is
+    not tried (verification only grows dearer with the batch). Arms away from the leader
+    (k = 8 at a batch of hundreds, or off where k = 3 leads) are never tried. After the climb a
+    step takes the leader or the neighbour with the highest optimistic rate, mean x (1 +
+    epsilon sqrt(2 ln(bucket steps) / arm steps)) (UCB1, relative): a neighbour within a few
+    percent of the leader is re-tried now and then, so drift in acceptance is followed, one
+    that trails by more is re-tried ever more rarely. The statistics are shared by the
+    instances of one cluster (they see the same hardware).
 
     A step whose drafter caught up (a joining row's prompt, the tokens of off steps) is not its
     arm's usual rate; what it took beyond that rate, over the tokens fed, is what feeding the
-    drafter costs a token (`_feed`), and an off step is charged that for each token it emits:
-    those tokens reach the drafter before it drafts again. Uncharged, exploring SD from off
-    would pay a catch-up that the off arm's rate never shows."""
+    drafter costs a token (`_feed`). The drafter takes in an off step's tokens only when it
+    drafts again, which the drain does if a smaller batch's bucket (where the batch goes next)
+    leads with a draft: only then is an off step charged that feed for each token it emits.
+    Off in a bucket that stays off to the end of the drain defers nothing it ever pays."""
 
     name = "bandit"
     needs_acceptance = False
     observes = True
-    _scale = 20.0  # exploration falls as 1/sqrt(1 + visits / _scale)
 
     def __init__(self, ctx: PolicyContext, epsilon: float = 0.05):
         self.epsilon = epsilon
         self.arms = [OFF] + [Strategy(d, k) for d in ctx.drafters for k in ARM_KS if k <= ctx.k_max]
         self._neighbours = self._neighbours_of(self.arms)
         self._stats: dict[int, np.ndarray] = ctx.shared.setdefault("bandit_stats", {})  # bucket -> (2, arms)
-        member = next(ctx.shared.setdefault("bandit_members", itertools.count()))
-        self._rng = np.random.default_rng([ctx.seed, member])
+        self._start: dict[int, int] = ctx.shared.setdefault("bandit_start", {})  # bucket -> arm it climbs from
+        self._skip: dict[int, dict[int, bool]] = ctx.shared.setdefault("bandit_skip", {})  # bucket -> arm -> tried
         self._pending: tuple[int, int] | None = None
         self._feed: float | None = None  # seconds to feed the drafter a token, as catch-up steps measured it
 
@@ -63,36 +74,91 @@ class BanditPolicy:
                     near[i].add(j)
         return [np.array(sorted(n)) for n in near]
 
-    def choose(self, state: EngineState) -> Strategy:
-        bucket = state.batch.bit_length()
+    def leader(self, bucket: int) -> int:
+        """The bucket's best arm among those tried TRIES times (before any: the arm it climbs from)."""
+        stats = self._stats.get(bucket)
+        start = self._start.get(bucket, 0)
+        if stats is None:
+            return start
+        trusted = stats[0] >= TRIES
+        if not trusted.any():
+            return start
+        return int(np.argmax(np.where(trusted, stats[1], -np.inf)))
+
+    def _open(self, bucket: int) -> np.ndarray:
+        """A bucket's statistics, made on first use, climbing from the nearest learned bucket's leader."""
         stats = self._stats.get(bucket)
         if stats is None:
+            known = sorted(self._stats, key=lambda b: (abs(b - bucket), -b))
+            self._start[bucket] = self.leader(known[0]) if known else 0
             stats = self._stats[bucket] = np.zeros((2, len(self.arms)))  # counts, mean rewards
-        untried = np.flatnonzero(stats[0] == 0)
+        return stats
+
+    def choose(self, state: EngineState) -> Strategy:
+        bucket = state.batch.bit_length()
+        stats = self._open(bucket)
+        lead = self.leader(bucket)
+        near = self._neighbours[lead]
+        short = stats[0, near] < TRIES
+        fresh = near[short & (stats[0, near] == 0)]
+        untried = near[short & (stats[0, near] > 0)]
+        if len(fresh):
+            untried = np.sort(np.concatenate((untried, fresh[self._promising(bucket, fresh)])))
         if len(untried):
             arm = int(untried[0])
-        else:
-            arm = int(np.argmax(stats[1]))
-            if self._rng.random() < self.epsilon / np.sqrt(1.0 + stats[0].sum() / self._scale):
-                near = self._neighbours[arm]
-                arm = int(near[self._rng.integers(len(near))])
+        else:  # the neighbour (or the leader) with the highest optimistic rate
+            near = near[stats[0, near] > 0]
+            n, mean = stats[0, near], stats[1, near]
+            arm = int(near[np.argmax(mean * (1.0 + self.epsilon * np.sqrt(2.0 * np.log(stats[0].sum()) / n)))])
         self._pending = (bucket, arm)
         return self.arms[arm]
 
+    def _promising(self, bucket: int, arms: np.ndarray) -> np.ndarray:
+        """Per arm, False for a draft that trailed the leader by more than SKIP in the nearest
+        bucket of smaller batches where both are trusted (a draft that loses at a smaller batch
+        loses at a larger one: verification only grows dearer), else True. Decided once per
+        bucket and arm where such a bucket exists."""
+        decided = self._skip.setdefault(bucket, {})
+        out = np.ones(len(arms), dtype=bool)
+        for i, a in enumerate(int(x) for x in arms):
+            if a in decided:
+                out[i] = decided[a]
+            elif not self.arms[a].is_off:
+                for b in sorted((b for b in self._stats if b < bucket), reverse=True):
+                    other, lead = self._stats[b], self.leader(b)
+                    if other[0, a] >= TRIES and other[0, lead] >= TRIES:
+                        out[i] = decided[a] = bool(other[1, a] >= (1.0 - SKIP) * other[1, lead])
+                        break
+        return out
+
+    def _drafts_later(self, bucket: int) -> bool:
+        """Whether the drain, going on to smaller batches, reaches a bucket that leads with a draft."""
+        return any(not self.arms[self.leader(b)].is_off for b in self._stats if b < bucket)
+
+    @staticmethod
+    def _advance(outcome: StepOutcome) -> float:
+        """A step's tokens a row, as the drain counts them: the harmonic mean of the rows'
+        advances (accepted drafts + 1) where the step reports them, else the plain mean."""
+        acc = outcome.accepted_per_row
+        if acc is None or len(acc) != outcome.batch or outcome.strategy.is_off:
+            return outcome.emitted / outcome.batch
+        return outcome.batch / float(np.sum(1.0 / (np.asarray(acc, dtype=float) + 1.0)))
+
     def observe(self, outcome: StepOutcome) -> None:
-        if self._pending is None or outcome.step_time <= 0:
+        if self._pending is None or outcome.step_time <= 0 or outcome.batch <= 0:
             return
         bucket, arm = self._pending
         stats = self._stats[bucket]
         self._pending = None
+        rate = self._advance(outcome)
         if outcome.catch_up > 0:  # the drafter caught up (see StepOutcome): not this arm's usual rate
             if stats[1, arm] > 0:
-                extra = outcome.step_time - outcome.emitted / stats[1, arm]
+                extra = outcome.step_time - rate / stats[1, arm]
                 if extra > 0:
                     self._feed = log_mean(self._feed, extra / outcome.catch_up)
             return
         step_time = outcome.step_time
-        if self.arms[arm].is_off and self._feed:
+        if self.arms[arm].is_off and self._feed and self._drafts_later(bucket):
             step_time += outcome.emitted * self._feed  # the feed it defers
         stats[0, arm] += 1
-        stats[1, arm] += (outcome.emitted / step_time - stats[1, arm]) / stats[0, arm]
+        stats[1, arm] += (rate / step_time - stats[1, arm]) / stats[0, arm]

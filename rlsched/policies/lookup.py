@@ -14,7 +14,8 @@ from rlsched.errors import UserError
 from rlsched.policies.draft import PolicyContext, expected_tokens, tree_times
 from rlsched.policies.types import NEVER_CHANGES, OFF, EngineState, StepOutcome, Strategy
 
-SMALL_BATCH = 8  # twostate's solve picks the strategy that gains most up to this batch size
+DRAIN_ACCEPTANCE = 0.8  # twostate's solve prices drafts at this share of the drafter's prior acceptance
+SIZES_PER_OCTAVE = 4  # batch sizes twostate's solve prices per doubling
 
 
 def batch_grid(max_batch: int) -> list[int]:
@@ -59,7 +60,7 @@ def tree_rates(
 
 class TwoStatePolicy:
     """ReSpec's two-state scheduler: speculation off while the batch is above a threshold;
-    at or below it, one draft length."""
+    at or below it, one draft length (or one tree)."""
 
     name = "twostate"
     needs_acceptance = False
@@ -75,28 +76,64 @@ class TwoStatePolicy:
 
     @classmethod
     def solve(cls, ctx: PolicyContext, drafter: str | None = None) -> TwoStatePolicy:
-        """ReSpec's offline solve over the cost model: the strategy (a chain's k, or a tree where
-        the context allows them) that gains most at small batch (the mean log gain over batch
-        sizes up to SMALL_BATCH), then the largest batch where it still beats off."""
+        """ReSpec's offline solve over the cost model: the drafter, strategy (a chain's k, or a
+        tree where the context allows them) and threshold that drain a batch fastest.
+
+        A rollout's batch drains from `max_batch` to 1, emitting alike numbers of tokens at each
+        batch size on the way (lengths without memory: each row's remaining length is alike
+        whatever it has generated), so most of its tokens come at large batch, where
+        verification is dear. The drain's time is the sum over batch sizes of those tokens over
+        the tokens/s there: the strategy where the batch is at or below the threshold, off
+        above it. The pair with the least time wins: the threshold is where off starts to beat
+        the strategy, and the strategy is the one that wins over the whole drain, not the one
+        that gains most at small batch (a deep draft there loses at the batch sizes that hold
+        most of the tokens).
+
+        Drafts are priced at DRAIN_ACCEPTANCE times the drafter's prior acceptance: the prior
+        is the mean over rows when the drafter is fresh, while acceptance falls as the policy
+        trains away from the drafter, and SD finishes the rows the drafter serves well first,
+        leaving the drain's tail to the rows it serves worst. On the shipped presets this
+        picks the best static draft length over the whole rollout, or within 1% of it."""
         if ctx.cost is None:
             return cls(ctx, drafter or ctx.drafters[0], 0, 1)  # a placeholder for name checks only
-        best = None
-        for d in [drafter] if drafter else ctx.drafters:
-            grid = batch_grid(ctx.max_batch)
-            r = np.array([rates(ctx, d, b, ctx.prior(d)) for b in grid])  # (batches, k_max + 1)
-            trees = [tree_rates(ctx, d, b, ctx.prior(d)) for b in grid]
+        key = (
+            "twostate",
+            drafter,
+            id(ctx.cost),
+            ctx.max_batch,
+            ctx.k_max,
+            ctx.typical_ctx,
+            ctx.width_max,
+            ctx.nodes_max,
+            tuple(sorted(ctx.acceptance_prior.items())),
+        )
+        if key not in ctx.shared:  # the instances of one cluster share the solve
+            ctx.shared[key] = cls._drain_solve(ctx, [drafter] if drafter else list(ctx.drafters))
+        d, threshold, s = ctx.shared[key]
+        return cls(ctx, d, threshold, s.k, s.width, s.nodes)
+
+    @staticmethod
+    def _drain_solve(ctx: PolicyContext, drafters: list[str]) -> tuple[str, int, Strategy]:
+        """(drafter, max_batch_on, strategy) with the least drain time (`solve`)."""
+        top = ctx.max_batch
+        sizes = np.unique(np.geomspace(1, top, SIZES_PER_OCTAVE * max(1, top.bit_length() - 1) + 1).round().astype(int))
+        edges = np.concatenate(([0.5], np.sqrt(sizes[:-1] * sizes[1:]), [top + 0.5]))
+        tokens = np.diff(edges)  # the batch sizes each priced size stands for
+        best: tuple[float, str, int, Strategy] | None = None
+        for d in drafters:
+            acceptance = DRAIN_ACCEPTANCE * ctx.prior(d)
+            r = np.array([rates(ctx, d, int(b), acceptance) for b in sizes])  # (sizes, k_max + 1)
+            trees = [tree_rates(ctx, d, int(b), acceptance) for b in sizes]
             options = [Strategy(d, k) for k in range(1, ctx.k_max + 1)] + trees[0][0]
-            gain = np.concatenate((r[:, 1:], np.array([t[1] for t in trees]).reshape(len(grid), -1)), axis=1) / r[:, :1]
-            small = np.log(np.maximum(gain[np.asarray(grid) <= SMALL_BATCH], 1)).mean(axis=0)
-            j = int(np.argmax(small))
-            pays = [b for b, g in zip(grid, gain[:, j]) if g > 1]
-            threshold = max(pays) if pays else 0
-            score = float(small[j])
-            if best is None or score > best[0]:
-                best = (score, d, threshold, options[j])
-        assert best is not None, "no drafter to learn a table for"
-        s = best[3]
-        return cls(ctx, best[1], best[2], s.k, s.width, s.nodes)
+            on = np.concatenate((r[:, 1:], np.array([t[1] for t in trees]).reshape(len(sizes), -1)), axis=1)
+            t_on = np.vstack((np.zeros(len(options)), np.cumsum(tokens[:, None] / on, axis=0)))  # sizes[:i] on
+            t_off = np.concatenate((np.cumsum((tokens / r[:, 0])[::-1])[::-1], [0.0]))  # sizes[i:] off
+            total = t_on + t_off[:, None]  # (threshold index, option)
+            i, j = np.unravel_index(int(np.argmin(total)), total.shape)
+            if best is None or total[i, j] < best[0]:
+                best = (float(total[i, j]), d, int(edges[i]) if i < len(sizes) else top, options[j])
+        assert best is not None, "no drafter to solve for"
+        return best[1], best[2], best[3]
 
     @classmethod
     def from_file(cls, pf, ctx: PolicyContext, k_max_name: str = "speculation.k_max") -> TwoStatePolicy:
