@@ -4,15 +4,17 @@ A policy spec is `NAME[:ARG[:ARG]]` (`off`, `static:4:ngram`, `goodput:drain`, `
 or a bare policy file `PATH.json` (the policy it holds). `parse_policy` turns the text into a
 `PolicySpec` once, where it enters (a CLI option, a config field); the spec travels down from
 there. `FAMILIES` is the one table of the families: each one's grammar and words for `--help`,
-its parser, its builder and the engines that run it. `PolicySpec.check` holds a spec against one
-command's limits (its drafters, its longest draft, its engine) and words every refusal in that
-command's terms (`Words`); `make_draft_policy` builds the policy from the spec.
+its parser, its builder, the engines that run it and whether a guard holds it to plain decoding
+(`policies/guard.py`: the adaptive families and policy files; `:unguarded` after the name, as in
+`goodput:drain:unguarded` or `p.json:unguarded`, runs one bare). `PolicySpec.check` holds a spec
+against one command's limits (its drafters, its longest draft, its engine) and words every
+refusal in that command's terms (`Words`); `make_draft_policy` builds the policy from the spec.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rlsched.errors import UserError
 
@@ -73,6 +75,7 @@ class PolicySpec:
     width: int = 1  # tree's
     nodes: int = 0  # tree's
     target: str | None = None  # plugin's: the qualified name of a callable (PolicyContext) -> DraftPolicy
+    guarded: bool = False  # held to plain decoding (`policies/guard.py`); off with the UNGUARDED suffix
 
     def __str__(self) -> str:
         return self.text
@@ -331,6 +334,7 @@ class Family:
     engines: tuple[str, ...] = ENGINES  # ("simulator",): reads the simulator's true acceptance
     priced: bool = False  # needs a cost model (twostate: only when it solves, i.e. without arguments)
     native: bool = False  # vLLM's own speculative_config says it (a fixed k, or k by batch size)
+    guarded: bool = False  # held to plain decoding by default (`policies/guard.py`); UNGUARDED turns it off
 
 
 FAMILIES: dict[str, Family] = {
@@ -362,6 +366,7 @@ FAMILIES: dict[str, Family] = {
             _parse_refresh("goodput"),
             _build_goodput,
             priced=True,
+            guarded=True,
         ),
         Family(
             "seqgoodput",
@@ -370,6 +375,7 @@ FAMILIES: dict[str, Family] = {
             _parse_refresh("seqgoodput"),
             _build_seqgoodput,
             priced=True,
+            guarded=True,
         ),
         Family(
             "twostate",
@@ -379,6 +385,7 @@ FAMILIES: dict[str, Family] = {
             _build_twostate,
             priced=True,
             native=True,
+            guarded=True,
         ),
         Family(
             "bandit",
@@ -386,6 +393,7 @@ FAMILIES: dict[str, Family] = {
             "epsilon-greedy over (drafter, k) arms by measured tokens per second",
             _parse_bandit,
             _build_bandit,
+            guarded=True,
         ),
         Family(
             "table",
@@ -394,6 +402,7 @@ FAMILIES: dict[str, Family] = {
             _parse_table,
             _build_file,
             native=True,
+            guarded=True,
         ),
         Family(
             "plugin",
@@ -415,10 +424,20 @@ FAMILIES: dict[str, Family] = {
 }
 
 
+UNGUARDED = ":unguarded"  # after a guarded family's name or a policy file: no guard
+
+
+def _guarded_names() -> str:
+    return ", ".join(f.name for f in FAMILIES.values() if f.guarded)
+
+
 def usage(engine: str = "simulator") -> str:
     """The policy names one engine runs, comma-separated (the CLI's help and error messages)."""
     names = [f.usage for f in FAMILIES.values() if engine in f.engines]
-    return ", ".join(names) + ", or a policy file (PATH.json)"
+    return (
+        ", ".join(names) + f", or a policy file (PATH.json); {UNGUARDED} after {_guarded_names()} "
+        "or a file drops its guard against plain decoding"
+    )
 
 
 OFF_SPEC = PolicySpec("off", "off")  # plain decoding (a baseline's), without a text to parse
@@ -430,14 +449,22 @@ def parse_policy(text, engine: str = "simulator") -> PolicySpec:
     spec = str(text).strip()
     if not spec.isprintable():
         raise UserError(f"policy {spec!r} holds a line break or control character; give a name such as goodput")
-    if spec.endswith(".json") and ":" not in spec:
-        return PolicySpec(spec, None, file=spec)
-    name, _, arg = spec.partition(":")
+    body = spec.removesuffix(UNGUARDED)
+    guard = body == spec
+    if body.endswith(UNGUARDED):
+        raise UserError(f"policy '{spec}': {UNGUARDED} is given twice; give it once, as in goodput{UNGUARDED}")
+    if body.endswith(".json") and ":" not in body:
+        return PolicySpec(spec, None, file=body, guarded=guard)
+    name, _, arg = body.partition(":")
     family = FAMILIES.get(name)
+    if family is not None and not family.guarded and not guard:
+        raise UserError(
+            f"policy '{spec}': {name} runs unguarded; {UNGUARDED} follows {_guarded_names()} or a policy file only"
+        )
     parsed = family.parse(spec, arg) if family is not None else None
-    if parsed is None:
+    if family is None or parsed is None:
         raise UserError(f"unknown policy '{spec}'; choose from {usage(engine)}")
-    return parsed
+    return replace(parsed, guarded=family.guarded and guard)
 
 
 def as_spec(policy: PolicySpec | str, engine: str = "simulator") -> PolicySpec:
@@ -448,9 +475,15 @@ def as_spec(policy: PolicySpec | str, engine: str = "simulator") -> PolicySpec:
 
 def make_draft_policy(spec: PolicySpec | str, ctx, words: Words = SIMULATOR):
     """A DraftPolicy from its parsed spec (or its text), checked against the PolicyContext's
-    drafters and k_max in the command's `words`, built by its family's builder."""
+    drafters and k_max in the command's `words`, built by its family's builder; held to plain
+    decoding by `policies/guard.Guarded` where the spec is guarded and a cost model prices it."""
     p = as_spec(spec).check(ctx.drafters, ctx.k_max, words)
     if not p.drafts:
         return _build_off(p, ctx, words)
     build = FAMILIES[p.family].build if p.family is not None else _build_file
-    return build(p, ctx, words)
+    policy = build(p, ctx, words)
+    if p.guarded and ctx.cost is not None:  # (the guard prices plain decoding by the cost model)
+        from rlsched.policies.guard import Guarded
+
+        return Guarded(policy, ctx)
+    return policy
