@@ -1,14 +1,19 @@
 """`rlsched learn`: find table / two-state parameters and reallocation thresholds in the simulator.
 
-The search starts from the cost model's analytic answer and improves it by simulating
-candidates on the learning seeds (coordinate descent over the table's batch buckets; a grid
-over the two-state threshold and k; a sweep of the reallocation threshold). Candidates are
-written as policy files and simulated by name, so they run in worker processes too.
+Every candidate is priced by simulating it on the learning seeds, as `compare` prices a policy
+(the generation stage of the config's RL steps). A table's search starts from the uniform tables
+(every static setting) and the cost model's analytic table and refines the better start by
+coordinate descent over its cells; a refined table replaces the best uniform one only when it
+also wins on held-out validation seeds. The two-state search is a grid over its threshold and k;
+then a sweep of the reallocation threshold. Candidates are written as policy files and simulated
+by name, so they run in worker processes too.
 """
 
 from __future__ import annotations
 
 import tempfile
+from bisect import bisect_right
+from collections import Counter
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -45,6 +50,13 @@ REALLOC_THRESHOLDS = [4, 8, 16, 32, 64]
 # the learning seed do not carry over to other seeds (they move either way there), and a table
 # learned with every gain kept does worse on unseen seeds than its analytic start.
 MIN_GAIN = 0.0025
+# A refined table replaces the best uniform table (the best static setting) only if it is faster
+# by this much on every learning seed and on every validation seed: seeds move a non-uniform
+# table against a static setting by about a percent either way.
+ACCEPT_MARGIN = 0.01
+VALIDATION_OFFSET = 100  # validation seeds: the last learning seed + 100, + 101, ...
+VALIDATION_SEEDS = 2
+MAX_UNIFORM_TREES = 4  # uniform tree tables tried: the analytic table's most used trees
 
 
 def ctx_edges(typical_ctx: int) -> list[int]:
@@ -85,8 +97,21 @@ def parallel_evaluator(workers: int, ray_address: str | None = None) -> Evaluato
 
 
 class Learner:
-    def __init__(self, cfg: SimConfig, seeds: list[int], evaluate: Evaluator = serial_evaluator, log=print):
+    def __init__(
+        self,
+        cfg: SimConfig,
+        seeds: list[int],
+        evaluate: Evaluator = serial_evaluator,
+        log=print,
+        validation_seeds: list[int] | None = None,
+    ):
+        """`seeds`: the learning seeds, which score every candidate; `validation_seeds` (default
+        VALIDATION_SEEDS seeds from the last learning seed + VALIDATION_OFFSET) only decide whether
+        a refined table replaces the best uniform one."""
         self.cfg, self.seeds, self.evaluate, self.log = cfg, seeds, evaluate, log
+        if validation_seeds is None:
+            validation_seeds = [max(seeds) + VALIDATION_OFFSET + i for i in range(VALIDATION_SEEDS)]
+        self.validation_seeds = [s for s in validation_seeds if s not in seeds]
         # its table and two-state rule price every batch up to max_batch; its runs are checked where they run
         check_fits(cfg, grid=True)
         self.cost = cost_model_for(cfg)
@@ -118,6 +143,7 @@ class Learner:
             created={
                 "rlsched": __version__,
                 "seeds": self.seeds,
+                "validation_seeds": self.validation_seeds,
                 "utc": datetime.now(UTC).isoformat(timespec="seconds"),
             },
         )
@@ -131,10 +157,15 @@ class Learner:
         return f"twostate:{params['max_batch_on']}:{params['k']}"
 
     def score(self, specs: list[str], thresholds: list[int] | None = None) -> list[float]:
-        """Mean generation time over the seeds of each candidate policy name."""
+        """Mean generation time over the learning seeds of each candidate policy name."""
+        return [float(t) for t in self._times(specs, self.seeds, thresholds).mean(axis=1)]
+
+    def _times(self, specs: list[str], seeds: list[int], thresholds: list[int] | None = None) -> np.ndarray:
+        """Generation time (the whole generation stage of the config's RL steps, as `compare`
+        prices it) of each candidate policy name on each seed: (candidates, seeds)."""
         jobs, thresholds = [], thresholds or [self.cfg.cluster.realloc_threshold] * len(specs)
         for spec, thr in zip(specs, thresholds):
-            for s in self.seeds:
+            for s in seeds:
                 cfg = self.cfg.model_copy(
                     update={
                         "seed": s,
@@ -143,10 +174,9 @@ class Learner:
                     }
                 )
                 jobs.append((cfg, spec, self.realloc))
-        times = self.evaluate(jobs)
+        times = self.evaluate(jobs) if jobs else []
         self.evaluations += len(jobs)
-        n = len(self.seeds)
-        return [float(np.mean(times[i * n : (i + 1) * n])) for i in range(len(specs))]
+        return np.asarray(times, dtype=float).reshape(len(specs), len(seeds))
 
     # ------------------------------------------------------------------ searches
     def learn_twostate(self) -> tuple[dict, float]:
@@ -162,16 +192,43 @@ class Learner:
         return cands[i], times[i]
 
     def learn_table(self) -> tuple[dict, float]:
-        """The analytic table, then one coordinate pass (k - 1, k + 1) over the drafter's
-        acceptance row and its two neighbours (a batch's mean acceptance strays there as the
-        batch shrinks): per row, the cells the table's rollout spends time in, from the largest
-        batch down (cells it never visits cannot change the score). A change stays if it gains
-        at least MIN_GAIN."""
-        table = TablePolicy.analytic(self.ctx, self.drafter, ACCEPT_EDGES, ctx_edges(self.ctx.typical_ctx))
-        params = table.params()
-        best = self.score([self._spec("table", params)])[0]
-        self.log(f"table: analytic start {best:.2f} s")
-        prior = table._row(self.ctx.prior(self.drafter))  # the bucket the drafter's acceptance sits in
+        """The best of the uniform tables (one strategy in every cell: each k the config allows,
+        off included, and the analytic table's trees; these are the static settings) and the
+        cost model's analytic table, refined by one coordinate pass (`_refine`). The refined
+        table is kept only if it is not uniform and beats the best uniform table by ACCEPT_MARGIN
+        on every learning seed and every validation seed (seeds the search never tuned on);
+        otherwise the best uniform table stands. Returns its params and mean time on the
+        learning seeds."""
+        analytic = TablePolicy.analytic(self.ctx, self.drafter, ACCEPT_EDGES, ctx_edges(self.ctx.typical_ctx))
+        uniform = [self._uniform(analytic, cell) for cell in self._uniform_cells(analytic)]
+        times = self._times([self._spec("table", p) for p in [*uniform, analytic.params()]], self.seeds)
+        means = times.mean(axis=1)
+        self.log("table: uniform " + ", ".join(f"{_cell_name(p)} {t:.2f} s" for p, t in zip(uniform, means)))
+        u = int(np.argmin(means[:-1]))
+        self.log(f"table: analytic start {means[-1]:.2f} s; best uniform {_cell_name(uniform[u])} {means[u]:.2f} s")
+        start = -1 if means[-1] < means[u] else u
+        params, seed_times = self._refine(([*uniform, analytic.params()])[start], times[start])
+        if _is_uniform(params):
+            return params, float(seed_times.mean())
+        held = self._times([self._spec("table", p) for p in (params, uniform[u])], self.validation_seeds)
+        table_t = np.concatenate((seed_times, held[0]))
+        uniform_t = np.concatenate((times[u], held[1]))
+        gains = uniform_t / table_t - 1
+        seeds = ", ".join(f"{s}: {g:+.2%}" for s, g in zip([*self.seeds, *self.validation_seeds], gains))
+        if np.all(gains > ACCEPT_MARGIN):
+            self.log(f"table: kept over uniform {_cell_name(uniform[u])} (gain by seed {seeds})")
+            return params, float(seed_times.mean())
+        self.log(f"table: uniform {_cell_name(uniform[u])} kept; the refined table gains {seeds}")
+        return uniform[u], float(means[u])
+
+    def _refine(self, params: dict, seed_times: np.ndarray) -> tuple[dict, np.ndarray]:
+        """One coordinate pass (k - 1, k + 1) over the drafter's acceptance row and its two
+        neighbours (a batch's mean acceptance strays there as the batch shrinks): per row, the
+        cells the table's rollout spends time in, from the largest batch down (cells it never
+        visits cannot change the score). A change stays if it cuts the mean time on the learning
+        seeds by at least MIN_GAIN. Returns the table and its time on each learning seed."""
+        best = float(seed_times.mean())
+        prior = min(max(bisect_right(ACCEPT_EDGES, self.ctx.prior(self.drafter)) - 1, 0), len(ACCEPT_EDGES) - 2)
         rows = [r for r in (prior, prior - 1, prior + 1) if 0 <= r < len(ACCEPT_EDGES) - 1]  # and its neighbours
         for row in rows:
             for cc, col in self._visited_cells(params):  # under the table as refined so far
@@ -182,15 +239,30 @@ class Learner:
                     p = {**params, "k": [[list(r) for r in plane] for plane in params["k"]]}
                     p["k"][row][cc][col] = kk
                     cands.append(p)
-                times = self.score([self._spec("table", c) for c in cands])
-                j = int(np.argmin(times)) if times else -1
-                if j >= 0 and times[j] < best * (1 - MIN_GAIN):
-                    params, best = cands[j], times[j]
+                if not cands:
+                    continue
+                times = self._times([self._spec("table", c) for c in cands], self.seeds)
+                j = int(np.argmin(times.mean(axis=1)))
+                if times[j].mean() < best * (1 - MIN_GAIN):
+                    params, seed_times, best = cands[j], times[j], float(times[j].mean())
                     self.log(
                         f"table: acceptance >= {ACCEPT_EDGES[row]}, batch >= {params['batch_edges'][col]}, "
                         f"context >= {params['ctx_edges'][cc]}: k {k} -> {trial[j]} ({best:.2f} s)"
                     )
-        return params, best
+        return params, seed_times
+
+    def _uniform_cells(self, analytic: TablePolicy) -> list:
+        """The cells of the uniform tables: each k up to k_max (0: off) and, where the config
+        drafts trees, the analytic table's trees in its drafter's acceptance row, most used first."""
+        plane = analytic.k[analytic._row(self.ctx.prior(self.drafter))]
+        trees = Counter(tuple(c) for row in plane for c in row if isinstance(c, list))
+        return [*range(self.cfg.speculation.k_max + 1), *(list(t) for t, _ in trees.most_common(MAX_UNIFORM_TREES))]
+
+    @staticmethod
+    def _uniform(analytic: TablePolicy, cell) -> dict:
+        """The table with `analytic`'s edges and `cell` in every cell."""
+        p = analytic.params()
+        return {**p, "k": [[[cell] * len(p["batch_edges"]) for _ in p["ctx_edges"]] for _ in ACCEPT_EDGES[:-1]]}
 
     def _neighbours(self, cell) -> list:
         """The cells a coordinate pass tries instead of `cell`: a chain one draft shorter and
@@ -227,6 +299,19 @@ class Learner:
         params, t = self.learn_table() if kind == "table" else self.learn_twostate()
         realloc = self.learn_realloc(kind, params)
         return self._policy_file(kind, params, realloc), t
+
+
+def _cell_name(params: dict) -> str:
+    """The static setting a uniform table is (from its first cell): off, static:K or tree:K:W:N."""
+    cell = params["k"][0][0][0]
+    if isinstance(cell, list):
+        return "tree:" + ":".join(map(str, cell))
+    return f"static:{cell}" if cell else "off"
+
+
+def _is_uniform(params: dict) -> bool:
+    cells = [c for plane in params["k"] for row in plane for c in row]
+    return all(c == cells[0] for c in cells)
 
 
 def vllm_table(pf: PolicyFile, max_batch: int, acceptance: float, context: int = 1024) -> dict:
