@@ -233,12 +233,16 @@ def test_adaptive_policies_run_in_the_simulator_deterministically(cfg, policy):
 
 @pytest.mark.parametrize("gain, kept", [(MIN_GAIN / 3, False), (MIN_GAIN * 3, True)])
 def test_learn_keeps_a_change_only_if_it_gains_enough(cfg, gain, kept):
-    """Scored by an evaluator where every change from the analytic table gains `gain`: below
-    MIN_GAIN (the learning seed's luck) the analytic table stands."""
+    """Scored by an evaluator where every change from the analytic table gains `gain` and the
+    uniform tables (one k in every cell) lose 2%: below MIN_GAIN (the learning seed's luck) the
+    analytic table stands."""
+
+    def uniform(k) -> bool:
+        return len({c for plane in k for row in plane for c in row}) == 1
 
     def evaluate(jobs):
         ks = [load_policy_file(spec.split(":", 1)[1], config_identity(cfg)).params["k"] for _, spec, _ in jobs]
-        return [100.0 if k == analytic else 100.0 * (1 - gain) for k in ks]
+        return [102.0 if uniform(k) else 100.0 if k == analytic else 100.0 * (1 - gain) for k in ks]
 
     learner = Learner(cfg, [0], evaluate, log=lambda *_: None)
     ctx = learner.ctx

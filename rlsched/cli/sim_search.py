@@ -342,10 +342,11 @@ def learn(
 ):
     """Learn a drafting policy (and reallocation threshold) in the simulator; write a policy file.
 
-    Starts from the cost model's analytic answer and improves it by simulating candidates on the
-    config's workload: coordinate descent over the table's cells, keeping a change only if it
-    cuts the stage time by 0.25% (smaller gains are the learning seed's luck), or a grid over the
-    two-state threshold and k; then a sweep of cluster.realloc_threshold when the config
+    Scores the uniform tables (every static setting, off included) and the cost model's analytic
+    table on the learning seeds, refines the faster one by coordinate descent over its cells (a
+    change kept only if it cuts the stage time by 0.25%), and keeps a table of several settings
+    only if it beats the best uniform one by 1% on every learning seed and on two validation
+    seeds; or a grid over the two-state threshold and k; then a sweep of cluster.realloc_threshold when the config
     reallocates. Use the file with `--policy table:FILE` (or twostate) in simulate, compare and
     the executor. Beside OUT, for a chain policy, the files that run it inside vLLM's scheduler:
     STEM.vllm_engine.json (vllm.LLM's arguments), STEM.vllm_serve.sh, STEM.verl_rollout.yaml
