@@ -7,7 +7,7 @@ import pytest
 
 from rlsched.config import load_config
 from rlsched.policies import OFF, AcceptanceEstimator, EngineState, StepOutcome, Strategy
-from rlsched.policies.bandit import TRIES, BanditPolicy
+from rlsched.policies.bandit import HOLD, TRIES, BanditPolicy
 from rlsched.policies.lookup import DRAIN_ACCEPTANCE, TwoStatePolicy, rates
 from rlsched.sim.simulate import cost_model_for, policy_context
 
@@ -119,13 +119,36 @@ def test_bandit_finds_a_drafting_leader_and_carries_it_to_the_next_bucket():
     assert sum(t for _, t in per_row) / sum(n for n, _ in per_row) < 1.01 * best[1] / best[0]
 
 
-def test_bandit_scores_a_step_by_the_harmonic_mean_of_its_rows_advances():
-    """A step whose rows advance 1 and 5 tokens counts 1/(1/1 + 1/5) x 2 = 1.67 tokens a row,
-    not their mean of 3: the row that advanced 1 is the one the drain waits for."""
-    s = Strategy("model", 4)
-    even = StepOutcome(0, 0, s, 2, 8, 4, 6, 1.0, 0.0, 1.0, accepted_per_row=np.array([2, 2]))
-    uneven = StepOutcome(0, 0, s, 2, 8, 4, 6, 1.0, 0.0, 1.0, accepted_per_row=np.array([0, 4]))
-    assert BanditPolicy._advance(even) == pytest.approx(3.0)
-    assert BanditPolicy._advance(uneven) == pytest.approx(2 / 1.2)
+def test_bandit_scores_a_step_by_the_harmonic_mean_of_its_rows_expected_advances():
+    """Two rows at estimated acceptance 0 and 0.8 expect 1 and 1 + 0.8 + 0.64 = 2.44 tokens a
+    step at k = 2: the step's tokens a row are scaled by their harmonic over their plain mean,
+    whatever each row drew this step (its luck evens out over its steps)."""
+    s = Strategy("model", 2)
+    accept = np.array([0.0, 0.8])
+    lucky = StepOutcome(0, 0, s, 2, 4, 2, 4, 1.0, 0.0, 1.0, accepted_per_row=np.array([0, 2]))
+    unlucky = StepOutcome(0, 0, s, 2, 4, 2, 4, 1.0, 0.0, 1.0, accepted_per_row=np.array([1, 1]))
+    e = np.array([1.0, 2.44])
+    factor = 1.0 / (e.mean() * (1.0 / e).mean())
+    assert BanditPolicy._advance(lucky, accept) == pytest.approx(2.0 * factor)
+    assert BanditPolicy._advance(unlucky, accept) == BanditPolicy._advance(lucky, accept)
+    assert BanditPolicy._advance(lucky, np.array([0.5, 0.5])) == pytest.approx(2.0)  # rows alike: the mean
     plain = StepOutcome(0, 0, OFF, 2, 0, 0, 2, 1.0, 0.0, 1.0)
     assert BanditPolicy._advance(plain) == pytest.approx(1.0)
+
+
+def test_bandit_instances_behind_on_the_drafter_leave_a_draft_to_the_one_trying_it():
+    """Two instances of a cluster start off-led in one bucket: the first tries k = 1, the second
+    (its drafter behind too) keeps to off until the first's claim lapses, HOLD step times
+    after its step ends (off tried, a bucket climbs to k = 1)."""
+    ctx = preset_ctx("default")
+    a, b = BanditPolicy(ctx), BanditPolicy(ctx)
+    for step in range(TRIES):  # off is tried first
+        assert a.choose(state(8, step)) == OFF
+        a.observe(StepOutcome(0, step, OFF, 8, 0, 0, 8, 0.1, 0.0, 0.1))
+    sa = a.choose(state(8))
+    assert sa == a.arms[1] and b.choose(state(8)) == OFF
+    a.observe(StepOutcome(0, 0, sa, 8, 8, 4, 12, 0.1, 0.02, 0.08))
+    b.observe(StepOutcome(1, 0, OFF, 8, 0, 0, 8, 0.1, 0.0, 0.1))
+    later = state(8)
+    later.time = 0.1 + 0.1 + HOLD * 0.1 + 0.01  # past the first instance's claim
+    assert b.choose(later) == sa

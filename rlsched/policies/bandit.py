@@ -9,17 +9,20 @@ from rlsched.policies.types import OFF, EngineState, StepOutcome, Strategy
 
 ARM_KS = (1, 2, 3, 4, 6, 8)
 TRIES = 2  # steps an arm gets in a bucket before its mean there is trusted
+HOLD = 4  # steps a claim on an arm outlasts its step, in that step's time (then another instance may try it)
 SKIP = 0.05  # a bucket's climb skips a draft that trailed the leader by more than this at a smaller batch
 
 
 class BanditPolicy:
     """Buckets by batch size (powers of two); arms are off and (drafter, k); the reward of a
     step is its tokens a row per second, with a row's tokens counted as the drain counts them:
-    the harmonic mean of the rows' advances (accepted drafts + 1). A drain waits for its
-    slowest rows; a deep draft that the likely rows use lifts the plain mean while the rows it
-    serves worst finish last and run the drain's tail at a few rows a step, the dearest steps
-    per token. Per row, a step's rate also moves far less with the batch within a bucket, so an
-    arm tried at the top of a bucket is not favoured over one tried at its bottom.
+    the tokens the step emitted a row, times the harmonic over the plain mean of the rows'
+    expected advances (1 + a + ... + a^k at each row's estimated acceptance a). A drain waits
+    for its slowest rows; a deep draft that the likely rows use lifts the plain mean while the
+    rows it serves worst finish last and run the drain's tail at a few rows a step, the dearest
+    steps per token. A row's own luck from step to step evens out over its steps and is not
+    counted against the draft. Per row, a step's rate also moves far less with the batch within
+    a bucket, so an arm tried at the top of a bucket is not favoured over one tried at its bottom.
 
     Exploration is bounded by what it can win. A step's rate rises and falls once along k
     (deeper drafts gain fewer tokens for a costlier verify), so a bucket climbs: it starts
@@ -33,7 +36,10 @@ class BanditPolicy:
     epsilon sqrt(2 ln(bucket steps) / arm steps)) (UCB1, relative): a neighbour within a few
     percent of the leader is re-tried now and then, so drift in acceptance is followed, one
     that trails by more is re-tried ever more rarely. The statistics are shared by the
-    instances of one cluster (they see the same hardware).
+    instances of one cluster (they see the same hardware). An instance whose drafter is behind
+    (it decoded plainly since it last drafted) does not try a draft away from the leader that
+    another instance is trying (a claim lasts that instance's step and HOLD more of its step
+    times): the cluster learns the arm for one drafter catch-up, not one an instance.
 
     A step whose drafter caught up (a joining row's prompt, the tokens of off steps) is not its
     arm's usual rate; what it took beyond that rate, over the tokens fed, is what feeding the
@@ -43,7 +49,7 @@ class BanditPolicy:
     Off in a bucket that stays off to the end of the drain defers nothing it ever pays."""
 
     name = "bandit"
-    needs_acceptance = False
+    needs_acceptance = True
     observes = True
 
     def __init__(self, ctx: PolicyContext, epsilon: float = 0.05):
@@ -53,7 +59,14 @@ class BanditPolicy:
         self._stats: dict[int, np.ndarray] = ctx.shared.setdefault("bandit_stats", {})  # bucket -> (2, arms)
         self._start: dict[int, int] = ctx.shared.setdefault("bandit_start", {})  # bucket -> arm it climbs from
         self._skip: dict[int, dict[int, bool]] = ctx.shared.setdefault("bandit_skip", {})  # bucket -> arm -> tried
+        # (bucket, arm) -> (owner, since, until): an arm away from the leader that an instance is
+        # trying; the others keep to the leader meanwhile, so one catch-up pays for the cluster's try
+        self._claims: dict[tuple[int, int], tuple[int, float, float]] = ctx.shared.setdefault("bandit_claims", {})
+        self._claim: tuple[int, int] | None = None
+        self._now = 0.0
+        self._stale = True  # this instance's drafter is behind (it decoded plainly since it last drafted)
         self._pending: tuple[int, int] | None = None
+        self._accept: np.ndarray | None = None  # the chosen draft's acceptance estimate a row
         self._feed: float | None = None  # seconds to feed the drafter a token, as catch-up steps measured it
 
     @staticmethod
@@ -110,8 +123,27 @@ class BanditPolicy:
             near = near[stats[0, near] > 0]
             n, mean = stats[0, near], stats[1, near]
             arm = int(near[np.argmax(mean * (1.0 + self.epsilon * np.sqrt(2.0 * np.log(stats[0].sum()) / n)))])
+        arm = self._claimed(bucket, arm, lead, state.time)
         self._pending = (bucket, arm)
-        return self.arms[arm]
+        s = self.arms[arm]
+        self._accept = None if s.drafter is None else state.accept_est(s.drafter)
+        self._stale = s.is_off
+        return s
+
+    def _claimed(self, bucket: int, arm: int, lead: int, now: float) -> int:
+        """`arm`, claimed for this instance, or the leader where another instance is trying it."""
+        if self._claim is not None and self._claim != (bucket, arm):
+            self._claims.pop(self._claim, None)
+            self._claim = None
+        self._now = now
+        if arm == lead or self.arms[arm].is_off or not self._stale:
+            return arm
+        owner, since, until = self._claims.get((bucket, arm), (id(self), now, now))
+        if owner != id(self) and since <= now <= until:
+            return lead
+        self._claim = (bucket, arm)
+        self._claims[self._claim] = (id(self), now, np.inf)  # held while its step runs
+        return arm
 
     def _promising(self, bucket: int, arms: np.ndarray) -> np.ndarray:
         """Per arm, False for a draft that trailed the leader by more than SKIP in the nearest
@@ -136,13 +168,18 @@ class BanditPolicy:
         return any(not self.arms[self.leader(b)].is_off for b in self._stats if b < bucket)
 
     @staticmethod
-    def _advance(outcome: StepOutcome) -> float:
-        """A step's tokens a row, as the drain counts them: the harmonic mean of the rows'
-        advances (accepted drafts + 1) where the step reports them, else the plain mean."""
-        acc = outcome.accepted_per_row
-        if acc is None or len(acc) != outcome.batch or outcome.strategy.is_off:
-            return outcome.emitted / outcome.batch
-        return outcome.batch / float(np.sum(1.0 / (np.asarray(acc, dtype=float) + 1.0)))
+    def _advance(outcome: StepOutcome, accept: np.ndarray | None = None) -> float:
+        """A step's tokens a row, as the drain counts them: the tokens it emitted a row, times
+        the harmonic over the plain mean of the rows' expected advances (1 + a + ... + a^k at
+        their estimated acceptance a) where the step has them. A row's own step-to-step luck
+        evens out over its steps; the spread of its expected advance does not, and the drain
+        waits for the rows it serves worst."""
+        mean = outcome.emitted / outcome.batch
+        if accept is None or len(accept) != outcome.batch or outcome.strategy.is_off:
+            return mean
+        a = np.clip(np.asarray(accept, dtype=float), 0.0, 0.999)
+        expected = (1.0 - a ** (outcome.strategy.k + 1)) / (1.0 - a)
+        return mean / (float(np.mean(expected)) * float(np.mean(1.0 / expected)))
 
     def observe(self, outcome: StepOutcome) -> None:
         if self._pending is None or outcome.step_time <= 0 or outcome.batch <= 0:
@@ -150,7 +187,10 @@ class BanditPolicy:
         bucket, arm = self._pending
         stats = self._stats[bucket]
         self._pending = None
-        rate = self._advance(outcome)
+        if self._claim is not None and self._claim in self._claims:
+            end = self._now + outcome.step_time
+            self._claims[self._claim] = (id(self), self._now, end + HOLD * outcome.step_time)
+        rate = self._advance(outcome, self._accept)
         if outcome.catch_up > 0:  # the drafter caught up (see StepOutcome): not this arm's usual rate
             if stats[1, arm] > 0:
                 extra = outcome.step_time - rate / stats[1, arm]
