@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from rlsched.config import load_config
-from rlsched.policies.fluid import drain_seconds, grid_of_batches, progress, schedule
+from rlsched.policies.fluid import drain_seconds, grid_of_batches, schedule
 from rlsched.sim.simulate import simulate
 
 GRID = grid_of_batches(64)
@@ -34,11 +34,6 @@ def test_queued_rows_take_the_first_slot_that_frees():
     assert drain_seconds(start, end, GRID, GRID.copy()) == pytest.approx(6 * 2 + 1 * 1)
 
 
-def test_progress_emits_at_most_what_each_row_has_left():
-    left, emitted = progress(np.array([10.0, 3.0]), np.array([2.0, 2.0]), 2.5)
-    assert left.tolist() == [5.0, 0.0] and emitted == pytest.approx(5.0 + 3.0)
-
-
 SMALL = ["rl.steps=1", "workload.prompts=16", "cluster.instances=1"]
 
 
@@ -62,3 +57,20 @@ def test_the_oracle_stays_off_where_no_draft_length_pays():
     s = result.summary()
     assert s["generation_s"] <= 1.001 * simulate(cfg, "off").summary()["generation_s"]
     assert s["generation_s"] < simulate(cfg, "static:1").summary()["generation_s"]
+
+
+EVERY_POLICY = ("off", "static:1", "static:2", "static:4", "goodput", "goodput:drain", "seqgoodput")
+EVERY_POLICY += ("twostate", "bandit")
+
+
+@pytest.mark.parametrize(
+    "preset, extra",
+    [("default", []), ("ngram-llama8b", []), ("respec-qwen2.5-7b", ["cluster.instances=2", "workload.prompts=8"])],
+)
+def test_no_policy_runs_faster_than_the_oracle(preset, extra):
+    """Small drains of a draft model, two drafters (one of them n-gram) and an EAGLE head with
+    trees: every policy, fixed or adaptive, at or below the oracle."""
+    cfg = load_config(preset, overrides=[*SMALL, *extra])
+    bound = simulate(cfg, "oracle").summary()["generation_s"]
+    slower = {p: simulate(cfg, p).summary()["generation_s"] / bound for p in EVERY_POLICY}
+    assert min(slower.values()) >= 1.0, slower

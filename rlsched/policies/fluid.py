@@ -61,10 +61,3 @@ def drain_seconds(start: np.ndarray, finish: np.ndarray, grid: np.ndarray, price
         b = np.cumsum(np.concatenate((np.ones(len(start)), -np.ones(len(finish))))[order])[:-1]
     t = np.minimum(t, until)
     return float(np.diff(t) @ np.interp(b, grid, prices))
-
-
-def progress(rem: np.ndarray, tokens: np.ndarray, steps: float) -> tuple[np.ndarray, float]:
-    """The running rows' tokens left after `steps` steps at `tokens` a step (0: the row
-    finished), and the tokens they emitted."""
-    done = np.minimum(rem, steps * tokens)
-    return rem - done, float(done.sum())

@@ -3,16 +3,17 @@ policies.
 
 `oracle` plans the rest of its instance's rollout. It knows every row's true acceptance and
 length, the rows queued behind them and what each drafter has not yet taken in, and prices the
-remaining drain in expectation (`policies/fluid.py`). At each decision point it weighs every
-strategy for the next stretch of steps (until about 5% of the batch finishes, at most
-`HORIZON` steps) followed by the best fixed strategy for the rest, the catch-up a model
-drafter pays on resuming included, and runs the best first stretch; then it plans again.
-This is policy improvement over the fixed strategies (one-step lookahead with them as the base
-policies): in the fluid model each plan is at least as good as keeping any fixed strategy to
-the end, so the policy is at least as good as the best static setting and plain decoding, and
-it sees what a choice carries forward (the catch-up after an off stretch, a shorter chain's
-extra steps, the batch left for the drain's tail). What it leaves out is the spread of the
-acceptance draws about their means and contexts growing within a stretch (`fluid.py`).
+remaining drain in expectation (`policies/fluid.py`). Its plan is a dynamic programme over the
+drain's phases (the steps between two rows' finishes, last phase first): a strategy for each
+phase, with the catch-up a model drafter pays for the tokens of the phases it did not draft
+(`_phases`). Every fixed strategy is one such plan, as is every switch by batch size, so in
+the fluid model the plan is at least as good as the best static setting, plain decoding and
+any batch-size rule; it sees what a choice carries forward (the catch-up after an off stretch,
+a shorter chain's extra steps, the batch left for the drain's tail). It follows the plan for a
+stretch (until about 5% of the batch has finished, at most `HORIZON` steps) and plans again.
+What the model leaves out: the spread of the acceptance draws about their means, a phase's
+length measured by the best fixed strategy's steps (another strategy's speed against it is the
+mean over the rows still running), and contexts growing within a stretch (`fluid.py`).
 
 Within a stretch of chains the oracle also reads the draws ahead: before each step it knows how
 many drafts each row would accept, and drafts the k (for every row, or for each row what it
@@ -36,14 +37,13 @@ import numpy as np
 
 from rlsched.errors import UserError
 from rlsched.policies.draft import GoodputPolicy, PolicyContext, SeqGoodputPolicy, tree_parts
-from rlsched.policies.fluid import drain_seconds, grid_of_batches, progress, schedule
+from rlsched.policies.fluid import drain_seconds, grid_of_batches, schedule
 from rlsched.policies.position import reach
 from rlsched.policies.tree import GRID
 from rlsched.policies.types import OFF, CostModel, EngineState, StepOutcome, Strategy
 
 HORIZON = 64  # most steps one plan runs before the next
 STRETCH = 0.05  # a plan runs until about this share of the batch has finished
-CONTINUATIONS = 4  # fixed strategies (besides off) a plan weighs after its first stretch
 
 
 def _truth_of(ctx: PolicyContext, name: str):
@@ -75,7 +75,8 @@ class OraclePolicy:
         self._drafter_of_arr = np.array(self._drafter_of)
         self._grid = grid_of_batches(ctx.max_batch)
         self._prices: dict[int, np.ndarray] = {}  # context bucket -> (options, grid) seconds a step
-        self._plan: tuple | None = None  # (first step, last step + 1, batch, rows it may lose, strategy)
+        # (first step, last step + 1, batch, rows it may lose, {batch size: option})
+        self._plan: tuple | None = None
         self._weights: tuple = (np.zeros(0, dtype=np.int64), np.zeros(0))  # sorted row ids, seconds a token
         self._table = np.zeros((0, 0))  # the plan's prices (options, grid)
 
@@ -83,20 +84,20 @@ class OraclePolicy:
     def choose(self, state: EngineState) -> Strategy:
         p = self._plan
         if p is None or not (p[0] <= state.step < p[1] and abs(state.batch - p[2]) < p[3]):
-            strategy, steps, weights = self._decide(state)
+            by_batch, steps, weights = self._decide(state)
             b = state.batch
-            p = self._plan = (state.step, state.step + max(1, int(steps)), b, max(1, math.ceil(STRETCH * b)), strategy)
+            p = self._plan = (state.step, state.step + max(1, int(steps)), b, max(1, math.ceil(STRETCH * b)), by_batch)
             self._weights = weights
-        s = p[4]
+        s = self.options[p[4].get(state.batch, p[4][p[2]])]
         if s.is_off or s.is_tree:
             return s
         return self._step(state, s)
 
     def steady_steps(self, state: EngineState, strategy: Strategy, max_growth: int) -> int:
         p = self._plan
-        if p is None or p[4] is not strategy or not (strategy.is_off or strategy.is_tree):
+        if p is None or not (strategy.is_off or strategy.is_tree):
             return 0  # a chain's k is chosen step by step, from the draws ahead
-        return max(0, p[1] - state.step - 1)
+        return max(0, p[1] - state.step - 1)  # (a run ends where the batch changes)
 
     def observe(self, outcome: StepOutcome) -> None:
         pass
@@ -165,43 +166,79 @@ class OraclePolicy:
         n = int(debt[j])
         return float(self.cost.drafter_prefill_time(self.ctx.drafters[j], n, n * n // max(rows, 1)))
 
-    def _decide(self, state: EngineState) -> tuple[Strategy, float, tuple]:
-        """The first stretch of the best plan: its strategy, its length in steps, and what a
-        token of each row is worth to the plan (its rows' ids sorted, seconds a token)."""
+    def _decide(self, state: EngineState) -> tuple[dict, float, tuple]:
+        """The plan for the next stretch: a strategy for each batch size it passes through, its
+        length in steps, and what a token of each row is worth to the plan (its rows' ids
+        sorted, seconds a token)."""
         rem, queued_ids, rem_q = self._truth.lengths_left(state.instance)
         debt = self._truth.unseen(state.instance)
         tok, tok_q = self._tokens(state.sample_ids), self._tokens(queued_ids)
         b = len(rem)
         slots = b if len(rem_q) else 0
         prices = self._table = self._price_table(float((state.ctx_lens + rem / 2).mean()))
-
-        def value(o: int, rem, tok, rem_q, tok_q, debt) -> float:
+        now = np.empty(len(self.options))
+        for o in range(len(self.options)):  # each fixed strategy to the end
             start, finish = schedule(rem / tok[:, o], rem_q / tok_q[:, o], slots)
-            return drain_seconds(start, finish, self._grid, prices[o]) + self._feed(o, debt, len(rem))
-
-        now = np.array([value(o, rem, tok, rem_q, tok_q, debt) for o in range(len(self.options))])
-        keep = np.argsort(now)[:CONTINUATIONS].tolist()
-        shortlist = sorted(set(keep) | {0})
+            now[o] = drain_seconds(start, finish, self._grid, prices[o]) + self._feed(o, debt, b)
+        ref = int(np.argmin(now))
+        by_batch, first = self._phases(rem, rem_q, np.concatenate((tok, tok_q)), ref, slots, debt)
         lose = max(1, math.ceil(STRETCH * b))
-        best, best_s, best_steps, best_rest = 0, np.inf, 1.0, 0
-        for s in shortlist:
-            steps = float(np.clip(np.partition(rem / tok[:, s], lose - 1)[lose - 1], 1, HORIZON))
-            start, finish = schedule(rem / tok[:, s], rem_q / tok_q[:, s], slots)
-            first = drain_seconds(start, finish, self._grid, prices[s], until=steps) + self._feed(s, debt, b)
-            left, emitted = progress(rem, tok[:, s], steps)
-            alive = left > 0.5
-            joins = min(b - int(alive.sum()), len(rem_q)) if slots else 0
-            rem2 = np.concatenate((left[alive], rem_q[:joins]))
-            tok2 = np.concatenate((tok[alive], tok_q[:joins]))
-            debt2 = debt + emitted
-            if self._drafter_of[s] >= 0:
-                debt2[self._drafter_of[s]] = 0.0
-            rests = [value(c, rem2, tok2, rem_q[joins:], tok_q[joins:], debt2) for c in shortlist]
-            if first + min(rests) < best_s:
-                best, best_s, best_steps, best_rest = s, first + min(rests), steps, shortlist[int(np.argmin(rests))]
-        c = best if not self.options[best].is_off else best_rest
+        steps = float(np.clip(np.partition(rem / tok[:, first], lose - 1)[lose - 1], 1, HORIZON))
+        c = first if not self.options[first].is_off else ref
         worth = self._worth(state.sample_ids, rem / tok[:, c], tok[:, c], prices[c], slots)
-        return self.options[best], best_steps, worth
+        return by_batch, steps, worth
+
+    def _phases(self, rem, rem_q, tok, ref: int, slots: int, debt) -> tuple[dict, int]:
+        """The best strategy for each phase of the drain (the steps between two rows' finishes),
+        by dynamic programming over the phases, last first. A phase is measured in steps of the
+        reference strategy `ref` (the best fixed one); another strategy covers it in that many
+        steps over its speed against `ref`, the mean over the rows not yet finished. The state is
+        the drafter that drafts next (none: the rest runs off): an off phase's tokens, and a
+        phase of another drafter's, are fed to it at its price a token. Returns the strategy for
+        each batch size of the plan's phases, and the first phase's."""
+        start, finish = schedule(rem / tok[: len(rem), ref], rem_q / tok[len(rem) :, ref], slots)
+        order = np.argsort(finish, kind="stable")
+        n = len(order)
+        f = finish[order]
+        delta = np.diff(np.concatenate(([0.0], f)))  # reference steps of each phase
+        rows = np.searchsorted(np.sort(start), f, side="left") - np.arange(n)  # its batch size
+        left = (n - np.arange(n))[:, None]
+        speed = np.cumsum((tok[order] / tok[order, ref][:, None])[::-1], axis=0)[::-1] / left
+        emitted = delta * rows * (np.cumsum(tok[order, ref][::-1])[::-1] / left[:, 0])
+        cost = (delta[:, None] / speed) * np.stack([np.interp(rows, self._grid, p) for p in self._table], axis=1)
+        drafters = len(self.ctx.drafters)
+        per_token = np.array([0.0] + [self._feed_per_token(d, int(rows[0])) for d in self.ctx.drafters])
+        of = self._drafter_of_arr + 1  # each option's drafter, 1-based (0: off)
+        best_of = [np.flatnonzero(of == y) for y in range(drafters + 1)]
+        value = np.zeros(drafters + 1)  # phases after this one, by the drafter that drafts next
+        pick = np.zeros((n, drafters + 1), dtype=np.int64)
+        then = np.zeros((n, drafters + 1), dtype=np.int64)
+        for j in range(n - 1, -1, -1):
+            feed = per_token * emitted[j]
+            new = np.empty(drafters + 1)
+            new[0], pick[j, 0], then[j, 0] = cost[j, 0] + value[0], 0, 0
+            for y in range(1, drafters + 1):
+                off = cost[j, 0] + feed[y] + value[y]
+                later = value + np.where((np.arange(drafters + 1) > 0) & (np.arange(drafters + 1) != y), feed, 0.0)
+                z = int(np.argmin(later))
+                o = best_of[y][int(np.argmin(cost[j, best_of[y]]))]
+                if cost[j, o] + later[z] < off:
+                    new[y], pick[j, y], then[j, y] = cost[j, o] + later[z], o, z
+                else:
+                    new[y], pick[j, y], then[j, y] = off, 0, y
+            value = new
+        start_feed = np.array([0.0] + [self._feed(self._first_chain[d], debt, len(rem)) for d in range(drafters)])
+        y = int(np.argmin(value + start_feed))
+        by_batch: dict[int, int] = {}
+        for j in range(n):
+            by_batch.setdefault(int(rows[j]), int(pick[j, y]))
+            y = int(then[j, y])
+        return by_batch, by_batch[int(rows[0])]
+
+    def _feed_per_token(self, drafter: str, b: int) -> float:
+        """What feeding the drafter one more token of b rows costs (as goodput prices it)."""
+        price = self.cost.drafter_prefill_time
+        return max(0.0, (price(drafter, 2 * b, 4 * b) - price(drafter, b, b)) / b)
 
     def _worth(self, ids: np.ndarray, steps: np.ndarray, tokens: np.ndarray, prices: np.ndarray, slots: int) -> tuple:
         """Seconds of the drain a token of each row saves, under a strategy of `prices` at which
