@@ -121,7 +121,7 @@ def checks_of(reports: dict) -> dict:
                 floors[r["policy"]].append(f"{where}: {r['ratio_vs_best_static']:.3f}")
             if r["policy"] == "goodput" and r["speedup_vs_off"] < 0.995:
                 goodput_off.append(f"{where}: {r['speedup_vs_off']:.3f}")
-            if r["ratio_vs_oracle"] is not None and r["ratio_vs_oracle"] > 1.0:
+            if r["ratio_vs_oracle"] is not None and r["ratio_vs_oracle"] > 1.0 + 1e-9:  # (equal: the same steps)
                 above_oracle.append(f"{where}: {r['ratio_vs_oracle']:.4f}")
     for p, misses in floors.items():
         out[f"{p}_at_least_{ADAPTIVE_FLOOR[p]}x_best_static_every_seed"] = not misses
