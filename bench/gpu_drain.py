@@ -194,7 +194,8 @@ def main() -> None:
     v = cost.verify_time(n, np.array([1.0, K_MAX + 1.0]), n * per_row)
     profile_s = time.perf_counter() - t0
 
-    names = ["off"] + [f"static:{k}" for k in range(1, K_MAX + 1)] + ["goodput", "goodput:drain", "bandit"]
+    adaptive = ["goodput", "goodput:unguarded", "goodput:drain", "bandit", "bandit:unguarded"]
+    names = ["off"] + [f"static:{k}" for k in range(1, K_MAX + 1)] + adaptive
     engines = {}
     for name in names:
         g = torch.Generator(device=dev)

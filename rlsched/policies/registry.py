@@ -476,13 +476,16 @@ def as_spec(policy: PolicySpec | str, engine: str = "simulator") -> PolicySpec:
 def make_draft_policy(spec: PolicySpec | str, ctx, words: Words = SIMULATOR):
     """A DraftPolicy from its parsed spec (or its text), checked against the PolicyContext's
     drafters and k_max in the command's `words`, built by its family's builder; held to plain
-    decoding by `policies/guard.Guarded` where the spec is guarded and a cost model prices it."""
+    decoding by `policies/guard.Guarded` where the spec is guarded and a cost model prices it, in
+    the simulator (`ctx.calibrate` off: step times are the cost model's). On measured step times
+    the guard mistook a loaded machine's slow steps for speculation losing and held plain
+    decoding, so the executor runs the policies bare."""
     p = as_spec(spec).check(ctx.drafters, ctx.k_max, words)
     if not p.drafts:
         return _build_off(p, ctx, words)
     build = FAMILIES[p.family].build if p.family is not None else _build_file
     policy = build(p, ctx, words)
-    if p.guarded and ctx.cost is not None:  # (the guard prices plain decoding by the cost model)
+    if p.guarded and ctx.cost is not None and not ctx.calibrate:  # (it prices plain decoding by the cost model)
         from rlsched.policies.guard import Guarded
 
         return Guarded(policy, ctx)
