@@ -63,16 +63,16 @@ class OraclePolicy:
         self._truth = _truth_of(ctx, self.name)
         self.cost, self.ctx = cast(CostModel, ctx.cost), ctx
         self.options: list[Strategy] = [OFF]
-        self._drafter_of: list[int] = [-1]  # each option's drafter (index into ctx.drafters), -1: off
+        drafter_of = [-1]  # each option's drafter (index into ctx.drafters), -1: off
         self._first_chain: list[int] = []  # each drafter's option of k = 1 (its k's follow)
         for j, d in enumerate(ctx.drafters):
             self._first_chain.append(len(self.options))
             self.options += [Strategy(d, k) for k in range(1, ctx.k_max + 1)]
-            self._drafter_of += [j] * ctx.k_max
+            drafter_of += [j] * ctx.k_max
             if (trees := ctx.trees(d)) is not None:
                 self.options += trees[0]
-                self._drafter_of += [j] * len(trees[0])
-        self._drafter_of_arr = np.array(self._drafter_of)
+                drafter_of += [j] * len(trees[0])
+        self._drafter_of = np.array(drafter_of)
         self._grid = grid_of_batches(ctx.max_batch)
         self._prices: dict[int, np.ndarray] = {}  # context bucket -> (options, grid) seconds a step
         # (first step, last step + 1, batch, rows it may lose, {batch size: option})
@@ -160,7 +160,7 @@ class OraclePolicy:
 
     def _feed(self, option: int, debt: np.ndarray, rows: int) -> float:
         """Seconds the option's drafter spends taking in what it has not seen (off: none)."""
-        j = self._drafter_of[option]
+        j = int(self._drafter_of[option])
         if j < 0 or debt[j] <= 0:
             return 0.0
         n = int(debt[j])
@@ -208,7 +208,7 @@ class OraclePolicy:
         cost = (delta[:, None] / speed) * np.stack([np.interp(rows, self._grid, p) for p in self._table], axis=1)
         drafters = len(self.ctx.drafters)
         per_token = np.array([0.0] + [self._feed_per_token(d, int(rows[0])) for d in self.ctx.drafters])
-        of = self._drafter_of_arr + 1  # each option's drafter, 1-based (0: off)
+        of = self._drafter_of + 1  # each option's drafter, 1-based (0: off)
         best_of = [np.flatnonzero(of == y) for y in range(drafters + 1)]
         value = np.zeros(drafters + 1)  # phases after this one, by the drafter that drafts next
         pick = np.zeros((n, drafters + 1), dtype=np.int64)
